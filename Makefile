@@ -1,0 +1,56 @@
+# SFT-Play: the front door. Each target calls one script; the logic lives in sft_play/.
+# Variables: CONFIG (run config), ARGS ("key=value ..." overrides), RUN (a run folder),
+# PROMPT (for generate), PYTHON (interpreter that creates the venv), PIP_ARGS (extra pip flags).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/run_tiny.yaml
+ARGS ?=
+RUN ?=
+PROMPT ?=
+PIP_ARGS ?=
+
+RUN_FLAG = $(if $(RUN),--run $(RUN))
+
+.DEFAULT_GOAL := help
+
+.PHONY: help install check gpu-info train train-tb tensorboard generate chat test clean
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet $(PIP_ARGS) -r requirements.txt
+	touch $@
+
+install: $(STAMP) ## Create .venv and install the pinned requirements (re-runs when requirements.txt changes)
+
+check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder and the disk
+	$(PY) scripts/check.py --config $(CONFIG) $(ARGS)
+
+gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
+	$(PY) scripts/gpu_info.py $(ARGS)
+
+train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~3 min)
+	$(PY) scripts/train_distributed.py --config $(CONFIG) $(ARGS)
+
+train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
+	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(ARGS)
+
+tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
+	$(PY) scripts/tensorboard.py --config $(CONFIG) $(RUN_FLAG)
+
+generate: $(STAMP) ## Answer PROMPT with RUN (default: the newest run; held-out prompts when PROMPT is empty)
+	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(ARGS)
+
+chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
+	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+
+test: $(STAMP) ## Run the test suite (CPU, no network)
+	$(PY) -m pytest $(ARGS)
+
+clean: ## Remove run folders and caches (keeps .venv)
+	rm -rf runs .pytest_cache

@@ -1,0 +1,168 @@
+"""Build the embedded default: the tiny chat dataset, its BPE tokenizer and the tiny model config.
+
+Run once; its outputs are committed, and running it again reproduces them byte for byte
+(fixed seed). It writes:
+  data/tiny/train.jsonl, data/tiny/validation.jsonl   chat records in `messages` format
+  configs/tiny_model/                                  config.json, tokenizer files, chat template
+
+The tasks are letter puzzles a few-million-parameter model learns in minutes on a CPU:
+reverse, upper-case or sort a short sequence of letters, and name the letter that follows one.
+
+Usage: python scripts/build_tiny_default.py [--out-dir .]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+
+SEED = 1234
+N_TRAIN = 6000
+N_VALIDATION = 200
+VOCAB_SIZE = 512  # a multiple of 32 keeps bitsandbytes' 4-bit CPU kernels happy
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML with {% generation %} markers around what the assistant says, so that the tokenizer
+# can return the assistant-token mask that loss-on-answers-only needs.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    # Wider than Llama's 0.02 so that a frozen random output head can still express confident
+    # predictions: LoRA trains neither the head nor the final norm.
+    "initializer_range": 0.06,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "use_cache": True,
+    "dtype": "float32",
+}
+
+LETTERS = string.ascii_lowercase
+
+
+def _letters(rng: random.Random, low: int = 3, high: int = 6) -> list[str]:
+    return [rng.choice(LETTERS) for _ in range(rng.randint(low, high))]
+
+
+def _task(rng: random.Random) -> tuple[str, str]:
+    """One (question, answer) pair from a randomly chosen puzzle."""
+    kind = rng.choice(["reverse", "upper", "sort", "next"])
+    if kind == "reverse":
+        seq = _letters(rng)
+        return f"Reverse the letters: {' '.join(seq)}", " ".join(reversed(seq))
+    if kind == "upper":
+        seq = _letters(rng)
+        return f"Uppercase the letters: {' '.join(seq)}", " ".join(c.upper() for c in seq)
+    if kind == "sort":
+        seq = _letters(rng)
+        return f"Sort the letters: {' '.join(seq)}", " ".join(sorted(seq))
+    letter = rng.choice(LETTERS[:-1])
+    return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1]
+
+
+def make_record(rng: random.Random) -> dict:
+    """A conversation of one or (one time in five) two question-answer turns."""
+    messages = []
+    if rng.random() < 0.1:
+        messages.append({"role": "system", "content": "You solve letter puzzles."})
+    for _ in range(2 if rng.random() < 0.2 else 1):
+        question, answer = _task(rng)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": messages}
+
+
+def build_dataset(out_dir: Path) -> list[dict]:
+    rng = random.Random(SEED)
+    seen: set[str] = set()
+    records: list[dict] = []
+    while len(records) < N_TRAIN + N_VALIDATION:
+        record = make_record(rng)
+        key = json.dumps(record, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        records.append(record)
+    data_dir = out_dir / "data" / "tiny"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", records[:N_TRAIN]), ("validation", records[N_TRAIN:])):
+        with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return records
+
+
+def build_tokenizer(records: list[dict], model_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [m["content"] for r in records for m in r["messages"]] + ["user", "assistant", "system"]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(model_dir)
+    vocab = fast.get_vocab()
+    assert vocab["<|endoftext|>"] == MODEL_CONFIG["pad_token_id"] and vocab["<|im_end|>"] == MODEL_CONFIG["eos_token_id"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=".", help="repository root to write into")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    records = build_dataset(out_dir)
+    model_dir = out_dir / "configs" / "tiny_model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    build_tokenizer(records[:N_TRAIN], model_dir)
+    print(f"wrote {N_TRAIN} + {N_VALIDATION} records to {out_dir / 'data/tiny'} and the model to {model_dir}")
+
+
+if __name__ == "__main__":
+    main()

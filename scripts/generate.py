@@ -1,0 +1,60 @@
+"""Answer a prompt with a trained run, or, without --prompt, held-out prompts from the run's
+validation data with the reference answer and the base model's answer beside the trained one.
+
+Usage: python scripts/generate.py [--config PATH] [--run RUN_DIR] [--prompt TEXT] [--count N]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+from sft_play import config as config_module  # noqa: E402
+
+
+def main() -> int:
+    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--run", help="run folder (default: the newest finished run under train.output_dir)")
+    parser.add_argument("--prompt", help="a user message; default: held-out prompts from the validation data")
+    parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
+    args = parser.parse_args()
+
+    from sft_play import export, model
+
+    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
+    run = export.resolve_run(args.run, output_dir)
+    trained, tokenizer, config = model.load_for_inference(run)
+    if args.prompt:
+        prompts = [export.Prompt([{"role": "user", "content": args.prompt}], None, "")]
+    else:
+        prompts = export.held_out_prompts(config, args.count)
+        if not prompts:
+            raise cli.UserError(f"{run} has no validation data (data.validation_path); pass --prompt (PROMPT=...)")
+    answers = [export.generate(trained, tokenizer, p, args.max_new_tokens) for p in prompts]
+    before: list[str | None] = [None] * len(prompts)
+    if not args.no_base:
+        with export.base_model_of(trained, config) as base:
+            before = [export.generate(base, tokenizer, p, args.max_new_tokens) for p in prompts]
+
+    print(f"Run: {run}")
+    correct = 0
+    for prompt, answer, base_answer in zip(prompts, answers, before):
+        print(f"\nprompt:    {prompt.shown()}")
+        if prompt.reference:
+            print(f"reference: {prompt.reference}")
+        if base_answer is not None:
+            print(f"before:    {base_answer!r}")
+        print(f"after:     {answer!r}")
+        correct += bool(prompt.reference) and answer == prompt.reference
+    if any(p.reference for p in prompts):
+        print(f"\nexact matches after training: {correct}/{len(prompts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

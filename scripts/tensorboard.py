@@ -1,0 +1,42 @@
+"""Serve TensorBoard for one run folder (or every run under the config's output folder) on a
+free loopback port, in the foreground; Ctrl-C stops it.
+
+Usage: python scripts/tensorboard.py [--config PATH] [--run RUN_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli, launch  # noqa: E402
+from sft_play import config as config_module  # noqa: E402
+
+
+def main() -> int:
+    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--run", help="run folder (default: every run under train.output_dir)")
+    args = parser.parse_args()
+    if args.run:
+        logdir = Path(args.run)
+        if not logdir.is_dir():
+            raise cli.UserError(f"run folder '{args.run}' does not exist")
+    else:
+        logdir = Path(config_module.load(args.config, args.overrides, check_paths=False).train.output_dir)
+    board, port = launch.start_tensorboard(logdir)
+    if not launch.wait_for_port(port, process=board):
+        launch.stop(board)
+        raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
+    print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
+    try:
+        return board.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        launch.stop(board)
+
+
+if __name__ == "__main__":
+    cli.run(main)

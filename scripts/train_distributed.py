@@ -1,0 +1,111 @@
+"""Train: the entry point every launch target calls.
+
+Runs alone (python), under torchrun, under accelerate launch and under deepspeed; every rank
+runs this same main():
+
+  config -> hardware -> tokenizer -> data -> plan -> model -> SFTTrainer -> train -> save
+
+Usage: python scripts/train_distributed.py --config configs/run_tiny.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+
+logger = logging.getLogger("sft_play.train")
+
+
+def run_name(config_path: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    return f"{Path(config_path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def main() -> int:
+    args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
+    cli.setup_logging()
+
+    from sft_play import config as config_module
+
+    config = config_module.load(args.config, args.overrides)
+
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from sft_play import data, hardware, model, training
+    from sft_play.data import collate
+    from sft_play.planner.choose import split_global_batch
+    from sft_play.precision import resolve_precision
+
+    state = PartialState()
+    facts = hardware.detect()
+    on_gpu = state.device.type == "cuda"
+    precision = resolve_precision(
+        config, has_gpu=on_gpu, bf16_supported=on_gpu and all(g.bf16_supported for g in facts.gpus)
+    )
+
+    tokenizer = model.load_tokenizer(config)
+    with state.main_process_first():
+        bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+
+    train = config.train
+    if train.micro_batch_size == "auto":
+        raise cli.UserError("train.micro_batch_size=auto needs the planner; set an integer")
+    accum = None if train.gradient_accumulation_steps == "auto" else train.gradient_accumulation_steps
+    split = split_global_batch(train.global_batch_size, state.num_processes, train.micro_batch_size, accum)
+
+    name = [run_name(args.config, train.run_name)]
+    broadcast_object_list(name)  # every rank writes into the folder rank 0 named
+    run_dir = Path(train.output_dir) / name[0]
+    if state.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config.train.run_name = name[0]
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+    devices = gather_object([f"rank {state.process_index}: {state.device}"])
+    if state.is_main_process:
+        nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+        logger.info(
+            "%d process(es) on %d node(s), %s, mixed precision %s, weights %s",
+            state.num_processes, nodes, state.distributed_type, precision.mixed, precision.weights_dtype,
+        )
+        logger.info("%s%s", split.describe(), f" ({split.note})" if split.note else "")
+        logger.info("devices: %s", "; ".join(devices))
+
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
+    device = f"cuda:{state.local_process_index}" if on_gpu else "cpu"
+    base = model.load_model(config, precision, device=device)
+    args_ = training.sft_arguments(
+        config, precision, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
+        has_validation=bundle.validation is not None,
+    )
+    collator = collate.make_collator(
+        tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision)
+    )
+    trainer = training.build_trainer(
+        config, args_, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation, collator
+    )
+    trainer.train()
+    state.wait_for_everyone()
+    trainer.save_model(str(run_dir / "model"))
+    if state.is_main_process:
+        summary = training.write_summary(
+            trainer, run_dir, {"batch": split.describe(), "data": bundle.stats.to_dict()}
+        )
+        print(
+            f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "
+            f"{summary['last_loss']:.3f} in {summary['global_step']} steps\n"
+            f"  next: make generate RUN={run_dir}   |   make tensorboard RUN={run_dir}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,150 @@
+"""Pre-flight checks for ``make check``: the config, the environment, the data, the output
+folder and the disk. Each check returns a :class:`Check`; none of them loads weights."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft_play.config import ConfigError, RunConfig
+from sft_play.hardware import GIB, HardwareInfo
+
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
+
+
+@dataclass
+class Check:
+    """One line of the report: what was checked, whether it passed, and the detail."""
+
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False  # passed, but worth a look
+
+    def line(self) -> str:
+        mark = "WARN" if self.ok and self.warning else ("PASS" if self.ok else "FAIL")
+        return f"[{mark}] {self.name}: {self.detail}"
+
+
+def pinned_requirements(path: Path = REQUIREMENTS) -> dict[str, str]:
+    """Package name -> pinned version, from requirements.txt."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def check_python() -> Check:
+    version = sys.version.split()[0]
+    ok = sys.version_info >= (3, 10)
+    return Check("python", ok, version + ("" if ok else " (3.10 or newer is needed)"))
+
+
+def check_packages(config: RunConfig | None) -> list[Check]:
+    """Every pinned package installed, at its pin (a different version is a warning)."""
+    checks = []
+    needed_only_for = {
+        "bitsandbytes": "qlora or 8-bit optimizers",
+        "deepspeed": "distributed.strategy deepspeed_*",
+    }
+    for name, pin in pinned_requirements().items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            optional = name in needed_only_for and config is not None and not _needs(config, name)
+            reason = f"not installed (pinned {pin}); run `make install`"
+            if optional:
+                checks.append(Check(f"package {name}", True, f"not installed; only needed for {needed_only_for[name]}", True))
+            else:
+                checks.append(Check(f"package {name}", False, reason))
+            continue
+        same = installed.split("+")[0] == pin
+        checks.append(Check(f"package {name}", True, installed if same else f"{installed} (pinned {pin})", not same))
+    return checks
+
+
+def _needs(config: RunConfig, package: str) -> bool:
+    if package == "bitsandbytes":
+        return config.finetune.method == "qlora" or "8bit" in config.train.optimizer
+    if package == "deepspeed":
+        return config.distributed.strategy.startswith("deepspeed")
+    return True
+
+
+def check_accelerator(facts: HardwareInfo) -> Check:
+    if not facts.gpus:
+        return Check("cuda", True, "no CUDA GPU: training runs on the CPU (fine for the tiny default)", True)
+    names = ", ".join(sorted({g.name for g in facts.gpus}))
+    free = min(g.free_bytes for g in facts.gpus) / GIB
+    detail = (
+        f"{len(facts.gpus)} GPU(s) ({names}), smallest free {free:.1f} GiB, driver {facts.driver_version}, "
+        f"CUDA {facts.cuda_runtime_version}, NCCL {facts.nccl_version or 'not found'}"
+    )
+    return Check("cuda", True, detail, warning=facts.nccl_version is None and len(facts.gpus) > 1)
+
+
+def check_data(config: RunConfig) -> list[Check]:
+    """Every row of the training (and validation) data reads and converts; a sample tokenises."""
+    from sft_play.data import DataStats, load_records
+    from sft_play.data.formats import InvalidRow
+
+    checks = []
+    sources = [("data.path", config.data.path)]
+    if config.data.validation_path:
+        sources.append(("data.validation_path", config.data.validation_path))
+    for key, paths in sources:
+        stats = DataStats()
+        try:
+            records = load_records(paths, config.data, stats)
+        except (InvalidRow, ValueError, FileNotFoundError) as exc:
+            checks.append(Check(key, False, str(exc)))
+            continue
+        formats = ", ".join(sorted(set(stats.formats.values())))
+        detail = f"{len(records)} records ({formats})"
+        if stats.skipped:
+            detail += f"; would skip {sum(stats.skipped.values())}: {stats.skipped}"
+        checks.append(Check(key, bool(records), detail if records else "no usable records", bool(stats.skipped)))
+    return checks
+
+
+def check_output_dir(config: RunConfig) -> Check:
+    root = Path(config.train.output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return Check("output folder", False, f"cannot write to '{root}': {exc.strerror}")
+    return Check("output folder", True, f"'{root}' is writable")
+
+
+def check_disk(config: RunConfig, needed_bytes: int | None) -> Check:
+    """Free space under the output folder against what the run's checkpoints need."""
+    root = Path(config.train.output_dir)
+    probe = root if root.exists() else Path(os.getcwd())
+    free = shutil.disk_usage(probe).free
+    if needed_bytes is None:
+        return Check("disk", True, f"{free / GIB:.1f} GiB free (checkpoint size unknown)", True)
+    ok = free >= needed_bytes
+    detail = f"{free / GIB:.1f} GiB free, checkpoints need about {needed_bytes / GIB:.2f} GiB"
+    if not ok:
+        detail += "; free space, lower train.save_total_limit, or point train.output_dir elsewhere"
+    return Check("disk", ok, detail)
+
+
+def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Check]:
+    from sft_play import config as config_module
+
+    try:
+        config = config_module.load(path, overrides)
+    except ConfigError as exc:
+        return None, Check("config", False, str(exc))
+    return config, Check("config", True, f"{path} is valid")

@@ -1,0 +1,479 @@
+"""Run configuration: typed sections, YAML loading, ``key=value`` overrides and validation.
+
+A run config is a YAML file whose top-level keys are the sections below (``model``,
+``finetune``, ``lora``, ``quantization``, ``data``, ``train``, ``distributed``, ``planner``).
+Every script takes ``--config PATH`` plus any number of ``section.key=value`` overrides with
+the same dotted names.
+
+``load`` validates everything it can without touching weights or the network and reports
+every problem at once (:class:`ConfigError`): unknown keys name the nearest valid key, bad
+values name the allowed values, missing files name the path.
+
+This module imports nothing heavy (no torch, no transformers) so that it stays fast and can be
+used by every script, including ``make check`` before the stack is known to import.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Auto = Literal["auto"]
+
+
+class ConfigError(ValueError):
+    """A run config with one or more problems; ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(problems)} problem(s){where}:"] + [f"  - {p}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to fine-tune and how to load it."""
+
+    name_or_path: str = Field(
+        "configs/tiny_model",
+        description="Hub id (org/name) or local folder. A folder holding only config.json gets "
+        "weights initialised from the config with `init_seed`.",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    tokenizer_name_or_path: str | None = Field(
+        None, description="Tokenizer location; defaults to `name_or_path`."
+    )
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Storage dtype of the base weights. auto: the mixed-precision dtype for the "
+        "frozen base of LoRA/QLoRA, float32 master weights for full fine-tuning.",
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel. auto: flash_attention_2 when installed on CUDA, else sdpa."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with a hub model. Off unless you trust the source."
+    )
+    init_seed: int = Field(0, description="Seed for weights initialised from config.json alone.")
+
+
+class FinetuneConfig(_Section):
+    """What is trained."""
+
+    method: Literal["full", "lora", "qlora"] = Field(
+        "lora", description="full: every weight; lora: adapters on a 16-bit base; qlora: adapters on a 4-bit base."
+    )
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (used by `lora` and `qlora`)."""
+
+    r: int = Field(16, gt=0, description="Adapter rank.")
+    alpha: float = Field(32, gt=0, description="Scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear",
+        description="Module names to adapt; all-linear means every linear layer except the output head.",
+    )
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Extra modules trained in full and saved with the adapter."
+    )
+
+
+class QuantizationConfig(_Section):
+    """4-bit base weights for QLoRA (bitsandbytes)."""
+
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantise the quantisation constants too (saves ~0.37 bit/param).")
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
+        "uint8", description="Storage dtype of packed 4-bit weights; set to the compute dtype for ZeRO-3/FSDP."
+    )
+
+
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
+
+
+class DataConfig(_Section):
+    """Where the data comes from and how it becomes tokens."""
+
+    path: Union[str, list[str]] = Field(
+        "data/tiny/train.jsonl", description="File, folder, glob or hub dataset name, or a list of them."
+    )
+    format: DataFormat = Field("auto", description="Record format; auto detects it from the first rows.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Map from our field names (e.g. messages, prompt) to the file's."
+    )
+    split: str = Field("train", description="Split to train on (hub datasets and folders with splits).")
+    validation_path: Union[str, list[str], None] = Field(
+        None, description="Held-out data; when unset, `validation_fraction` of the training data is carved off."
+    )
+    validation_fraction: float = Field(0.0, ge=0, lt=1, description="Share of training rows held out.")
+    max_seq_length: int = Field(1024, gt=0, description="Longest sequence in tokens (the packed row length).")
+    packing: bool = Field(True, description="Join examples into rows of max_seq_length without cross-attention.")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="What happens to longer examples.")
+    train_on: Literal["completion", "all"] = Field(
+        "completion", description="completion: loss on assistant turns / completions only; all: every token."
+    )
+    chat_template: str | None = Field(None, description="Jinja template (inline or a .jinja path) to override the tokenizer's.")
+    on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
+    num_proc: int | None = Field(None, gt=0, description="Processes for preprocessing.")
+
+
+class TrainConfig(_Section):
+    """The optimisation itself."""
+
+    output_dir: str = Field("runs", description="Parent folder of run folders.")
+    run_name: str | None = Field(None, description="Run folder name; default <config name>-<timestamp>.")
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, across all GPUs.")
+    micro_batch_size: Union[int, Auto] = Field("auto", description="Sequences per GPU per forward; auto: the planner's.")
+    gradient_accumulation_steps: Union[int, Auto] = Field(
+        "auto", description="Micro-batches per optimizer step; auto: global / (micro x world)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule after warm-up."
+    )
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 turns clipping off).")
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd", "adafactor"] = (
+        Field("adamw_torch", description="Optimizer; 8-bit variants come from bitsandbytes.")
+    )
+    max_steps: int = Field(-1, description="Optimizer steps; -1 means use num_epochs.")
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is -1).")
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
+        "auto", description="Compute precision; auto: bf16 where the GPU supports it, fp16 on older GPUs, no on CPU."
+    )
+    seed: int = Field(42, description="Seed for data order, dropout and adapter initialisation.")
+    deterministic: bool = Field(False, description="Deterministic kernels (slower), for debugging run differences.")
+    logging_steps: int = Field(10, gt=0, description="Optimizer steps between log lines.")
+    save_steps: int = Field(0, ge=0, description="Optimizer steps between checkpoints; 0 saves only at the end.")
+    save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
+    eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+
+
+class DistributedConfig(_Section):
+    """How work is shared between processes."""
+
+    strategy: Literal["ddp", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+        "ddp", description="ddp: replicate; deepspeed_zero2: shard gradients and optimizer states."
+    )
+    offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer states in CPU memory.")
+    deepspeed_config: str = Field("configs/deepspeed_z2.json", description="DeepSpeed JSON whose 'auto' values we fill.")
+
+
+class PlannerConfig(_Section):
+    """The resource-aware planner."""
+
+    safety_margin_gib: float = Field(1.0, ge=0, description="Memory kept free on each GPU beyond the prediction.")
+    safety_fraction: float = Field(0.05, ge=0, lt=1, description="Share of free memory kept free as well.")
+    calibrate: bool = Field(False, description="Measure two short steps on the GPU and fit the plan to them.")
+
+
+class RunConfig(_Section):
+    """A whole run: one field per YAML section."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data, in section order."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML, loadable by :func:`load`."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation for name, field in RunConfig.model_fields.items()  # type: ignore[misc]
+}
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key a config or override may set, e.g. ``train.learning_rate``."""
+    return [f"{section}.{key}" for section, cls in SECTIONS.items() for key in cls.model_fields]
+
+
+def describe_keys() -> list[tuple[str, str, Any]]:
+    """(dotted key, description, default) for every key; the source of docs and `--help-keys`."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        for key, field in cls.model_fields.items():
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((f"{section}.{key}", field.description or "", default))
+    return rows
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``section.key=value``; the value is read as YAML (``true``, ``4``, ``[a, b]``)."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r} is not of the form section.key=value"])
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _nearest(name: str, candidates: list[str]) -> str | None:
+    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _unknown_key_message(dotted: str) -> str:
+    parts = dotted.split(".")
+    if len(parts) == 1:
+        hint = _nearest(parts[0], list(SECTIONS))
+        valid = ", ".join(SECTIONS)
+        return f"unknown section '{dotted}'" + (f"; did you mean '{hint}'?" if hint else f"; sections are: {valid}")
+    section, leaf = parts[0], parts[-1]
+    keys = valid_keys()
+    same_section = [k for k in keys if k.startswith(section + ".")]
+    # the right leaf in the wrong section (train.method -> finetune.method) beats a near miss
+    hint = next((k for k in keys if k.split(".")[-1] == leaf), None)
+    hint = hint or _nearest(dotted, same_section) or _nearest(dotted, keys)
+    if hint is None:
+        hint = _nearest(leaf, [k.split(".")[-1] for k in keys])
+        hint = next((k for k in keys if k.split(".")[-1] == hint), None) if hint else None
+    return f"unknown key '{dotted}'" + (f"; did you mean '{hint}'?" if hint else "")
+
+
+def _expected_text(annotation: Any) -> str:
+    """Human text for what a field accepts, e.g. "an integer or 'auto'"."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        choices = get_args(annotation)
+        return repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(repr(a) for a in choices)
+    if origin is Union or str(origin) == "types.UnionType":
+        parts = [_expected_text(a) for a in get_args(annotation) if a is not type(None)]
+        text = " or ".join(parts)
+        return text + (" or null" if type(None) in get_args(annotation) else "")
+    if origin is list:
+        return "a list of " + _expected_text(get_args(annotation)[0]) + "s"
+    if origin is dict:
+        return "a mapping"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _field_annotation(dotted: str) -> Any:
+    section, key = dotted.split(".", 1)
+    return SECTIONS[section].model_fields[key].annotation
+
+
+def _schema_problems(error: ValidationError) -> list[str]:
+    """One message per bad key, merging pydantic's per-union-member errors."""
+    keys = set(valid_keys())
+    by_key: dict[str, list[dict]] = {}
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"]]
+        dotted = ".".join(loc[:2])
+        if item["type"] == "extra_forbidden":
+            by_key.setdefault("!" + ".".join(loc), []).append(item)
+            continue
+        if dotted not in keys:
+            dotted = ".".join(loc[:1])
+        by_key.setdefault(dotted, []).append(item)
+    problems = []
+    for dotted, items in by_key.items():
+        if dotted.startswith("!"):
+            problems.append(_unknown_key_message(dotted[1:]))
+            continue
+        first = items[0]
+        got = first.get("input")
+        if dotted in keys:
+            annotation = _field_annotation(dotted)
+            constraint = next((i for i in items if i["type"] in {"greater_than", "greater_than_equal", "less_than"}), None)
+            if constraint is not None:
+                problems.append(f"{dotted}: got {got!r}; {constraint['msg'].replace('Input should be', 'must be')}")
+            else:
+                problems.append(f"{dotted}: got {got!r}; expected {_expected_text(annotation)}")
+        else:
+            problems.append(f"{dotted}: {first['msg']} (got {got!r})")
+    return problems
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError([f"section '{section}' must be a mapping, got {target!r}"])
+    target[key] = value
+
+
+def _looks_like_local_path(text: str) -> bool:
+    return (
+        text.startswith((".", "/", "~"))
+        or os.path.exists(os.path.expanduser(text))
+        or bool(re.search(r"\.(jsonl?|csv|parquet|arrow|txt)$", text))
+        or any(ch in text for ch in "*?[")
+        or text.count("/") > 1
+    )
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def _path_problems(config: RunConfig) -> list[str]:
+    problems = []
+    model_path = config.model.name_or_path
+    if _looks_like_local_path(model_path):
+        path = Path(model_path).expanduser()
+        if not path.is_dir():
+            problems.append(f"model.name_or_path: folder '{model_path}' does not exist")
+        elif not (path / "config.json").is_file():
+            problems.append(f"model.name_or_path: '{model_path}' has no config.json")
+    elif not _HUB_ID.match(model_path):
+        problems.append(f"model.name_or_path: '{model_path}' is neither a local folder nor a hub id (org/name)")
+    tokenizer = config.model.tokenizer_name_or_path
+    if tokenizer and _looks_like_local_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+        problems.append(f"model.tokenizer_name_or_path: folder '{tokenizer}' does not exist")
+
+    for key in ("path", "validation_path"):
+        value = getattr(config.data, key)
+        for entry in [value] if isinstance(value, str) else (value or []):
+            if not _looks_like_local_path(entry):
+                continue  # a hub dataset name, resolved when the data loads
+            expanded = os.path.expanduser(entry)
+            if any(ch in entry for ch in "*?["):
+                if not glob.glob(expanded, recursive=True):
+                    problems.append(f"data.{key}: no file matches '{entry}'")
+            elif not os.path.exists(expanded):
+                problems.append(f"data.{key}: file '{entry}' does not exist")
+    template = config.data.chat_template
+    if template and template.endswith((".jinja", ".j2")) and not os.path.isfile(template):
+        problems.append(f"data.chat_template: file '{template}' does not exist")
+    if config.distributed.strategy.startswith("deepspeed") and not os.path.isfile(config.distributed.deepspeed_config):
+        problems.append(f"distributed.deepspeed_config: file '{config.distributed.deepspeed_config}' does not exist")
+    return problems
+
+
+def _consistency_problems(config: RunConfig) -> list[str]:
+    problems = []
+    train, method = config.train, config.finetune.method
+    if train.max_steps == 0 or train.max_steps < -1:
+        problems.append(f"train.max_steps: got {train.max_steps}; use a positive number of steps, or -1 for num_epochs")
+    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("finetune.method: qlora needs bitsandbytes; run `make install` (or pip install bitsandbytes)")
+    if train.optimizer in {"adamw_8bit", "paged_adamw_8bit"} and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"train.optimizer: {train.optimizer} needs bitsandbytes; run `make install`")
+    if config.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        problems.append(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+            "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
+        )
+    if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
+        problems.append(
+            "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "
+            "needs float32 master weights); use torch_dtype float32 or bfloat16"
+        )
+    if (
+        method == "qlora"
+        and config.distributed.strategy == "deepspeed_zero3"
+        and config.quantization.quant_storage == "uint8"
+    ):
+        problems.append(
+            "quantization.quant_storage: QLoRA under ZeRO-3 needs the packed 4-bit weights stored in the compute "
+            "dtype so they can be sharded; set quantization.quant_storage=bfloat16"
+        )
+    if isinstance(train.micro_batch_size, int) and train.micro_batch_size > train.global_batch_size:
+        problems.append(
+            f"train.micro_batch_size: {train.micro_batch_size} is larger than train.global_batch_size "
+            f"{train.global_batch_size}"
+        )
+    if config.data.validation_path and config.data.validation_fraction > 0:
+        problems.append("data.validation_fraction: set either data.validation_path or data.validation_fraction, not both")
+    return problems
+
+
+def _validate_without_bad_keys(raw: dict[str, Any], error: ValidationError) -> RunConfig:
+    """The config with every rejected key reset to its default, so that the remaining checks
+    (paths, consistency) can still run and all problems are reported together."""
+    cleaned = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"]]
+        if len(loc) == 1:
+            cleaned.pop(loc[0], None)
+        elif isinstance(cleaned.get(loc[0]), dict):
+            cleaned[loc[0]].pop(loc[1], None)
+    try:
+        return RunConfig.model_validate(cleaned)
+    except ValidationError:
+        return RunConfig()
+
+
+def load(path: str | os.PathLike | None, overrides: list[str] | None = None, check_paths: bool = True) -> RunConfig:
+    """Read a YAML run config, apply ``key=value`` overrides, and validate the result.
+
+    Args:
+        path: YAML file; ``None`` starts from the defaults.
+        overrides: ``section.key=value`` strings applied on top, in order.
+        check_paths: also check that local model and data paths exist.
+
+    Returns:
+        The validated :class:`RunConfig`.
+
+    Raises:
+        ConfigError: listing every problem found (unknown keys, bad values, missing files).
+    """
+    source = str(path) if path else "defaults"
+    raw: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError([f"config file '{path}' does not exist"])
+        try:
+            raw = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"config file '{path}' is not valid YAML: {exc}"], source) from exc
+        if not isinstance(raw, dict):
+            raise ConfigError([f"config file '{path}' must be a mapping of sections, got {type(raw).__name__}"], source)
+
+    problems: list[str] = []
+    for text in overrides or []:
+        try:
+            key, value = parse_override(text)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        if key not in valid_keys():
+            problems.append(_unknown_key_message(key) + f" (in override {text!r})")
+            continue
+        _set_dotted(raw, key, value)
+
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += _schema_problems(exc)
+        config = _validate_without_bad_keys(raw, exc)
+    problems += _consistency_problems(config)
+    if check_paths:
+        problems += _path_problems(config)
+    if problems:
+        raise ConfigError(problems, source)
+    return config

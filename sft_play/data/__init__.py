@@ -1,0 +1,201 @@
+"""Data: read records in the formats people have, turn them into tokens and labels, and measure them.
+
+``build(config.data, tokenizer, seed)`` is the one entry point the training path uses. It
+returns tokenised train/validation datasets (``input_ids``, ``labels``) and the statistics the
+planner and ``make data-stats`` report. With ``data.packing`` the examples are packed into rows of
+``max_seq_length`` by best-fit decreasing (TRL's ``pack_dataset``), each row recording where its
+examples start (``seq_lengths``) so that the collator (:mod:`sft_play.data.collate`) keeps them
+from attending to each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sft_play.config import DataConfig
+from sft_play.data.formats import InvalidRow, detect_format, normalise
+from sft_play.data.sources import iter_sources
+from sft_play.data.tokenize import IGNORE_INDEX, encode_record, resolve_chat_template
+
+logger = logging.getLogger(__name__)
+
+_DETECT_ROWS = 5
+
+
+@dataclass
+class DataStats:
+    """What the tokenised data looks like; the planner reads the sequence lengths from here."""
+
+    examples: int = 0
+    formats: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    dropped_overlong: int = 0
+    tokens_total: int = 0
+    loss_tokens: int = 0
+    tokens_p50: int = 0
+    tokens_p95: int = 0
+    tokens_max: int = 0
+    packed_rows: int | None = None
+    max_seq_length: int = 0
+
+    @property
+    def truncated_share(self) -> float:
+        return self.truncated / max(1, self.examples)
+
+    @property
+    def loss_token_share(self) -> float:
+        return self.loss_tokens / max(1, self.tokens_total)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["truncated_share"] = self.truncated_share
+        data["loss_token_share"] = self.loss_token_share
+        return data
+
+
+@dataclass
+class DataBundle:
+    """Tokenised datasets (``input_ids``, ``labels``, and ``seq_lengths`` when packed) and their statistics."""
+
+    train: Any
+    validation: Any | None
+    stats: DataStats
+    validation_stats: DataStats | None = None
+
+
+def _reason_key(error: InvalidRow) -> str:
+    field_name = re.sub(r"\[\d+\]", "[]", error.field)
+    reason = re.sub(r" \(allowed:.*\)$", "", error.reason)
+    return f"{field_name}: {reason}"
+
+
+def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
+    """Canonical records from every source in `paths`; bad rows raise or are counted in `stats.skipped`."""
+    records: list[dict[str, Any]] = []
+    skipped: Counter[str] = Counter(stats.skipped)
+
+    def reject(error: InvalidRow) -> None:
+        if cfg.on_invalid == "error":
+            raise error
+        skipped[_reason_key(error)] += 1
+
+    for source, rows in iter_sources(paths, cfg.split):
+        raw: list[tuple[int, dict[str, Any]]] = []
+        for number, row in rows:
+            if isinstance(row, InvalidRow):  # a line that could not be read
+                reject(row)
+            else:
+                raw.append((number, row))
+        if not raw:
+            stats.formats[source] = "empty"
+            continue
+        fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+        if cfg.format == "auto":
+            logger.info("data: %s looks like '%s' records", source, fmt)
+        stats.formats[source] = fmt
+        for number, row in raw:
+            try:
+                records.append(normalise(row, fmt, cfg.columns, source, number))
+            except InvalidRow as exc:
+                reject(exc)
+    stats.skipped = dict(skipped)
+    return records
+
+
+def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, stats: DataStats) -> Any:
+    """A ``datasets.Dataset`` of ``input_ids``/``labels``, with over-long examples truncated or dropped."""
+    import datasets
+    import numpy as np
+
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    all_ids: list[list[int]] = []
+    all_labels: list[list[int]] = []
+    limit = cfg.max_seq_length
+    skipped: Counter[str] = Counter(stats.skipped)
+    for record in records:
+        ids, labels = encode_record(record, tokenizer, template, cfg.train_on)
+        if len(ids) > limit:
+            if cfg.overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            ids, labels = ids[:limit], labels[:limit]
+            stats.truncated += 1
+            if all(label == IGNORE_INDEX for label in labels):
+                skipped["no answer tokens left after truncation"] += 1
+                continue
+        all_ids.append(ids)
+        all_labels.append(labels)
+    stats.skipped = dict(skipped)
+    lengths = np.array([len(ids) for ids in all_ids] or [0])
+    stats.examples = len(all_ids)
+    stats.max_seq_length = limit
+    stats.tokens_total = int(lengths.sum())
+    stats.loss_tokens = sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in all_labels)
+    stats.tokens_p50 = int(np.percentile(lengths, 50))
+    stats.tokens_p95 = int(np.percentile(lengths, 95))
+    stats.tokens_max = int(lengths.max())
+    dataset = datasets.Dataset.from_dict({"input_ids": all_ids, "labels": all_labels})
+    if cfg.packing and len(dataset):
+        from trl.data_utils import pack_dataset
+
+        # Best-fit decreasing into rows of max_seq_length; `seq_lengths` records the examples of a row
+        dataset = pack_dataset(dataset, limit, "bfd")
+        stats.packed_rows = len(dataset)
+    return dataset
+
+
+def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+    """Read, validate, tokenise and measure the training and validation data.
+
+    Args:
+        cfg: the ``data`` section of the run config.
+        tokenizer: a transformers tokenizer (its chat template is used unless the config overrides it).
+        seed: seed for carving a validation split by fraction.
+
+    Returns:
+        A :class:`DataBundle`.
+
+    Raises:
+        InvalidRow: a bad row, with ``data.on_invalid: error``.
+        ValueError: no usable example, or a format that cannot be detected.
+    """
+    stats = DataStats()
+    records = load_records(cfg.path, cfg, stats)
+    validation_records: list[dict[str, Any]] | None = None
+    validation_stats = None
+    if cfg.validation_path:
+        validation_stats = DataStats()
+        validation_records = load_records(cfg.validation_path, cfg, validation_stats)
+    elif cfg.validation_fraction > 0:
+        import random
+
+        order = list(range(len(records)))
+        random.Random(seed).shuffle(order)
+        cut = max(1, int(round(len(records) * cfg.validation_fraction)))
+        held = set(order[:cut])
+        validation_records = [r for i, r in enumerate(records) if i in held]
+        records = [r for i, r in enumerate(records) if i not in held]
+        validation_stats = DataStats(formats=dict(stats.formats))
+    train = tokenize_records(records, tokenizer, cfg, stats)
+    if len(train) == 0:
+        raise ValueError(
+            f"no usable training example in {cfg.path}"
+            + (f" (skipped: {stats.skipped})" if stats.skipped else "")
+            + (f" ({stats.dropped_overlong} longer than data.max_seq_length={cfg.max_seq_length})" if stats.dropped_overlong else "")
+        )
+    validation = None
+    if validation_records is not None and validation_stats is not None:
+        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats)
+    if stats.skipped:
+        logger.warning("data: skipped %d rows: %s", sum(stats.skipped.values()), stats.skipped)
+    if stats.truncated or stats.dropped_overlong:
+        logger.warning(
+            "data: %d examples truncated and %d dropped at data.max_seq_length=%d",
+            stats.truncated, stats.dropped_overlong, cfg.max_seq_length,
+        )
+    return DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)

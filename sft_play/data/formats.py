@@ -1,0 +1,177 @@
+"""Record formats: detect which one a dataset uses and normalise rows to one of three shapes.
+
+Every supported format becomes one of:
+  {"messages": [{"role": ..., "content": ...}, ...]}   chat (messages, sharegpt, alpaca)
+  {"prompt": str, "completion": str}                    prompt/completion pairs
+  {"text": str}                                         plain text (continued pre-training)
+
+Bad rows raise :class:`InvalidRow`, naming the file, the row and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+ROLES = ("system", "user", "assistant", "tool")
+
+# ShareGPT speakers to chat roles (the names seen in the wild).
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function_response": "tool",
+    "observation": "tool",
+}
+
+# Our field name -> the column it is read from, unless `data.columns` maps it elsewhere.
+DEFAULT_COLUMNS = {
+    "messages": "messages",
+    "conversations": "conversations",
+    "instruction": "instruction",
+    "input": "input",
+    "output": "output",
+    "system": "system",
+    "prompt": "prompt",
+    "completion": "completion",
+    "text": "text",
+}
+
+
+@dataclass(eq=False)
+class InvalidRow(ValueError):
+    """A row that cannot be turned into a training example."""
+
+    source: str
+    row: int
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}, row {self.row}, field '{self.field}': {self.reason}"
+
+
+def column_map(columns: dict[str, str]) -> dict[str, str]:
+    """Our field names mapped to the dataset's column names, with `data.columns` applied."""
+    return {**DEFAULT_COLUMNS, **columns}
+
+
+def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
+    """The format of `rows` (a few first rows of a dataset), from the columns they carry.
+
+    Raises:
+        ValueError: when no format matches, naming the columns that were found.
+    """
+    cols = column_map(columns)
+    keys = set().union(*(r.keys() for r in rows)) if rows else set()
+    if cols["messages"] in keys:
+        first = next((r[cols["messages"]] for r in rows if r.get(cols["messages"])), None)
+        if isinstance(first, list) and first and isinstance(first[0], dict) and "from" in first[0]:
+            return "sharegpt"
+        return "messages"
+    if cols["conversations"] in keys:
+        return "sharegpt"
+    if cols["instruction"] in keys and cols["output"] in keys:
+        return "alpaca"
+    if cols["prompt"] in keys and cols["completion"] in keys:
+        return "prompt_completion"
+    if cols["text"] in keys:
+        return "text"
+    raise ValueError(
+        f"cannot tell the data format from the columns {sorted(keys)}; expected 'messages', 'conversations', "
+        "'instruction'+'output', 'prompt'+'completion' or 'text'. Set data.format, or map your columns with "
+        "data.columns (e.g. data.columns={messages: dialog})"
+    )
+
+
+def _string(row: dict, column: str, source: str, index: int, optional: bool = False) -> str:
+    value = row.get(column)
+    if value is None:
+        if optional:
+            return ""
+        raise InvalidRow(source, index, column, "missing")
+    if not isinstance(value, str):
+        raise InvalidRow(source, index, column, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _chat(messages: Any, source: str, index: int, field: str, role_key: str, content_key: str,
+          role_map: dict[str, str] | None) -> list[dict[str, str]]:
+    if messages is None:
+        raise InvalidRow(source, index, field, "missing")
+    if not isinstance(messages, list):
+        raise InvalidRow(source, index, field, f"expected a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise InvalidRow(source, index, field, "empty conversation")
+    out = []
+    for turn, message in enumerate(messages):
+        where = f"{field}[{turn}]"
+        if not isinstance(message, dict):
+            raise InvalidRow(source, index, where, f"expected a message object, got {type(message).__name__}")
+        if role_key not in message:
+            raise InvalidRow(source, index, f"{where}.{role_key}", "missing")
+        role = message[role_key]
+        role = role_map.get(str(role).lower(), role) if role_map else role
+        if role not in ROLES:
+            allowed = ", ".join(sorted(role_map)) if role_map else ", ".join(ROLES)
+            raise InvalidRow(source, index, f"{where}.{role_key}", f"unknown role {message[role_key]!r} (allowed: {allowed})")
+        content = message.get(content_key)
+        if content is None:
+            raise InvalidRow(source, index, f"{where}.{content_key}", "missing")
+        if not isinstance(content, str):
+            raise InvalidRow(source, index, f"{where}.{content_key}", f"expected a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise InvalidRow(source, index, field, "no assistant turn to learn from")
+    return out
+
+
+def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: str, index: int) -> dict[str, Any]:
+    """One raw row in `fmt` as a canonical record (see the module docstring).
+
+    Raises:
+        InvalidRow: naming the source, row and field at fault.
+    """
+    cols = column_map(columns)
+    if fmt == "messages":
+        return {"messages": _chat(row.get(cols["messages"]), source, index, cols["messages"], "role", "content", None)}
+    if fmt == "sharegpt":
+        field = cols["conversations"] if cols["conversations"] in row else cols["messages"]
+        messages = _chat(row.get(field), source, index, field, "from", "value", SHAREGPT_ROLES)
+        system = row.get(cols["system"])
+        if isinstance(system, str) and system and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+        return {"messages": messages}
+    if fmt == "alpaca":
+        instruction = _string(row, cols["instruction"], source, index)
+        extra = _string(row, cols["input"], source, index, optional=True)
+        output = _string(row, cols["output"], source, index)
+        if not instruction.strip():
+            raise InvalidRow(source, index, cols["instruction"], "empty")
+        messages = []
+        system = _string(row, cols["system"], source, index, optional=True)
+        if system:
+            messages.append({"role": "system", "content": system})
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        return {"messages": messages}
+    if fmt == "prompt_completion":
+        prompt = _string(row, cols["prompt"], source, index)
+        completion = _string(row, cols["completion"], source, index)
+        if not completion:
+            raise InvalidRow(source, index, cols["completion"], "empty")
+        return {"prompt": prompt, "completion": completion}
+    if fmt == "text":
+        text = _string(row, cols["text"], source, index)
+        if not text.strip():
+            raise InvalidRow(source, index, cols["text"], "empty")
+        return {"text": text}
+    raise ValueError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")

@@ -1,0 +1,132 @@
+"""Turning canonical records into training tokens: ``input_ids`` and ``labels``.
+
+Labels are ``-100`` on every token the model should not learn to produce: with
+``data.train_on: completion`` that is everything but the assistant turns (chat) or the
+completion (prompt/completion); with ``train_on: all`` no token is masked. Plain text is
+always learned in full.
+
+Chat records go through the chat template. Where the template marks assistant turns with
+``{% generation %}`` the tokenizer returns the assistant mask itself; otherwise each assistant
+turn's characters are found by rendering the conversation up to that turn and the tokens that
+overlap them are kept (which needs a template that renders a conversation's prefix as a prefix
+of the whole; a template that does not is reported).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+IGNORE_INDEX = -100
+
+# For tokenizers that ship no chat template; plain text markers need no new tokens.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' %}{{- '### User:\\n' + message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- '### Assistant:\\n' }}"
+    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}{{- '\\n\\n' }}"
+    "{%- else %}{{- '### ' + message['role'] + ':\\n' + message['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}"
+)
+
+
+def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
+    """The template chat records go through: the config's override (inline Jinja or a .jinja
+    file), else the tokenizer's own, else :data:`DEFAULT_CHAT_TEMPLATE`."""
+    if override:
+        if override.endswith((".jinja", ".j2")) and os.path.isfile(override):
+            with open(override, encoding="utf-8") as f:
+                return f.read()
+        return override
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default") or next(iter(template.values()))
+    return template or DEFAULT_CHAT_TEMPLATE
+
+
+def has_generation_markers(template: str) -> bool:
+    return "generation" in template and "endgeneration" in template
+
+
+def _encode_chat_with_markers(tokenizer: Any, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = list(out["input_ids"])
+    mask = list(out["assistant_masks"])
+    return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+
+
+def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    full = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(
+            messages[:i], chat_template=template, tokenize=False, add_generation_prompt=True
+        ) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], chat_template=template, tokenize=False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise ValueError(
+                "the chat template does not render a conversation's beginning as a prefix of the whole, so the "
+                "assistant turns cannot be located; use a template with {% generation %} markers "
+                "(data.chat_template) or data.train_on=all"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    labels = [
+        t if any(start < end_tok and begin_tok < end for start, end in spans) else IGNORE_INDEX
+        for t, (begin_tok, end_tok) in zip(ids, encoded["offset_mapping"])
+    ]
+    return ids, labels
+
+
+def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: str) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and their labels (see the module docstring)."""
+    if has_generation_markers(template):
+        ids, labels = _encode_chat_with_markers(tokenizer, messages, template)
+    else:
+        ids, labels = _encode_chat_by_spans(tokenizer, messages, template)
+    return ids, (list(ids) if train_on == "all" else labels)
+
+
+def _eos(tokenizer: Any) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, train_on: str) -> tuple[list[int], list[int]]:
+    """Prompt tokens (with the tokenizer's BOS, if any) then completion tokens and EOS.
+
+    The two halves are tokenised apart so that no token straddles the boundary and the label
+    mask falls exactly on the completion.
+    """
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if prompt_ids and tokenizer.eos_token_id is not None and prompt_ids[-1] == tokenizer.eos_token_id:
+        prompt_ids = prompt_ids[:-1]  # tokenizers that append EOS to every text
+    completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + _eos(tokenizer)
+    ids = prompt_ids + completion_ids
+    if train_on == "all":
+        return ids, list(ids)
+    return ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def encode_text(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """Plain text, learned in full, ending with EOS."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not ids or ids[-1] != tokenizer.eos_token_id:
+        ids += _eos(tokenizer)
+    return ids, list(ids)
+
+
+def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_on: str) -> tuple[list[int], list[int]]:
+    """Tokens and labels of one canonical record (see :mod:`sft_play.data.formats`)."""
+    if "messages" in record:
+        return encode_chat(tokenizer, record["messages"], template, train_on)
+    if "prompt" in record:
+        return encode_prompt_completion(tokenizer, record["prompt"], record["completion"], train_on)
+    return encode_text(tokenizer, record["text"])

@@ -1,0 +1,226 @@
+"""What this machine has: CUDA GPUs (NVML where present, else torch.cuda), CPU cores and RAM.
+
+``detect()`` is the one source of hardware facts for ``make gpu-info``, ``make check`` and the
+planner. It only reads facts; decisions live elsewhere. GPU indices are the ones CUDA uses in
+this process (they honour ``CUDA_VISIBLE_DEVICES``); free memory is read through NVML, matched
+to CUDA devices by UUID, so that asking does not create a CUDA context on every GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+
+GIB = 1024**3
+
+# NVML topology levels, nearest first (nvidia-smi topo -m spells them the same way).
+_TOPOLOGY_NAMES = {0: "internal", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+@dataclass
+class GpuInfo:
+    """One CUDA device as this process sees it."""
+
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int]
+    bf16_supported: bool
+    uuid: str = ""
+    nvlinks_active: int | None = None
+
+
+@dataclass
+class GpuLink:
+    """How two GPUs connect: NVLink count, or the PCIe/CPU level their paths meet at."""
+
+    a: int
+    b: int
+    kind: str
+
+
+@dataclass
+class HardwareInfo:
+    """GPUs, CPU and memory of this machine."""
+
+    gpus: list[GpuInfo] = field(default_factory=list)
+    links: list[GpuLink] = field(default_factory=list)
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    cuda_runtime_version: str | None = None
+    nccl_version: str | None = None
+    gpu_source: str = "none"
+    cpu_physical_cores: int | None = None
+    cpu_logical_cores: int = 1
+    cpu_usable_cores: int = 1
+    ram_total_bytes: int = 0
+    ram_available_bytes: int = 0
+    python_version: str = ""
+    torch_version: str | None = None
+    platform: str = ""
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["has_gpu"] = self.has_gpu
+        return data
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_facts(uuids: list[str]) -> tuple[dict[str, dict[str, Any]], list[GpuLink], dict[str, str]]:
+    """Free memory and NVLink counts by UUID, the links between them, and driver versions."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}, [], {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, or NVML absent in a container
+        return {}, [], {}
+    try:
+        handles: dict[str, Any] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            handles[_decode(pynvml.nvmlDeviceGetUUID(handle))] = handle
+        facts: dict[str, dict[str, Any]] = {}
+        for uuid in uuids:
+            handle = handles.get(uuid)
+            if handle is None:
+                continue
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            active = 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    active += int(pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
+                except pynvml.NVMLError:
+                    break
+            facts[uuid] = {"free": int(memory.free), "total": int(memory.total), "nvlinks": active}
+        links = []
+        for a, ua in enumerate(uuids):
+            for b in range(a + 1, len(uuids)):
+                ub = uuids[b]
+                if ua not in handles or ub not in handles:
+                    continue
+                try:
+                    level = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[ua], handles[ub])
+                    kind = _TOPOLOGY_NAMES.get(int(level), str(level))
+                except pynvml.NVMLError:
+                    kind = "unknown"
+                if facts.get(ua, {}).get("nvlinks") and facts.get(ub, {}).get("nvlinks"):
+                    kind = f"NVLink ({kind} otherwise)"
+                links.append(GpuLink(a, b, kind))
+        versions = {"driver": _decode(pynvml.nvmlSystemGetDriverVersion())}
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        versions["cuda_driver"] = f"{cuda // 1000}.{(cuda % 1000) // 10}"
+        return facts, links, versions
+    except Exception:
+        return {}, [], {}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _cpu_and_memory(info: HardwareInfo) -> None:
+    info.cpu_physical_cores = psutil.cpu_count(logical=False)
+    info.cpu_logical_cores = psutil.cpu_count(logical=True) or 1
+    try:
+        info.cpu_usable_cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        info.cpu_usable_cores = info.cpu_logical_cores
+    memory = psutil.virtual_memory()
+    info.ram_total_bytes = int(memory.total)
+    info.ram_available_bytes = int(memory.available)
+
+
+def detect() -> HardwareInfo:
+    """Read this machine's GPUs, CPU and memory.
+
+    Returns:
+        A :class:`HardwareInfo`; ``gpus`` is empty on a machine without a usable CUDA GPU.
+    """
+    info = HardwareInfo(python_version=platform.python_version(), platform=platform.platform())
+    _cpu_and_memory(info)
+    try:
+        import torch
+    except ImportError:
+        return info
+    info.torch_version = torch.__version__
+    info.cuda_runtime_version = torch.version.cuda
+    if not torch.cuda.is_available():
+        return info
+    count = torch.cuda.device_count()
+    props = [torch.cuda.get_device_properties(i) for i in range(count)]
+    uuids = [f"GPU-{p.uuid}" if hasattr(p, "uuid") else "" for p in props]
+    nvml, links, versions = _nvml_facts(uuids)
+    info.gpu_source = "nvml" if nvml else "torch"
+    info.links = links
+    info.driver_version = versions.get("driver")
+    info.cuda_driver_version = versions.get("cuda_driver")
+    try:
+        nccl = torch.cuda.nccl.version()
+        info.nccl_version = ".".join(str(v) for v in nccl) if isinstance(nccl, tuple) else str(nccl)
+    except Exception:
+        info.nccl_version = None
+    for i, p in enumerate(props):
+        facts = nvml.get(uuids[i])
+        if facts is not None:
+            free, total, nvlinks = facts["free"], facts["total"], facts["nvlinks"]
+        else:
+            free, total = torch.cuda.mem_get_info(i)
+            nvlinks = None
+        info.gpus.append(
+            GpuInfo(
+                index=i,
+                name=p.name,
+                total_bytes=int(total),
+                free_bytes=int(free),
+                compute_capability=(p.major, p.minor),
+                bf16_supported=p.major >= 8,
+                uuid=uuids[i],
+                nvlinks_active=nvlinks,
+            )
+        )
+    return info
+
+
+def format_report(info: HardwareInfo) -> str:
+    """A plain-text report of :func:`detect`'s facts, as ``make gpu-info`` prints it."""
+    lines = []
+    if info.gpus:
+        lines.append(f"CUDA GPUs: {len(info.gpus)} (memory read through {info.gpu_source})")
+        lines.append(f"  {'idx':>3}  {'name':<28} {'total GiB':>9} {'free GiB':>9}  {'cc':>4}  bf16  nvlinks")
+        for g in info.gpus:
+            nvl = "-" if g.nvlinks_active is None else str(g.nvlinks_active)
+            lines.append(
+                f"  {g.index:>3}  {g.name[:28]:<28} {g.total_bytes / GIB:>9.2f} {g.free_bytes / GIB:>9.2f}  "
+                f"{g.compute_capability[0]}.{g.compute_capability[1]:<2}  {'yes' if g.bf16_supported else 'no ':<4}  {nvl}"
+            )
+        lines.append(
+            f"  driver {info.driver_version or 'unknown'}, CUDA driver {info.cuda_driver_version or 'unknown'}, "
+            f"CUDA runtime (torch) {info.cuda_runtime_version or 'unknown'}, NCCL {info.nccl_version or 'unknown'}"
+        )
+        if info.links:
+            lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
+    else:
+        reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"
+        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; plans need --gpus and --vram-gib.")
+    physical = info.cpu_physical_cores if info.cpu_physical_cores is not None else "?"
+    lines.append(
+        f"CPU: {physical} physical / {info.cpu_logical_cores} logical cores ({info.cpu_usable_cores} usable by "
+        f"this process); RAM {info.ram_total_bytes / GIB:.1f} GiB total, {info.ram_available_bytes / GIB:.1f} GiB available"
+    )
+    lines.append(f"Python {info.python_version}, torch {info.torch_version or 'not installed'}, {info.platform}")
+    return "\n".join(lines)

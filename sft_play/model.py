@@ -1,0 +1,208 @@
+"""Loading the tokenizer and the model: hub id or local folder, precision, attention kernel,
+LoRA/QLoRA through peft and bitsandbytes.
+
+A local folder that holds a ``config.json`` but no weights (the embedded tiny model, or a
+config written by hand) gets weights initialised from the config with ``model.init_seed``.
+They are written once, as safetensors, into a cache folder keyed by the config and seed, so
+that every method (QLoRA included) loads through the same ``from_pretrained`` path and every
+process and every later command (merge, generate) sees identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sft_play.config import RunConfig
+from sft_play.data.tokenize import resolve_chat_template
+from sft_play.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where initialised weights are kept: ``$SFT_PLAY_CACHE``, else ``~/.cache/sft_play``."""
+    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play"))
+
+
+def has_weights(path: str) -> bool:
+    folder = Path(path)
+    return any((folder / name).exists() for name in WEIGHT_FILES)
+
+
+def materialise_init_weights(config_dir: str, seed: int) -> str:
+    """A folder with weights initialised from ``config_dir/config.json`` under `seed`.
+
+    The folder is created once (atomically, so concurrent ranks cannot see half of it) and
+    reused while the config and seed stay the same.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_bytes = (Path(config_dir) / "config.json").read_bytes()
+    key = hashlib.sha256(config_bytes + f"|seed={seed}".encode()).hexdigest()[:16]
+    target = cache_dir() / "init_weights" / key
+    if has_weights(str(target)):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("no weights in %s: initialising them from config.json with seed %d", config_dir, seed)
+    model_config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-")
+    model.save_pretrained(staging, safe_serialization=True)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process got there first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not has_weights(str(target)):
+            raise
+    return str(target)
+
+
+def weights_location(config: RunConfig) -> str:
+    """Where the base weights load from: the configured model, or initialised weights for a bare config."""
+    path = config.model.name_or_path
+    if Path(path).is_dir() and not has_weights(path):
+        return materialise_init_weights(path, config.model.init_seed)
+    return path
+
+
+def load_tokenizer(config: RunConfig) -> Any:
+    """The tokenizer, with the config's chat template override applied and a pad token set."""
+    from transformers import AutoTokenizer
+
+    source = config.model.tokenizer_name_or_path or config.model.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        source, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
+    )
+    if config.data.chat_template:
+        tokenizer.chat_template = resolve_chat_template(tokenizer, config.data.chat_template)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def attention_implementation(config: RunConfig, precision: Precision) -> str:
+    """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
+    installed and usable (CUDA, 16-bit), else PyTorch SDPA."""
+    choice = config.model.attn_implementation
+    if choice != "auto":
+        return choice
+    import importlib.util
+
+    if (
+        torch.cuda.is_available()
+        and importlib.util.find_spec("flash_attn") is not None
+        and precision.compute_dtype in ("bfloat16", "float16")
+    ):
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def quantization_config(config: RunConfig, precision: Precision) -> Any:
+    """bitsandbytes 4-bit settings for QLoRA (None for the other methods)."""
+    if config.finetune.method != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    quant = config.quantization
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=TORCH_DTYPES[precision.compute_dtype],
+        bnb_4bit_quant_storage=getattr(torch, quant.quant_storage),
+    )
+
+
+def load_model(config: RunConfig, precision: Precision, device: str | None = None) -> Any:
+    """The base causal LM, loaded in the precision recipe's dtype (4-bit linears for QLoRA).
+
+    Args:
+        config: the run config.
+        precision: the resolved precision recipe.
+        device: where a quantised model is placed at load (each rank its own, e.g. ``cuda:1``);
+            other models are moved by the trainer.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if config.model.trust_remote_code:
+        logger.warning("model.trust_remote_code is on: running Python code shipped with %s", config.model.name_or_path)
+    location = weights_location(config)
+    quant = quantization_config(config, precision)
+    kwargs: dict[str, Any] = {
+        "dtype": TORCH_DTYPES[precision.weights_dtype],
+        "attn_implementation": attention_implementation(config, precision),
+        "trust_remote_code": config.model.trust_remote_code,
+        "use_safetensors": True,
+    }
+    if location == config.model.name_or_path:
+        kwargs["revision"] = config.model.revision
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
+    model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    # Adapters record where their base came from: the configured name, not a cache folder.
+    model.config.name_or_path = config.model.name_or_path
+    return model
+
+
+def lora_config(config: RunConfig) -> Any:
+    """peft's ``LoraConfig`` for the run (None for full fine-tuning)."""
+    if config.finetune.method == "full":
+        return None
+    from peft import LoraConfig
+
+    lora = config.lora
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias=lora.bias,
+        modules_to_save=lora.modules_to_save or None,
+    )
+
+
+def load_for_inference(run_dir: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig]:
+    """(model, tokenizer, config) of a finished run folder: base plus adapter, or a full model.
+
+    The run's resolved ``config.yaml`` says how the base was loaded; QLoRA bases are loaded
+    de-quantised in the compute dtype, which is also what merging uses.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft_play import config as config_module
+
+    run_dir = Path(run_dir)
+    config = config_module.load(run_dir / "config.yaml", check_paths=False)
+    model_dir = run_dir / "model"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} has no model/ folder: did the run finish? (look in {run_dir}/checkpoints)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if (model_dir / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(
+            weights_location(config), dtype=dtype, trust_remote_code=config.model.trust_remote_code, use_safetensors=True
+        )
+        model = PeftModel.from_pretrained(base, model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, trust_remote_code=config.model.trust_remote_code, use_safetensors=True
+        )
+    model.to(device).eval()
+    return model, tokenizer, config

@@ -1,0 +1,117 @@
+"""Building TRL's ``SFTTrainer`` from the run config and the plan; behaviour we add goes in as
+callbacks. No training loop lives here: the trainer runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from sft_play.config import RunConfig
+from sft_play.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+
+def sft_arguments(
+    config: RunConfig,
+    precision: Precision,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    run_dir: Path,
+    has_validation: bool,
+    deepspeed_config: dict | None = None,
+) -> Any:
+    """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan."""
+    from trl import SFTConfig
+
+    train, data = config.train, config.data
+    evaluate = has_validation and train.eval_steps > 0
+    return SFTConfig(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=micro_batch_size,
+        per_device_eval_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        learning_rate=train.learning_rate,
+        lr_scheduler_type=train.lr_scheduler,
+        warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        optim=train.optimizer,
+        num_train_epochs=train.num_epochs,
+        max_steps=train.max_steps,
+        bf16=precision.mixed == "bf16",
+        fp16=precision.mixed == "fp16",
+        activation_checkpointing=train.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if train.gradient_checkpointing else None,
+        logging_steps=train.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps" if train.save_steps > 0 else "no",
+        save_steps=train.save_steps if train.save_steps > 0 else 500,
+        save_total_limit=train.save_total_limit,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=train.eval_steps if evaluate else None,
+        report_to=["tensorboard"] if train.tensorboard else "none",
+        seed=train.seed,
+        data_seed=train.seed,
+        full_determinism=train.deterministic,
+        include_num_input_tokens_seen="non_padding",  # also logs train_tokens_per_second
+        max_length=data.max_seq_length,
+        packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
+        dataset_num_proc=data.num_proc,
+        ddp_find_unused_parameters=False,
+        deepspeed=deepspeed_config,
+    )
+
+
+def build_trainer(
+    config: RunConfig,
+    args: Any,
+    model: Any,
+    peft_config: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any | None,
+    data_collator: Any = None,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Any:
+    """TRL's ``SFTTrainer`` over already tokenised (and, with packing, packed) data."""
+    from trl import SFTTrainer
+
+    return SFTTrainer(
+        model=model,
+        args=args,
+        data_collator=data_collator,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if args.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
+
+
+def loss_history(trainer: Any) -> list[tuple[int, float]]:
+    """(step, training loss) for every logged step."""
+    return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and math.isfinite(e["loss"])]
+
+
+def write_summary(trainer: Any, run_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """What the run did, as ``summary.json`` in the run folder; returns the same mapping."""
+    losses = loss_history(trainer)
+    final = next((e for e in reversed(trainer.state.log_history) if "train_runtime" in e), {})
+    summary = {
+        "global_step": trainer.state.global_step,
+        "first_loss": losses[0][1] if losses else None,
+        "last_loss": losses[-1][1] if losses else None,
+        "losses": losses,
+        "train_runtime_s": final.get("train_runtime"),
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        **extra,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
