@@ -41,7 +41,7 @@ train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops w
 	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(ARGS)
 
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
-	$(PY) scripts/tensorboard.py --config $(CONFIG) $(RUN_FLAG)
+	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)
 
 generate: $(STAMP) ## Answer PROMPT with RUN (default: the newest run; held-out prompts when PROMPT is empty)
 	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(ARGS)

@@ -94,7 +94,7 @@ def main() -> int:
     )
     trainer.train()
     state.wait_for_everyone()
-    trainer.save_model(str(run_dir / "model"))
+    training.save_final_model(trainer, run_dir / "model")
     if state.is_main_process:
         summary = training.write_summary(
             trainer, run_dir, {"batch": split.describe(), "data": bundle.stats.to_dict()}

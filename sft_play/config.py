@@ -217,16 +217,6 @@ def valid_keys() -> list[str]:
     return [f"{section}.{key}" for section, cls in SECTIONS.items() for key in cls.model_fields]
 
 
-def describe_keys() -> list[tuple[str, str, Any]]:
-    """(dotted key, description, default) for every key; the source of docs and `--help-keys`."""
-    rows = []
-    for section, cls in SECTIONS.items():
-        for key, field in cls.model_fields.items():
-            default = field.default_factory() if field.default_factory else field.default
-            rows.append((f"{section}.{key}", field.description or "", default))
-    return rows
-
-
 def parse_override(text: str) -> tuple[str, Any]:
     """Split ``section.key=value``; the value is read as YAML (``true``, ``4``, ``[a, b]``)."""
     if "=" not in text:
@@ -477,3 +467,21 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def reference_markdown() -> str:
+    """docs/CONFIG.md: every section and key with its default and meaning."""
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `sft_play/config.py` by `python scripts/config_reference.py`; do not edit by hand.",
+        "Every key can be set in a run YAML or overridden as `section.key=value` on any script or",
+        'make target (`ARGS="section.key=value ..."`).',
+    ]
+    for section, cls in SECTIONS.items():
+        lines += ["", f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | default | meaning |", "|---|---|---|"]
+        for key, field in cls.model_fields.items():
+            default = field.default_factory() if field.default_factory else field.default
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"| `{section}.{key}` | `{shown}` | {field.description or ''} |")
+    return "\n".join(lines) + "\n"

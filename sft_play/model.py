@@ -152,8 +152,10 @@ def load_model(config: RunConfig, precision: Precision, device: str | None = Non
         kwargs["quantization_config"] = quant
         kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
-    # Adapters record where their base came from: the configured name, not a cache folder.
-    model.config.name_or_path = config.model.name_or_path
+    # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
+    model.name_or_path = model.config.name_or_path = config.model.name_or_path
+    # Training never decodes; and with a cache, transformers stops separating packed examples.
+    model.config.use_cache = False
     return model
 
 
@@ -172,6 +174,8 @@ def lora_config(config: RunConfig) -> Any:
         target_modules=lora.target_modules,
         bias=lora.bias,
         modules_to_save=lora.modules_to_save or None,
+        base_model_name_or_path=config.model.name_or_path,
+        revision=config.model.revision,
     )
 
 

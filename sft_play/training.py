@@ -95,6 +95,17 @@ def build_trainer(
     )
 
 
+def save_final_model(trainer: Any, model_dir: Path) -> None:
+    """Save the trained model (unwrapped: an adapter, or the full model) and the tokenizer.
+
+    The trainer also pickles its arguments beside them; the run's ``config.yaml`` already says
+    everything they would, and only safetensors and plain text belong in a model folder.
+    """
+    trainer.save_model(str(model_dir))
+    if trainer.is_world_process_zero():
+        (model_dir / "training_args.bin").unlink(missing_ok=True)
+
+
 def loss_history(trainer: Any) -> list[tuple[int, float]]:
     """(step, training loss) for every logged step."""
     return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and math.isfinite(e["loss"])]

@@ -1,7 +1,7 @@
 """Serve TensorBoard for one run folder (or every run under the config's output folder) on a
 free loopback port, in the foreground; Ctrl-C stops it.
 
-Usage: python scripts/tensorboard.py [--config PATH] [--run RUN_DIR]
+Usage: python scripts/serve_tensorboard.py [--config PATH] [--run RUN_DIR]
 """
 
 from __future__ import annotations

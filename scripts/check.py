@@ -1,0 +1,38 @@
+"""Pre-flight check: the config, Python and packages, CUDA/NCCL, the data, the output folder and
+the disk, as a pass/fail list. Exits 1 when anything fails.
+
+Usage: python scripts/check.py [--config PATH] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+
+
+def main() -> int:
+    args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
+
+    from sft_play import checks, hardware
+
+    config, config_check = checks.check_config(args.config, args.overrides)
+    results = [config_check, checks.check_python(), *checks.check_packages(config)]
+    facts = hardware.detect()
+    results.append(checks.check_accelerator(facts))
+    if config is not None:
+        results += checks.check_data(config)
+        results.append(checks.check_output_dir(config))
+        results.append(checks.check_disk(config, checks.needed_disk_bytes(config, facts)))
+    for result in results:
+        print(result.line())
+    failed = [r for r in results if not r.ok]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,59 @@
+"""Test set-up: no network, no writes to the home cache, and helpers to run the real scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# Set before anything imports transformers, and inherited by every subprocess the tests start.
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="sft-play-tests-"))
+os.environ.update(
+    {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(_SESSION_DIR / "hf"),
+        "SFT_PLAY_CACHE": str(_SESSION_DIR / "sft_play"),
+        "TORCH_EXTENSIONS_DIR": str(_SESSION_DIR / "torch_extensions"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
+)
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def fixtures() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
+
+
+def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run one of scripts/ with this interpreter from the repo root; output captured as text."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

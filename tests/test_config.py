@@ -1,0 +1,146 @@
+"""The run config: every shipped config validates; bad input gives the promised messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sft_play import config as config_module
+from sft_play.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_run_config_validates(path):
+    config = config_module.load(path)
+    assert config.model.name_or_path
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("#"), f"{path.name} must start with a comment saying what it is for"
+    assert "make " in path.read_text().split("\n\n")[0], f"{path.name}'s header must give the make command"
+
+
+def test_required_keys_exist():
+    keys = set(config_module.valid_keys())
+    for key in [
+        "model.name_or_path", "finetune.method", "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules",
+        "data.max_seq_length", "train.global_batch_size", "train.micro_batch_size",
+        "train.gradient_accumulation_steps", "train.gradient_checkpointing", "train.learning_rate",
+        "train.max_steps", "train.num_epochs", "train.output_dir", "train.mixed_precision", "distributed.strategy",
+    ]:
+        assert key in keys, key
+
+
+def test_defaults_match_the_documented_meanings():
+    config = config_module.load(None, check_paths=False)
+    assert config.lora.target_modules == "all-linear"
+    assert config.train.micro_batch_size == "auto"
+    assert config.train.gradient_accumulation_steps == "auto"
+    assert config.model.trust_remote_code is False
+
+
+def test_unknown_key_names_the_nearest_valid_key(tmp_path):
+    path = write(tmp_path, "train:\n  learning_rat: 0.001\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.learning_rat'; did you mean 'train.learning_rate'\?"):
+        config_module.load(path)
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one(tmp_path):
+    path = write(tmp_path, "train:\n  method: full\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'finetune.method'"):
+        config_module.load(path)
+
+
+def test_unknown_section_names_the_nearest(tmp_path):
+    path = write(tmp_path, "trian:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'trian'; did you mean 'train'"):
+        config_module.load(path)
+
+
+def test_bad_choice_names_the_allowed_values(tmp_path):
+    path = write(tmp_path, "finetune:\n  method: lorra\n")
+    with pytest.raises(ConfigError, match=r"finetune.method: got 'lorra'; expected one of 'full', 'lora', 'qlora'"):
+        config_module.load(path)
+
+
+def test_bad_type_says_what_is_expected(tmp_path):
+    path = write(tmp_path, "train:\n  micro_batch_size: big\n")
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size: got 'big'; expected an integer or 'auto'"):
+        config_module.load(path)
+
+
+def test_missing_files_name_the_path(tmp_path):
+    path = write(tmp_path, "model:\n  name_or_path: ./no/such/model\ndata:\n  path: nowhere/train.jsonl\n")
+    with pytest.raises(ConfigError) as caught:
+        config_module.load(path)
+    text = str(caught.value)
+    assert "model.name_or_path: folder './no/such/model' does not exist" in text
+    assert "data.path: file 'nowhere/train.jsonl' does not exist" in text
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = write(
+        tmp_path,
+        "finetune:\n  method: lorra\ntrain:\n  learning_rat: 1\n  global_batch_size: 0\n"
+        "data:\n  path: nowhere.jsonl\n",
+    )
+    with pytest.raises(ConfigError) as caught:
+        config_module.load(path, ["lora.rr=3"])
+    problems = caught.value.problems
+    assert len(problems) == 5, problems
+    assert any("lora.rr" in p and "'lora.r'" in p for p in problems)
+    assert any("train.global_batch_size: got 0; must be greater than 0" in p for p in problems)
+    assert any("data.path" in p for p in problems)
+
+
+def test_overrides_use_dotted_names_and_yaml_values():
+    config = config_module.load(
+        None,
+        ["train.learning_rate=1e-4", "train.micro_batch_size=4", "train.gradient_checkpointing=true",
+         "lora.target_modules=[q_proj, v_proj]", "data.path=[a.jsonl, b.jsonl]"],
+        check_paths=False,
+    )
+    assert config.train.learning_rate == pytest.approx(1e-4)
+    assert config.train.micro_batch_size == 4
+    assert config.train.gradient_checkpointing is True
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert config.data.path == ["a.jsonl", "b.jsonl"]
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="not of the form section.key=value"):
+        config_module.load(None, ["train.max_steps"], check_paths=False)
+
+
+def test_yaml_is_read_safely(tmp_path):
+    path = write(tmp_path, "train: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config_module.load(path)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["train.max_steps=7"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.to_yaml())
+    assert config_module.load(saved) == config
+
+
+def test_inconsistent_settings_are_reported():
+    with pytest.raises(ConfigError, match="quant_storage"):
+        config_module.load(None, ["finetune.method=qlora", "distributed.strategy=deepspeed_zero3"], check_paths=False)
+    with pytest.raises(ConfigError, match="larger than train.global_batch_size"):
+        config_module.load(None, ["train.micro_batch_size=32", "train.global_batch_size=8"], check_paths=False)
+
+
+def test_config_reference_doc_is_current():
+    assert (REPO / "docs" / "CONFIG.md").read_text() == config_module.reference_markdown(), (
+        "docs/CONFIG.md is out of date: run python scripts/config_reference.py"
+    )

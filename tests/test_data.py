@@ -1,0 +1,211 @@
+"""Data: formats from fixture files, labels token by token, packing without cross-talk, bad rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_play import config as config_module
+from sft_play.data import DataStats, build, load_records
+from sft_play.data.collate import PackedRowsCollator
+from sft_play.data.formats import InvalidRow
+from sft_play.data.tokenize import IGNORE_INDEX, encode_chat, encode_prompt_completion, encode_text
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
+# The tiny tokenizer's template without its {% generation %} markers: exercises the span path.
+PLAIN_CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def data_config(**values):
+    overrides = [f"data.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
+    return config_module.load(None, overrides, check_paths=False).data
+
+
+@pytest.mark.parametrize(
+    "name, fmt",
+    [("messages.jsonl", "messages"), ("sharegpt.json", "sharegpt"), ("alpaca.csv", "alpaca"),
+     ("prompt_completion.parquet", "prompt_completion"), ("text.jsonl", "text")],
+)
+def test_each_format_is_detected_and_loaded(name, fmt):
+    stats = DataStats()
+    records = load_records(str(FIXTURES / name), data_config(), stats)
+    assert stats.formats == {str(FIXTURES / name): fmt}
+    assert records
+    if fmt in ("messages", "sharegpt", "alpaca"):
+        assert all(m["role"] in ("system", "user", "assistant") for r in records for m in r["messages"])
+    if fmt == "sharegpt":
+        assert records[1]["messages"][0] == {"role": "system", "content": "You solve letter puzzles."}
+        assert records[0]["messages"][1] == {"role": "assistant", "content": "X Y"}
+    if fmt == "alpaca":
+        assert records[0]["messages"][0]["content"] == "Reverse the letters\n\na b c"
+        assert records[1]["messages"][0]["content"] == "Which letter comes after k?"
+
+
+def test_folder_of_files_and_lists_concatenate():
+    stats = DataStats()
+    records = load_records([str(FIXTURES / "messages.jsonl"), str(FIXTURES / "alpaca.csv")], data_config(), stats)
+    assert len(records) == 5
+    assert len(load_records(str(FIXTURES), data_config(), DataStats())) == 3 + 2 + 2 + 2 + 2
+
+
+def test_chat_labels_cover_exactly_the_assistant_turns(tiny_tokenizer):
+    messages = [
+        {"role": "user", "content": "Which letter comes after d?"},
+        {"role": "assistant", "content": "e"},
+        {"role": "user", "content": "And after e?"},
+        {"role": "assistant", "content": "f"},
+    ]
+    ids, labels = encode_chat(tiny_tokenizer, messages, tiny_tokenizer.chat_template, "completion")
+    learned = [tiny_tokenizer.decode([t]) for t, label in zip(ids, labels) if label != IGNORE_INDEX]
+    assert learned == ["e", "<|im_end|>", "f", "<|im_end|>"]
+    assert all(label in (IGNORE_INDEX, t) for t, label in zip(ids, labels))
+
+
+def test_span_path_agrees_with_generation_markers(tiny_tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Reverse the letters: a b c"},
+        {"role": "assistant", "content": "c b a"},
+        {"role": "user", "content": "Sort the letters: c a b"},
+        {"role": "assistant", "content": "a b c"},
+    ]
+    ids_marked, labels_marked = encode_chat(tiny_tokenizer, messages, tiny_tokenizer.chat_template, "completion")
+    ids_spans, labels_spans = encode_chat(tiny_tokenizer, messages, PLAIN_CHATML, "completion")
+    assert ids_marked == ids_spans
+    # The span path also keeps the newline after <|im_end|>, which the marked template leaves out
+    diff = [i for i, (a, b) in enumerate(zip(labels_marked, labels_spans)) if a != b]
+    assert all(tiny_tokenizer.decode([ids_spans[i]]) == "\n" for i in diff)
+    assert [t for t in labels_marked if t != IGNORE_INDEX] == [
+        t for t, i in zip(labels_spans, range(len(labels_spans))) if t != IGNORE_INDEX and i not in diff
+    ]
+
+
+def test_prompt_completion_labels_only_the_completion(tiny_tokenizer):
+    ids, labels = encode_prompt_completion(tiny_tokenizer, "Reverse the letters: m n o\nAnswer:", " o n m", "completion")
+    completion = tiny_tokenizer(" o n m", add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    assert ids[-len(completion):] == completion
+    assert labels == [IGNORE_INDEX] * (len(ids) - len(completion)) + completion
+    _, all_labels = encode_prompt_completion(tiny_tokenizer, "p", " c", "all")
+    assert IGNORE_INDEX not in all_labels
+
+
+def test_text_is_learned_in_full_and_ends_with_eos(tiny_tokenizer):
+    ids, labels = encode_text(tiny_tokenizer, "a b c")
+    assert labels == ids and ids[-1] == tiny_tokenizer.eos_token_id
+
+
+def test_train_on_all_keeps_every_token(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+    ids, labels = encode_chat(tiny_tokenizer, messages, tiny_tokenizer.chat_template, "all")
+    assert labels == ids
+
+
+def test_overlong_examples_are_truncated_or_dropped(tiny_tokenizer):
+    path = str(FIXTURES / "messages.jsonl")
+    truncated = build(data_config(path=path, max_seq_length=20, packing=False), tiny_tokenizer)
+    assert truncated.stats.truncated >= 1 and truncated.stats.dropped_overlong == 0
+    assert max(len(ids) for ids in truncated.train["input_ids"]) <= 20
+    dropped = build(data_config(path=path, max_seq_length=20, packing=False, overlong="drop"), tiny_tokenizer)
+    assert dropped.stats.dropped_overlong == truncated.stats.truncated
+    assert dropped.stats.examples == 3 - dropped.stats.dropped_overlong
+
+
+def test_stats_describe_the_tokens(tiny_tokenizer):
+    bundle = build(data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=256), tiny_tokenizer)
+    stats = bundle.stats
+    assert stats.examples == 3
+    assert stats.tokens_max == max(sum(lengths) for lengths in bundle.train["seq_lengths"]) or stats.packed_rows == 1
+    assert 0 < stats.loss_token_share < 0.5
+    assert stats.packed_rows == 1  # three short examples fit one row of 256
+
+
+def test_packed_rows_give_the_same_per_example_loss_as_single_examples(tiny_tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "configs" / "tiny_model"),
+        attn_implementation="sdpa",
+    ).eval()
+    bundle = build(data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=256), tiny_tokenizer)
+    unpacked = build(
+        data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=256, packing=False), tiny_tokenizer
+    ).train
+    batch = PackedRowsCollator(tiny_tokenizer.pad_token_id)([bundle.train[0]])
+    assert "attention_mask" not in batch
+    with torch.no_grad():
+        # use_cache=False as in training: with a cache, transformers ignores the packing boundaries
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+    lengths = bundle.train[0]["seq_lengths"]
+    start = 0
+    singles = []
+    for length in lengths:
+        ids = batch["input_ids"][0, start:start + length]
+        with torch.no_grad():
+            alone = model(input_ids=ids[None]).logits[0]
+        torch.testing.assert_close(logits[start:start + length], alone, rtol=1e-4, atol=1e-4)
+        singles.append(ids.tolist())
+        start += length
+    assert sorted(singles) == sorted(unpacked["input_ids"])
+    # Labels never ask an example to predict the next example's first token
+    positions = batch["position_ids"][0]
+    assert (batch["labels"][0][positions == 0] == IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]}\n', r"row 1, field 'messages\[1\].content': missing"),
+        ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].content': expected a string, got int"),
+        ('{"messages": []}\n', r"row 1, field 'messages': empty conversation"),
+        ('{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].role': unknown role 'robot'"),
+        (b'{"messages": "caf\xe9"}\n', r"row 1, field '<line>': not valid UTF-8"),
+        ("", r"no records \(the file is empty\)"),
+    ],
+    ids=["missing-field", "wrong-type", "empty-conversation", "unknown-role", "non-utf8", "empty-file"],
+)
+def test_bad_rows_name_the_file_row_and_field(tmp_path, content, match):
+    path = tmp_path / "bad.jsonl"
+    good = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    if content:
+        path.write_bytes(good.encode() + (content if isinstance(content, bytes) else content.encode()))
+        match = match.replace("row 1", "row 2")
+    else:
+        path.write_text("")
+    with pytest.raises(InvalidRow, match=match) as caught:
+        load_records(str(path), data_config(format="messages"), DataStats())
+    assert str(path) in str(caught.value)
+
+
+def test_skipping_bad_rows_counts_them_by_reason(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]},
+    ]
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows) + b"\xff\xfe\n")
+    stats = DataStats()
+    records = load_records(str(path), data_config(on_invalid="skip"), stats)
+    assert len(records) == 2
+    assert stats.skipped == {
+        "messages: empty conversation": 1,
+        "messages[].role: unknown role 'robot'": 1,
+        "<line>: not valid UTF-8 (invalid start byte at byte 0)": 1,
+    }
+
+
+def test_undetectable_format_says_how_to_fix_it(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(ValueError, match="data.columns"):
+        load_records(str(path), data_config(), DataStats())
+    mapped = load_records(str(path), data_config(columns={"prompt": "question", "completion": "answer"}), DataStats())
+    assert mapped == [{"prompt": "q", "completion": "a"}]

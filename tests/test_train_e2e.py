@@ -1,0 +1,115 @@
+"""The real entry script end to end on the embedded default: LoRA (the loss falls, the adapter,
+tokenizer and TensorBoard events are written, the adapter reloads), full fine-tuning and QLoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_script
+
+pytestmark = pytest.mark.slow
+
+
+def train(tmp_path: Path, name: str, *overrides: str):
+    result = run_script(
+        "train_distributed.py", "--config", "configs/run_tiny.yaml",
+        f"train.output_dir={tmp_path}", f"train.run_name={name}", *overrides,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return tmp_path / name, result
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("runs"), "lora", "train.max_steps=40", "train.logging_steps=5")
+
+
+def test_lora_run_lowers_the_loss(lora_run):
+    run_dir, result = lora_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 40
+    assert summary["last_loss"] < 0.7 * summary["first_loss"], summary["losses"]
+    assert f"Run folder: {run_dir}" in result.stdout
+    assert "global 8 = micro 8 x accum 1 x world 1" in result.stderr
+
+
+def test_lora_run_writes_adapter_tokenizer_config_and_events(lora_run):
+    run_dir, _ = lora_run
+    model_dir = run_dir / "model"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    assert not list(model_dir.glob("*.bin")), "only safetensors weights are written"
+    adapter_config = json.loads((model_dir / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "configs/tiny_model"
+    assert adapter_config["r"] == 32
+    from sft_play import config as config_module
+
+    saved = config_module.load(run_dir / "config.yaml")
+    assert saved.train.run_name == "lora" and saved.train.max_steps == 40
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/train_tokens_per_second"):
+        assert tag in tags, tags
+    losses = [e.value for e in accumulator.Scalars("train/loss")]
+    assert losses[-1] < losses[0]
+
+
+def test_adapter_reloads_and_changes_the_model(lora_run):
+    from sft_play import export, model
+
+    run_dir, _ = lora_run
+    trained, tokenizer, config = model.load_for_inference(run_dir, device="cpu")
+    assert type(trained).__name__ == "PeftModelForCausalLM"
+    ids = tokenizer("Reverse the letters: a b c", return_tensors="pt")
+    with torch.no_grad():
+        after = trained(**ids).logits
+        with export.base_model_of(trained, config) as base:
+            before = base(**ids).logits
+    assert not torch.allclose(after, before)
+    answer = export.generate(trained, tokenizer, [{"role": "user", "content": "Reverse the letters: a b c"}], 8)
+    assert isinstance(answer, str)
+
+
+def test_generate_script_answers_held_out_prompts(lora_run):
+    run_dir, _ = lora_run
+    result = run_script("generate.py", "--run", str(run_dir), "--count", "2", "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("prompt:") == 2
+    assert "reference:" in result.stdout and "before:" in result.stdout and "after:" in result.stdout
+
+
+def test_full_fine_tuning_runs_and_saves_a_loadable_model(tmp_path):
+    run_dir, _ = train(tmp_path, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
+                       "train.learning_rate=1e-3")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert sum(p.numel() for p in loaded.parameters()) == 3_410_176
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 3 and summary["last_loss"] < summary["first_loss"]
+
+
+def test_qlora_runs_on_cpu_with_a_4bit_base(tmp_path):
+    run_dir, result = train(tmp_path, "qlora", "finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1")
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 3 and summary["last_loss"] < summary["first_loss"]
+
+
+def test_bad_config_exits_2_with_the_problems_and_no_traceback(tmp_path):
+    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", "train.learning_rat=1",
+                        "finetune.method=lorra")
+    assert result.returncode == 2
+    assert "did you mean 'train.learning_rate'" in result.stderr
+    assert "'full', 'lora', 'qlora'" in result.stderr
+    assert "Traceback" not in result.stderr
