@@ -42,7 +42,8 @@ def main() -> int:
 
     from sft_play import data, hardware, model, training
     from sft_play.data import collate
-    from sft_play.planner.choose import split_global_batch
+    from sft_play import planner
+    from sft_play.planner import report
     from sft_play.precision import resolve_precision
 
     state = PartialState()
@@ -56,19 +57,20 @@ def main() -> int:
     with state.main_process_first():
         bundle = data.build(config.data, tokenizer, seed=config.train.seed)
 
-    train = config.train
-    if train.micro_batch_size == "auto":
-        raise cli.UserError("train.micro_batch_size=auto needs the planner; set an integer")
-    accum = None if train.gradient_accumulation_steps == "auto" else train.gradient_accumulation_steps
-    split = split_global_batch(train.global_batch_size, state.num_processes, train.micro_batch_size, accum)
+    target = planner.target_for(facts, gpus=state.num_processes, allow_cpu=True)
+    plan = planner.make_plan(config, target, bundle.stats)
+    if not plan.fits and config.train.micro_batch_size == "auto":
+        raise cli.UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
+    split = plan.split
 
-    name = [run_name(args.config, train.run_name)]
+    name = [run_name(args.config, config.train.run_name)]
     broadcast_object_list(name)  # every rank writes into the folder rank 0 named
-    run_dir = Path(train.output_dir) / name[0]
+    run_dir = Path(config.train.output_dir) / name[0]
     if state.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         config.train.run_name = name[0]
         (run_dir / "config.yaml").write_text(config.to_yaml())
+        (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
     devices = gather_object([f"rank {state.process_index}: {state.device}"])
     if state.is_main_process:
         nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
@@ -76,23 +78,22 @@ def main() -> int:
             "%d process(es) on %d node(s), %s, mixed precision %s, weights %s",
             state.num_processes, nodes, state.distributed_type, precision.mixed, precision.weights_dtype,
         )
-        logger.info("%s%s", split.describe(), f" ({split.note})" if split.note else "")
+        logger.info("%s", plan.describe())
+        for line in plan.notes + plan.warnings:
+            logger.info("plan: %s", line)
         logger.info("devices: %s", "; ".join(devices))
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
     device = f"cuda:{state.local_process_index}" if on_gpu else "cpu"
     base = model.load_model(config, precision, device=device)
-    args_ = training.sft_arguments(
-        config, precision, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
-        has_validation=bundle.validation is not None,
-    )
     collator = collate.make_collator(
         tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision)
     )
-    trainer = training.build_trainer(
-        config, args_, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation, collator
+    make_trainer = training.trainer_factory(
+        config, precision, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
+        collator,
     )
-    trainer.train()
+    trainer, split = training.train_with_backoff(make_trainer, split)
     state.wait_for_everyone()
     training.save_final_model(trainer, run_dir / "model")
     if state.is_main_process:

@@ -153,16 +153,14 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
 def needed_disk_bytes(config: RunConfig, facts: HardwareInfo) -> int | None:
     """Disk the run's checkpoints and final model need, from the exact model shape (None when
     the model config cannot be read, e.g. a hub id while offline)."""
-    from sft_play.model import lora_config
+    from sft_play.planner import model_shape
     from sft_play.planner.disk import run_disk_bytes
-    from sft_play.planner.shapes import load_model_config, shape_from_config
     from sft_play.precision import resolve_precision
 
     try:
-        model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+        shape = model_shape(config)
     except OSError:
         return None
-    shape = shape_from_config(model_config, config.finetune.method, lora_config(config), config.model.trust_remote_code)
     precision = resolve_precision(config, facts.has_gpu, facts.has_gpu and all(g.bf16_supported for g in facts.gpus))
     train = config.train
     return run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps, train.save_total_limit)

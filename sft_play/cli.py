@@ -11,15 +11,12 @@ from collections.abc import Callable
 
 from sft_play.config import ConfigError
 from sft_play.data.formats import InvalidRow
+from sft_play.errors import UserError
 
 DEFAULT_CONFIG = "configs/run_tiny.yaml"
 
 # Exit status for user errors (bad config, bad data, a plan that cannot fit): not a crash.
 EXIT_USER_ERROR = 2
-
-
-class UserError(Exception):
-    """A problem the user can fix (the message says how); printed without a traceback."""
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InvalidRow, UserError, FileNotFoundError)
@@ -38,10 +35,11 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def setup_logging() -> None:
-    """INFO from our package on the main process, warnings only elsewhere."""
-    level = logging.INFO if is_main_process() else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+def setup_logging(quiet: bool = False) -> None:
+    """INFO from our package on the main process, warnings only elsewhere (and when `quiet`)."""
+    level = logging.INFO if is_main_process() and not quiet else logging.WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     logging.getLogger("sft_play").setLevel(level)
 
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from sft_play.config import RunConfig
+from sft_play.errors import OutOfMemory
+from sft_play.planner.choose import BatchSplit
 from sft_play.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -93,6 +96,103 @@ def build_trainer(
         peft_config=peft_config,
         callbacks=callbacks,
     )
+
+
+def trainer_factory(
+    config: RunConfig,
+    precision: Precision,
+    run_dir: Path,
+    model: Any,
+    peft_config: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any | None,
+    data_collator: Any = None,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Callable[[BatchSplit], Any]:
+    """A function that builds the run's trainer for a batch split (what :func:`train_with_backoff`
+    calls again with a smaller split). The first trainer wraps the model with the adapter; later
+    ones reuse the wrapped model."""
+    held = {"model": model, "peft_config": peft_config}
+
+    def make(split: BatchSplit) -> Any:
+        args = sft_arguments(
+            config, precision, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
+            has_validation=eval_dataset is not None,
+        )
+        trainer = build_trainer(
+            config, args, held["model"], held["peft_config"], tokenizer, train_dataset, eval_dataset,
+            data_collator, callbacks,
+        )
+        held.update(model=trainer.model, peft_config=None)
+        return trainer
+
+    return make
+
+
+def train_with_backoff(
+    make_trainer: Callable[[BatchSplit], Any],
+    split: BatchSplit,
+    resume_from_checkpoint: str | None = None,
+) -> tuple[Any, BatchSplit]:
+    """Train; when a step runs out of memory, halve the micro-batch, double the accumulation and
+    continue from where training was.
+
+    The global batch and the data order stay the same: the step that failed had not updated the
+    weights, so its state is saved as a checkpoint and a trainer with the new split resumes from
+    it (the trainer skips the ``step x accumulation`` micro-batches already seen, of the new size,
+    so exactly the same samples are skipped).
+
+    Args:
+        make_trainer: builds a trainer for a batch split.
+        split: the planned split.
+        resume_from_checkpoint: a checkpoint to start from.
+
+    Returns:
+        The trainer that finished, and the split it finished with.
+
+    Raises:
+        OutOfMemory: out of memory at micro-batch 1, or with several processes (where one rank
+            cannot change its batch alone).
+    """
+    import gc
+
+    import torch
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    while True:
+        trainer = make_trainer(split)
+        try:
+            trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+            return trainer, split
+        except RuntimeError as error:
+            if not should_reduce_batch_size(error):
+                raise
+            if split.micro_batch_size == 1:
+                raise OutOfMemory(
+                    "out of memory at micro-batch 1: nothing left to halve. `make plan` lists what would fit "
+                    "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)"
+                ) from error
+            if trainer.args.world_size > 1:
+                raise OutOfMemory(
+                    f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
+                    f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
+                    f"(and RESUME=auto to continue)"
+                ) from error
+            step = trainer.state.global_step
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer._save_checkpoint(trainer.model, trial=None)  # the state before the failed step
+            resume_from_checkpoint = str(Path(trainer.args.output_dir) / f"checkpoint-{step}")
+        smaller = split.halved()
+        logger.warning(
+            "out of memory at micro-batch %d (step %d): continuing from step %d with %s",
+            split.micro_batch_size, step + 1, step, smaller.describe(),
+        )
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        split = smaller
 
 
 def save_final_model(trainer: Any, model_dir: Path) -> None:

@@ -3,7 +3,10 @@ nothing fits, the remedies. Pure arithmetic on numbers the other planner modules
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,21 @@ class BatchSplit:
             f"global {self.global_batch_size} = micro {self.micro_batch_size} x accum "
             f"{self.gradient_accumulation_steps} x world {self.world_size}"
         )
+
+    def halved(self) -> BatchSplit:
+        """Half the micro-batch, twice the accumulation: the same global batch, less memory."""
+        if self.micro_batch_size <= 1:
+            raise ValueError("the micro-batch is already 1")
+        micro = self.micro_batch_size // 2
+        accum = self.gradient_accumulation_steps * self.micro_batch_size // micro
+        return BatchSplit(micro, accum, self.world_size, self.requested_global_batch_size, self.note)
+
+
+def budget_bytes(free_bytes: int, margin_gib: float, fraction: float) -> int:
+    """What the plan may use on one GPU: its free memory less the larger of a fixed margin and a
+    share of the free memory (room for what no model predicts: other processes, driver
+    growth, allocator behaviour on a new CUDA version)."""
+    return int(free_bytes - max(margin_gib * GIB, fraction * free_bytes))
 
 
 def split_global_batch(global_batch: int, world_size: int, micro: int, accum: int | None = None) -> BatchSplit:
@@ -56,3 +74,40 @@ def split_global_batch(global_batch: int, world_size: int, micro: int, accum: in
             f"using the nearest, {split.global_batch_size}",
         )
     return split
+
+
+def largest_fitting_micro(peak_of: Callable[[int], int], budget: int, upper: int) -> int:
+    """The largest micro-batch in [1, upper] whose predicted peak fits `budget` (0 if none).
+
+    The peak grows with the micro-batch, so a binary search finds it in log(upper) evaluations.
+    """
+    if upper < 1 or peak_of(1) > budget:
+        return 0
+    low, high = 1, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if peak_of(middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def choose_split(global_batch: int, world_size: int, fitting_micro: int) -> BatchSplit:
+    """The fastest split of `global_batch` whose micro-batch is at most `fitting_micro`.
+
+    Prefer an exact split (a divisor of the per-process batch) when its micro-batch is at least
+    half the largest that fits; otherwise take the largest that fits and the nearest global batch
+    (an exact split with a tiny micro-batch would waste the GPU), saying what changed.
+    """
+    per_process, remainder = divmod(global_batch, world_size)
+    if per_process == 0:
+        return BatchSplit(1, 1, world_size, global_batch,
+                          note=f"global batch {global_batch} is smaller than the world size {world_size}; "
+                          f"each process takes 1, so the global batch is {world_size}")
+    fitting_micro = min(fitting_micro, per_process)
+    if remainder == 0:
+        exact = max(d for d in range(1, fitting_micro + 1) if per_process % d == 0)
+        if 2 * exact >= fitting_micro:
+            return BatchSplit(exact, per_process // exact, world_size, global_batch)
+    return split_global_batch(global_batch, world_size, fitting_micro)

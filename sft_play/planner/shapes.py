@@ -9,6 +9,7 @@ transformers the latter leaves tied embeddings untied and counts them twice.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -111,14 +112,18 @@ def quantized_linears(model: Any) -> list[tuple[str, Any]]:
 
 
 def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]]]:
-    """Adapter parameters peft adds for `lora_config`, and the (in, out) of each adapted linear
-    of the first decoder layer (what the activation model needs)."""
-    import torch
+    """Adapter parameters peft adds to `model` for `lora_config`, and the (in, out) of each
+    adapted linear of the first decoder layer (what the activation model needs)."""
+    import copy
+
     from peft import get_peft_model
 
-    with torch.device("meta"), warnings.catch_warnings():
+    # Adapter weights on the meta device and no initialisation: only their shapes are needed
+    lora_config = copy.copy(lora_config)
+    lora_config.init_lora_weights = False
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = get_peft_model(model, lora_config)
+        peft_model = get_peft_model(model, lora_config, low_cpu_mem_usage=True)
     total = sum(p.numel() for n, p in peft_model.named_parameters() if p.requires_grad)
     in_out = []
     for name, module in peft_model.named_modules():
@@ -130,12 +135,103 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
     return total, in_out
 
 
+def _decoder_layers(model: Any, num_layers: int) -> Any | None:
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+def _layer_signature(layer: Any) -> tuple:
+    return tuple((name, type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+                 for name, m in layer.named_modules())
+
+
+def _with_layers(model_config: Any, layers: int) -> Any:
+    import copy
+
+    shorter = copy.deepcopy(model_config)
+    text = shorter.get_text_config() if hasattr(shorter, "get_text_config") else shorter
+    text.num_hidden_layers = layers
+    for per_layer in ("layer_types", "mlp_only_layers"):
+        value = getattr(text, per_layer, None)
+        if isinstance(value, list) and per_layer == "layer_types":
+            setattr(text, per_layer, value[:layers])
+    return shorter
+
+
+def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_code: bool = False) -> tuple[int, list[tuple[int, int]]]:
+    """:func:`lora_counts` for the model `model_config` describes, without wrapping every layer.
+
+    peft's module-by-module wrapping takes seconds for an 80-layer model, so when the decoder
+    layers are identical (same modules, same shapes, checked on the full meta model) peft is run
+    on copies of the model with one and with two layers, and the count is extended linearly:
+    ``n(L) = n(1) + (L - 1) x (n(2) - n(1))``. Different layers fall back to the whole model.
+    """
+    full = build_meta_model(model_config, trust_remote_code)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    num_layers = _attr(text, "num_hidden_layers", "n_layer", "num_layers")
+    layers = _decoder_layers(full, num_layers) if num_layers > 2 else None
+    if layers is None or len({_layer_signature(layer) for layer in layers}) != 1:
+        return lora_counts(full, lora_config)
+    one, in_out = lora_counts(build_meta_model(_with_layers(model_config, 1), trust_remote_code), lora_config)
+    two, _ = lora_counts(build_meta_model(_with_layers(model_config, 2), trust_remote_code), lora_config)
+    return one + (num_layers - 1) * (two - one), in_out
+
+
 def _attr(config: Any, *names: str, default: int = 0) -> int:
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
             return int(value)
     return default
+
+
+def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape:
+    """Exact sizes of the model `model_config` describes, for full fine-tuning, with the count
+    of weights QLoRA would quantise filled in (combine with :func:`with_method`)."""
+    model = build_meta_model(model_config, trust_remote_code)
+    by_kind = count_by_kind(model)
+    total = sum(by_kind.values())
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    hidden = _attr(text, "hidden_size", "n_embd", "d_model")
+    heads = _attr(text, "num_attention_heads", "n_head")
+    quantized = blocks = 0
+    for _, module in quantized_linears(model):
+        n = module.weight.numel()
+        quantized += n
+        blocks += -(-n // 64)
+    return ModelShape(
+        model_type=getattr(model_config, "model_type", "unknown"),
+        architecture=type(model).__name__,
+        total_params=total,
+        params_by_kind=by_kind,
+        trainable_params=total,
+        lora_params=0,
+        quantized_params=quantized,
+        quantized_blocks=blocks,
+        num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
+        hidden_size=hidden,
+        intermediate_size=_attr(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+        num_attention_heads=heads,
+        num_key_value_heads=_attr(text, "num_key_value_heads", "num_kv_heads", default=heads),
+        head_dim=_attr(text, "head_dim", default=hidden // max(1, heads)),
+        vocab_size=_attr(text, "vocab_size"),
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+    )
+
+
+def with_method(base: ModelShape, method: str, lora: tuple[int, list[tuple[int, int]]] | None = None) -> ModelShape:
+    """`base` (from :func:`base_shape`) for `method`; `lora` is :func:`lora_counts`' answer."""
+    lora_params, in_out = lora if lora is not None else (0, [])
+    return dataclasses.replace(
+        base,
+        trainable_params=base.total_params if method == "full" else lora_params,
+        lora_params=0 if method == "full" else lora_params,
+        quantized_params=base.quantized_params if method == "qlora" else 0,
+        quantized_blocks=base.quantized_blocks if method == "qlora" else 0,
+        lora_in_out=[] if method == "full" else list(in_out),
+    )
 
 
 def shape_from_config(model_config: Any, method: str, lora_config: Any = None, trust_remote_code: bool = False) -> ModelShape:
@@ -147,38 +243,6 @@ def shape_from_config(model_config: Any, method: str, lora_config: Any = None, t
         lora_config: peft ``LoraConfig`` for lora/qlora.
         trust_remote_code: allow custom architectures' code.
     """
-    model = build_meta_model(model_config, trust_remote_code)
-    by_kind = count_by_kind(model)
-    total = sum(by_kind.values())
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden = _attr(text, "hidden_size", "n_embd", "d_model")
-    heads = _attr(text, "num_attention_heads", "n_head")
-    quantized = 0
-    blocks = 0
-    if method == "qlora":
-        for _, module in quantized_linears(model):
-            n = module.weight.numel()
-            quantized += n
-            blocks += -(-n // 64)
-    lora, in_out = (0, [])
-    if method in ("lora", "qlora"):
-        lora, in_out = lora_counts(model, lora_config)
-    return ModelShape(
-        model_type=getattr(model_config, "model_type", "unknown"),
-        architecture=type(model).__name__,
-        total_params=total,
-        params_by_kind=by_kind,
-        trainable_params=total if method == "full" else lora,
-        lora_params=lora,
-        quantized_params=quantized,
-        quantized_blocks=blocks,
-        num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
-        hidden_size=hidden,
-        intermediate_size=_attr(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
-        num_attention_heads=heads,
-        num_key_value_heads=_attr(text, "num_key_value_heads", "num_kv_heads", default=heads),
-        head_dim=_attr(text, "head_dim", default=hidden // max(1, heads)),
-        vocab_size=_attr(text, "vocab_size"),
-        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-        lora_in_out=in_out,
-    )
+    base = base_shape(model_config, trust_remote_code)
+    lora = lora_counts_for_config(model_config, lora_config, trust_remote_code) if method in ("lora", "qlora") else None
+    return with_method(base, method, lora)

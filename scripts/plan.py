@@ -1,0 +1,74 @@
+"""Plan a run before any weight loads: exact model sizes, the per-GPU memory breakdown, and the
+micro-batch and accumulation that reach the global batch without running out of memory.
+
+Without --gpus/--vram-gib the detected GPUs are used; on a machine without a GPU they are
+required. With a tokenizer and readable data the real sequence lengths are used.
+
+Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-gib G] [--json] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+
+
+def read_data_stats(config):
+    """The data's statistics, or None (with the reason) when there is no tokenizer or data to read."""
+    from sft_play import data, model
+    from sft_play.data.formats import InvalidRow
+
+    try:
+        tokenizer = model.load_tokenizer(config)
+    except (OSError, ValueError) as exc:
+        return None, f"no tokenizer at {config.model.tokenizer_name_or_path or config.model.name_or_path} ({type(exc).__name__})"
+    try:
+        return data.build(config.data, tokenizer, seed=config.train.seed).stats, None
+    except (InvalidRow, OSError, ValueError) as exc:
+        return None, f"data not read: {exc}"
+
+
+def main() -> int:
+    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, help="GPUs to plan for, all nodes together (default: the visible ones)")
+    parser.add_argument("--vram-gib", type=float, help="free memory per GPU to plan for, in GiB")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--plot", help="write the per-GPU memory picture to this image file")
+    parser.add_argument("--no-data", action="store_true", help="do not read the data; assume data.max_seq_length")
+    args = parser.parse_args()
+    cli.setup_logging(quiet=args.json)
+
+    from sft_play import config as config_module
+    from sft_play import hardware, planner
+    from sft_play.planner import report
+    from sft_play.planner.shapes import load_model_config
+
+    config = config_module.load(args.config, args.overrides)
+    try:
+        target = planner.target_for(hardware.detect(), args.gpus, args.vram_gib)
+    except ValueError as exc:
+        raise cli.UserError(str(exc)) from None
+    stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
+
+    # Imports are not planning: load the architecture's code before the clock starts
+    from transformers import AutoModelForCausalLM
+
+    model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+    AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    import peft  # noqa: F401
+
+    plan = planner.make_plan(config, target, stats)
+    if why:
+        plan.notes.append(f"sequence length from the config: {why}")
+    if args.plot:
+        plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
+    print(report.to_json(plan) if args.json else report.to_text(plan))
+    return 0 if plan.fits else 3
+
+
+if __name__ == "__main__":
+    cli.run(main)

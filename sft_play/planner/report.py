@@ -1,0 +1,107 @@
+"""Showing a plan: a readable table, one JSON document, and a picture of the memory per GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sft_play.planner import Plan
+
+GIB = 1024**3
+
+# Breakdown terms in the order they are drawn and listed; labels for people.
+TERM_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "master_weights": "fp32 master weights",
+    "ddp_buckets": "DDP gradient buckets",
+    "zero_buffers": "ZeRO bucket buffers",
+    "cuda_runtime": "CUDA context + libraries",
+    "activations": "activations",
+    "attention_scores": "attention scores / mask",
+    "logits_loss": "logits + loss (chunked head)",
+    "backward_working": "backward working set",
+    "dequantize": "4-bit de-quantisation",
+    "optimizer_step": "optimizer step temporaries",
+    "fragmentation": "allocator fragmentation",
+}
+
+
+def gib(value: int) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2)
+
+
+def to_text(plan: Plan) -> str:
+    """The plan as ``make plan`` prints it."""
+    lines = [
+        f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})",
+        "         by kind: " + ", ".join(f"{k} {v:,}" for k, v in plan.params_by_kind.items() if v),
+        f"Hardware {plan.device}; {plan.strategy}, world size {plan.world_size}",
+        f"Recipe   weights {plan.precision['weights']}, compute {plan.precision['compute']} "
+        f"(mixed precision {plan.precision['mixed']}), attention {plan.attention}, "
+        f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}",
+        f"Sequence {plan.sequence_length} tokens: {plan.sequence_length_source}",
+        "",
+        f"  {'per-GPU memory term':<32} {'GiB':>9} {'share':>7}",
+    ]
+    total = max(1, plan.peak_bytes_per_gpu)
+    for term, value in plan.breakdown.items():
+        if value:
+            lines.append(f"  {TERM_LABELS.get(term, term):<32} {gib(value):>9} {100 * value / total:>6.1f}%")
+    lines += [
+        f"  {'predicted peak':<32} {gib(plan.peak_bytes_per_gpu):>9}",
+        f"  {'budget (free less margin)':<32} {gib(plan.budget_bytes_per_gpu):>9}   of {gib(plan.free_bytes_per_gpu)} free",
+        "",
+        f"Plan     {plan.describe()}  {'FITS' if plan.fits else 'DOES NOT FIT'}",
+    ]
+    lines += [f"  note: {note}" for note in plan.notes]
+    lines += [f"  warning: {warning}" for warning in plan.warnings]
+    if plan.remedies:
+        lines += ["", "Remedies (cheapest change first; those that fit lead):"]
+        for r in plan.remedies:
+            outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
+            lines.append(f"  {r['name']:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
+    lines.append(f"\nPlanned in {plan.plan_seconds:.2f} s.")
+    return "\n".join(lines)
+
+
+def plot(plan: Plan, path: str | Path) -> Path:
+    """Stacked bars of the per-GPU breakdown for each candidate micro-batch, the budget as a line,
+    the chosen micro-batch marked; written as an image to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    candidates = plan.candidates or [
+        {"micro_batch_size": plan.micro_batch_size, "breakdown": plan.breakdown, "peak_bytes": plan.peak_bytes_per_gpu}
+    ]
+    terms = [t for t in TERM_LABELS if any(c["breakdown"].get(t, 0) for c in candidates)]
+    labels = [str(c["micro_batch_size"]) for c in candidates]
+    figure, axes = plt.subplots(figsize=(max(6, 0.8 * len(candidates) + 3), 5))
+    bottoms = [0.0] * len(candidates)
+    colours = plt.get_cmap("tab20").colors
+    for i, term in enumerate(terms):
+        heights = [c["breakdown"].get(term, 0) / GIB for c in candidates]
+        axes.bar(labels, heights, bottom=bottoms, label=TERM_LABELS[term], color=colours[i % len(colours)])
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes.axhline(plan.budget_bytes_per_gpu / GIB, color="red", linestyle="--", label="budget")
+    chosen = labels.index(str(plan.micro_batch_size)) if str(plan.micro_batch_size) in labels else None
+    if chosen is not None:
+        axes.annotate("chosen", (chosen, bottoms[chosen]), textcoords="offset points", xytext=(0, 6), ha="center",
+                      fontweight="bold")
+    axes.set_xlabel("micro-batch size (sequences per GPU)")
+    axes.set_ylabel("GiB per GPU")
+    axes.set_title(f"{plan.model} ({plan.method}), seq {plan.sequence_length}, {plan.device}", fontsize=9)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
