@@ -11,12 +11,15 @@ ARGS ?=
 RUN ?=
 PROMPT ?=
 PIP_ARGS ?=
+NUM_GPUS ?=
+VRAM_GIB ?=
+PLOT ?=
 
 RUN_FLAG = $(if $(RUN),--run $(RUN))
 
 .DEFAULT_GOAL := help
 
-.PHONY: help install check gpu-info train train-tb tensorboard generate chat test clean
+.PHONY: help install check gpu-info plan train train-tb tensorboard generate chat test bench-planner clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,6 +36,9 @@ check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder
 
 gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
 	$(PY) scripts/gpu_info.py $(ARGS)
+
+plan: $(STAMP) ## Plan CONFIG's batch and per-GPU memory (NUM_GPUS=8 VRAM_GIB=80 for other hardware, PLOT=plan.png)
+	$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(PLOT),--plot $(PLOT)) $(ARGS)
 
 train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~3 min)
 	$(PY) scripts/train_distributed.py --config $(CONFIG) $(ARGS)
@@ -51,6 +57,9 @@ chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
 
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)
+
+bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
+	$(PY) bench/planner_accuracy.py $(ARGS)
 
 clean: ## Remove run folders and caches (keeps .venv)
 	rm -rf runs .pytest_cache

@@ -1,0 +1,26 @@
+"""The benchmarks' CPU paths run here so that they cannot rot; the reports say what they are."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_planner_accuracy_cpu_path_writes_a_report(tmp_path):
+    report = tmp_path / "planner_accuracy.md"
+    result = subprocess.run([sys.executable, "bench/planner_accuracy.py", "--output", str(report)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = report.read_text()
+    assert "No GPU figure exists yet" in text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny_model")]
+    assert len(rows) == 2 and all("%" in row for row in rows)
+    assert "Median absolute error" in text

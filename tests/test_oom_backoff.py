@@ -1,0 +1,79 @@
+"""Runtime OOM backoff: an out-of-memory step halves the micro-batch, doubles the accumulation,
+and training continues from where it was with the same global batch."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from sft_play import config as config_module
+from sft_play import data, model, training
+from sft_play.data import collate
+from sft_play.errors import OutOfMemory
+from sft_play.planner.choose import BatchSplit
+from sft_play.precision import resolve_precision
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+class InjectOutOfMemory(TrainerCallback):
+    """Raises CUDA's out-of-memory error at the start of `at_step` while the micro-batch is above `until`."""
+
+    def __init__(self, at_step: int, until: int = 0):
+        self.at_step, self.until, self.raised = at_step, until, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step and args.per_device_train_batch_size > self.until:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def build(tmp_path: Path, callbacks):
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false",
+    ])
+    precision = resolve_precision(config, has_gpu=False, bf16_supported=False)
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+    base = model.load_model(config, precision, device="cpu")
+    collator = collate.make_collator(tokenizer.pad_token_id, True, "sdpa")
+    return training.trainer_factory(config, precision, tmp_path, base, model.lora_config(config), tokenizer,
+                                    bundle.train, None, collator, callbacks)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_continues(tmp_path, caplog):
+    injected = InjectOutOfMemory(at_step=2, until=4)
+    make = build(tmp_path / "backoff", [injected])
+    with caplog.at_level(logging.WARNING, logger="sft_play"):
+        trainer, split = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+    assert injected.raised == 1
+    assert split == BatchSplit(4, 2, 1, 8)  # same global batch
+    assert trainer.state.global_step == 4
+    assert (tmp_path / "backoff" / "checkpoints" / "checkpoint-2").is_dir()
+    assert "out of memory at micro-batch 8 (step 3): continuing from step 2 with global 8 = micro 4 x accum 2" in caplog.text
+
+    # The same steps as a run that never ran out of memory (the same samples, the same updates)
+    reference, _ = training.train_with_backoff(build(tmp_path / "reference", []), BatchSplit(8, 1, 1, 8))
+    ours = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    theirs = [e["loss"] for e in reference.state.log_history if "loss" in e]
+    assert ours[-2:] == pytest.approx(theirs[-2:], rel=1e-3)
+
+
+def test_gives_up_with_a_clear_message_at_micro_batch_one(tmp_path):
+    make = build(tmp_path, [InjectOutOfMemory(at_step=0)])
+    with pytest.raises(OutOfMemory, match="out of memory at micro-batch 1: nothing left to halve"):
+        training.train_with_backoff(make, BatchSplit(2, 4, 1, 8))
+
+
+def test_other_errors_are_not_swallowed(tmp_path):
+    class Boom(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise RuntimeError("something else broke")
+
+    with pytest.raises(RuntimeError, match="something else broke"):
+        training.train_with_backoff(build(tmp_path, [Boom()]), BatchSplit(8, 1, 1, 8))

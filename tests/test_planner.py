@@ -1,0 +1,343 @@
+"""The planner: exact sizes, every memory term, the batch it picks, remedies, and its interface."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from sft_play import config as config_module
+from sft_play.planner import Target, make_plan, memory, model_shape
+from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
+from sft_play.planner.shapes import ModelShape
+from tests.conftest import run_script
+
+GIB = 1024**3
+CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model_configs"
+
+
+def plan_config(model: str, *overrides: str):
+    return config_module.load(None, [f"model.name_or_path={CONFIGS / model}", *overrides], check_paths=False)
+
+
+# --- sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, total",
+    [("llama-3.1-8b", 8_030_261_248), ("qwen2.5-0.5b", 494_032_768), ("mistral-7b-v0.1", 7_241_732_096),
+     ("gemma-2-9b", 9_241_705_984), ("llama-3-70b", 70_553_706_496)],
+)
+def test_published_parameter_counts(model, total):
+    shape = model_shape(plan_config(model, "finetune.method=full"))
+    assert shape.total_params == total
+    assert shape.trainable_params == total
+    assert sum(shape.params_by_kind.values()) == total
+
+
+def test_tied_embeddings_are_counted_once():
+    shape = model_shape(plan_config("qwen2.5-0.5b", "finetune.method=full"))
+    assert shape.tie_word_embeddings
+    assert shape.params_by_kind["lm_head"] == 0
+    assert shape.params_by_kind["embeddings"] == 151_936 * 896
+
+
+def test_kinds_of_llama_8b():
+    kinds = model_shape(plan_config("llama-3.1-8b", "finetune.method=full")).params_by_kind
+    assert kinds["embeddings"] == kinds["lm_head"] == 128_256 * 4096
+    assert kinds["attention"] == 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2)
+    assert kinds["mlp"] == 32 * 3 * 4096 * 14336
+    assert kinds["norms"] == (2 * 32 + 1) * 4096
+
+
+@pytest.mark.parametrize("model, lora", [("llama-3.1-8b", 41_943_040), ("qwen2.5-0.5b", 8_798_208)])
+def test_lora_r16_all_linear_counts(model, lora):
+    shape = model_shape(plan_config(model, "finetune.method=lora", "lora.r=16"))
+    assert shape.trainable_params == shape.lora_params == lora
+    assert shape.total_params > lora
+
+
+def test_lora_targets_and_rank_change_the_count():
+    shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=8", "lora.target_modules=[q_proj, v_proj]"))
+    assert shape.lora_params == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+
+
+def test_qlora_quantises_every_linear_but_the_head():
+    shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=qlora"))
+    kinds = shape.params_by_kind
+    assert shape.quantized_params == kinds["attention"] + kinds["mlp"]
+    assert shape.quantized_blocks == shape.quantized_params // 64
+    assert shape.trainable_params == 41_943_040
+
+
+# --- memory terms, on a small shape worked out by hand ---------------------------------------
+
+SHAPE = ModelShape(
+    model_type="llama", architecture="LlamaForCausalLM", total_params=1_000_000,
+    params_by_kind={"embeddings": 100_000, "attention": 300_000, "mlp": 500_000, "norms": 0, "lm_head": 100_000, "other": 0},
+    trainable_params=1_000_000, lora_params=0, quantized_params=0, quantized_blocks=0, num_layers=2, hidden_size=64,
+    intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+    tie_word_embeddings=False,
+)
+LORA_SHAPE = dataclasses.replace(SHAPE, trainable_params=10_000, lora_params=10_000, lora_in_out=[(64, 64), (64, 128)])
+QLORA_SHAPE = dataclasses.replace(LORA_SHAPE, quantized_params=800_000, quantized_blocks=12_500)
+FULL = memory.Recipe(method="full", weight_bytes=4, compute_bytes=2, mixed_precision=True, optimizer="adamw_torch")
+LORA = memory.Recipe(method="lora", weight_bytes=2, compute_bytes=2, mixed_precision=True, optimizer="adamw_torch",
+                     lora_rank=8)
+QLORA = dataclasses.replace(LORA, method="qlora", adapter_bytes=2)
+WORK = memory.Workload(micro_batch=2, seq_len=16, gradient_checkpointing=False, attention="sdpa", masked=False)
+
+
+def test_weights_by_storage_dtype():
+    assert memory.weights_bytes(SHAPE, FULL) == 4_000_000
+    assert memory.weights_bytes(LORA_SHAPE, LORA) == 2_000_000 + 4 * 10_000
+    # NF4: half a byte per quantised weight, constants, the rest in 16 bits, adapters in bf16
+    constants = 12_500 + 4 * -(-12_500 // 256)
+    assert memory.quantization_constants_bytes(QLORA_SHAPE, QLORA) == constants
+    assert memory.weights_bytes(QLORA_SHAPE, QLORA) == 400_000 + constants + 2 * 200_000 + 2 * 10_000
+    no_double = dataclasses.replace(QLORA, double_quant=False)
+    assert memory.quantization_constants_bytes(QLORA_SHAPE, no_double) == 4 * 12_500
+
+
+def test_gradients_and_optimizer_states():
+    assert memory.gradient_bytes(SHAPE, FULL) == 4_000_000
+    assert memory.optimizer_state_bytes(SHAPE, FULL) == 8_000_000
+    assert memory.optimizer_state_bytes(LORA_SHAPE, LORA) == 80_000
+    assert memory.optimizer_state_bytes(QLORA_SHAPE, QLORA) == 40_000  # bf16 adapters keep bf16 states
+    assert memory.optimizer_state_bytes(SHAPE, dataclasses.replace(FULL, optimizer="adamw_8bit")) == int(1e6 * (2 + 8 / 256))
+    assert memory.optimizer_state_bytes(SHAPE, dataclasses.replace(FULL, optimizer="sgd")) == 0
+    assert 0 < memory.optimizer_state_bytes(SHAPE, dataclasses.replace(FULL, optimizer="adafactor")) < 1_000_000
+    assert memory.master_weights_bytes(SHAPE, FULL) == 0
+
+
+def test_zero2_shards_gradients_states_and_masters():
+    zero2 = dataclasses.replace(FULL, world_size=4, strategy="deepspeed_zero2")
+    assert memory.weights_bytes(SHAPE, zero2) == 2_000_000  # DeepSpeed holds the 16-bit copy
+    assert memory.gradient_bytes(SHAPE, zero2) == 2_000_000 // 4
+    assert memory.optimizer_state_bytes(SHAPE, zero2) == 8_000_000 // 4
+    assert memory.master_weights_bytes(SHAPE, zero2) == 4_000_000 // 4
+    assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64 + 2 * 1_000_000
+    offload = dataclasses.replace(zero2, offload_optimizer=True)
+    assert memory.optimizer_state_bytes(SHAPE, offload) == memory.master_weights_bytes(SHAPE, offload) == 0
+    zero3 = dataclasses.replace(zero2, strategy="deepspeed_zero3")
+    deep = dataclasses.replace(SHAPE, num_layers=32)  # ZeRO-3 gathers two layers at a time
+    per_layer = (2_000_000 - 2 * 100_000) // 32
+    assert memory.weights_bytes(deep, zero3) == 2_000_000 // 4 + 2 * per_layer
+
+
+def test_ddp_buckets_only_with_several_processes():
+    assert memory.ddp_bucket_bytes(SHAPE, FULL) == 0
+    assert memory.ddp_bucket_bytes(SHAPE, dataclasses.replace(FULL, world_size=2)) == 4_000_000
+    assert memory.runtime_bytes(dataclasses.replace(FULL, world_size=2)) - memory.runtime_bytes(FULL) == memory.NCCL_BYTES
+
+
+def test_activation_terms():
+    per_token = memory.layer_activation_bytes_per_token(SHAPE, FULL, WORK)
+    # norms 2 x (4 + 4 + 2) h, attention 2 (3 q + 2 kv) + 4 heads, MLP 4 x 2 x I
+    assert per_token == 2 * 10 * 64 + 2 * (3 * 64 + 2 * 32) + 16 + 8 * 128
+    tokens = WORK.tokens
+    assert memory.activation_bytes(SHAPE, FULL, WORK) == int(2 * per_token * tokens + (4 + 4 + 2) * 64 * tokens)
+    checkpointed = dataclasses.replace(WORK, gradient_checkpointing=True)
+    assert memory.activation_bytes(SHAPE, FULL, checkpointed) < memory.activation_bytes(SHAPE, FULL, WORK)
+
+
+def test_lora_activations_count_the_cast_copies():
+    lora = memory.lora_activation_bytes_per_token(LORA_SHAPE, LORA)
+    assert lora == 2 * 64 + 2 * 8 + 2 * 64 + 2 * 8  # fp32 adapters under bf16 autocast: a 16-bit copy per input
+    no_mixed = dataclasses.replace(LORA, compute_bytes=4, mixed_precision=False)
+    assert memory.lora_activation_bytes_per_token(LORA_SHAPE, no_mixed) == 2 * 4 * 8
+    assert memory.lora_activation_bytes_per_token(SHAPE, FULL) == 0
+
+
+def test_attention_scores_for_eager_and_masked_sdpa():
+    assert memory.attention_score_bytes(SHAPE, FULL, WORK) == 0
+    eager = dataclasses.replace(WORK, attention="eager")
+    assert memory.attention_score_bytes(SHAPE, FULL, eager) == 2 * 4 * 16 * 16 * (4 + 2) * 2 + 2 * 16 * 16 * 2
+    masked = dataclasses.replace(WORK, masked=True)
+    assert memory.attention_score_bytes(SHAPE, FULL, masked) == 2 * 16 * 16 * 2 * 2 + 2 * 16 * 16
+    flash = dataclasses.replace(WORK, attention="flash_attention_2", masked=False)
+    assert memory.attention_score_bytes(SHAPE, FULL, flash) == 0
+
+
+def test_logits_loss_never_materialises_batch_x_seq_x_vocab():
+    big_vocab = dataclasses.replace(SHAPE, vocab_size=256_000)
+    lora_big = dataclasses.replace(big_vocab, trainable_params=10, lora_params=10)
+    loss = memory.logits_loss_bytes(lora_big, LORA, WORK)
+    assert loss < WORK.tokens * 256_000 * 4  # the full fp32 logits would be this
+    tile = min(WORK.tokens, memory.FUSED_HEAD_TOKENS) * memory.FUSED_HEAD_VOCAB * 2
+    assert loss >= tile
+    # A trained head (full fine-tuning) also accumulates its gradient in fp32
+    frozen_head = dataclasses.replace(FULL, method="lora")
+    assert memory.logits_loss_bytes(big_vocab, FULL, WORK) - memory.logits_loss_bytes(big_vocab, frozen_head, WORK) == (
+        256_000 * 64 * 4
+    )
+
+
+def test_breakdown_sums_to_the_peak_and_grows_with_the_batch():
+    terms = memory.breakdown(SHAPE, FULL, WORK)
+    assert sum(terms.values()) == memory.peak_bytes(SHAPE, FULL, WORK)
+    assert set(terms) >= {"weights", "gradients", "optimizer_states", "activations", "logits_loss", "cuda_runtime",
+                          "fragmentation", "ddp_buckets", "zero_buffers", "master_weights", "optimizer_step"}
+    peaks = [memory.peak_bytes(SHAPE, FULL, dataclasses.replace(WORK, micro_batch=m)) for m in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks)
+
+
+def test_optimizer_step_is_the_peak_when_activations_are_small():
+    tiny_work = dataclasses.replace(WORK, micro_batch=1, seq_len=1)
+    big_model = dataclasses.replace(SHAPE, total_params=10**9, trainable_params=10**9)
+    terms = memory.breakdown(big_model, FULL, tiny_work)
+    assert terms["optimizer_step"] == 4 * 10**9 and terms["activations"] == 0
+
+
+# --- the choice ------------------------------------------------------------------------------
+
+
+def test_budget_keeps_the_larger_margin():
+    assert budget_bytes(80 * GIB, 1.0, 0.05) == 76 * GIB
+    assert budget_bytes(10 * GIB, 1.0, 0.05) == 9 * GIB
+
+
+def test_largest_fitting_micro_by_binary_search():
+    assert largest_fitting_micro(lambda m: m * 10, 75, 64) == 7
+    assert largest_fitting_micro(lambda m: m * 10, 5, 64) == 0
+    assert largest_fitting_micro(lambda m: m * 10, 10_000, 16) == 16
+
+
+def test_choose_split_prefers_an_exact_global_batch():
+    assert choose_split(64, 8, 5) == BatchSplit(4, 2, 8, 64)
+    split = choose_split(64, 1, 48)
+    assert (split.micro_batch_size, split.gradient_accumulation_steps) == (32, 2)
+
+
+def test_choose_split_says_what_changed_when_nothing_divides():
+    split = choose_split(37, 1, 8)  # 37 is prime: an exact split would need micro 1
+    assert split.micro_batch_size == 8 and split.global_batch_size == 40
+    assert "nearest" in split.note
+    split = choose_split(10, 4, 8)
+    assert split.global_batch_size != 10 and split.note
+
+
+def test_split_with_fixed_values_reports_a_changed_global_batch():
+    split = split_global_batch(64, 2, 8, 3)
+    assert split.global_batch_size == 48 and "not train.global_batch_size 64" in split.note
+    assert split_global_batch(64, 2, 8) == BatchSplit(8, 4, 2, 64)
+    assert BatchSplit(8, 4, 2, 64).halved() == BatchSplit(4, 8, 2, 64)
+
+
+def test_plan_picks_the_largest_micro_that_fits():
+    config = plan_config("llama-3.1-8b", "finetune.method=qlora", "train.global_batch_size=64",
+                         "data.max_seq_length=2048", "train.gradient_checkpointing=true")
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
+    assert plan.fits and plan.global_batch_size == 64
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size == 64
+    assert sum(plan.breakdown.values()) == plan.peak_bytes_per_gpu <= plan.budget_bytes_per_gpu
+    bigger = next((c for c in plan.candidates if c["micro_batch_size"] > plan.micro_batch_size), None)
+    if bigger is not None and plan.micro_batch_size < 8:
+        assert not bigger["fits"]
+    assert plan.describe().startswith(f"global 64 = micro {plan.micro_batch_size} x accum")
+    assert "predicted peak" in plan.describe()
+
+
+def test_explicit_micro_is_respected_with_a_warning():
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.micro_batch_size=16",
+                         "train.global_batch_size=64", "data.max_seq_length=4096")
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"), with_remedies=False)
+    assert plan.micro_batch_size == 16 and not plan.fits
+    assert any("train.micro_batch_size=16 is predicted not to fit" in w for w in plan.warnings)
+
+
+def test_when_nothing_fits_remedies_are_ranked_with_their_peaks():
+    config = plan_config("llama-3-70b", "finetune.method=lora", "train.global_batch_size=64",
+                         "data.max_seq_length=4096")
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
+    assert not plan.fits
+    remedies = plan.remedies
+    assert remedies and all(r["peak_bytes"] > 0 and r["change"] for r in remedies)
+    fitting = [r for r in remedies if r["fits"]]
+    assert fitting, remedies
+    assert remedies[: len(fitting)] == fitting  # those that work lead
+    names = [r["name"] for r in remedies]
+    assert "gradient checkpointing" in names and "QLoRA instead of LoRA" in names
+    checkpointing = next(r for r in remedies if r["name"] == "gradient checkpointing")
+    assert checkpointing["peak_bytes"] < plan.peak_bytes_per_gpu
+    assert all(r["peak_bytes"] <= plan.budget_bytes_per_gpu for r in fitting)
+
+
+def test_a_single_remedy_that_fits_is_offered_alone():
+    config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=64",
+                         "data.max_seq_length=4096")
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
+    first = plan.remedies[0]
+    assert first["name"] == "gradient checkpointing" and first["fits"] and first["micro_batch_size"] >= 1
+
+
+def test_cpu_target_plans_host_memory_without_cuda_runtime():
+    config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml")
+    plan = make_plan(config, Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False))
+    assert "cuda_runtime" not in plan.breakdown and plan.fits
+    assert plan.precision["mixed"] == "no"
+
+
+# --- the interface ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory):
+    image = tmp_path_factory.mktemp("plot") / "plan.png"
+    result = run_script(
+        "plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
+        "finetune.method=qlora", "train.micro_batch_size=auto", "train.global_batch_size=64",
+        "train.gradient_checkpointing=true", "data.max_seq_length=4096", "--gpus", "8", "--vram-gib", "80",
+        "--json", "--plot", str(image),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout), image
+
+
+def test_plan_json_contract(plan_json):
+    doc, _ = plan_json
+    for key in ("total_params", "trainable_params", "micro_batch_size", "gradient_accumulation_steps", "world_size",
+                "global_batch_size", "peak_bytes_per_gpu", "budget_bytes_per_gpu", "fits", "breakdown", "remedies",
+                "sequence_length", "sequence_length_source", "plan_seconds"):
+        assert key in doc, key
+    assert doc["total_params"] == 70_553_706_496 and doc["world_size"] == 8
+    assert sum(doc["breakdown"].values()) == doc["peak_bytes_per_gpu"]
+    assert doc["fits"] is True and doc["remedies"] == []
+    assert doc["micro_batch_size"] * doc["gradient_accumulation_steps"] * 8 == doc["global_batch_size"] == 64
+    assert doc["sequence_length"] == 4096 and "data.max_seq_length" in doc["sequence_length_source"]
+    assert "no tokenizer" in " ".join(doc["notes"])  # a folder with config.json only
+
+
+def test_planning_70b_takes_under_two_seconds(plan_json):
+    doc, _ = plan_json
+    assert doc["plan_seconds"] < 2.0
+
+
+def test_plot_is_written(plan_json):
+    _, image = plan_json
+    assert image.is_file() and image.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_plan_without_gpu_needs_the_hardware_described():
+    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "--no-data")
+    assert result.returncode == 2
+    assert "--gpus N --vram-gib G" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_uses_the_real_data_when_it_can():
+    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "data.packing=false", "--gpus", "1",
+                        "--vram-gib", "24", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    assert doc["sequence_length"] == 62  # the longest tiny example, not data.max_seq_length (256)
+    assert "longest example" in doc["sequence_length_source"]
+
+
+def test_plan_exit_status_says_whether_it_fits():
+    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
+                        "finetune.method=full", "--gpus", "1", "--vram-gib", "80", "--no-data")
+    assert result.returncode == 3
+    assert "DOES NOT FIT" in result.stdout and "Remedies" in result.stdout
