@@ -31,6 +31,7 @@ def sft_arguments(
     deepspeed_config: dict | None = None,
 ) -> Any:
     """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan."""
+    import torch
     from trl import SFTConfig
 
     train, data = config.train, config.data
@@ -68,6 +69,7 @@ def sft_arguments(
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
         dataset_num_proc=data.num_proc,
         ddp_find_unused_parameters=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
         deepspeed=deepspeed_config,
     )
 
