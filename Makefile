@@ -14,12 +14,25 @@ PIP_ARGS ?=
 NUM_GPUS ?=
 VRAM_GIB ?=
 PLOT ?=
+GPUS ?=
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?=
+MASTER_PORT ?=
+CPU ?=
+AUTO ?=
+FORCE ?=
+ACCELERATE_CONFIG ?= configs/accelerate/ddp.yaml
 
 RUN_FLAG = $(if $(RUN),--run $(RUN))
+LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GPUS)) --nnodes $(NNODES) \
+	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
+	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu)
 
 .DEFAULT_GOAL := help
 
-.PHONY: help install check gpu-info plan train train-tb tensorboard generate chat test bench-planner clean
+.PHONY: help install check gpu-info plan setup-accelerate train train-tb train-distributed train-distributed-tb \
+	train-deepspeed train-deepspeed-tb tensorboard generate chat test bench-planner clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -40,11 +53,26 @@ gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json
 plan: $(STAMP) ## Plan CONFIG's batch and per-GPU memory (NUM_GPUS=8 VRAM_GIB=80 for other hardware, PLOT=plan.png)
 	$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(PLOT),--plot $(PLOT)) $(ARGS)
 
+setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
+	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)
+
 train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~3 min)
 	$(PY) scripts/train_distributed.py --config $(CONFIG) $(ARGS)
 
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
 	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(ARGS)
+
+train-distributed: $(STAMP) ## DDP on NUM_GPUS GPUs (default all; GPUS=0,1 picks) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(ARGS)
+
+train-distributed-tb: $(STAMP) ## train-distributed with TensorBoard on a free loopback port (URL printed)
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(ARGS)
+
+train-deepspeed: $(STAMP) ## DeepSpeed ZeRO-2 (configs/deepspeed_z2.json, 'auto' values from the plan) via torchrun; same variables
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(ARGS)
+
+train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopback port (URL printed)
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(ARGS)
 
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
 	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)

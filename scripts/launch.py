@@ -1,9 +1,13 @@
-"""Launch training, optionally with TensorBoard beside it.
+"""Launch training: one process, DDP under accelerate, or DeepSpeed under torchrun, on one or
+many nodes, optionally with TensorBoard beside it.
 
-TensorBoard serves the run's output folder on a free loopback port; its URL is printed before
-training starts and it is stopped when training ends (or is interrupted).
+The config is validated before anything starts. On a single node a taken MASTER_PORT is
+replaced by a free one (and said so). TensorBoard serves the output folder on a free loopback
+port; its URL is printed before training starts and it is stopped when training ends.
 
-Usage: python scripts/launch.py --launcher python [--tensorboard] --config PATH [key=value ...]
+Usage: python scripts/launch.py --launcher {python,accelerate,torchrun} [--num-gpus N] [--gpus 0,1]
+         [--nnodes N --node-rank R --master-addr A --master-port P] [--cpu] [--tensorboard]
+         --config PATH [key=value ...]
 """
 
 from __future__ import annotations
@@ -17,23 +21,63 @@ from sft_play import cli, launch  # noqa: E402
 from sft_play import config as config_module  # noqa: E402
 
 
+def visible_gpu_count() -> int:
+    from sft_play import hardware
+
+    return len(hardware.detect().gpus)
+
+
 def main() -> int:
     parser = cli.config_parser(__doc__.splitlines()[0])
-    parser.add_argument("--launcher", choices=["python"], default="python", help="how training processes start")
+    parser.add_argument("--launcher", choices=["python", "accelerate", "torchrun"], default="python")
+    parser.add_argument("--num-gpus", type=int, help="processes per node (default: every selected GPU)")
+    parser.add_argument("--gpus", help="GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr")
+    parser.add_argument("--master-port", type=int)
+    parser.add_argument("--cpu", action="store_true", help="CPU processes (gloo): for tests and GPU-less machines")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="train with DeepSpeed: ZeRO-2 unless the config already names a deepspeed_* strategy")
+    parser.add_argument("--accelerate-config", default=str(launch.ACCELERATE_DDP_CONFIG),
+                        help="accelerate config for --launcher accelerate (default configs/accelerate/ddp.yaml)")
     parser.add_argument("--tensorboard", action="store_true", help="serve TensorBoard while training runs")
     args = parser.parse_args()
     config = config_module.load(args.config, args.overrides)  # fail before starting anything
+    if args.deepspeed and not config.distributed.strategy.startswith("deepspeed"):
+        args.overrides.append("distributed.strategy=deepspeed_zero2")
+        config = config_module.load(args.config, args.overrides)
 
-    command = launch.python_command(args.config, args.overrides)
+    topology = None
+    if args.launcher == "python":
+        command = launch.python_command(args.config, args.overrides)
+    else:
+        try:
+            topology, messages = launch.resolve_topology(
+                args.num_gpus, args.gpus, args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                args.cpu, 0 if args.cpu else visible_gpu_count(),
+            )
+        except launch.LaunchError as exc:
+            raise cli.UserError(str(exc)) from None
+        for message in messages:
+            print(message, flush=True)
+        if args.launcher == "accelerate":
+            command = launch.accelerate_command(topology, args.config, args.overrides, Path(args.accelerate_config))
+        else:
+            command = launch.torchrun_command(topology, args.config, args.overrides)
+        print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "
+              f"({args.launcher}, {config.distributed.strategy}, rendezvous {topology.master_addr}:"
+              f"{topology.master_port})", flush=True)
     board = None
-    if args.tensorboard:
+    if args.tensorboard and args.node_rank == 0:
         board, port = launch.start_tensorboard(config.train.output_dir)
         if launch.wait_for_port(port, process=board):
-            print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; stops when training ends)", flush=True)
+            print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; "
+                  "stops when training ends)", flush=True)
         else:
             print(f"TensorBoard did not start; see {config.train.output_dir}/tensorboard.log", file=sys.stderr)
     try:
-        return launch.run_forwarding_signals(command, env=launch.child_env())
+        return launch.run_forwarding_signals(command, env=launch.child_env(topology, args.gpus))
     finally:
         if board is not None:
             launch.stop(board)

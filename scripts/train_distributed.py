@@ -36,17 +36,26 @@ def main() -> int:
     from sft_play import config as config_module
 
     config = config_module.load(args.config, args.overrides)
+    from sft_play.launch import sanitized_cuda_arch_list
+
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before DeepSpeed is imported: it cannot parse "9.0a"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    if config.distributed.strategy.startswith("deepspeed"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
 
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from sft_play import data, hardware, model, training
+    from sft_play import data, hardware, model, planner, training
+
+    # A config-only model folder gets its initial weights written now, before the process group
+    # exists: once it does, transformers writes model files from rank 0 only.
+    model.weights_location(config)
     from sft_play.data import collate
-    from sft_play import planner
     from sft_play.planner import report
     from sft_play.precision import resolve_precision
 
-    state = PartialState()
+    state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
     precision = resolve_precision(
@@ -86,8 +95,9 @@ def main() -> int:
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
     device = f"cuda:{state.local_process_index}" if on_gpu else "cpu"
     base = model.load_model(config, precision, device=device)
+    record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(
-        tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision)
+        tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision), record_to
     )
     make_trainer = training.trainer_factory(
         config, precision, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
@@ -95,10 +105,16 @@ def main() -> int:
     )
     trainer, split = training.train_with_backoff(make_trainer, split)
     state.wait_for_everyone()
+    fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
     training.save_final_model(trainer, run_dir / "model")
     if state.is_main_process:
+        in_step = len(set(fingerprints)) == 1
+        if config.distributed.strategy != "deepspeed_zero3":  # ZeRO-3 ranks hold only their shards
+            logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
+                       "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
         summary = training.write_summary(
-            trainer, run_dir, {"batch": split.describe(), "data": bundle.stats.to_dict()}
+            trainer, run_dir, {"batch": split.describe(), "data": bundle.stats.to_dict(),
+                               "world_size": state.num_processes, "weights_fingerprints": fingerprints}
         )
         print(
             f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "

@@ -166,6 +166,9 @@ class TrainConfig(_Section):
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
     eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+    record_samples: bool = Field(
+        False, description="Debug: write a fingerprint of every row each rank trains on to <run>/samples/rank-N.jsonl."
+    )
 
 
 class DistributedConfig(_Section):

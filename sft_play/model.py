@@ -94,7 +94,8 @@ def load_tokenizer(config: RunConfig) -> Any:
 
 def attention_implementation(config: RunConfig, precision: Precision) -> str:
     """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
-    installed and usable (CUDA, 16-bit), else PyTorch SDPA."""
+    installed and usable (CUDA, 16-bit), else PyTorch SDPA, or eager attention for models that
+    cap their attention logits (Gemma-2), which SDPA cannot do."""
     choice = config.model.attn_implementation
     if choice != "auto":
         return choice
@@ -106,7 +107,11 @@ def attention_implementation(config: RunConfig, precision: Precision) -> str:
         and precision.compute_dtype in ("bfloat16", "float16")
     ):
         return "flash_attention_2"
-    return "sdpa"
+    from sft_play.planner.shapes import load_model_config
+
+    model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return "eager" if getattr(text, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
 def quantization_config(config: RunConfig, precision: Precision) -> Any:

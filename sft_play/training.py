@@ -4,6 +4,7 @@ callbacks. No training loop lives here: the trainer runs it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -21,6 +22,51 @@ from sft_play.precision import Precision
 logger = logging.getLogger(__name__)
 
 
+def deepspeed_config(config: RunConfig) -> dict | None:
+    """The DeepSpeed config for a ``deepspeed_*`` strategy: ``distributed.deepspeed_config`` (JSON
+    whose ``auto`` values the trainer fills from its arguments, i.e. from the plan and the run
+    config: micro-batch, accumulation, clipping, precision, bucket sizes), switched to stage 3
+    for ``deepspeed_zero3`` and with optimizer states in CPU memory for
+    ``distributed.offload_optimizer``. None for DDP."""
+    strategy = config.distributed.strategy
+    if not strategy.startswith("deepspeed"):
+        return None
+    ds = json.loads(Path(config.distributed.deepspeed_config).read_text())
+    zero = ds.setdefault("zero_optimization", {})
+    if strategy == "deepspeed_zero3":
+        zero["stage"] = 3
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            zero.setdefault(key, "auto")
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    if config.distributed.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                     "weight_decay": "auto"}}
+    return ds
+
+
+def use_cpu_processes(config: RunConfig) -> bool:
+    """Whether processes run on the CPU in accelerate's sense (gloo DDP). Without CUDA, DDP needs
+    it to form a process group; DeepSpeed brings its own CPU accelerator (``DS_ACCELERATOR=cpu``)
+    and must not be told."""
+    import torch
+
+    return not torch.cuda.is_available() and not config.distributed.strategy.startswith("deepspeed")
+
+
+def deepspeed_on_cpu(config: RunConfig) -> bool:
+    import torch
+
+    return not torch.cuda.is_available() and config.distributed.strategy.startswith("deepspeed")
+
+
+def process_group_backend(config: RunConfig) -> str | None:
+    """The backend the entry script forms the process group with: gloo for DeepSpeed on CPU
+    (accelerate finds none there), otherwise accelerate's choice (nccl on GPUs, gloo on CPUs)."""
+    return "gloo" if deepspeed_on_cpu(config) else None
+
+
 def sft_arguments(
     config: RunConfig,
     precision: Precision,
@@ -28,7 +74,6 @@ def sft_arguments(
     gradient_accumulation_steps: int,
     run_dir: Path,
     has_validation: bool,
-    deepspeed_config: dict | None = None,
 ) -> Any:
     """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan."""
     import torch
@@ -68,9 +113,14 @@ def sft_arguments(
         max_length=data.max_seq_length,
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
         dataset_num_proc=data.num_proc,
+        # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
         ddp_find_unused_parameters=False,
         dataloader_pin_memory=torch.cuda.is_available(),
-        deepspeed=deepspeed_config,
+        use_cpu=use_cpu_processes(config),
+        deepspeed=deepspeed_config(config),
+        # DeepSpeed on CPU: keep the process group the entry script formed over gloo (transformers
+        # would otherwise re-form it without a backend and see one process)
+        accelerator_config={"use_configured_state": True} if deepspeed_on_cpu(config) else None,
     )
 
 
@@ -175,7 +225,7 @@ def train_with_backoff(
                     "out of memory at micro-batch 1: nothing left to halve. `make plan` lists what would fit "
                     "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)"
                 ) from error
-            if trainer.args.world_size > 1:
+            if trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False):
                 raise OutOfMemory(
                     f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
                     f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
@@ -195,6 +245,14 @@ def train_with_backoff(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         split = smaller
+
+
+def weights_fingerprint(model: Any) -> str:
+    """A short digest of the trainable parameters' values (per-tensor float64 sums): equal on
+    every rank when data-parallel training kept the replicas in step."""
+    sums = [f"{name}:{param.detach().double().sum().item():.12e}"
+            for name, param in sorted(model.named_parameters()) if param.requires_grad]
+    return hashlib.sha1(";".join(sums).encode()).hexdigest()[:16]
 
 
 def save_final_model(trainer: Any, model_dir: Path) -> None:

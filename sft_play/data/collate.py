@@ -11,7 +11,10 @@ with SDPA or eager attention.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,13 +49,33 @@ class PackedRowsCollator:
         }
 
 
-def make_collator(pad_token_id: int, packed: bool, attn_implementation: str) -> Any:
+@dataclass
+class RecordingCollator:
+    """Wraps a collator and appends a fingerprint of every row it batches to a JSON-lines file
+    (one file per rank): what each process trained on, for debugging runs that differ."""
+
+    inner: Any
+    path: Path
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        fingerprints = [hashlib.sha1(json.dumps(list(e["input_ids"])).encode()).hexdigest()[:16] for e in examples]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(fingerprints) + "\n")
+        return self.inner(examples)
+
+
+def make_collator(pad_token_id: int, packed: bool, attn_implementation: str, record_to: Path | None = None) -> Any:
     """The collator for the run's data layout and attention kernel.
 
-    Returns None for unpacked data: TRL's default collator pads to the longest in the batch.
+    Unpacked data goes to TRL's collator, which pads to the longest in the batch; packed rows to
+    TRL's padding-free one under FlashAttention-2 (variable length), else to
+    :class:`PackedRowsCollator`. With `record_to`, every row's fingerprint is recorded there.
     """
     if not packed:
-        return None
-    if attn_implementation.startswith("flash_attention"):
-        return DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)
-    return PackedRowsCollator(pad_token_id=pad_token_id)
+        collator: Any = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+    elif attn_implementation.startswith("flash_attention"):
+        collator = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)
+    else:
+        collator = PackedRowsCollator(pad_token_id=pad_token_id)
+    return RecordingCollator(collator, record_to) if record_to is not None else collator

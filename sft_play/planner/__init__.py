@@ -114,13 +114,15 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
                           f"p50 {data_stats.tokens_p50}, p95 {data_stats.tokens_p95})", share)
 
 
-def attention_kind(config: RunConfig, precision: Precision, on_cuda: bool) -> str:
+def attention_kind(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool = False) -> str:
     """The attention kernel training will use (mirrors :func:`sft_play.model.attention_implementation`)."""
     choice = config.model.attn_implementation
     if choice != "auto":
         return choice
     flash = importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if on_cuda and flash and precision.compute_dtype != "float32" else "sdpa"
+    if on_cuda and flash and precision.compute_dtype != "float32":
+        return "flash_attention_2"
+    return "eager" if softcapping else "sdpa"
 
 
 def recipe_for(config: RunConfig, precision: Precision, world_size: int) -> memory.Recipe:
@@ -264,7 +266,7 @@ def make_plan(
     precision = resolve_precision(config, has_gpu=target.on_cuda, bf16_supported=target.bf16_supported)
     recipe = recipe_for(config, precision, target.world_size)
     seq = sequence_length(config, data_stats)
-    attention = attention_kind(config, precision, target.on_cuda)
+    attention = attention_kind(config, precision, target.on_cuda, shape.attention_softcapping)
 
     def terms_of(micro: int) -> dict[str, int]:
         return _terms(shape, recipe, workload_for(config, micro, seq, attention), target)

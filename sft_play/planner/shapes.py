@@ -41,7 +41,8 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
-    lora_in_out: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each adapted linear, per layer
+    lora_in_out: list[tuple[int, int]] = field(default_factory=list)
+    attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it  # (in, out) of each adapted linear, per layer
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -218,6 +219,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         head_dim=_attr(text, "head_dim", default=hidden // max(1, heads)),
         vocab_size=_attr(text, "vocab_size"),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
     )
 
 
