@@ -22,9 +22,11 @@ MASTER_PORT ?=
 CPU ?=
 AUTO ?=
 FORCE ?=
+RESUME ?=
 ACCELERATE_CONFIG ?= configs/accelerate/ddp.yaml
 
 RUN_FLAG = $(if $(RUN),--run $(RUN))
+RESUME_ARG = $(if $(RESUME),train.resume_from=$(RESUME))
 LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GPUS)) --nnodes $(NNODES) \
 	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
 	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu)
@@ -32,7 +34,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat test bench-planner clean
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-planner clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -56,23 +58,23 @@ plan: $(STAMP) ## Plan CONFIG's batch and per-GPU memory (NUM_GPUS=8 VRAM_GIB=80
 setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
 	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)
 
-train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~3 min)
-	$(PY) scripts/train_distributed.py --config $(CONFIG) $(ARGS)
+train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~4 min); RESUME=auto continues
+	$(PY) scripts/train_distributed.py --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
-	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(ARGS)
+	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-distributed: $(STAMP) ## DDP on NUM_GPUS GPUs (default all; GPUS=0,1 picks) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
-	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(ARGS)
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-distributed-tb: $(STAMP) ## train-distributed with TensorBoard on a free loopback port (URL printed)
-	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(ARGS)
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-deepspeed: $(STAMP) ## DeepSpeed ZeRO-2 (configs/deepspeed_z2.json, 'auto' values from the plan) via torchrun; same variables
-	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(ARGS)
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopback port (URL printed)
-	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(ARGS)
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
 	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)
@@ -82,6 +84,12 @@ generate: $(STAMP) ## Answer PROMPT with RUN (default: the newest run; held-out 
 
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
 	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+
+eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json
+	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+
+merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
+	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
 
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)

@@ -22,11 +22,11 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
-    from sft_play import export, model
+    from sft_play import export
 
     output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
     run = export.resolve_run(args.run, output_dir)
-    trained, tokenizer, _ = model.load_for_inference(run)
+    trained, tokenizer, _ = export.load_trained(run)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     print(f"Chatting with {run}. /reset starts over, /exit leaves.", flush=True)

@@ -24,20 +24,20 @@ def main() -> int:
     parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
     args = parser.parse_args()
 
-    from sft_play import export, model
+    from sft_play import export
 
     output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
     run = export.resolve_run(args.run, output_dir)
-    trained, tokenizer, config = model.load_for_inference(run)
+    trained, tokenizer, config = export.load_trained(run)
     if args.prompt:
         prompts = [export.Prompt([{"role": "user", "content": args.prompt}], None, "")]
     else:
-        prompts = export.held_out_prompts(config, args.count)
+        prompts = export.held_out_prompts(config, args.count) if config else []
         if not prompts:
             raise cli.UserError(f"{run} has no validation data (data.validation_path); pass --prompt (PROMPT=...)")
     answers = [export.generate(trained, tokenizer, p, args.max_new_tokens) for p in prompts]
     before: list[str | None] = [None] * len(prompts)
-    if not args.no_base:
+    if not args.no_base and config is not None:
         with export.base_model_of(trained, config) as base:
             before = [export.generate(base, tokenizer, p, args.max_new_tokens) for p in prompts]
 

@@ -13,27 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sft_play import cli  # noqa: E402
+from sft_play import config as config_module  # noqa: E402
 
 logger = logging.getLogger("sft_play.train")
 
 
-def run_name(config_path: str, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    return f"{Path(config_path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; resume to finish
 
 
 def main() -> int:
     args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
     cli.setup_logging()
-
-    from sft_play import config as config_module
 
     config = config_module.load(args.config, args.overrides)
     from sft_play.launch import sanitized_cuda_arch_list
@@ -46,7 +41,7 @@ def main() -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from sft_play import data, hardware, model, planner, training
+    from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
 
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
@@ -72,14 +67,24 @@ def main() -> int:
         raise cli.UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
     split = plan.split
 
-    name = [run_name(args.config, config.train.run_name)]
-    broadcast_object_list(name)  # every rank writes into the folder rank 0 named
-    run_dir = Path(config.train.output_dir) / name[0]
+    # Rank 0 decides the run folder (new, or the one being resumed); every rank writes into it
+    decision = [None, None, None]
     if state.is_main_process:
+        try:
+            decision = list(checkpoints.choose_run_folder(config, args.config))
+        except ValueError as exc:
+            raise cli.UserError(str(exc)) from None
+    broadcast_object_list(decision)
+    name, resume_checkpoint, message = decision
+    run_dir = Path(config.train.output_dir) / name
+    if state.is_main_process:
+        if message:
+            logger.info("%s", message)
         run_dir.mkdir(parents=True, exist_ok=True)
-        config.train.run_name = name[0]
+        config.train.run_name = name
         (run_dir / "config.yaml").write_text(config.to_yaml())
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
+    checks.ensure_disk_room(config, run_dir, planner.model_shape(config), precision)
     devices = gather_object([f"rank {state.process_index}: {state.device}"])
     if state.is_main_process:
         nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
@@ -99,12 +104,33 @@ def main() -> int:
     collator = collate.make_collator(
         tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision), record_to
     )
+    stop = callbacks.GracefulStop()
+    guard = callbacks.NonFiniteGuard(
+        config.train.max_bad_steps, watch_gradients=not config.distributed.strategy.startswith("deepspeed")
+        and precision.mixed != "fp16",
+    )
     make_trainer = training.trainer_factory(
         config, precision, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
-        collator,
+        collator, [callbacks.CheckpointMarker(), stop, guard],
     )
-    trainer, split = training.train_with_backoff(make_trainer, split)
+    trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
     state.wait_for_everyone()
+    if guard.stopped_at is not None:
+        last = checkpoints.newest_complete(run_dir / "checkpoints")
+        raise cli.UserError(
+            f"stopped at step {guard.stopped_at}: gradients or loss were NaN or infinite for "
+            f"{config.train.max_bad_steps} steps in a row (their updates were skipped). "
+            + (f"The last good checkpoint is {last} (train.resume_from={last}). " if last else "No checkpoint was kept. ")
+            + "Lower train.learning_rate, keep train.max_grad_norm on, use bf16 rather than fp16, and check the data."
+        )
+    if stop.received:
+        if state.is_main_process:
+            last = checkpoints.newest_complete(run_dir / "checkpoints")
+            training.write_summary(trainer, run_dir, {"interrupted": stop.received, "batch": split.describe()})
+            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; checkpoint saved: {last}\n"
+                  f"  resume: make train CONFIG={args.config} RESUME=auto"
+                  f"   (or ARGS=\"train.resume_from={last}\")", flush=True)
+        return EXIT_INTERRUPTED
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
     training.save_final_model(trainer, run_dir / "model")
     if state.is_main_process:

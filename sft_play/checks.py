@@ -126,10 +126,10 @@ def check_output_dir(config: RunConfig) -> Check:
     return Check("output folder", True, f"'{root}' is writable")
 
 
-def check_disk(config: RunConfig, needed_bytes: int | None) -> Check:
+def check_disk(config: RunConfig, needed_bytes: int | None, probe: Path | None = None) -> Check:
     """Free space under the output folder against what the run's checkpoints need."""
     root = Path(config.train.output_dir)
-    probe = root if root.exists() else Path(os.getcwd())
+    probe = probe if probe is not None and probe.exists() else (root if root.exists() else Path(os.getcwd()))
     free = shutil.disk_usage(probe).free
     if needed_bytes is None:
         return Check("disk", True, f"{free / GIB:.1f} GiB free (checkpoint size unknown)", True)
@@ -148,6 +148,23 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
     except ConfigError as exc:
         return None, Check("config", False, str(exc))
     return config, Check("config", True, f"{path} is valid")
+
+
+def ensure_disk_room(config: RunConfig, run_dir: Path, shape, precision) -> None:
+    """Refuse to start when the disk under `run_dir` cannot hold the run's checkpoints and model.
+
+    Raises:
+        UserError: with the sizes and what to do.
+    """
+    from sft_play.errors import UserError
+    from sft_play.planner.disk import run_disk_bytes
+
+    train = config.train
+    needed = run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps,
+                            train.save_total_limit)
+    check = check_disk(config, needed, probe=run_dir)
+    if not check.ok:
+        raise UserError(f"not enough disk for this run: {check.detail}")
 
 
 def needed_disk_bytes(config: RunConfig, facts: HardwareInfo) -> int | None:

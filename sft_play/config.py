@@ -166,6 +166,13 @@ class TrainConfig(_Section):
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
     eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+    resume_from: str | None = Field(
+        None, description="auto: continue the newest complete checkpoint (of train.run_name, or of this config's "
+        "newest run); or a checkpoint folder. RESUME=auto on make targets."
+    )
+    max_bad_steps: int = Field(
+        3, gt=0, description="Consecutive steps with NaN/inf gradients or loss before the run stops (their updates are skipped)."
+    )
     record_samples: bool = Field(
         False, description="Debug: write a fingerprint of every row each rank trains on to <run>/samples/rank-N.jsonl."
     )

@@ -1,10 +1,16 @@
-"""Using what a run wrote: find the run, generate answers (with the base model's beside them),
-chat. Runs are folders under ``train.output_dir`` holding ``config.yaml`` and ``model/``.
+"""Using what a run wrote: find and load it (adapter, merged or full model), generate answers
+(with the base model's beside them), merge an adapter into its base, and evaluate.
+
+A run folder (``train.output_dir/<run name>``) holds ``config.yaml`` and ``model/``; ``make
+merge`` adds ``merged/``. Every function here accepts a run folder, or a model folder inside
+one (``<run>/model``, ``<run>/merged``), or any folder holding a full model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +18,9 @@ from typing import Any
 
 import torch
 
+from sft_play import config as config_module
 from sft_play.config import RunConfig
+from sft_play.errors import UserError
 
 
 def finished_runs(output_dir: str | Path) -> list[Path]:
@@ -30,13 +38,75 @@ def resolve_run(run: str | None, output_dir: str | Path) -> Path:
     """
     if run:
         path = Path(run)
-        if not (path / "model").is_dir():
-            raise FileNotFoundError(f"'{run}' is not a finished run folder (it has no model/); see `ls {output_dir}`")
+        if not path.is_dir() or not ((path / "model").is_dir() or (path / "config.json").is_file()
+                                     or (path / "adapter_config.json").is_file()):
+            raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
+                                    f"see `ls {output_dir}`")
         return path
     runs = finished_runs(output_dir)
     if not runs:
         raise FileNotFoundError(f"no finished run under '{output_dir}'; train one first with `make train`")
     return runs[-1]
+
+
+def _locate(path: Path) -> tuple[Path, RunConfig | None]:
+    """(model folder, the run's config if known) for a run folder or a model folder."""
+    if (path / "config.yaml").is_file():
+        if not (path / "model").is_dir():
+            raise FileNotFoundError(f"{path} has no model/ folder: did the run finish? (see {path}/checkpoints)")
+        return path / "model", config_module.load(path / "config.yaml", check_paths=False)
+    run_config = path.parent / "config.yaml"
+    return path, (config_module.load(run_config, check_paths=False) if run_config.is_file() else None)
+
+
+def inference_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: bool) -> Any:
+    """The run's base model as it trained (4-bit for QLoRA when `quantized`, else full precision)."""
+    from transformers import AutoModelForCausalLM
+
+    from sft_play.model import quantization_config, weights_location
+    from sft_play.precision import Precision
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.model.trust_remote_code,
+                              "use_safetensors": True}
+    if quantized and config.finetune.method == "qlora":
+        precision = Precision(mixed={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no"),
+                              weights_dtype={torch.float32: "float32"}.get(dtype, "bfloat16"))
+        kwargs["quantization_config"] = quantization_config(config, precision)
+        kwargs["device_map"] = {"": device}
+    return AutoModelForCausalLM.from_pretrained(weights_location(config), **kwargs)
+
+
+def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig | None]:
+    """(model, tokenizer, run config) for a run folder or a model folder, ready for inference.
+
+    An adapter is loaded onto its base as the base trained (QLoRA: the 4-bit base), a merged or
+    full model as it is. Raises FileNotFoundError for a folder with neither.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, config = _locate(Path(path))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = inference_dtype(device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trust = bool(config and config.model.trust_remote_code)
+    if (model_dir / "adapter_config.json").is_file():
+        if config is None:
+            raise FileNotFoundError(f"{model_dir} is an adapter outside a run folder: pass the run folder")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(_base_model(config, device, dtype, quantized=True), model_dir)
+    elif (model_dir / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust,
+                                                     use_safetensors=True)
+    else:
+        raise FileNotFoundError(f"{model_dir} holds neither an adapter nor a model")
+    if not getattr(model, "is_loaded_in_4bit", False) and not hasattr(model, "hf_device_map"):
+        model.to(device)
+    return model.eval(), tokenizer, config
 
 
 @dataclass
@@ -92,18 +162,93 @@ def generate(model: Any, tokenizer: Any, prompt: Prompt | list[dict[str, str]], 
 
 
 @contextlib.contextmanager
-def base_model_of(model: Any, config: RunConfig) -> Iterator[Any]:
+def base_model_of(model: Any, config: RunConfig | None) -> Iterator[Any]:
     """The model before training: the adapter switched off, or the base weights reloaded."""
     if hasattr(model, "disable_adapter"):
         with model.disable_adapter():
             yield model
         return
-    from transformers import AutoModelForCausalLM
+    if config is None:
+        raise UserError("this model folder is not inside a run folder, so its base is unknown")
+    device = str(model.device)
+    yield _base_model(config, device, model.dtype, quantized=False).to(device).eval()
 
-    from sft_play.model import weights_location
 
-    base = AutoModelForCausalLM.from_pretrained(
-        weights_location(config), dtype=model.dtype, use_safetensors=True,
-        trust_remote_code=config.model.trust_remote_code,
-    ).to(model.device).eval()
-    yield base
+def merge(path: str | Path, output: str | Path | None = None) -> Path:
+    """Merge a run's LoRA/QLoRA adapter into its base and save a standalone model (safetensors)
+    plus tokenizer that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    LoRA merges into the base in its training dtype. QLoRA merges into the de-quantised base:
+    the 4-bit weights the adapter trained against, expanded to the compute dtype (merging into a
+    4-bit base would round the adapter away; merging into the original full-precision weights
+    would not be the model that trained).
+
+    Returns:
+        The folder written (default ``<run>/merged``).
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    model_dir, config = _locate(Path(path))
+    if config is None:
+        raise UserError(f"{path} is not a run folder (it needs config.yaml beside model/)")
+    if not (model_dir / "adapter_config.json").is_file():
+        raise UserError(f"{model_dir} is a full model already (finetune.method={config.finetune.method}): "
+                        "nothing to merge; load it as it is")
+    run_dir = model_dir.parent
+    output = Path(output) if output else run_dir / "merged"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = inference_dtype(device)
+    if config.finetune.method == "qlora":
+        base = _base_model(config, device, dtype, quantized=True).dequantize()
+    else:
+        base = _base_model(config, device, dtype, quantized=False)
+    merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    merged.config.name_or_path = str(output)
+    merged.save_pretrained(output, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
+    (output / "sft_play_merge.json").write_text(json.dumps(
+        {"run": str(run_dir), "method": config.finetune.method, "base": config.model.name_or_path,
+         "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+    return output
+
+
+def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_size: int = 8) -> dict[str, Any]:
+    """Loss and perplexity on the run's validation data (the tokens that carry loss, as in
+    training), plus greedy answers to the first `count` held-out prompts; written to
+    ``<run>/eval.json`` and returned."""
+    from sft_play import data
+    from sft_play.data.collate import make_collator
+    from sft_play.model import load_tokenizer
+
+    model, tokenizer, config = load_trained(path)
+    if config is None:
+        raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
+    if not config.data.validation_path and not config.data.validation_fraction:
+        raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction")
+    bundle = data.build(config.data, load_tokenizer(config), seed=config.train.seed)
+    collator = make_collator(tokenizer.pad_token_id, config.data.packing, "sdpa")
+    loss_sum, tokens = 0.0, 0
+    rows = bundle.validation
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = collator([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+            batch = {k: v.to(model.device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            logits = model(**batch, use_cache=False).logits.float()
+            shifted = labels[:, 1:]
+            losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), shifted.reshape(-1), ignore_index=-100, reduction="sum")
+            loss_sum += losses.item()
+            tokens += int((shifted != -100).sum())
+    loss = loss_sum / max(1, tokens)
+    generations = []
+    for prompt in held_out_prompts(config, count):
+        answer = generate(model, tokenizer, prompt, max_new_tokens)
+        generations.append({"prompt": prompt.shown(), "reference": prompt.reference, "answer": answer,
+                            "exact_match": answer == prompt.reference})
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "loss_tokens": tokens,
+              "validation_rows": len(rows), "generations": generations}
+    model_dir, _ = _locate(Path(path))
+    (model_dir.parent / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

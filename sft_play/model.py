@@ -182,36 +182,3 @@ def lora_config(config: RunConfig) -> Any:
         base_model_name_or_path=config.model.name_or_path,
         revision=config.model.revision,
     )
-
-
-def load_for_inference(run_dir: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig]:
-    """(model, tokenizer, config) of a finished run folder: base plus adapter, or a full model.
-
-    The run's resolved ``config.yaml`` says how the base was loaded; QLoRA bases are loaded
-    de-quantised in the compute dtype, which is also what merging uses.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sft_play import config as config_module
-
-    run_dir = Path(run_dir)
-    config = config_module.load(run_dir / "config.yaml", check_paths=False)
-    model_dir = run_dir / "model"
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir} has no model/ folder: did the run finish? (look in {run_dir}/checkpoints)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if (model_dir / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        base = AutoModelForCausalLM.from_pretrained(
-            weights_location(config), dtype=dtype, trust_remote_code=config.model.trust_remote_code, use_safetensors=True
-        )
-        model = PeftModel.from_pretrained(base, model_dir)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, trust_remote_code=config.model.trust_remote_code, use_safetensors=True
-        )
-    model.to(device).eval()
-    return model, tokenizer, config

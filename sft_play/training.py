@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from sft_play import checkpoints
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import BatchSplit
@@ -100,6 +101,7 @@ def sft_arguments(
         activation_checkpointing_kwargs={"use_reentrant": False} if train.gradient_checkpointing else None,
         logging_steps=train.logging_steps,
         logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
         save_strategy="steps" if train.save_steps > 0 else "no",
         save_steps=train.save_steps if train.save_steps > 0 else 500,
         save_total_limit=train.save_total_limit,
@@ -235,6 +237,7 @@ def train_with_backoff(
             trainer.optimizer.zero_grad(set_to_none=True)
             trainer._save_checkpoint(trainer.model, trial=None)  # the state before the failed step
             resume_from_checkpoint = str(Path(trainer.args.output_dir) / f"checkpoint-{step}")
+            checkpoints.write_marker(Path(resume_from_checkpoint), step)
         smaller = split.halved()
         logger.warning(
             "out of memory at micro-batch %d (step %d): continuing from step %d with %s",

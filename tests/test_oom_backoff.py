@@ -33,9 +33,11 @@ class InjectOutOfMemory(TrainerCallback):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
 
-def build(tmp_path: Path, callbacks):
+def build(tmp_path: Path, callbacks, *overrides: str):
+    """The trainer factory the entry script builds, for the tiny default, with extra `callbacks`."""
     config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
         "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false",
+        *overrides,
     ])
     precision = resolve_precision(config, has_gpu=False, bf16_supported=False)
     tokenizer = model.load_tokenizer(config)

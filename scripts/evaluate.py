@@ -1,0 +1,41 @@
+"""Evaluate a run: loss and perplexity on its validation data, and a few greedy generations for
+held-out prompts; written to <run>/eval.json and printed.
+
+Usage: python scripts/evaluate.py [--config PATH] [--run RUN_DIR] [--count N]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+from sft_play import config as config_module  # noqa: E402
+
+
+def main() -> int:
+    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--run", help="run folder (default: the newest finished run under train.output_dir)")
+    parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    cli.setup_logging()
+
+    from sft_play import export
+
+    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
+    run = export.resolve_run(args.run, output_dir)
+    result = export.evaluate(run, args.count, args.max_new_tokens)
+    print(f"Run: {run}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
+          f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")
+    for g in result["generations"]:
+        print(f"  {'ok ' if g['exact_match'] else 'no '} {g['prompt']!r} -> {g['answer']!r} (reference {g['reference']!r})")
+    matches = sum(g["exact_match"] for g in result["generations"])
+    print(f"  exact matches: {matches}/{len(result['generations'])}; written to eval.json beside the model")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
