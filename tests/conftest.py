@@ -57,3 +57,14 @@ def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = N
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(tmp_path_factory):
+    """One real LoRA run of the embedded default through the entry script, shared by the tests
+    that look at what a run writes: (run folder, the finished process)."""
+    root = tmp_path_factory.mktemp("shared-runs")
+    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
+                        "train.run_name=lora", "train.max_steps=40", "train.logging_steps=5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return root / "lora", result

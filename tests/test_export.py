@@ -27,10 +27,10 @@ def train(root: Path, name: str, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_lora_run):
     root = tmp_path_factory.mktemp("runs")
     return {
-        "lora": train(root, "lora", "train.max_steps=20"),
+        "lora": tiny_lora_run[0],
         "qlora": train(root, "qlora", "finetune.method=qlora", "train.max_steps=3"),
         "full": train(root, "full", "finetune.method=full", "train.max_steps=3", "train.learning_rate=1e-3"),
     }

@@ -18,7 +18,7 @@ def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def phony_targets() -> list[str]:
-    text = (REPO / "Makefile").read_text()
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")  # join continued lines
     names = []
     for line in text.splitlines():
         if line.startswith(".PHONY:"):

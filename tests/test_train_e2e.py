@@ -24,8 +24,8 @@ def train(tmp_path: Path, name: str, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("runs"), "lora", "train.max_steps=40", "train.logging_steps=5")
+def lora_run(tiny_lora_run):
+    return tiny_lora_run
 
 
 def test_lora_run_lowers_the_loss(lora_run):
@@ -65,10 +65,10 @@ def test_lora_run_writes_adapter_tokenizer_config_and_events(lora_run):
 
 
 def test_adapter_reloads_and_changes_the_model(lora_run):
-    from sft_play import export, model
+    from sft_play import export
 
     run_dir, _ = lora_run
-    trained, tokenizer, config = model.load_for_inference(run_dir, device="cpu")
+    trained, tokenizer, config = export.load_trained(run_dir, device="cpu")
     assert type(trained).__name__ == "PeftModelForCausalLM"
     ids = tokenizer("Reverse the letters: a b c", return_tensors="pt")
     with torch.no_grad():
