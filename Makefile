@@ -33,7 +33,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 
 .DEFAULT_GOAL := help
 
-.PHONY: help install check gpu-info plan setup-accelerate train train-tb train-distributed train-distributed-tb \
+.PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
 	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-planner clean
 
 help: ## List the targets
@@ -54,6 +54,9 @@ gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json
 
 plan: $(STAMP) ## Plan CONFIG's batch and per-GPU memory (NUM_GPUS=8 VRAM_GIB=80 for other hardware, PLOT=plan.png)
 	$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(PLOT),--plot $(PLOT)) $(ARGS)
+
+data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
+	$(PY) scripts/data_stats.py --config $(CONFIG) $(ARGS)
 
 setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
 	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)

@@ -113,6 +113,9 @@ class DataConfig(_Section):
     path: Union[str, list[str]] = Field(
         "data/tiny/train.jsonl", description="File, folder, glob or hub dataset name, or a list of them."
     )
+    weights: list[float] | None = Field(
+        None, description="With a list in data.path: mix the datasets in these proportions (same length as the list)."
+    )
     format: DataFormat = Field("auto", description="Record format; auto detects it from the first rows.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Map from our field names (e.g. messages, prompt) to the file's."
@@ -130,7 +133,8 @@ class DataConfig(_Section):
     )
     chat_template: str | None = Field(None, description="Jinja template (inline or a .jinja path) to override the tokenizer's.")
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
-    num_proc: int | None = Field(None, gt=0, description="Processes for preprocessing.")
+    num_proc: int | None = Field(None, gt=0, description="Processes for tokenisation.")
+    cache: bool = Field(True, description="Reuse preprocessed data keyed by the data, tokenizer and settings ($SFT_PLAY_CACHE).")
 
 
 class TrainConfig(_Section):
@@ -406,6 +410,12 @@ def _consistency_problems(config: RunConfig) -> list[str]:
             f"train.micro_batch_size: {train.micro_batch_size} is larger than train.global_batch_size "
             f"{train.global_batch_size}"
         )
+    weights, paths = config.data.weights, config.data.path
+    if weights is not None and (isinstance(paths, str) or len(weights) != len(paths)):
+        problems.append(f"data.weights: {len(weights)} weight(s) for {1 if isinstance(paths, str) else len(paths)} "
+                        "data.path entries; give one weight per entry of a data.path list")
+    elif weights is not None and (any(w < 0 for w in weights) or not sum(weights)):
+        problems.append("data.weights: weights must be >= 0 and not all 0")
     if config.data.validation_path and config.data.validation_fraction > 0:
         problems.append("data.validation_fraction: set either data.validation_path or data.validation_fraction, not both")
     return problems

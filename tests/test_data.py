@@ -209,3 +209,57 @@ def test_undetectable_format_says_how_to_fix_it(tmp_path):
         load_records(str(path), data_config(), DataStats())
     mapped = load_records(str(path), data_config(columns={"prompt": "question", "completion": "answer"}), DataStats())
     assert mapped == [{"prompt": "q", "completion": "a"}]
+
+
+def test_weighted_mixing_keeps_the_total_and_the_proportions():
+    from sft_play.data import mix
+
+    a = [{"text": f"a{i}"} for i in range(10)]
+    b = [{"text": f"b{i}"} for i in range(30)]
+    mixed = mix([a, b], [3, 1], seed=0)
+    assert len(mixed) == 40
+    assert sum(r["text"].startswith("a") for r in mixed) == 30  # a repeated three times
+    assert sum(r["text"].startswith("b") for r in mixed) == 10  # a sample of b
+    assert mix([a, b], [3, 1], seed=0) == mixed
+
+
+def test_weights_need_one_per_path():
+    with pytest.raises(config_module.ConfigError, match="data.weights: 1 weight"):
+        config_module.load(None, ["data.path=[a.jsonl, b.jsonl]", "data.weights=[1]"], check_paths=False)
+
+
+def test_preprocessing_is_cached_and_invalidated_by_the_data(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text((FIXTURES / "messages.jsonl").read_text())
+    cfg = data_config(path=str(data_file), max_seq_length=64)
+    first = build(cfg, tiny_tokenizer)
+    cached_dirs = list((tmp_path / "cache" / "data").iterdir())
+    assert len(cached_dirs) == 1
+    second = build(cfg, tiny_tokenizer)
+    assert second.train["input_ids"] == first.train["input_ids"] and second.stats == first.stats
+    data_file.write_text(data_file.read_text() + (FIXTURES / "messages.jsonl").read_text().splitlines()[0] + "\n")
+    third = build(cfg, tiny_tokenizer)
+    assert third.stats.examples == first.stats.examples + 1
+    assert len(list((tmp_path / "cache" / "data").iterdir())) == 2
+    changed_setting = build(data_config(path=str(data_file), max_seq_length=32), tiny_tokenizer)
+    assert changed_setting.stats.max_seq_length == 32
+
+
+def test_several_processes_tokenise_the_same(tiny_tokenizer):
+    one = build(data_config(path=str(FIXTURES), packing=False, cache=False), tiny_tokenizer)
+    two = build(data_config(path=str(FIXTURES), packing=False, cache=False, num_proc=2), tiny_tokenizer)
+    assert one.train["input_ids"] == two.train["input_ids"] and one.train["labels"] == two.train["labels"]
+
+
+def test_data_stats_script_prints_what_the_planner_uses():
+    from tests.conftest import run_script
+
+    result = run_script("data_stats.py", "--config", "configs/run_tiny.yaml", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    doc = json.loads(result.stdout)
+    train = doc["train"]
+    assert train["examples"] == 6000 and train["packed_rows"] > 0
+    assert train["tokens_p50"] <= train["tokens_p95"] <= train["tokens_max"] <= 256
+    assert 0 < train["loss_token_share"] < 1 and train["truncated_share"] == 0
+    assert doc["validation"]["examples"] == 200

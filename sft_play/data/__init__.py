@@ -107,39 +107,59 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
     return records
 
 
+def _encode(record: dict[str, Any], tokenizer: Any, template: str, train_on: str, limit: int,
+            overlong: str) -> dict[str, Any]:
+    ids, labels = encode_record(record, tokenizer, template, train_on)
+    status = "ok"
+    if len(ids) > limit:
+        if overlong == "drop":
+            status = "dropped"
+        else:
+            ids, labels = ids[:limit], labels[:limit]
+            status = "no_answer" if all(label == IGNORE_INDEX for label in labels) else "truncated"
+    return {"input_ids": ids, "labels": labels, "status": status}
+
+
 def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, stats: DataStats) -> Any:
-    """A ``datasets.Dataset`` of ``input_ids``/``labels``, with over-long examples truncated or dropped."""
+    """A ``datasets.Dataset`` of ``input_ids``/``labels`` (packed, with ``seq_lengths``, when
+    ``data.packing``), over-long examples truncated or dropped and counted in `stats`.
+
+    Tokenisation runs in ``data.num_proc`` processes when set.
+    """
     import datasets
     import numpy as np
 
     template = resolve_chat_template(tokenizer, cfg.chat_template)
-    all_ids: list[list[int]] = []
-    all_labels: list[list[int]] = []
     limit = cfg.max_seq_length
-    skipped: Counter[str] = Counter(stats.skipped)
-    for record in records:
-        ids, labels = encode_record(record, tokenizer, template, cfg.train_on)
-        if len(ids) > limit:
-            if cfg.overlong == "drop":
-                stats.dropped_overlong += 1
-                continue
-            ids, labels = ids[:limit], labels[:limit]
-            stats.truncated += 1
-            if all(label == IGNORE_INDEX for label in labels):
-                skipped["no answer tokens left after truncation"] += 1
-                continue
-        all_ids.append(ids)
-        all_labels.append(labels)
-    stats.skipped = dict(skipped)
-    lengths = np.array([len(ids) for ids in all_ids] or [0])
-    stats.examples = len(all_ids)
+    stats.max_seq_length = limit
+    if not records:
+        return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
+    # Sources of several formats leave different fields per record: every column, None where absent
+    columns = sorted(set().union(*(r.keys() for r in records))) if records else []
+    table = datasets.Dataset.from_dict({c: [r.get(c) for r in records] for c in columns})
+    encoded = table.map(
+        _encode,
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
+                   "overlong": cfg.overlong},
+        remove_columns=columns,
+        num_proc=cfg.num_proc if cfg.num_proc and len(records) > 1 else None,
+        desc="Tokenising",
+    )
+    status = Counter(encoded["status"])
+    stats.truncated += status["truncated"] + status["no_answer"]
+    stats.dropped_overlong += status["dropped"]
+    if status["no_answer"]:
+        stats.skipped = {**stats.skipped, "no answer tokens left after truncation":
+                         stats.skipped.get("no answer tokens left after truncation", 0) + status["no_answer"]}
+    dataset = encoded.filter(lambda row: row["status"] in ("ok", "truncated")).remove_columns("status")
+    lengths = np.array([len(ids) for ids in dataset["input_ids"]] or [0])
+    stats.examples = len(dataset)
     stats.max_seq_length = limit
     stats.tokens_total = int(lengths.sum())
-    stats.loss_tokens = sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in all_labels)
+    stats.loss_tokens = int(sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in dataset["labels"]))
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))
     stats.tokens_max = int(lengths.max())
-    dataset = datasets.Dataset.from_dict({"input_ids": all_ids, "labels": all_labels})
     if cfg.packing and len(dataset):
         from trl.data_utils import pack_dataset
 
@@ -149,13 +169,34 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
     return dataset
 
 
+def mix(parts: list[list[dict[str, Any]]], weights: list[float], seed: int) -> list[dict[str, Any]]:
+    """Datasets mixed by weight: the mixture keeps the total number of records, and source i
+    contributes ``total x w_i / sum(w)`` of them, drawn without replacement while it has enough
+    and repeated (whole passes, then a random remainder) when its share is larger than it is."""
+    import random
+
+    rng = random.Random(seed)
+    total = sum(len(p) for p in parts)
+    mixed: list[dict[str, Any]] = []
+    for part, weight in zip(parts, weights):
+        want = round(total * weight / sum(weights))
+        if not part:
+            continue
+        passes, remainder = divmod(want, len(part))
+        mixed += part * passes + rng.sample(part, remainder)
+    rng.shuffle(mixed)
+    return mixed
+
+
 def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
-    """Read, validate, tokenise and measure the training and validation data.
+    """Read, validate, tokenise and measure the training and validation data, or take all of it
+    from the cache when this data, tokenizer and settings were prepared before
+    (:mod:`sft_play.data.cache`; ``data.cache: false`` turns it off).
 
     Args:
         cfg: the ``data`` section of the run config.
         tokenizer: a transformers tokenizer (its chat template is used unless the config overrides it).
-        seed: seed for carving a validation split by fraction.
+        seed: seed for carving a validation split by fraction and for mixing by weight.
 
     Returns:
         A :class:`DataBundle`.
@@ -164,8 +205,35 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         InvalidRow: a bad row, with ``data.on_invalid: error``.
         ValueError: no usable example, or a format that cannot be detected.
     """
+    from sft_play.data import cache
+
+    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed) if cfg.cache else None
+    cached = cache.load(key) if key else None
+    if cached is not None:
+        logger.info("data: preprocessed data from the cache (%s)", key)
+        return DataBundle(
+            train=cached["train"], validation=cached["validation"], stats=DataStats(**_stat_fields(cached["stats"])),
+            validation_stats=DataStats(**_stat_fields(cached["validation_stats"])) if cached["validation_stats"] else None,
+        )
+    bundle = _build(cfg, tokenizer, seed)
+    if key:
+        cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
+                   bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+    return bundle
+
+
+def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in saved.items() if k in DataStats.__dataclass_fields__}
+
+
+def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     stats = DataStats()
-    records = load_records(cfg.path, cfg, stats)
+    if cfg.weights:
+        parts = [load_records(entry, cfg, stats) for entry in cfg.path]
+        records = mix(parts, cfg.weights, seed)
+        logger.info("data: mixed %s records by weights %s into %d", [len(p) for p in parts], cfg.weights, len(records))
+    else:
+        records = load_records(cfg.path, cfg, stats)
     validation_records: list[dict[str, Any]] | None = None
     validation_stats = None
     if cfg.validation_path:

@@ -125,8 +125,8 @@ def encode_text(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
 
 def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_on: str) -> tuple[list[int], list[int]]:
     """Tokens and labels of one canonical record (see :mod:`sft_play.data.formats`)."""
-    if "messages" in record:
+    if record.get("messages") is not None:
         return encode_chat(tokenizer, record["messages"], template, train_on)
-    if "prompt" in record:
+    if record.get("prompt") is not None:
         return encode_prompt_completion(tokenizer, record["prompt"], record["completion"], train_on)
     return encode_text(tokenizer, record["text"])

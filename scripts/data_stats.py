@@ -1,0 +1,60 @@
+"""Describe a config's data as the run will see it: examples, tokens per example (p50, p95, max),
+the share truncated, the share of tokens that carry loss, rows after packing, skipped rows by
+reason and the formats detected. These are the numbers the planner uses.
+
+Usage: python scripts/data_stats.py [--config PATH] [key=value ...] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sft_play import cli  # noqa: E402
+from sft_play import config as config_module  # noqa: E402
+
+
+def describe(name: str, stats) -> list[str]:
+    lines = [
+        f"{name}: {stats.examples} examples, {stats.tokens_total} tokens",
+        f"  tokens per example: p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "
+        f"(data.max_seq_length {stats.max_seq_length})",
+        f"  truncated: {stats.truncated} ({100 * stats.truncated_share:.1f}%), dropped as too long: {stats.dropped_overlong}",
+        f"  tokens that carry loss: {100 * stats.loss_token_share:.1f}%",
+    ]
+    if stats.packed_rows is not None:
+        lines.append(f"  rows after packing: {stats.packed_rows} of {stats.max_seq_length} tokens "
+                     f"({100 * stats.tokens_total / max(1, stats.packed_rows * stats.max_seq_length):.1f}% filled)")
+    if stats.skipped:
+        lines.append("  skipped: " + ", ".join(f"{reason} x{count}" for reason, count in sorted(stats.skipped.items())))
+    lines += [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
+    return lines
+
+
+def main() -> int:
+    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args()
+    cli.setup_logging(quiet=args.json)
+
+    from sft_play import data, model
+
+    config = config_module.load(args.config, args.overrides)
+    bundle = data.build(config.data, model.load_tokenizer(config), seed=config.train.seed)
+    if args.json:
+        print(json.dumps({"train": bundle.stats.to_dict(),
+                          "validation": bundle.validation_stats.to_dict() if bundle.validation_stats else None},
+                         indent=2))
+        return 0
+    lines = describe("train", bundle.stats)
+    if bundle.validation_stats is not None:
+        lines += describe("validation", bundle.validation_stats)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
