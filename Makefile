@@ -34,7 +34,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-planner clean
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-planner bench-throughput clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -99,6 +99,9 @@ test: $(STAMP) ## Run the test suite (CPU, no network)
 
 bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
 	$(PY) bench/planner_accuracy.py $(ARGS)
+
+bench-throughput: $(STAMP) ## Tokens/s, memory and MFU of SFT-Play against plain TRL on this GPU (CPU: a smoke run); writes docs/benchmarks.md
+	$(PY) bench/throughput.py $(ARGS)
 
 clean: ## Remove run folders and caches (keeps .venv)
 	rm -rf runs .pytest_cache

@@ -24,3 +24,17 @@ def test_planner_accuracy_cpu_path_writes_a_report(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| tiny_model")]
     assert len(rows) == 2 and all("%" in row for row in rows)
     assert "Median absolute error" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_throughput_cpu_path_compares_both_sides(tmp_path):
+    report = tmp_path / "benchmarks.md"
+    result = subprocess.run([sys.executable, "bench/throughput.py", "--steps", "2", "--warmup", "1", "--output",
+                             str(report)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = report.read_text()
+    assert "These rows await a GPU" in text and "llama-3.1-8b-lora" in text
+    a_row = next(line for line in text.splitlines() if line.startswith("| tiny-lora | A |"))
+    b_row = next(line for line in text.splitlines() if line.startswith("| tiny-lora | B |"))
+    assert "failed" not in a_row + b_row
+    assert b_row.rstrip(" |").endswith("x")  # the B/A ratio
