@@ -113,6 +113,17 @@ def main() -> int:
         config, precision, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
         collator, [callbacks.CheckpointMarker(), stop, guard],
     )
+    if config.planner.calibrate and config.train.micro_batch_size == "auto":
+        if on_gpu:
+            plan = training.calibrate(plan, make_trainer, config, target, bundle.stats, precision)
+            split = plan.split
+            if state.is_main_process:
+                logger.info("%s", plan.describe())
+                for line in plan.notes[-2:]:
+                    logger.info("plan: %s", line)
+                (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
+        elif state.is_main_process:
+            logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
     trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
     state.wait_for_everyone()
     if guard.stopped_at is not None:

@@ -25,12 +25,19 @@ def _any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any rank (no-op without a process group)."""
     import torch.distributed as dist
 
+    return bool(max_over_ranks(1 if flag else 0))
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of all ranks (itself without a process group)."""
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
+        return value
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    value = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    tensor = torch.tensor([value], device=device, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def _barrier() -> None:

@@ -75,14 +75,16 @@ def sft_arguments(
     gradient_accumulation_steps: int,
     run_dir: Path,
     has_validation: bool,
+    **overrides: Any,
 ) -> Any:
-    """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan."""
+    """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan
+    (`overrides` replace any of them, e.g. for calibration steps)."""
     import torch
     from trl import SFTConfig
 
     train, data = config.train, config.data
     evaluate = has_validation and train.eval_steps > 0
-    return SFTConfig(
+    settings = dict(
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=micro_batch_size,
         per_device_eval_batch_size=micro_batch_size,
@@ -124,6 +126,7 @@ def sft_arguments(
         # would otherwise re-form it without a backend and see one process)
         accelerator_config={"use_configured_state": True} if deepspeed_on_cpu(config) else None,
     )
+    return SFTConfig(**{**settings, **overrides})
 
 
 def build_trainer(
@@ -169,10 +172,10 @@ def trainer_factory(
     ones reuse the wrapped model."""
     held = {"model": model, "peft_config": peft_config}
 
-    def make(split: BatchSplit) -> Any:
+    def make(split: BatchSplit, **overrides: Any) -> Any:
         args = sft_arguments(
             config, precision, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
-            has_validation=eval_dataset is not None,
+            has_validation=eval_dataset is not None, **overrides,
         )
         trainer = build_trainer(
             config, args, held["model"], held["peft_config"], tokenizer, train_dataset, eval_dataset,
@@ -182,6 +185,41 @@ def trainer_factory(
         return trainer
 
     return make
+
+
+def measure_peaks(make_trainer: Callable[..., Any], micros: tuple[int, ...] = (1, 2), steps: int = 2) -> dict[int, int]:
+    """The real peak GPU memory of `steps` training steps at each micro-batch in `micros`
+    (``torch.cuda.max_memory_reserved`` plus the CUDA context as the planner counts it, the
+    largest over all ranks). Learning rate 0, nothing saved or logged: the model is unchanged."""
+    import torch
+
+    from sft_play.callbacks import max_over_ranks
+
+    peaks = {}
+    for micro in micros:
+        trainer = make_trainer(BatchSplit(micro, 1, 1, micro), max_steps=steps, learning_rate=0.0,
+                               save_strategy="no", report_to="none", logging_strategy="no", eval_strategy="no")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        peaks[micro] = max_over_ranks(torch.cuda.max_memory_reserved())
+        del trainer
+    return peaks
+
+
+def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, target: Any, data_stats: Any,
+              precision: Precision) -> Any:
+    """`plan` re-decided from two measured steps (``planner.calibrate``; GPU only): peaks at
+    micro-batches 1 and 2, fitted as fixed + per-sample, compared with the predictions."""
+    from sft_play import planner
+    from sft_play.planner import calibrate as calibration
+    from sft_play.planner import memory
+
+    runtime = memory.runtime_bytes(planner.recipe_for(config, precision, target.world_size))
+    measured = {m: peak + runtime for m, peak in measure_peaks(make_trainer).items()}
+    predicted = {m: planner.peak_at(config, target, data_stats, m) for m in measured}
+    return calibration.calibrated_plan(plan, measured, predicted, config.planner.safety_margin_gib,
+                                       config.planner.safety_fraction)
 
 
 def train_with_backoff(

@@ -89,8 +89,9 @@ def test_generate_script_answers_held_out_prompts(lora_run):
 
 
 def test_full_fine_tuning_runs_and_saves_a_loadable_model(tmp_path):
-    run_dir, _ = train(tmp_path, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
-                       "train.learning_rate=1e-3")
+    run_dir, result = train(tmp_path, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
+                            "train.learning_rate=1e-3", "planner.calibrate=true")
+    assert "planner.calibrate needs a GPU to measure; planning analytically" in result.stderr
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(run_dir / "model")

@@ -349,6 +349,16 @@ def make_plan(
     )
 
 
+def peak_at(config: RunConfig, target: Target, data_stats: Any | None, micro: int) -> int:
+    """The predicted peak of one GPU at micro-batch `micro` (what calibration compares against)."""
+    shape = model_shape(config)
+    precision = resolve_precision(config, has_gpu=target.on_cuda, bf16_supported=target.bf16_supported)
+    seq = sequence_length(config, data_stats)
+    attention = attention_kind(config, precision, target.on_cuda, shape.attention_softcapping)
+    recipe = recipe_for(config, precision, target.world_size)
+    return sum(_terms(shape, recipe, workload_for(config, micro, seq, attention), target).values())
+
+
 def _terms(shape: ModelShape, recipe: memory.Recipe, workload: memory.Workload, target: Target) -> dict[str, int]:
     terms = memory.breakdown(shape, recipe, workload, target.on_cuda)
     if not target.on_cuda:  # host memory: no CUDA context or libraries to hold
