@@ -31,9 +31,9 @@ def main() -> int:
     cli.setup_logging()
 
     config = config_module.load(args.config, args.overrides)
-    from sft_play.launch import sanitized_cuda_arch_list
-
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before DeepSpeed is imported: it cannot parse "9.0a"
+        from sft_play.launch import sanitized_cuda_arch_list
+
         os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     if config.distributed.strategy.startswith("deepspeed"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
@@ -42,14 +42,13 @@ def main() -> int:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
-
-    # A config-only model folder gets its initial weights written now, before the process group
-    # exists: once it does, transformers writes model files from rank 0 only.
-    model.weights_location(config)
     from sft_play.data import collate
     from sft_play.planner import report
     from sft_play.precision import resolve_precision
 
+    # A config-only model folder gets its initial weights written now, before the process group
+    # exists: once it does, transformers writes model files from rank 0 only.
+    model.weights_location(config)
     state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
@@ -67,15 +66,20 @@ def main() -> int:
         raise cli.UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
     split = plan.split
 
-    # Rank 0 decides the run folder (new, or the one being resumed); every rank writes into it
-    decision = [None, None, None]
+    # Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
+    # rank learns the outcome, so that a refusal stops them all instead of leaving some waiting
+    decision: list = [None, None, None, None]
     if state.is_main_process:
         try:
-            decision = list(checkpoints.choose_run_folder(config, args.config))
-        except ValueError as exc:
-            raise cli.UserError(str(exc)) from None
+            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config)
+            checks.ensure_disk_room(config, Path(config.train.output_dir), planner.model_shape(config), precision)
+            decision = [name, resume_checkpoint, message, None]
+        except (ValueError, cli.UserError) as exc:
+            decision = [None, None, None, str(exc)]
     broadcast_object_list(decision)
-    name, resume_checkpoint, message = decision
+    name, resume_checkpoint, message, refusal = decision
+    if refusal:
+        raise cli.UserError(refusal)
     run_dir = Path(config.train.output_dir) / name
     if state.is_main_process:
         if message:
@@ -84,7 +88,6 @@ def main() -> int:
         config.train.run_name = name
         (run_dir / "config.yaml").write_text(config.to_yaml())
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-    checks.ensure_disk_room(config, run_dir, planner.model_shape(config), precision)
     devices = gather_object([f"rank {state.process_index}: {state.device}"])
     if state.is_main_process:
         nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))

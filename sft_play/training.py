@@ -130,7 +130,6 @@ def sft_arguments(
 
 
 def build_trainer(
-    config: RunConfig,
     args: Any,
     model: Any,
     peft_config: Any,
@@ -178,8 +177,7 @@ def trainer_factory(
             has_validation=eval_dataset is not None, **overrides,
         )
         trainer = build_trainer(
-            config, args, held["model"], held["peft_config"], tokenizer, train_dataset, eval_dataset,
-            data_collator, callbacks,
+            args, held["model"], held["peft_config"], tokenizer, train_dataset, eval_dataset, data_collator, callbacks,
         )
         held.update(model=trainer.model, peft_config=None)
         return trainer
