@@ -20,6 +20,7 @@ import glob
 import importlib.util
 import os
 import re
+import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -273,7 +274,7 @@ def _expected_text(annotation: Any) -> str:
     if origin is Literal:
         choices = get_args(annotation)
         return repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(repr(a) for a in choices)
-    if origin is Union or str(origin) == "types.UnionType":
+    if origin is Union or origin is types.UnionType:
         parts = [_expected_text(a) for a in get_args(annotation) if a is not type(None)]
         text = " or ".join(parts)
         return text + (" or null" if type(None) in get_args(annotation) else "")
@@ -283,6 +284,16 @@ def _expected_text(annotation: Any) -> str:
         return "a mapping"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _only_strings(annotation: Any) -> bool:
+    """Whether a field takes nothing but text (str, optional str, or a choice of strings)."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in get_args(annotation))
+    if get_origin(annotation) in (Union, types.UnionType):
+        return all(_only_strings(a) for a in args)
+    return annotation is str
 
 
 def _field_annotation(dotted: str) -> Any:
@@ -474,6 +485,8 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
         if key not in valid_keys():
             problems.append(_unknown_key_message(key) + f" (in override {text!r})")
             continue
+        if _only_strings(_field_annotation(key)) and not isinstance(value, str) and value is not None:
+            value = text.split("=", 1)[1].strip()  # train.run_name=off is the name "off", not false
         _set_dotted(raw, key, value)
 
     try:

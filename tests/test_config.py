@@ -144,3 +144,10 @@ def test_config_reference_doc_is_current():
     assert (REPO / "docs" / "CONFIG.md").read_text() == config_module.reference_markdown(), (
         "docs/CONFIG.md is out of date: run python scripts/config_reference.py"
     )
+
+
+def test_text_fields_keep_yaml_like_words_as_text():
+    config = config_module.load(None, ["train.run_name=off", "model.revision=1234", "data.split=no"], check_paths=False)
+    assert config.train.run_name == "off" and config.model.revision == "1234" and config.data.split == "no"
+    with pytest.raises(ConfigError, match="train.gradient_checkpointing: got 'sometimes'; expected true or false"):
+        config_module.load(None, ["train.gradient_checkpointing=sometimes"], check_paths=False)
