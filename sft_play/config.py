@@ -156,8 +156,8 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 turns clipping off).")
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd", "adafactor"] = (
-        Field("adamw_torch", description="Optimizer; 8-bit variants come from bitsandbytes.")
+    optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd", "adafactor"] = (
+        Field("auto", description="Optimizer; auto: fused AdamW on CUDA, AdamW elsewhere; 8-bit variants come from bitsandbytes.")
     )
     max_steps: int = Field(-1, description="Optimizer steps; -1 means use num_epochs.")
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is -1).")

@@ -54,3 +54,11 @@ def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) ->
         else:
             dtype = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[mixed]
     return Precision(mixed=mixed, weights_dtype=dtype)
+
+
+def resolve_optimizer(config: RunConfig, on_cuda: bool) -> str:
+    """The optimizer the trainer builds: ``auto`` is torch's fused AdamW on CUDA (one kernel, no
+    full-size temporaries) and its foreach AdamW elsewhere; any other value as configured."""
+    if config.train.optimizer != "auto":
+        return config.train.optimizer
+    return "adamw_torch_fused" if on_cuda else "adamw_torch"

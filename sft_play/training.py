@@ -18,7 +18,7 @@ from sft_play import checkpoints
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import BatchSplit
-from sft_play.precision import Precision
+from sft_play.precision import Precision, resolve_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def sft_arguments(
         warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
-        optim=train.optimizer,
+        optim=resolve_optimizer(config, torch.cuda.is_available()),
         num_train_epochs=train.num_epochs,
         max_steps=train.max_steps,
         bf16=precision.mixed == "bf16",
@@ -213,7 +213,7 @@ def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, ta
     from sft_play.planner import calibrate as calibration
     from sft_play.planner import memory
 
-    runtime = memory.runtime_bytes(planner.recipe_for(config, precision, target.world_size))
+    runtime = memory.runtime_bytes(planner.recipe_for(config, precision, target.world_size, on_cuda=True))
     measured = {m: peak + runtime for m, peak in measure_peaks(make_trainer).items()}
     predicted = {m: planner.peak_at(config, target, data_stats, m) for m in measured}
     return calibration.calibrated_plan(plan, measured, predicted, config.planner.safety_margin_gib,

@@ -23,7 +23,7 @@ from sft_play.config import RunConfig
 from sft_play.planner import memory
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.shapes import ModelShape
-from sft_play.precision import DTYPE_BYTES, Precision, resolve_precision
+from sft_play.precision import DTYPE_BYTES, Precision, resolve_optimizer, resolve_precision
 
 GIB = 1024**3
 
@@ -125,7 +125,7 @@ def attention_kind(config: RunConfig, precision: Precision, on_cuda: bool, softc
     return "eager" if softcapping else "sdpa"
 
 
-def recipe_for(config: RunConfig, precision: Precision, world_size: int) -> memory.Recipe:
+def recipe_for(config: RunConfig, precision: Precision, world_size: int, on_cuda: bool = True) -> memory.Recipe:
     """The memory model's view of the run: dtypes from the precision recipe, split from the strategy."""
     method = config.finetune.method
     return memory.Recipe(
@@ -133,7 +133,7 @@ def recipe_for(config: RunConfig, precision: Precision, world_size: int) -> memo
         weight_bytes=DTYPE_BYTES[precision.weights_dtype],
         compute_bytes=DTYPE_BYTES[precision.compute_dtype],
         mixed_precision=precision.mixed != "no",
-        optimizer=config.train.optimizer,
+        optimizer=resolve_optimizer(config, on_cuda),
         world_size=world_size,
         strategy=config.distributed.strategy,
         offload_optimizer=config.distributed.offload_optimizer,
@@ -201,6 +201,8 @@ def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: boo
 _REMEDIES: list[tuple[str, str, list[str]]] = [
     ("gradient checkpointing", "recompute activations in backward (about 30% slower)", ["train.gradient_checkpointing=true"]),
     ("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes)", ["train.optimizer=adamw_8bit"]),
+    ("bf16 weights", "train bf16 weights directly, without fp32 masters (half the model state)",
+     ["model.torch_dtype=bfloat16"]),
     ("ZeRO-2", "shard gradients and optimizer states across the GPUs", ["distributed.strategy=deepspeed_zero2"]),
     ("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
      ["distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"]),
@@ -216,7 +218,10 @@ def _applies(name: str, config: RunConfig, target: Target) -> bool:
     if name == "gradient checkpointing":
         return not config.train.gradient_checkpointing
     if name == "8-bit AdamW":
-        return config.train.optimizer in ("adamw_torch", "adamw_torch_fused") and config.finetune.method == "full"
+        return config.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused") and config.finetune.method == "full"
+    if name == "bf16 weights":
+        return (config.finetune.method == "full" and config.model.torch_dtype in ("auto", "float32")
+                and target.bf16_supported and config.train.mixed_precision in ("auto", "bf16"))
     if name == "ZeRO-2":
         return target.world_size > 1 and config.distributed.strategy == "ddp"
     if name == "optimizer offload":
@@ -264,7 +269,7 @@ def make_plan(
     started = time.perf_counter()
     shape = shape or model_shape(config)
     precision = resolve_precision(config, has_gpu=target.on_cuda, bf16_supported=target.bf16_supported)
-    recipe = recipe_for(config, precision, target.world_size)
+    recipe = recipe_for(config, precision, target.world_size, target.on_cuda)
     seq = sequence_length(config, data_stats)
     attention = attention_kind(config, precision, target.on_cuda, shape.attention_softcapping)
 
@@ -355,7 +360,7 @@ def peak_at(config: RunConfig, target: Target, data_stats: Any | None, micro: in
     precision = resolve_precision(config, has_gpu=target.on_cuda, bf16_supported=target.bf16_supported)
     seq = sequence_length(config, data_stats)
     attention = attention_kind(config, precision, target.on_cuda, shape.attention_softcapping)
-    recipe = recipe_for(config, precision, target.world_size)
+    recipe = recipe_for(config, precision, target.world_size, target.on_cuda)
     return sum(_terms(shape, recipe, workload_for(config, micro, seq, attention), target).values())
 
 

@@ -7,6 +7,7 @@ from sft_play.precision import DTYPE_BYTES, Precision
 
 # AdamW keeps two states per trainable parameter; the 8-bit variants keep them in one byte each.
 OPTIMIZER_STATE_BYTES = {
+    "auto": 8,
     "adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "sgd": 0, "adafactor": 4,
 }
 
