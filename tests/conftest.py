@@ -59,12 +59,27 @@ def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = N
     )
 
 
+def _shared_run(tmp_path_factory, name: str, *overrides: str):
+    root = tmp_path_factory.mktemp(f"shared-{name}")
+    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
+                        f"train.run_name={name}", *overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return root / name, result
+
+
+# Real runs of the embedded default through the entry script, shared by the tests that look at
+# what a run writes: (run folder, the finished process).
 @pytest.fixture(scope="session")
 def tiny_lora_run(tmp_path_factory):
-    """One real LoRA run of the embedded default through the entry script, shared by the tests
-    that look at what a run writes: (run folder, the finished process)."""
-    root = tmp_path_factory.mktemp("shared-runs")
-    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        "train.run_name=lora", "train.max_steps=40", "train.logging_steps=5")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return root / "lora", result
+    return _shared_run(tmp_path_factory, "lora", "train.max_steps=40", "train.logging_steps=5")
+
+
+@pytest.fixture(scope="session")
+def tiny_full_run(tmp_path_factory):
+    return _shared_run(tmp_path_factory, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
+                       "train.learning_rate=1e-3", "planner.calibrate=true")
+
+
+@pytest.fixture(scope="session")
+def tiny_qlora_run(tmp_path_factory):
+    return _shared_run(tmp_path_factory, "qlora", "finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1")

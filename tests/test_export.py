@@ -19,21 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def train(root: Path, name: str, *overrides: str) -> Path:
-    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        f"train.run_name={name}", "train.logging_steps=5", *overrides)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return root / name
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_lora_run):
-    root = tmp_path_factory.mktemp("runs")
-    return {
-        "lora": tiny_lora_run[0],
-        "qlora": train(root, "qlora", "finetune.method=qlora", "train.max_steps=3"),
-        "full": train(root, "full", "finetune.method=full", "train.max_steps=3", "train.learning_rate=1e-3"),
-    }
+def runs(tiny_lora_run, tiny_full_run, tiny_qlora_run):
+    return {"lora": tiny_lora_run[0], "qlora": tiny_qlora_run[0], "full": tiny_full_run[0]}
 
 
 def logits(model, tokenizer, text="Reverse the letters: a b c"):

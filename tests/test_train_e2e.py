@@ -88,9 +88,8 @@ def test_generate_script_answers_held_out_prompts(lora_run):
     assert "reference:" in result.stdout and "before:" in result.stdout and "after:" in result.stdout
 
 
-def test_full_fine_tuning_runs_and_saves_a_loadable_model(tmp_path):
-    run_dir, result = train(tmp_path, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
-                            "train.learning_rate=1e-3", "planner.calibrate=true")
+def test_full_fine_tuning_runs_and_saves_a_loadable_model(tiny_full_run):
+    run_dir, result = tiny_full_run
     assert "planner.calibrate needs a GPU to measure; planning analytically" in result.stderr
     from transformers import AutoModelForCausalLM
 
@@ -100,8 +99,8 @@ def test_full_fine_tuning_runs_and_saves_a_loadable_model(tmp_path):
     assert summary["global_step"] == 3 and summary["last_loss"] < summary["first_loss"]
 
 
-def test_qlora_runs_on_cpu_with_a_4bit_base(tmp_path):
-    run_dir, result = train(tmp_path, "qlora", "finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1")
+def test_qlora_runs_on_cpu_with_a_4bit_base(tiny_qlora_run):
+    run_dir, result = tiny_qlora_run
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["global_step"] == 3 and summary["last_loss"] < summary["first_loss"]
