@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 def _any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any rank (no-op without a process group)."""
-    import torch.distributed as dist
 
     return bool(max_over_ranks(1 if flag else 0))
 

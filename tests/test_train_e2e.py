@@ -4,7 +4,6 @@ tokenizer and TensorBoard events are written, the adapter reloads), full fine-tu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,15 +11,6 @@ import torch
 from tests.conftest import run_script
 
 pytestmark = pytest.mark.slow
-
-
-def train(tmp_path: Path, name: str, *overrides: str):
-    result = run_script(
-        "train_distributed.py", "--config", "configs/run_tiny.yaml",
-        f"train.output_dir={tmp_path}", f"train.run_name={name}", *overrides,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return tmp_path / name, result
 
 
 @pytest.fixture(scope="module")
