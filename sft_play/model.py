@@ -136,8 +136,8 @@ def load_model(config: RunConfig, precision: Precision, device: str | None = Non
     Args:
         config: the run config.
         precision: the resolved precision recipe.
-        device: where a quantised model is placed at load (each rank its own, e.g. ``cuda:1``);
-            other models are moved by the trainer.
+        device: where the model is placed at load, each rank its own (e.g. ``cuda:1``), so that
+            large models never pass through host memory; ZeRO-3 places (and shards) them itself.
     """
     from transformers import AutoModelForCausalLM
 
@@ -155,6 +155,7 @@ def load_model(config: RunConfig, precision: Precision, device: str | None = Non
         kwargs["revision"] = config.model.revision
     if quant is not None:
         kwargs["quantization_config"] = quant
+    if config.distributed.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
         kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
