@@ -26,7 +26,7 @@ def main() -> int:
     if config is not None:
         results += checks.check_data(config)
         results.append(checks.check_output_dir(config))
-        results.append(checks.check_disk(config, checks.needed_disk_bytes(config, facts)))
+        results.append(checks.disk_check_for(config, facts))
     for result in results:
         print(result.line())
     failed = [r for r in results if not r.ok]

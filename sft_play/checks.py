@@ -150,6 +150,15 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
     return config, Check("config", True, f"{path} is valid")
 
 
+def needed_disk_bytes(config: RunConfig, shape, precision) -> int:
+    """Disk the run's checkpoints and final model need (see :mod:`sft_play.planner.disk`)."""
+    from sft_play.planner.disk import run_disk_bytes
+
+    train = config.train
+    return run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps,
+                          train.save_total_limit)
+
+
 def ensure_disk_room(config: RunConfig, run_dir: Path, shape, precision) -> None:
     """Refuse to start when the disk under `run_dir` cannot hold the run's checkpoints and model.
 
@@ -157,27 +166,21 @@ def ensure_disk_room(config: RunConfig, run_dir: Path, shape, precision) -> None
         UserError: with the sizes and what to do.
     """
     from sft_play.errors import UserError
-    from sft_play.planner.disk import run_disk_bytes
 
-    train = config.train
-    needed = run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps,
-                            train.save_total_limit)
-    check = check_disk(config, needed, probe=run_dir)
+    check = check_disk(config, needed_disk_bytes(config, shape, precision), probe=run_dir)
     if not check.ok:
         raise UserError(f"not enough disk for this run: {check.detail}")
 
 
-def needed_disk_bytes(config: RunConfig, facts: HardwareInfo) -> int | None:
-    """Disk the run's checkpoints and final model need, from the exact model shape (None when
-    the model config cannot be read, e.g. a hub id while offline)."""
+def disk_check_for(config: RunConfig, facts: HardwareInfo) -> Check:
+    """``make check``'s disk line: the exact model shape when its config can be read (a hub id
+    while offline cannot), else free space alone."""
     from sft_play.planner import model_shape
-    from sft_play.planner.disk import run_disk_bytes
     from sft_play.precision import resolve_precision
 
     try:
         shape = model_shape(config)
     except OSError:
-        return None
+        return check_disk(config, None)
     precision = resolve_precision(config, facts.has_gpu, facts.has_gpu and all(g.bf16_supported for g in facts.gpus))
-    train = config.train
-    return run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps, train.save_total_limit)
+    return check_disk(config, needed_disk_bytes(config, shape, precision))

@@ -68,13 +68,13 @@ def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: b
     from transformers import AutoModelForCausalLM
 
     from sft_play.model import quantization_config, weights_location
-    from sft_play.precision import Precision
+    from sft_play.precision import resolve_precision
 
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.model.trust_remote_code,
                               "use_safetensors": True}
     if quantized and config.finetune.method == "qlora":
-        precision = Precision(mixed={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no"),
-                              weights_dtype={torch.float32: "float32"}.get(dtype, "bfloat16"))
+        on_cuda = device.startswith("cuda")
+        precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=dtype == torch.bfloat16)
         kwargs["quantization_config"] = quantization_config(config, precision)
         kwargs["device_map"] = {"": device}
     return AutoModelForCausalLM.from_pretrained(weights_location(config), **kwargs)

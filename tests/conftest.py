@@ -83,3 +83,24 @@ def tiny_full_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qlora_run(tmp_path_factory):
     return _shared_run(tmp_path_factory, "qlora", "finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1")
+
+
+def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
+    """The trainer factory the entry script builds, for the tiny default on the CPU, with extra
+    `callbacks`: for tests that drive training in this process (injected faults)."""
+    from sft_play import config as config_module
+    from sft_play import data, model, training
+    from sft_play.data import collate
+    from sft_play.precision import resolve_precision
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false",
+        *overrides,
+    ])
+    precision = resolve_precision(config, has_gpu=False, bf16_supported=False)
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+    base = model.load_model(config, precision, device="cpu")
+    collator = collate.make_collator(tokenizer.pad_token_id, True, "sdpa")
+    return training.trainer_factory(config, precision, tmp_path, base, model.lora_config(config), tokenizer,
+                                    bundle.train, None, collator, callbacks)

@@ -20,7 +20,7 @@ from sft_play import callbacks, checkpoints, checks, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
 from sft_play.planner.choose import BatchSplit
-from tests.test_oom_backoff import build
+from tests.conftest import tiny_trainer_factory as build
 
 REPO = Path(__file__).resolve().parents[1]
 

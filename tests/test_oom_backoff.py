@@ -4,20 +4,16 @@ and training continues from where it was with the same global batch."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
-from sft_play import config as config_module
-from sft_play import data, model, training
-from sft_play.data import collate
+from sft_play import training
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import BatchSplit
-from sft_play.precision import resolve_precision
+from tests.conftest import tiny_trainer_factory as build
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -31,21 +27,6 @@ class InjectOutOfMemory(TrainerCallback):
         if state.global_step == self.at_step and args.per_device_train_batch_size > self.until:
             self.raised += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-
-
-def build(tmp_path: Path, callbacks, *overrides: str):
-    """The trainer factory the entry script builds, for the tiny default, with extra `callbacks`."""
-    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
-        "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false",
-        *overrides,
-    ])
-    precision = resolve_precision(config, has_gpu=False, bf16_supported=False)
-    tokenizer = model.load_tokenizer(config)
-    bundle = data.build(config.data, tokenizer, seed=config.train.seed)
-    base = model.load_model(config, precision, device="cpu")
-    collator = collate.make_collator(tokenizer.pad_token_id, True, "sdpa")
-    return training.trainer_factory(config, precision, tmp_path, base, model.lora_config(config), tokenizer,
-                                    bundle.train, None, collator, callbacks)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_continues(tmp_path, caplog):
