@@ -136,7 +136,8 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
     return total, in_out
 
 
-def _decoder_layers(model: Any, num_layers: int) -> Any | None:
+def decoder_layers(model: Any, num_layers: int) -> Any | None:
+    """The ModuleList of the `num_layers` decoder layers (the one holding most parameters)."""
     import torch
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
@@ -148,7 +149,8 @@ def _layer_signature(layer: Any) -> tuple:
                  for name, m in layer.named_modules())
 
 
-def _with_layers(model_config: Any, layers: int) -> Any:
+def with_layers(model_config: Any, layers: int) -> Any:
+    """A copy of `model_config` with `layers` decoder layers (per-layer lists cut to match)."""
     import copy
 
     shorter = copy.deepcopy(model_config)
@@ -172,11 +174,11 @@ def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_cod
     full = build_meta_model(model_config, trust_remote_code)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_layers = _attr(text, "num_hidden_layers", "n_layer", "num_layers")
-    layers = _decoder_layers(full, num_layers) if num_layers > 2 else None
+    layers = decoder_layers(full, num_layers) if num_layers > 2 else None
     if layers is None or len({_layer_signature(layer) for layer in layers}) != 1:
         return lora_counts(full, lora_config)
-    one, in_out = lora_counts(build_meta_model(_with_layers(model_config, 1), trust_remote_code), lora_config)
-    two, _ = lora_counts(build_meta_model(_with_layers(model_config, 2), trust_remote_code), lora_config)
+    one, in_out = lora_counts(build_meta_model(with_layers(model_config, 1), trust_remote_code), lora_config)
+    two, _ = lora_counts(build_meta_model(with_layers(model_config, 2), trust_remote_code), lora_config)
     return one + (num_layers - 1) * (two - one), in_out
 
 
