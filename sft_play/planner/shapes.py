@@ -41,8 +41,12 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
-    lora_in_out: list[tuple[int, int]] = field(default_factory=list)
-    attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it  # (in, out) of each adapted linear, per layer
+    lora_in_out: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each adapted linear, per layer
+    attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it
+    # Parameter tensors as the GPU allocates them: (elements, quantised by QLoRA) for one decoder
+    # layer, and the elements of each tensor outside the layers (embeddings, final norm, head)
+    layer_tensors: list[tuple[int, bool]] = field(default_factory=list)
+    other_tensors: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -200,10 +204,17 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     hidden = _attr(text, "hidden_size", "n_embd", "d_model")
     heads = _attr(text, "num_attention_heads", "n_head")
     quantized = blocks = 0
+    quantizable = set()
     for _, module in quantized_linears(model):
         n = module.weight.numel()
         quantized += n
         blocks += -(-n // 64)
+        quantizable.add(id(module.weight))
+    num_layers = _attr(text, "num_hidden_layers", "n_layer", "num_layers")
+    layers = decoder_layers(model, num_layers)
+    in_layers = {id(p) for p in layers.parameters()} if layers is not None else set()
+    layer_tensors = [(p.numel(), id(p) in quantizable) for p in layers[0].parameters()] if layers is not None else []
+    other_tensors = [p.numel() for p in model.parameters() if id(p) not in in_layers]
     return ModelShape(
         model_type=getattr(model_config, "model_type", "unknown"),
         architecture=type(model).__name__,
@@ -213,7 +224,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         lora_params=0,
         quantized_params=quantized,
         quantized_blocks=blocks,
-        num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=_attr(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
         num_attention_heads=heads,
@@ -222,6 +233,8 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         vocab_size=_attr(text, "vocab_size"),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
+        layer_tensors=layer_tensors,
+        other_tensors=other_tensors,
     )
 
 

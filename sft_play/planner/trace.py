@@ -30,18 +30,15 @@ What a trace on the meta device cannot see is put in explicitly, each with its s
   fp32 s x s probabilities, which CUDA's flash and memory-efficient kernels never keep.
   :class:`_FusedAttention` saves what those kernels save (q, k, v, the output and an fp32
   log-sum-exp per row; the memory-efficient kernel also the additive mask, converted from
-  the boolean one per call and padded to 16 columns: ``attention.cpp``
+  the boolean one per call, rows padded to 8: ``attention.cpp``
   ``convert_boolean_attn_mask``/``preprocess_mask``), and allocates in backward what their
-  backward kernels allocate (dq, dk, dv, an fp32 dq accumulator, dk/dv at query heads for
-  grouped-query attention before the group sum: FlashAttention-2 ``mha_bwd``). Eager
-  attention runs its own code.
+  backward kernels allocate (:class:`_FusedAttention`). Eager attention runs its own code.
 - **dropout**: CUDA's fused dropout keeps a boolean mask for backward; on the meta device
   dropout multiplies by a saved fp32 noise tensor instead (``aten/src/ATen/native/Dropout.cpp``,
   ``is_fused_kernel_acceptable``). :class:`_FusedDropout` keeps the mask.
 - **bitsandbytes 4-bit linears** save no activation (``MatMul4Bit`` keeps only the packed
-  weight) and de-quantise their weight for each matmul: traced as frozen 16-bit linears
-  (which also save nothing but the weight); the de-quantised weight is the planner's
-  ``dequantize`` term.
+  weight) and de-quantise their weight for each matmul, in forward and backward
+  (:class:`_FourBitMatmul`).
 
 Parameters are never counted here (the planner counts them exactly), nor their gradients.
 """
@@ -51,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -66,33 +64,52 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _FLASH_TRACE = "sft_play_flash_trace"
 
 
-@dataclass(frozen=True)
-class Coefficients:
-    """Bytes as ``const + per_sample x b`` at the traced sequence length (exact: at a fixed
-    sequence length every activation scales with the micro-batch b)."""
-
-    const: float = 0.0
-    per_sample: float = 0.0
-
-    def at(self, micro_batch: int) -> int:
-        return int(self.const + self.per_sample * micro_batch)
-
-    @classmethod
-    def fit(cls, one: float, two: float) -> Coefficients:
-        """From the values at micro-batch 1 and 2."""
-        return cls(float(2 * one - two), float(two - one))
+# An allocation ("a", id, bytes at the base micro-batch, bytes per further sample) or a release ("f", id, 0, 0).
+# Ids are numbered in allocation order; INPUT and GRAD_IN name the tensors that exist before.
+Event = tuple[str, int, float, float]
+INPUT, GRAD_IN = -1, -2
 
 
 @dataclass(frozen=True)
-class LayerProfile:
-    """What one decoder layer costs in activation memory (see the module docstring)."""
+class ModuleEvents:
+    """The allocations of one module (a decoder layer, or the final norm) through a training step.
 
-    saved: Coefficients
-    forward_extra: Coefficients
-    backward_extra: Coefficients
-    cast_cache: Coefficients
-    final_norm_saved: Coefficients  # the model's final norm (one, not per layer)
-    final_norm_backward_extra: Coefficients
+    - ``forward``: its forward pass, once its input exists;
+    - ``after_forward``: the caller dropping its reference to the input (which frees the input
+      unless the module kept it for backward: ``input_kept``);
+    - ``cache_release``: autocast's cache cleared when the model's forward pass ends;
+    - ``backward``: its backward pass from the incoming gradient (``GRAD_IN``) until the gradient
+      of its input (``input_grad``) is complete.
+    ``output`` is the id of its output; ``persistent`` the ids allocated in backward and still
+    alive at its end other than ``input_grad``: parameter gradients.
+    """
+
+    forward: tuple[Event, ...]
+    after_forward: tuple[Event, ...]
+    cache_release: tuple[Event, ...]
+    backward: tuple[Event, ...]
+    output: int
+    input_grad: int
+    input_kept: bool
+    persistent: frozenset[int]
+    base_micro: int = 1  # the micro-batch the sizes are given at
+
+    def size(self, event: Event, micro: int) -> int:
+        return int(event[2] + event[3] * (micro - self.base_micro))
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """A decoder layer's and the final norm's allocations at one sequence length: exactly at
+    micro-batch 1, and as functions of the micro-batch from 2 on (at micro-batch 1 some copies
+    do not happen: a tensor with a single row counts as contiguous whatever its strides)."""
+
+    single: tuple[ModuleEvents, ModuleEvents | None]
+    batched: tuple[ModuleEvents, ModuleEvents | None]
+
+    def at(self, micro: int) -> tuple[ModuleEvents, ModuleEvents | None]:
+        """(layer, final norm) events to replay at `micro`."""
+        return self.single if micro == 1 else self.batched
 
 
 @dataclass(frozen=True)
@@ -114,15 +131,15 @@ class TraceSpec:
     lora_dropout: bool = False
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every storage created by an operation while it is alive (weak
-    references to the storages), except storages named in `ignore` (parameters, inputs)."""
+class _Recorder(TorchDispatchMode):
+    """Records every storage an operation creates ("a", key, bytes) and its release ("f", key),
+    through weak references to the storages; storages in `ignore` (parameters, inputs) are not
+    recorded."""
 
     def __init__(self, ignore: set[int]):
         super().__init__()
-        self.current = 0
-        self.peak = 0
         self.ignore = ignore
+        self.events: list[tuple[str, int, int]] = []
         self._alive: dict[int, Any] = {}
 
     def _track(self, tensor: torch.Tensor) -> None:
@@ -130,18 +147,18 @@ class _LiveBytes(TorchDispatchMode):
         key = storage._cdata
         if key in self.ignore or key in self._alive:
             return
-        size = storage.nbytes()
-        self.current += size
-        self.peak = max(self.peak, self.current)
+        self.events.append(("a", key, storage.nbytes()))
 
-        def released(_ref: Any, key: int = key, size: int = size) -> None:
-            self.current -= size
+        def released(_ref: Any, key: int = key) -> None:
+            self.events.append(("f", key, 0))
             self._alive.pop(key, None)
 
         self._alive[key] = weakref.ref(storage, released)
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
+    def cut(self) -> list[tuple[str, int, int]]:
+        """The events since the last cut."""
+        events, self.events = self.events, []
+        return events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -154,29 +171,44 @@ def _pad(n: int, multiple: int) -> int:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Stands in for CUDA's fused attention kernels: saves and allocates what they do (module
-    docstring). Inputs and output are in SDPA's layout, [batch, heads, seq, head_dim]."""
+    """Stands in for CUDA's fused attention kernels: saves and allocates what they do. Inputs
+    and output are in SDPA's layout, [batch, heads, seq, head_dim], stored as [batch, seq, heads,
+    head_dim] like the kernels' output.
+
+    Without a bias, FlashAttention-2 (``mha_fwd``/``mha_bwd``, also SDPA's flash backend): saves
+    q, k, v (k, v at their own heads), the output and an fp32 log-sum-exp [b, h, s]; backward
+    allocates dq, dk, dv, ``softmax_d`` fp32 [b, h, s rounded to 128], ``dq_accum`` fp32 [b, s
+    rounded to 128, h, d rounded to 32] and, for grouped-query attention, dk and dv at query
+    heads before the group sum. With a bias, the memory-efficient kernel
+    (``_efficient_attention_forward``/``_backward``): saves the bias too and a log-sum-exp padded
+    to 32 rows; backward allocates dq, dk, dv, ``delta`` fp32 [b, h, s] and an fp32 dq
+    accumulator (``kNeedsAccumGradQ``, the size of dq in fp32).
+    """
 
     @staticmethod
     def forward(ctx, query, key, value, bias):
         b, heads, s, d = query.shape
         out = torch.empty((b, s, heads, d), dtype=query.dtype, device=query.device).transpose(1, 2)
-        # The memory-efficient kernel (taken with a mask) pads the log-sum-exp rows to 32
         lse = torch.empty((b, heads, _pad(s, 32) if bias is not None else s), dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, out, lse, bias)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, _out, _lse, _bias = ctx.saved_tensors
+        query, key, value, _out, _lse, bias = ctx.saved_tensors
         b, heads, s, d = query.shape
         device = query.device
-        _delta = torch.empty((b, heads, _pad(s, 32)), dtype=torch.float32, device=device)
-        _dq_accumulator = torch.empty((b, s, heads, d), dtype=torch.float32, device=device)
-        if key.shape[1] != heads:  # grouped-query attention: dk, dv at query heads, then summed
-            _dk_expanded = torch.empty((b, s, heads, d), dtype=key.dtype, device=device)
-            _dv_expanded = torch.empty((b, s, heads, d), dtype=value.dtype, device=device)
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        if bias is not None:
+            _delta = torch.empty((b, heads, s), dtype=torch.float32, device=device)
+            _accumulator = torch.empty((b, s, heads, d), dtype=torch.float32, device=device)
+        else:
+            _softmax_d = torch.empty((b, heads, _pad(s, 128)), dtype=torch.float32, device=device)
+            _accumulator = torch.empty((b, _pad(s, 128), heads, _pad(d, 32)), dtype=torch.float32, device=device)
+            if key.shape[1] != heads:
+                _dk_expanded = torch.empty((b, s, heads, d), dtype=key.dtype, device=device)
+                _dv_expanded = torch.empty((b, s, heads, d), dtype=value.dtype, device=device)
+        return dq, dk, dv, None
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, **_ignored):
@@ -184,12 +216,12 @@ def _fused_sdpa(query, key, value, attn_mask=None, **_ignored):
     memory-efficient with one)."""
     bias = None
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask: where(~mask, -inf, 0) in q's dtype
+        if attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask: where(mask, 0, -inf) in q's dtype
             zero = torch.zeros((), dtype=query.dtype, device=query.device)
-            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero).to(query.dtype)
+            attn_mask = torch.where(attn_mask, zero, float("-inf")).to(query.dtype)
         columns = attn_mask.shape[-1]
-        if columns % 16:  # preprocess_mask -> pad_bias<16>
-            attn_mask = F.pad(attn_mask, (0, 16 - columns % 16))[..., :columns]
+        if columns % 8:  # preprocess_mask: pad_bias<8> when the rows are not aligned
+            attn_mask = F.pad(attn_mask, (0, 8 - columns % 8))[..., :columns]
         bias = attn_mask
     return _FusedAttention.apply(query, key, value, bias)
 
@@ -206,6 +238,31 @@ class _FusedDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return torch.empty_like(grad)
+
+
+class _FourBitMatmul(torch.autograd.Function):
+    """bitsandbytes' ``MatMul4Bit`` as training runs it on CUDA (many rows): the 4-bit weight is
+    de-quantised to the input's dtype for the matmul (``dequantize_4bit`` + ``F.linear``, the
+    path ``gemm_4bit`` takes past its custom-kernel sizes) and again in backward; nothing but the
+    packed weight is kept."""
+
+    @staticmethod
+    def forward(ctx, input, weight):
+        ctx.save_for_backward(weight)
+        dequantized = torch.empty(weight.shape, dtype=input.dtype, device=input.device)
+        return F.linear(input, dequantized)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        dequantized = torch.empty(weight.shape, dtype=grad.dtype, device=grad.device)
+        return grad @ dequantized, None
+
+
+def _four_bit_linear(linear: Any, input: torch.Tensor) -> torch.Tensor:
+    # peft's LoRA wrapper for 4-bit layers clones the base output before adding the adapter
+    out = _FourBitMatmul.apply(input, linear.weight)
+    return (out + linear.bias if linear.bias is not None else out).clone()
 
 
 def _flash_attention_2(module, query, key, value, attention_mask, **_kwargs):
@@ -274,6 +331,11 @@ def _prepared_layer(spec: TraceSpec) -> tuple[Any, Any, Any, torch.dtype]:
     model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code))
     weights = DTYPES[spec.weights_dtype]
     model.to(weights)
+    if spec.method == "qlora":
+        from sft_play.planner.shapes import quantized_linears
+
+        for _, linear in quantized_linears(model):
+            linear.forward = functools.partial(_four_bit_linear, linear)
     if spec.method != "full":
         from peft import LoraConfig, get_peft_model
 
@@ -316,12 +378,131 @@ def _head_dim(text: Any) -> int:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
-def _trace_once(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: int) -> dict[str, int]:
+class _Seed(torch.autograd.Function):
+    """Ends a traced module's output in a scalar whose backward creates the incoming gradient, so
+    that only autograd holds it (and frees it when it is used, as in the whole model)."""
+
+    @staticmethod
+    def forward(ctx, output):
+        ctx.like = (output.shape, output.dtype, output.device)
+        return output.new_empty(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        shape, dtype, device = ctx.like
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        ctx.seeded = grad.untyped_storage()._cdata
+        _SEEDED.append(ctx.seeded)
+        return grad
+
+
+_SEEDED: list[int] = []
+
+
+def _record(module: Any, call, recorder: _Recorder, autocast: _Autocast, leaf: torch.Tensor) -> dict[str, Any]:
+    """Run `call(module, input)` forward and backward under `recorder`; the raw events by phase.
+    The input is a copy of `leaf` that only the module can keep alive."""
+    hidden = leaf * 1
+    input_key = hidden.untyped_storage()._cdata
+    fired: dict[str, Any] = {}
+
+    def on_input_grad(grad: torch.Tensor) -> None:
+        fired["at"] = len(recorder.events)
+        fired["key"] = grad.untyped_storage()._cdata
+
+    hidden.register_hook(on_input_grad)
+    recorder.cut()
+    with autocast:
+        out = call(module, hidden)
+    forward = recorder.cut()
+    keys = {"input": input_key, "output": out.untyped_storage()._cdata}
+    autocast.cache = None  # autocast clears its cache when the forward pass ends
+    cache_release = recorder.cut()
+    del hidden
+    after_forward = recorder.cut()
+    seed = _Seed.apply(out)
+    del out  # the output's lifetime is the caller's (the next layer's input)
+    start = torch.ones((), dtype=seed.dtype, device=seed.device)
+    recorder.cut()
+    _SEEDED.clear()
+    seed.backward(start)
+    # What follows the input's gradient is the trace's own scaffolding (the leaf behind the input)
+    backward = recorder.cut()[: fired["at"]]
+    keys["grad_in"] = _SEEDED[0]
+    keys["input_grad"] = fired["key"]
+    # The incoming gradient exists before the module's backward: its allocation only names it
+    # (only the first: once freed, its address can serve a later allocation)
+    first = next(i for i, (kind, key, _) in enumerate(backward) if kind == "a" and key == keys["grad_in"])
+    backward[first] = ("bind", *backward[first][1:])
+    return {"forward": forward, "cache_release": cache_release, "after_forward": after_forward,
+            "backward": backward, "keys": keys}
+
+
+def _numbered(raw: dict[str, Any]) -> tuple[dict[str, list], dict[str, int], set[int]]:
+    """Storage keys replaced by ids in allocation order (the same in every trace of one spec).
+    A storage's address can be reused once it is freed, so names are resolved as they occur."""
+    ids = {raw["keys"]["input"]: INPUT}
+    named: dict[str, int] = {}
+    phases: dict[str, list] = {}
+    alive: set[int] = set()
+    count = 0
+    for phase in ("forward", "cache_release", "after_forward", "backward"):
+        events = []
+        for kind, key, size in raw[phase]:
+            if kind == "bind":
+                ids[key] = GRAD_IN
+                continue
+            if kind == "a":
+                ids[key] = count
+                count += 1
+                alive.add(ids[key])
+            elif key in ids:
+                alive.discard(ids[key])
+            else:
+                continue
+            events.append((kind, ids[key], size))
+            if kind == "a" and key == raw["keys"]["input_grad"] and phase == "backward":
+                named["input_grad"] = ids[key]
+        phases[phase] = events
+        if phase == "forward":
+            named["output"] = ids.get(raw["keys"]["output"], -3)
+    return phases, named, alive
+
+
+def _module_events(one: dict[str, Any], two: dict[str, Any], base: int) -> ModuleEvents:
+    """Events with sizes affine in the micro-batch, from traces at micro-batch `base` and `base` + 1."""
+    (phases1, named, alive), (phases2, _, _) = _numbered(one), _numbered(two)
+    merged = {}
+    for phase, events in phases1.items():
+        other = phases2[phase]
+        if [e[:2] for e in events] != [e[:2] for e in other]:
+            raise ValueError(f"the {phase} pass differs between micro-batch {base} and {base + 1}: cannot scale it")
+        merged[phase] = tuple((kind, i, float(size), float(size2 - size)) for (kind, i, size), (_, _, size2)
+                              in zip(events, other))
+    forward_ids = {i for kind, i, *_ in merged["forward"] if kind == "a"}
+    backward_ids = {i for kind, i, *_ in merged["backward"] if kind == "a"}
+    kept = not any(kind == "f" and i == INPUT for kind, i, *_ in merged["after_forward"])
+    return ModuleEvents(
+        forward=merged["forward"],
+        after_forward=merged["after_forward"],
+        cache_release=merged["cache_release"],
+        backward=merged["backward"],
+        output=named["output"],
+        input_grad=named["input_grad"],
+        input_kept=kept,
+        persistent=frozenset((alive & backward_ids) - {named["input_grad"]} - forward_ids),
+        base_micro=base,
+    )
+
+
+def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: int, which: str) -> dict[str, Any]:
     layer, norm, text, residual = prepared
-    layer.zero_grad(set_to_none=True)
-    params = {t.untyped_storage()._cdata for t in [*layer.parameters(), *layer.buffers()]}
-    if norm is not None:
-        params |= {t.untyped_storage()._cdata for t in [*norm.parameters(), *norm.buffers()]}
+    for part in (layer, norm):
+        if part is not None:
+            part.zero_grad(set_to_none=True)
+    module = layer if which == "layer" else norm
+    ignore = {t.untyped_storage()._cdata for m in (layer, norm) if m is not None
+              for t in [*m.parameters(), *m.buffers()]}
     device = "meta"
     b, s, h = micro_batch, seq_len, text.hidden_size
     leaf = torch.empty(b, s, h, dtype=residual, device=device, requires_grad=True)
@@ -332,61 +513,39 @@ def _trace_once(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: int
     if spec.masked and spec.attention != "flash_attention_2":
         # transformers builds a boolean [b, 1, s, s] mask for SDPA, a float one for eager attention
         mask = torch.empty(b, 1, s, s, dtype=torch.bool if spec.attention == "sdpa" else residual, device=device)
-    inputs = [t for t in (leaf, cos, sin, positions, mask) if t is not None]
-    tracker = _LiveBytes(params | {t.untyped_storage()._cdata for t in inputs})
+    ignore |= {t.untyped_storage()._cdata for t in (leaf, cos, sin, positions, mask) if t is not None}
+    recorder = _Recorder(ignore)
     compute = DTYPES[spec.compute_dtype] if spec.compute_dtype else None
-    autocast = _Autocast(compute)
-    result: dict[str, int] = {}
-    with tracker:
-        with autocast:
-            hidden = leaf * 1  # a non-leaf input: kept only if the layer saves it
-            start = tracker.current
-            out = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions)
-            out = out[0] if isinstance(out, tuple) else out
-        result["forward_extra"] = tracker.peak - start
-        result["cast_cache"] = autocast.cached_bytes()
-        autocast.cache = None  # autocast's cache is cleared when the forward pass ends
-        del hidden
-        result["saved"] = tracker.current - out.untyped_storage().nbytes()
-        incoming = torch.empty_like(out)
-        tracker.reset_peak()
-        start = tracker.current
-        torch.autograd.backward(out, incoming)
-        result["backward_extra"] = tracker.peak - start
-        del out, incoming
-        if norm is not None:
-            before = tracker.current
-            last = leaf * 1
-            with _Autocast(compute):
-                normed = norm(last)
-            del last
-            result["final_norm_saved"] = tracker.current - before - normed.untyped_storage().nbytes()
-            grad = torch.empty_like(normed)
-            tracker.reset_peak()
-            start = tracker.current
-            torch.autograd.backward(normed, grad)
-            result["final_norm_backward_extra"] = tracker.peak - start
-    return result
+
+    def call(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+        if which == "norm":
+            return module(hidden)
+        out = module(hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions)
+        return out[0] if isinstance(out, tuple) else out
+
+    # Releases must follow reference counts alone: no cyclic collection in the middle of a trace
+    gc.disable()
+    try:
+        with recorder:
+            return _record(module, call, recorder, _Autocast(compute), leaf)
+    finally:
+        gc.enable()
 
 
 @functools.lru_cache(maxsize=64)
-def layer_profile(spec: TraceSpec, seq_len: int) -> LayerProfile:
-    """The activation profile of one decoder layer for `spec` at `seq_len` tokens per row (cached)."""
+def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
+    """The allocations of one decoder layer (and of the final norm) for `spec` at `seq_len`
+    tokens per row, with sizes as functions of the micro-batch (cached)."""
     _register_flash_trace()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = _prepared_layer(spec)
-        one, two = (_trace_once(spec, prepared, micro, seq_len) for micro in (1, 2))
-    fitted = {key: Coefficients.fit(one[key], two[key]) for key in one}
-    zero = Coefficients()
-    return LayerProfile(
-        saved=fitted["saved"],
-        forward_extra=fitted["forward_extra"],
-        backward_extra=fitted["backward_extra"],
-        cast_cache=fitted["cast_cache"],
-        final_norm_saved=fitted.get("final_norm_saved", zero),
-        final_norm_backward_extra=fitted.get("final_norm_backward_extra", zero),
-    )
+        parts = {}
+        for which in ("layer", "norm") if prepared[1] is not None else ("layer",):
+            runs = {b: _trace_module(spec, prepared, b, seq_len, which) for b in (1, 2, 3)}
+            parts[which] = (_module_events(runs[1], runs[1], 1), _module_events(runs[2], runs[3], 2))
+    norm = parts.get("norm", (None, None))
+    return LayerTrace((parts["layer"][0], norm[0]), (parts["layer"][1], norm[1]))
 
 
 @functools.cache

@@ -1,0 +1,367 @@
+"""One GPU's memory through training steps: every allocation and release of the step, in order,
+replayed through the caching allocator (:mod:`sft_play.planner.allocator`).
+
+The step is assembled from what is known exactly and what was traced:
+
+- parameters, adapters, optimizer states, DDP buckets and ZeRO partitions from the exact
+  shape (:mod:`sft_play.planner.shapes`) and the terms of :mod:`sft_play.planner.memory`;
+- each decoder layer's and the final norm's allocations from the meta-device trace
+  (:mod:`sft_play.planner.trace`), chained layer to layer: a layer's output is the next layer's
+  input, the gradient it produces for its input is the incoming gradient of the layer below;
+- what the backbone allocates around the layers (the batch, the embedding output, the
+  attention mask, the rotary tables) and TRL's chunked loss head, from their code (cited where
+  they are replayed);
+- the optimizer step (states created at the first step) and ``zero_grad`` (gradients freed).
+
+Two optimizer steps are replayed (the first creates the optimizer states; the second runs with
+them and with the first step's cached blocks), each with two micro-batches when gradients
+accumulate (the second forward then runs with the gradients alive).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from sft_play.planner import memory
+from sft_play.planner.allocator import CachingAllocator, OutOfMemory
+from sft_play.planner.shapes import ModelShape
+from sft_play.planner.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
+
+MIB = 1024**2
+CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace on sm90, taken from the allocator (getChosenWorkspaceSize)
+FUSED_HEAD_TOKENS = 4096  # TRL's chunked log-prob: token rows per tile (trl/kernels/chunked_logprob.py)
+FUSED_HEAD_VOCAB = 32768  # ... vocabulary columns per tile (trl.trainer.utils, _CHUNKED_LOGPROB_CHUNK_SIZE)
+DDP_BUCKET_BYTES = 25 * MIB  # DistributedDataParallel bucket_cap_mb
+
+
+@dataclass
+class StepMemory:
+    """What the replay found: the allocator's peaks and the live bytes by category at the peak."""
+
+    peak_reserved: int
+    peak_allocated: int
+    at_peak: dict[str, int]
+    out_of_memory: bool = False
+    cache_releases: int = 0
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What the replay needs besides the shape and the trace."""
+
+    recipe: memory.Recipe
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    masked: bool  # a 4-D mask is built for the batch (packed rows or padding, without FlashAttention-2)
+    eager_mask: bool = False  # eager attention takes a float mask instead of a boolean one
+    loss_token_share: float = 1.0
+    accumulating: bool = False  # gradient accumulation: the next micro-batch runs with gradients alive
+    steps: int = 2
+
+
+@dataclass
+class _Replay:
+    """The allocator plus names for the tensors of the step."""
+
+    allocator: CachingAllocator
+    counter: itertools.count = field(default_factory=itertools.count)
+
+    def new(self, size: float, category: str) -> tuple:
+        handle = ("t", next(self.counter))
+        self.allocator.malloc(handle, max(0, int(size)), category)
+        return handle
+
+    def free(self, *handles) -> None:
+        for handle in handles:
+            if handle is not None:
+                self.allocator.free(handle)
+
+
+def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:
+    """Replay `spec.steps` optimizer steps; `capacity` (bytes the allocator may reserve) None is
+    unlimited. An allocation that fails even after the cache is released ends the replay with
+    ``out_of_memory``."""
+    allocator = CachingAllocator(capacity=capacity)
+    run = _Replay(allocator)
+    try:
+        _replay(run, shape, trace, spec)
+        oom = False
+    except OutOfMemory:
+        oom = True
+    return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
+                      allocator.releases)
+
+
+def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
+    recipe = spec.recipe
+    _static(run, shape, recipe)
+    run.new(CUBLAS_WORKSPACE_BYTES, "cuda_runtime")
+    states_created = False
+    for _ in range(spec.steps):
+        grads: list = []
+        for _micro in range(2 if spec.accumulating else 1):
+            grads += _forward_backward(run, shape, trace, spec, keep_grads=not grads)
+        if not states_created:
+            _optimizer_states(run, shape, recipe)
+            states_created = True
+        _optimizer_step(run, shape, recipe)
+        run.free(*grads)  # zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static state
+
+
+def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+    """Parameters as loaded, adapters, and the buffers distributed training allocates up front."""
+    base_bytes = recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes
+    shards = recipe.weight_shards
+    for numel in shape.other_tensors:
+        run.new(numel * (2 if recipe.method == "qlora" else base_bytes) / shards, "weights")
+    for _ in range(shape.num_layers):
+        for numel, quantizable in shape.layer_tensors:
+            if recipe.method == "qlora" and quantizable:
+                run.new(numel / 2 / shards, "weights")  # packed NF4
+                run.new(_quant_constant_bytes(numel, recipe), "weights")
+            else:
+                run.new(numel * (2 if recipe.method == "qlora" else base_bytes) / shards, "weights")
+        for numel in _adapter_tensors(shape):
+            run.new(numel * recipe.trainable_bytes, "weights")
+    if shards > 1:  # ZeRO-3 gathers a layer's parameters for its forward and backward
+        layer = sum(n for n, _ in shape.layer_tensors) * base_bytes
+        run.new(2 * layer, "weights")
+    if recipe.deepspeed:
+        _chunked(run, memory.master_weights_bytes(shape, recipe), "master_weights")
+        _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's averaged partition
+        _chunked(run, memory.zero_buffer_bytes(shape, recipe), "zero_buffers")
+    _chunked(run, memory.ddp_bucket_bytes(shape, recipe), "ddp_buckets", DDP_BUCKET_BYTES)
+
+
+def _chunked(run: _Replay, total: int, category: str, chunk: int | None = None) -> None:
+    chunk = chunk or max(1, total)
+    while total > 0:
+        run.new(min(chunk, total), category)
+        total -= chunk
+
+
+def _quant_constant_bytes(numel: int, recipe: memory.Recipe) -> int:
+    blocks = -(-numel // memory.NF4_BLOCK)
+    if recipe.double_quant:
+        return blocks + 4 * -(-blocks // memory.DOUBLE_QUANT_BLOCK)
+    return 4 * blocks
+
+
+def _adapter_tensors(shape: ModelShape) -> list[int]:
+    rank = shape.lora_params and _lora_rank(shape)
+    return [n for fan_in, fan_out in shape.lora_in_out for n in (rank * fan_in, rank * fan_out)] if rank else []
+
+
+def _lora_rank(shape: ModelShape) -> int:
+    per_layer = sum(i + o for i, o in shape.lora_in_out)
+    return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
+
+
+def _trainable_tensors(shape: ModelShape, recipe: memory.Recipe) -> list[int]:
+    if recipe.method == "full":
+        return [n for n, _ in shape.layer_tensors] * shape.num_layers + list(shape.other_tensors)
+    return _adapter_tensors(shape) * shape.num_layers
+
+
+def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+    """Created by the first ``optimizer.step()``: torch AdamW's exp_avg and exp_avg_sq per
+    trainable tensor (``zeros_like``); DeepSpeed's fp32 states for this rank's partition."""
+    total = memory.optimizer_state_bytes(shape, recipe)
+    if not total:
+        return
+    if recipe.deepspeed:
+        _chunked(run, total, "optimizer_states")
+        return
+    tensors = _trainable_tensors(shape, recipe)
+    per_element = total / max(1, sum(tensors))
+    for numel in tensors:
+        for _ in range(2):
+            run.new(numel * per_element / 2, "optimizer_states")
+
+
+def _optimizer_step(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+    """Temporaries of the step itself: foreach AdamW's state-sized intermediate, DeepSpeed's fp32
+    copy of the gradient partition (fused AdamW and 8-bit optimizers work in place)."""
+    size = memory.optimizer_step_bytes(shape, recipe)
+    if size:
+        run.free(run.new(size, "optimizer_step"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward
+
+
+def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, keep_grads: bool) -> list:
+    """One micro-batch; returns the handles of parameter gradients it created (alive until the
+    optimizer step's ``zero_grad``)."""
+    recipe = spec.recipe
+    b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
+    residual = 2 if recipe.method == "qlora" else (recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes)
+    layer, norm = trace.at(b)
+    grads: list = []
+
+    # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
+    batch = [run.new(8 * b * s, "inputs") for _ in range(3)]
+    embeddings = run.new(b * s * h * residual, "activations")
+    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) mask
+    rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
+    mask = run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs") if spec.masked else None
+
+    # Layers forward: the input of layer i is the output of layer i - 1
+    previous = embeddings
+    outputs = []
+    for i in range(shape.num_layers):
+        names = {INPUT: previous}
+        _play(run, layer, layer.forward, i, names, b, "activations")
+        if i > 0:
+            _play(run, layer, layer.after_forward, i, names, b, "activations")
+        previous = _name(names, layer.output, i)
+        outputs.append(names)
+    last_hidden = previous
+    norm_names = {INPUT: last_hidden}
+    if norm is not None:
+        _play(run, norm, norm.forward, "norm", norm_names, b, "activations")
+        _play(run, norm, norm.after_forward, "norm", norm_names, b, "activations")
+        last_hidden = _name(norm_names, norm.output, "norm")
+    # The backbone returns: `inputs_embeds` and the mask go unless kept for backward
+    if not layer.input_kept:
+        run.free(embeddings)
+    if mask is not None and not spec.checkpointing:
+        run.free(mask)
+
+    head = _head_forward(run, shape, spec, last_hidden, residual)
+    for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
+        _play(run, layer, layer.cache_release, i, names, b, "activations")
+
+    # Backward: the head, the final norm, then the layers from the top
+    incoming = _head_backward(run, shape, spec, head, residual, grads, keep_grads)
+    if norm is not None:
+        norm_names[GRAD_IN] = incoming
+        _play(run, norm, norm.backward, "norm", norm_names, b, "backward_working")
+        incoming = _name(norm_names, norm.input_grad, "norm")
+    for i in reversed(range(shape.num_layers)):
+        names = outputs[i]
+        names[GRAD_IN] = incoming
+        _play(run, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
+        incoming = _name(names, layer.input_grad, i)
+        parameter_grads = [_name(names, g, i) for g in layer.persistent]
+        if recipe.deepspeed or not keep_grads:
+            # ZeRO copies them into its reduction bucket; a later micro-batch adds them into the
+            # gradients of the first: either way they go as the layer finishes
+            run.free(*parameter_grads)
+        else:
+            grads += parameter_grads
+    run.free(incoming)
+    if recipe.method == "full" and not recipe.deepspeed:
+        # The embedding's dense gradient; tied to the head's, it is added into it (a transient)
+        embedding = run.new(shape.vocab_size * h * recipe.trainable_bytes, "gradients")
+        if shape.tie_word_embeddings:
+            run.free(embedding)
+        else:
+            grads.append(embedding)
+    run.free(*rotary, mask, *batch)
+    if layer.input_kept:
+        run.free(embeddings)
+    return grads
+
+
+def _name(names: dict, event_id: int, layer) -> tuple:
+    return names.get(event_id) or ("l", layer, event_id)
+
+
+def _play(run: _Replay, module: ModuleEvents, events, layer, names: dict, micro: int, category: str,
+          gradients=frozenset()) -> None:
+    """Replay `events` of `module` as layer `layer`, sizes at micro-batch `micro`."""
+    allocator = run.allocator
+    base = module.base_micro
+    for kind, event_id, size, per_sample in events:
+        handle = names.get(event_id) or ("l", layer, event_id)
+        if kind == "a":
+            allocator.malloc(handle, int(size + per_sample * (micro - base)),
+                             "gradients" if event_id in gradients else category)
+        else:
+            allocator.free(handle)
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL's chunked loss head (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction; CUDA path)
+
+
+def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:
+    """``_fused_forward`` selects the labelled positions (``hidden_states[mask]``, a copy) and
+    their targets, then tiles the projection: seven fp32 statistics per position, one
+    [min(N, 4096), 32768] tile in the compute dtype, the hidden chunk cast to it (when the hidden
+    states are fp32) and each 32768-row slice of the head weight cast to it (when the weight is
+    fp32). It keeps the selected states, the targets, log Z and the entropy for backward."""
+    recipe = spec.recipe
+    b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, recipe.compute_bytes
+    n = max(1, int(b * (s - 1) * spec.loss_token_share))
+    tile_rows = min(n, FUSED_HEAD_TOKENS)
+    label_mask = run.new(b * (s - 1), "logits_loss")
+    selected = run.new(n * h * residual, "logits_loss")
+    targets = run.new(8 * n, "logits_loss")
+    run.free(last_hidden)
+    statistics = [run.new(4 * n, "logits_loss") for _ in range(7)]
+    tile = run.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
+    _tile_casts(run, shape, spec, residual, n)
+    run.free(tile)
+    log_z = run.new(4 * n, "logits_loss")
+    log_probs, entropy, top1 = (run.new(size, "logits_loss") for size in (4 * n, 4 * n, n))
+    run.free(*statistics)
+    # masked_scatter into [b, s - 1] outputs; the loss reads the log-probabilities
+    outputs = [run.new(b * (s - 1) * size, "logits_loss") for size in (4, 4, 1)]
+    run.free(log_probs, top1, *outputs)
+    return {"selected": selected, "targets": targets, "log_z": log_z, "entropy": entropy, "label_mask": label_mask,
+            "n": n}
+
+
+def _tile_casts(run: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
+    h, c = shape.hidden_size, spec.recipe.compute_bytes
+    weight_bytes = spec.recipe.weight_bytes if spec.recipe.method == "full" and not spec.recipe.deepspeed else 2
+    for start in range(0, n, FUSED_HEAD_TOKENS):
+        rows = min(FUSED_HEAD_TOKENS, n - start)
+        chunk = run.new(rows * h * c, "logits_loss") if residual != c else None
+        if weight_bytes != c:
+            for vocab_start in range(0, shape.vocab_size, FUSED_HEAD_VOCAB):
+                run.free(run.new(min(FUSED_HEAD_VOCAB, shape.vocab_size - vocab_start) * h * c, "logits_loss"))
+        run.free(chunk)
+        if start >= FUSED_HEAD_TOKENS:  # the pattern repeats for every token chunk
+            break
+
+
+def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
+                   keep_grads: bool):
+    """``ChunkedLogProbFunction.backward``: an fp32 gradient for the selected states, for a trained
+    head an fp32 weight gradient, the tile again, then the states' gradient cast to their dtype;
+    the gradient is scattered back into [b, s - 1, h] and the slice into [b, s, h] (the final
+    norm's incoming gradient). Returns that gradient's handle."""
+    recipe = spec.recipe
+    b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
+    n = head["n"]
+    grad_states = run.new(4 * n * h, "logits_loss")
+    if recipe.method == "full":
+        head_grad = run.new(shape.vocab_size * h * 4, "gradients")
+        if keep_grads and not recipe.deepspeed:
+            grads.append(head_grad)
+        else:  # accumulated into the existing gradient, or reduced by ZeRO
+            run.free(head_grad)
+    tile = run.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * recipe.compute_bytes, "logits_loss")
+    grad_log_probs = run.new(4 * n, "logits_loss")
+    _tile_casts(run, shape, spec, residual, n)
+    cast = run.new(n * h * residual, "logits_loss") if residual != 4 else None
+    run.free(tile, grad_log_probs)
+    if cast is not None:
+        run.free(grad_states)
+        grad_states = cast
+    run.free(head["selected"], head["targets"], head["log_z"], head["entropy"])
+    scattered = run.new(b * (s - 1) * h * residual, "backward_working")
+    run.free(grad_states, head["label_mask"])
+    incoming = run.new(b * s * h * residual, "backward_working")
+    run.free(scattered)
+    return incoming
