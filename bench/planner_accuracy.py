@@ -1,16 +1,21 @@
 """Planner accuracy: predicted against measured peak memory over a grid of real training steps,
-and the largest micro-batch that really fits against the one the planner picks.
+term by term, and the largest micro-batch that really fits against the one the planner picks.
 
-Each measurement runs in its own process (a clean allocator, and an out-of-memory error that
-cannot poison the next one): the worker trains a few steps through SFT-Play's own path
-(model loading, peft, TRL's SFTTrainer, the packed-rows collator) on random packed rows with
-random weights built from a public model config, and reports ``torch.cuda.max_memory_reserved``
-plus the CUDA context (NVML's view of the process minus what torch reserved). On a machine
-without a GPU the same code runs a tiny shape on the CPU against host memory (peak RSS), so
-that the script cannot rot; the report then says plainly that no GPU figure exists.
+Each measurement runs in its own process: the worker trains a few steps through SFT-Play's own
+path (the resolved run, model loading, peft, TRL's SFTTrainer, the run's collator) on random
+rows of exactly the sequence length (one example per row, so no attention mask) with random
+weights built from a public model config, and reports, beside the peak
+(``torch.cuda.max_memory_reserved`` plus the CUDA context, NVML's view of the process less
+what torch had reserved), the terms the planner predicts separately: the weights (allocated
+after the model and adapters load), the optimizer states (summed from the optimizer), the live
+tensors at their peak (``max_memory_allocated``) and the allocator's cache (reserved less
+allocated at the peak). The prediction is the planner's for the same config with the same data
+statistics. On a machine without a GPU the same code runs a tiny shape on the CPU against host
+memory (peak RSS), so that the script cannot rot; the report then says plainly that no GPU
+figure exists.
 
 Usage:
-  python bench/planner_accuracy.py [--grid default|quick|cpu] [--output docs/planner_accuracy.md]
+  python bench/planner_accuracy.py [--grid default|quick|cpu] [--search] [--output docs/planner_accuracy.md]
 """
 
 from __future__ import annotations
@@ -18,18 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
+from bench._common import CONFIGS, REPO, run_worker, versions  # noqa: E402
+
 GIB = 1024**3
 
 
@@ -42,6 +46,7 @@ class Case:
     seq_len: int
     checkpointing: bool
     micro_batches: tuple[int, ...]
+    strategy: str = "ddp"
 
     def overrides(self, micro: int, output_dir: str) -> list[str]:
         return [
@@ -56,73 +61,109 @@ class Case:
             "train.logging_steps=1",
             "train.tensorboard=false",
             f"train.output_dir={output_dir}",
+            f"distributed.strategy={self.strategy}",
             "lora.r=16",
         ]
 
+    @property
+    def label(self) -> str:
+        extra = "" if self.strategy == "ddp" else f" {self.strategy}"
+        return f"{Path(self.model).name} {self.method}{extra}"
+
+
+def _grid(models, methods, seqs, micros):
+    return [Case(str(CONFIGS / model), method, seq, ckpt, micros)
+            for model in models for method in methods for seq in seqs for ckpt in (False, True)]
+
 
 GRIDS = {
-    "default": [
-        Case(str(CONFIGS / "qwen2.5-0.5b"), method, seq, ckpt, (1, 2, 4, 8))
-        for method in ("full", "lora", "qlora") for seq in (1024, 4096) for ckpt in (False, True)
-    ] + [
-        Case(str(CONFIGS / "llama-3.1-8b"), method, 2048, ckpt, (1, 2, 4))
-        for method in ("lora", "qlora") for ckpt in (False, True)
-    ],
-    "quick": [
-        Case(str(CONFIGS / "qwen2.5-0.5b"), method, 2048, ckpt, (1, 4))
-        for method in ("full", "lora", "qlora") for ckpt in (False, True)
-    ],
+    # A 0.5B, a 3B-class and an 8B-class shape; full / LoRA / QLoRA; checkpointing off and on; two
+    # sequence lengths; several micro-batches; ZeRO-2 on one process
+    "default": (
+        _grid(["qwen2.5-0.5b"], ["full", "lora", "qlora"], [1024, 4096], (1, 2, 4, 8))
+        + _grid(["llama-3.2-3b"], ["full", "lora", "qlora"], [2048], (1, 2, 4))
+        + _grid(["llama-3.1-8b"], ["lora", "qlora"], [1024, 4096], (1, 2, 4))
+        + [Case(str(CONFIGS / "qwen2.5-0.5b"), "full", 2048, ckpt, (1, 4), "deepspeed_zero2") for ckpt in (False, True)]
+    ),
+    "quick": _grid(["qwen2.5-0.5b"], ["full", "lora", "qlora"], [2048], (1, 4)),
     "cpu": [Case(str(REPO / "configs" / "tiny_model"), "lora", 128, False, (1, 4))],
 }
 
 
+def _stats(case: Case, micro: int):
+    """What the worker's data looks like to the planner: rows of one example, all seq_len long,
+    every position labelled."""
+    from sft_play.data import DataStats
+
+    rows = 3 * micro
+    return DataStats(examples=rows, tokens_total=rows * case.seq_len, loss_tokens=rows * case.seq_len,
+                     tokens_p50=case.seq_len, tokens_p95=case.seq_len, tokens_max=case.seq_len, packed_rows=rows,
+                     max_seq_length=case.seq_len, uniform_rows=True)
+
+
+def _single_process_launcher(config) -> None:
+    """DeepSpeed forms its process group from a launcher's variables: one process's worth."""
+    if config.distributed.strategy.startswith("deepspeed"):
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 1000)})
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+
+
 def _worker(case: Case, micro: int, output_dir: str) -> dict:
-    """Train a few steps of `case` at `micro` in this process and report the peak."""
+    """Train a few steps of `case` at `micro` in this process and report the peak and its terms."""
     import datasets
+    import psutil
     import torch
 
     from sft_play import config as config_module
     from sft_play import model, training
     from sft_play.data import collate
     from sft_play.planner.choose import BatchSplit
-    from sft_play.precision import resolve_precision
+    from sft_play.run import resolve
 
     on_cuda = torch.cuda.is_available()
     config = config_module.load(None, case.overrides(micro, output_dir), check_paths=False)
-    import psutil
-
+    _single_process_launcher(config)
     host_baseline = psutil.Process().memory_info().rss  # imports done, nothing of the run allocated
     context = 0
     if on_cuda:
         torch.cuda.init()
         torch.empty(1, device="cuda")
         context = _process_gpu_bytes() - torch.cuda.memory_reserved()
-    precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=on_cuda)
-    tokenizer_dir = REPO / "configs" / "tiny_model"
+    run = resolve(config, on_cuda=on_cuda, bf16_supported=on_cuda and torch.cuda.is_bf16_supported(), world_size=1,
+                  data_stats=_stats(case, micro))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    base = model.load_model(config, precision, device="cuda:0" if on_cuda else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
+    base = model.load_model(config, run, device="cuda:0" if on_cuda else "cpu")
     vocab = base.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     rows = 3 * micro
     ids = torch.randint(3, vocab, (rows, case.seq_len), generator=generator).tolist()
     dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows})
-    attention = model.attention_implementation(config, precision)
-    collator = collate.make_collator(tokenizer.pad_token_id, True, attention)
-    make = training.trainer_factory(config, precision, Path(output_dir), base, model.lora_config(config), tokenizer,
+    collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
+    make = training.trainer_factory(config, run, Path(output_dir), base, model.lora_config(config), tokenizer,
                                     dataset, None, collator)
     trainer = make(BatchSplit(micro, 1, 1, micro))
+    result: dict = {"ok": True, "context_bytes": int(context)}
     if on_cuda:
+        result["weights_bytes"] = int(torch.cuda.memory_allocated())  # the model and its adapters, on the GPU
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     if on_cuda:
-        peak = torch.cuda.max_memory_reserved() + context
+        states = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
+                     for t in state.values() if torch.is_tensor(t) and t.is_cuda)
+        result.update(
+            peak_bytes=int(torch.cuda.max_memory_reserved() + context),
+            allocated_bytes=int(torch.cuda.max_memory_allocated() + context),
+            optimizer_states_bytes=int(states),
+        )
+        result["allocator_cache_bytes"] = result["peak_bytes"] - result["allocated_bytes"]
     else:
         import resource
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - host_baseline
-    return {"ok": True, "peak_bytes": int(peak), "context_bytes": int(context)}
+        result["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - host_baseline)
+    return result
 
 
 def _process_gpu_bytes() -> int:
@@ -139,36 +180,34 @@ def _process_gpu_bytes() -> int:
 
 def measure(case: Case, micro: int, timeout: int) -> dict:
     """Run the worker for one (case, micro) in a fresh process."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as output_dir:
-        spec = json.dumps({"case": asdict(case), "micro": micro, "output_dir": output_dir})
-        try:
-            result = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True,
-                                    timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": "timeout"}
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    error = "out of memory" if "out of memory" in result.stderr.lower() else result.stderr.strip().splitlines()[-1:]
-    return {"ok": False, "error": error}
+        return run_worker(__file__, {"case": asdict(case), "micro": micro, "output_dir": output_dir}, timeout)
 
 
-def predict(case: Case, micro: int, target) -> tuple[int, int]:
-    """The planner's peak at `micro`, and the micro-batch it would pick for this case."""
+def predict(case: Case, micro: int, target) -> tuple[dict, int]:
+    """The planner's prediction at `micro` (peak and terms), and the micro-batch it would pick."""
     from sft_play import config as config_module
-    from sft_play.planner import make_plan
+    from sft_play.planner import make_plan, model_shape, resolve_for
+    from sft_play.planner.predict import predict as predict_peak
 
     config = config_module.load(None, case.overrides(micro, "/tmp/unused"), check_paths=False)
-    fixed = make_plan(config, target, with_remedies=False)
-    config_auto = config_module.load(
+    shape = model_shape(config)
+    run = resolve_for(config, target, _stats(case, micro), shape)
+    prediction = predict_peak(shape, run, micro)
+    terms = {
+        "peak_bytes": prediction.peak_bytes,
+        "allocated_bytes": prediction.allocated_bytes,
+        "weights_bytes": prediction.breakdown.get("weights", 0),
+        "optimizer_states_bytes": prediction.breakdown.get("optimizer_states", 0),
+        "allocator_cache_bytes": prediction.breakdown.get("allocator_cache", 0),
+    }
+    auto = config_module.load(
         None, case.overrides(micro, "/tmp/unused") + ["train.micro_batch_size=auto",
                                                        f"train.global_batch_size={max(case.micro_batches) * 8}"],
         check_paths=False,
     )
-    chosen = make_plan(config_auto, target, with_remedies=False).micro_batch_size
-    return fixed.peak_bytes_per_gpu, chosen
+    chosen = make_plan(auto, target, _stats(case, micro), with_remedies=False).micro_batch_size
+    return terms, chosen
 
 
 def largest_real_micro(case: Case, start: int, timeout: int) -> int:
@@ -188,21 +227,11 @@ def largest_real_micro(case: Case, start: int, timeout: int) -> int:
     return low
 
 
-def versions() -> str:
-    import accelerate
-    import peft
-    import torch
-    import transformers
-    import trl
-
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-            f"peft {peft.__version__}, accelerate {accelerate.__version__}, Python {platform.python_version()}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default on a GPU, cpu without one")
     parser.add_argument("--output", default=str(REPO / "docs" / "planner_accuracy.md"))
+    parser.add_argument("--rows", help="also write the raw rows as JSON here (a fixture for the tests)")
     parser.add_argument("--search", action="store_true", help="also search the largest micro-batch that really fits")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -225,40 +254,44 @@ def main() -> int:
     if on_cuda:  # plan against the whole device: the measurement is of one process alone on it
         target = Target(1, facts.gpus[0].total_bytes, facts.gpus[0].name)
     started = time.time()
-    rows, errors, choices = [], [], []
+    rows, choices = [], []
     for case in grid:
         for micro in case.micro_batches:
-            predicted, chosen = predict(case, micro, target)
-            result = measure(case, micro, args.timeout)
-            measured = result.get("peak_bytes")
-            error = (predicted - measured) / measured if measured else None
-            if error is not None:
-                errors.append(abs(error))
-            rows.append((case, micro, predicted, measured, error, result.get("error")))
-            print(f"{Path(case.model).name} {case.method} seq {case.seq_len} ckpt {case.checkpointing} micro {micro}: "
-                  f"predicted {predicted / GIB:.2f} GiB, measured "
-                  f"{measured / GIB if measured else float('nan'):.2f} GiB", flush=True)
+            predicted, _ = predict(case, micro, target)
+            measured = measure(case, micro, args.timeout)
+            rows.append({"case": asdict(case), "micro": micro, "predicted": predicted, "measured": measured})
+            shown = measured.get("peak_bytes")
+            print(f"{case.label} seq {case.seq_len} ckpt {case.checkpointing} micro {micro}: predicted "
+                  f"{predicted['peak_bytes'] / GIB:.2f} GiB, measured "
+                  f"{shown / GIB if shown else float('nan'):.2f} GiB", flush=True)
         if args.search:
             real = largest_real_micro(case, max(case.micro_batches), args.timeout)
             _, chosen = predict(case, 1, target)
             chosen_ok = measure(case, chosen, args.timeout)["ok"] if chosen else True
             choices.append((case, chosen, real, chosen_ok))
-    report = render(rows, errors, choices, facts, on_cuda, args, time.time() - started)
-    Path(args.output).write_text(report)
+    Path(args.output).write_text(render(rows, choices, facts, on_cuda, time.time() - started))
+    if args.rows:
+        Path(args.rows).write_text(json.dumps({"device": facts.gpus[0].name if on_cuda else "cpu",
+                                               "versions": versions(), "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.output}")
     return 0
 
 
-def render(rows, errors, choices, facts, on_cuda, args, seconds) -> str:
+def _error(predicted: int, measured: int | None) -> float | None:
+    return (predicted - measured) / measured if measured else None
+
+
+def render(rows, choices, facts, on_cuda, seconds) -> str:
     device = facts.gpus[0].name if on_cuda else f"CPU ({facts.cpu_logical_cores} cores), host memory"
     command = "python bench/planner_accuracy.py " + " ".join(a for a in sys.argv[1:] if a != "--worker")
     lines = ["# Planner accuracy", ""]
     if not on_cuda:
         lines += [
-            "**No GPU figure exists yet.** This report was produced on a machine without a GPU: it ran the",
+            "**No GPU figure exists in this report.** It was produced on a machine without a GPU: it ran the",
             "CPU path (a tiny shape against host memory: the process's peak RSS above its RSS after imports),",
-            "which checks that the benchmark works, not how accurate the planner is on a GPU. Run the",
-            "command below on a GPU (an H100 is the reference) to measure that.",
+            "which checks that the benchmark works, not how accurate the planner is on a GPU. The H100",
+            "measurements the planner is checked against are in docs/PLANNER.md (section 6) and",
+            "tests/fixtures/h100_measurements.json. Run the command below on a GPU (an H100 is the reference).",
             "",
         ]
     lines += [
@@ -266,30 +299,51 @@ def render(rows, errors, choices, facts, on_cuda, args, seconds) -> str:
         f"- versions: {versions()}",
         f"- command: `{command.strip()}`",
         f"- wall time: {seconds:.0f} s",
-        "- measured: `torch.cuda.max_memory_reserved()` after 3 training steps plus the CUDA context "
-        "(NVML's per-process usage minus torch's reservation right after initialisation)",
-        "- predicted: `make_plan` for the same config on the same device (`peak_bytes_per_gpu`)",
+        *(["- measured peak: `torch.cuda.max_memory_reserved()` over 3 training steps plus the CUDA context (NVML's",
+           "  per-process usage less torch's reservation right after initialisation); live: `max_memory_allocated()`",
+           "  plus the context; weights: allocated after the model and adapters load; optimizer states: summed from",
+           "  the optimizer; cache: peak reserved less peak allocated"] if on_cuda else
+          ["- measured peak: the process's peak RSS above its RSS after imports (host memory; glibc's own caching",
+           "  makes it a rough figure); the other terms are measured on a GPU only"]),
+        "- predicted: `sft_play.planner.predict` for the same config and data statistics",
         "",
-        "| model | method | seq | ckpt | micro | predicted GiB | measured GiB | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | seq | ckpt | micro | peak: predicted / measured GiB | error | live GiB | weights GiB | "
+        "optimizer GiB | cache GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case, micro, predicted, measured, error, failure in rows:
-        measured_text = f"{measured / GIB:.2f}" if measured else f"({failure})"
-        error_text = f"{100 * error:+.1f}%" if error is not None else "-"
-        lines.append(f"| {Path(case.model).name} | {case.method} | {case.seq_len} | {'on' if case.checkpointing else 'off'} "
-                     f"| {micro} | {predicted / GIB:.2f} | {measured_text} | {error_text} |")
+    errors = []
+    for row in rows:
+        case, micro, predicted, measured = row["case"], row["micro"], row["predicted"], row["measured"]
+        label = f"{Path(case['model']).name} {case['method']}" + (
+            f" {case['strategy']}" if case.get("strategy", "ddp") != "ddp" else "")
+        if not measured.get("ok"):
+            lines.append(f"| {label} | {case['seq_len']} | {'on' if case['checkpointing'] else 'off'} | {micro} | "
+                         f"{predicted['peak_bytes'] / GIB:.2f} / ({measured.get('error')}) | - | | | | |")
+            continue
+        error = _error(predicted["peak_bytes"], measured["peak_bytes"])
+        if error is not None:
+            errors.append(abs(error))
+
+        def pair(key: str) -> str:
+            if key not in measured:
+                return f"{predicted[key] / GIB:.2f} / -"
+            return f"{predicted[key] / GIB:.2f} / {measured[key] / GIB:.2f}"
+
+        lines.append(f"| {label} | {case['seq_len']} | {'on' if case['checkpointing'] else 'off'} | {micro} | "
+                     f"{pair('peak_bytes')} | {100 * error:+.1f}% | {pair('allocated_bytes')} | "
+                     f"{pair('weights_bytes')} | {pair('optimizer_states_bytes')} | {pair('allocator_cache_bytes')} |")
     if errors:
-        lines += ["", f"Median absolute error {100 * statistics.median(errors):.1f}%, "
+        lines += ["", f"Peak: median absolute error {100 * statistics.median(errors):.1f}%, "
                       f"max {100 * max(errors):.1f}% over {len(errors)} measurements."]
     if choices:
-        lines += ["", "| model | method | seq | ckpt | planner's micro | largest that trains | ratio | planner's runs |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| model | seq | ckpt | planner's micro | largest that trains | ratio | planner's runs |",
+                  "|---|---|---|---|---|---|---|"]
         for case, chosen, real, ok in choices:
             ratio = chosen / real if real else float("nan")
-            lines.append(f"| {Path(case.model).name} | {case.method} | {case.seq_len} | "
-                         f"{'on' if case.checkpointing else 'off'} | {chosen} | {real} | {ratio:.2f} | {'yes' if ok else 'OOM'} |")
-    lines += ["", "Targets (issue 4): median absolute error <= 3%, max <= 8%, no planned micro-batch that runs out of",
-              "memory, planner's micro-batch >= 90% of the largest that really fits."]
+            lines.append(f"| {case.label} | {case.seq_len} | {'on' if case.checkpointing else 'off'} | {chosen} | "
+                         f"{real} | {ratio:.2f} | {'yes' if ok else 'OOM'} |")
+    lines += ["", "Targets (issue 11): peak median absolute error <= 3%, max <= 6%; no planned micro-batch that runs out",
+              "of memory; the planner's micro-batch >= 95% of the largest that really trains."]
     return "\n".join(lines) + "\n"
 
 

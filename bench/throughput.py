@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,9 +34,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import CONFIGS, REPO, run_worker, versions  # noqa: E402
 
 # Dense bf16 peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12,
@@ -161,7 +159,6 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
     from sft_play import hardware, model, planner, training
     from sft_play.data import collate
     from sft_play.model import weights_location
-    from sft_play.precision import resolve_precision
 
     on_cuda = torch.cuda.is_available()
     config = config_module.load(None, [
@@ -173,18 +170,18 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
     vocab = AutoConfig.from_pretrained(weights_location(config)).vocab_size
     facts = hardware.detect()
     target = planner.target_for(facts, gpus=1, allow_cpu=True)
-    plan = planner.make_plan(config, target)
+    run = planner.resolve_for(config, target)
+    plan = planner.make_plan(config, target, run=run)
     split = plan.split
-    precision = resolve_precision(config, on_cuda, on_cuda and all(g.bf16_supported for g in facts.gpus))
     rows_needed = split.micro_batch_size * split.gradient_accumulation_steps * (warmup + steps)
     examples = _dataset(case, vocab, rows_needed * max(1, case.seq_cap // case.mean_tokens) * 2)
     packed = pack_dataset(examples, case.seq_cap, "bfd")
     tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
     tokenizer.pad_token_id = 0
-    base = model.load_model(config, precision, device="cuda:0" if on_cuda else "cpu")
-    collator = collate.make_collator(0, True, model.attention_implementation(config, precision))
+    base = model.load_model(config, run, device="cuda:0" if on_cuda else "cpu")
+    collator = collate.make_collator(0, run.collator)
     timer = StepTimer(warmup)
-    make = training.trainer_factory(config, precision, Path(output_dir), base, model.lora_config(config), tokenizer,
+    make = training.trainer_factory(config, run, Path(output_dir), base, model.lora_config(config), tokenizer,
                                     packed, None, collator, [timer])
     trainer = make(split)
     result = _finish(trainer, timer, split.micro_batch_size)
@@ -206,16 +203,8 @@ def _finish(trainer, timer, micro: int) -> dict:
 
 def measure(side: str, case: Case, steps: int, warmup: int, timeout: int) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
-        spec = json.dumps({"side": side, "case": asdict(case), "steps": steps, "warmup": warmup, "dir": output_dir})
-        try:
-            result = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True,
-                                    timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
-        except subprocess.TimeoutExpired:
-            return {"error": "timeout"}
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        spec = {"side": side, "case": asdict(case), "steps": steps, "warmup": warmup, "dir": output_dir}
+        return run_worker(__file__, spec, timeout)
 
 
 def flops_per_token(case: Case) -> float:
@@ -275,16 +264,6 @@ def main() -> int:
     return 0
 
 
-def _versions() -> str:
-    import peft
-    import torch
-    import transformers
-    import trl
-
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-            f"peft {peft.__version__}, Python {platform.python_version()}")
-
-
 def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
     command = "python bench/throughput.py " + " ".join(sys.argv[1:])
     lines = ["# Throughput benchmark", ""]
@@ -297,7 +276,7 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
         ]
     lines += [
         f"- device: {device}" + (f"; dense bf16 peak used for MFU: {peak / 1e12:.0f} TFLOP/s" if peak else ""),
-        f"- versions: {_versions()}",
+        f"- versions: {versions()}",
         f"- command: `{command.strip()}`",
         f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s",
         "- A: TRL SFTTrainer defaults for the method, micro-batch 4, no packing; B: SFT-Play, planned, packed",
@@ -308,8 +287,8 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
     for case, a, b, flops in rows:
         ratio = (b.get("tokens_per_second", 0) / a["tokens_per_second"]) if a.get("tokens_per_second") else None
         for side, result in (("A", a), ("B", b)):
-            if "error" in result:
-                lines.append(f"| {case.name} | {side} | - | failed: {result['error']} | | | | |")
+            if "error" in result or result.get("ok") is False:
+                lines.append(f"| {case.name} | {side} | - | failed: {result.get('error')} | | | | |")
                 continue
             tps = result["tokens_per_second"]
             mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"

@@ -54,19 +54,19 @@ def main() -> int:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
 
-    # Imports are not planning: load the architecture's code before the clock starts
+    # Imports are not planning: load the architecture's and peft's code before the clock starts
     from transformers import AutoModelForCausalLM
 
     model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
     AutoModelForCausalLM._model_mapping.get(type(model_config), None)
-    import peft  # noqa: F401
+    import peft.tuners.lora  # noqa: F401
 
     plan = planner.make_plan(config, target, stats)
     if why:
         plan.notes.append(f"sequence length from the config: {why}")
     if args.plot:
         plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
-    print(report.to_json(plan) if args.json else report.to_text(plan))
+    print(report.to_json(plan) if args.json else report.to_text(plan, args.config))
     return 0 if plan.fits else 3
 
 

@@ -36,6 +36,11 @@ def main() -> int:
 
         os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     if config.distributed.strategy.startswith("deepspeed"):
+        if "RANK" not in os.environ:  # DeepSpeed needs a launcher to form its process group
+            raise cli.UserError(
+                f"distributed.strategy={config.distributed.strategy} runs under a launcher: use "
+                f"make train-deepspeed CONFIG={args.config} (NUM_GPUS=N; CPU=1 without GPUs), not make train"
+            )
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
 
     from accelerate import PartialState
@@ -44,7 +49,6 @@ def main() -> int:
     from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
     from sft_play.data import collate
     from sft_play.planner import report
-    from sft_play.precision import resolve_precision
 
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
@@ -52,16 +56,18 @@ def main() -> int:
     state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
-    precision = resolve_precision(
-        config, has_gpu=on_gpu, bf16_supported=on_gpu and all(g.bf16_supported for g in facts.gpus)
-    )
 
     tokenizer = model.load_tokenizer(config)
     with state.main_process_first():
         bundle = data.build(config.data, tokenizer, seed=config.train.seed)
 
-    target = planner.target_for(facts, gpus=state.num_processes, allow_cpu=True)
-    plan = planner.make_plan(config, target, bundle.stats)
+    # Every decision about the run, once: the planner, the loader, the collator, the trainer
+    # arguments and the disk check all read `run`
+    target = planner.target_for(facts if on_gpu else facts.without_gpus(), gpus=state.num_processes, allow_cpu=True)
+    shape = planner.model_shape(config)
+    run = planner.resolve_for(config, target, bundle.stats, shape)
+    precision = run.precision
+    plan = planner.make_plan(config, target, bundle.stats, shape=shape, run=run)
     if not plan.fits and config.train.micro_batch_size == "auto":
         raise cli.UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
     split = plan.split
@@ -72,7 +78,7 @@ def main() -> int:
     if state.is_main_process:
         try:
             name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config)
-            checks.ensure_disk_room(config, Path(config.train.output_dir), planner.model_shape(config), precision)
+            checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
             decision = [name, resume_checkpoint, message, None]
         except (ValueError, cli.UserError) as exc:
             decision = [None, None, None, str(exc)]
@@ -92,8 +98,9 @@ def main() -> int:
     if state.is_main_process:
         nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
         logger.info(
-            "%d process(es) on %d node(s), %s, mixed precision %s, weights %s",
+            "%d process(es) on %d node(s), %s, mixed precision %s, weights %s, attention %s, optimizer %s",
             state.num_processes, nodes, state.distributed_type, precision.mixed, precision.weights_dtype,
+            run.attention, run.optimizer,
         )
         logger.info("%s", plan.describe())
         for line in plan.notes + plan.warnings:
@@ -102,23 +109,20 @@ def main() -> int:
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
     device = f"cuda:{state.local_process_index}" if on_gpu else "cpu"
-    base = model.load_model(config, precision, device=device)
+    base = model.load_model(config, run, device=device)
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
-    collator = collate.make_collator(
-        tokenizer.pad_token_id, config.data.packing, model.attention_implementation(config, precision), record_to
-    )
+    collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
     stop = callbacks.GracefulStop()
     guard = callbacks.NonFiniteGuard(
-        config.train.max_bad_steps, watch_gradients=not config.distributed.strategy.startswith("deepspeed")
-        and precision.mixed != "fp16",
+        config.train.max_bad_steps, watch_gradients=not run.deepspeed and precision.mixed != "fp16",
     )
     make_trainer = training.trainer_factory(
-        config, precision, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
+        config, run, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
         collator, [callbacks.CheckpointMarker(), stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if on_gpu:
-            plan = training.calibrate(plan, make_trainer, config, target, bundle.stats, precision)
+            plan = training.calibrate(plan, make_trainer, config, target, bundle.stats, run)
             split = plan.split
             if state.is_main_process:
                 logger.info("%s", plan.describe())

@@ -150,16 +150,16 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
     return config, Check("config", True, f"{path} is valid")
 
 
-def needed_disk_bytes(config: RunConfig, shape, precision) -> int:
-    """Disk the run's checkpoints and final model need (see :mod:`sft_play.planner.disk`)."""
+def needed_disk_bytes(config: RunConfig, shape, run) -> int:
+    """Disk the run's checkpoints and final model need (see :mod:`sft_play.planner.disk`), from
+    the resolved run's precision and optimizer."""
     from sft_play.planner.disk import run_disk_bytes
 
     train = config.train
-    return run_disk_bytes(shape, config.finetune.method, precision, train.optimizer, train.save_steps,
-                          train.save_total_limit)
+    return run_disk_bytes(shape, run.method, run.precision, run.optimizer, train.save_steps, train.save_total_limit)
 
 
-def ensure_disk_room(config: RunConfig, run_dir: Path, shape, precision) -> None:
+def ensure_disk_room(config: RunConfig, run_dir: Path, shape, run) -> None:
     """Refuse to start when the disk under `run_dir` cannot hold the run's checkpoints and model.
 
     Raises:
@@ -167,7 +167,7 @@ def ensure_disk_room(config: RunConfig, run_dir: Path, shape, precision) -> None
     """
     from sft_play.errors import UserError
 
-    check = check_disk(config, needed_disk_bytes(config, shape, precision), probe=run_dir)
+    check = check_disk(config, needed_disk_bytes(config, shape, run), probe=run_dir)
     if not check.ok:
         raise UserError(f"not enough disk for this run: {check.detail}")
 
@@ -176,11 +176,12 @@ def disk_check_for(config: RunConfig, facts: HardwareInfo) -> Check:
     """``make check``'s disk line: the exact model shape when its config can be read (a hub id
     while offline cannot), else free space alone."""
     from sft_play.planner import model_shape
-    from sft_play.precision import resolve_precision
+    from sft_play.run import resolve
 
     try:
         shape = model_shape(config)
     except OSError:
         return check_disk(config, None)
-    precision = resolve_precision(config, facts.has_gpu, facts.has_gpu and all(g.bf16_supported for g in facts.gpus))
-    return check_disk(config, needed_disk_bytes(config, shape, precision))
+    run = resolve(config, on_cuda=facts.has_gpu, bf16_supported=facts.has_gpu and all(g.bf16_supported for g in facts.gpus),
+                  world_size=max(1, len(facts.gpus)), model_facts=shape)
+    return check_disk(config, needed_disk_bytes(config, shape, run))

@@ -187,17 +187,23 @@ class DistributedConfig(_Section):
     """How work is shared between processes."""
 
     strategy: Literal["ddp", "deepspeed_zero2", "deepspeed_zero3"] = Field(
-        "ddp", description="ddp: replicate; deepspeed_zero2: shard gradients and optimizer states."
+        "ddp", description="ddp: replicate; deepspeed_zero2: shard gradients and optimizer states; deepspeed_zero3: "
+        "shard the parameters too (deepspeed_* run with make train-deepspeed)."
     )
     offload_optimizer: bool = Field(False, description="DeepSpeed: keep optimizer states in CPU memory.")
+    offload_parameters: bool = Field(
+        False, description="DeepSpeed ZeRO-3: keep the parameters in CPU memory too (much slower; for models that fit no other way)."
+    )
     deepspeed_config: str = Field("configs/deepspeed_z2.json", description="DeepSpeed JSON whose 'auto' values we fill.")
 
 
 class PlannerConfig(_Section):
     """The resource-aware planner."""
 
-    safety_margin_gib: float = Field(1.0, ge=0, description="Memory kept free on each GPU beyond the prediction.")
-    safety_fraction: float = Field(0.05, ge=0, lt=1, description="Share of free memory kept free as well.")
+    safety_margin_gib: float = Field(0.5, ge=0, description="Memory kept free on each GPU beyond the prediction.")
+    safety_fraction: float = Field(
+        0.03, ge=0, lt=1, description="Share of free memory kept free as well (the prediction's measured error; docs/PLANNER.md)."
+    )
     calibrate: bool = Field(False, description="Measure two short steps on the GPU and fit the plan to them.")
 
 
@@ -415,6 +421,11 @@ def _consistency_problems(config: RunConfig) -> list[str]:
         problems.append(
             "quantization.quant_storage: QLoRA under ZeRO-3 needs the packed 4-bit weights stored in the compute "
             "dtype so they can be sharded; set quantization.quant_storage=bfloat16"
+        )
+    if config.distributed.offload_parameters and config.distributed.strategy != "deepspeed_zero3":
+        problems.append(
+            "distributed.offload_parameters: parameters are offloaded by ZeRO-3 only; set "
+            "distributed.strategy=deepspeed_zero3 (and run it with make train-deepspeed)"
         )
     if isinstance(train.micro_batch_size, int) and train.micro_batch_size > train.global_batch_size:
         problems.append(

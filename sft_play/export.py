@@ -227,7 +227,9 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     if not config.data.validation_path and not config.data.validation_fraction:
         raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction")
     bundle = data.build(config.data, load_tokenizer(config), seed=config.train.seed)
-    collator = make_collator(tokenizer.pad_token_id, config.data.packing, "sdpa")
+    from sft_play.run import collator_kind
+
+    collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, "sdpa"))
     loss_sum, tokens = 0.0, 0
     rows = bundle.validation
     with torch.no_grad():

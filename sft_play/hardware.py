@@ -8,6 +8,7 @@ to CUDA devices by UUID, so that asking does not create a CUDA context on every 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from dataclasses import asdict, dataclass, field
@@ -67,6 +68,10 @@ class HardwareInfo:
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
+
+    def without_gpus(self) -> HardwareInfo:
+        """This machine as processes that train on the CPU see it."""
+        return dataclasses.replace(self, gpus=[], links=[])
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -23,6 +23,7 @@ import torch
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
 from sft_play.precision import Precision
+from sft_play.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -92,28 +93,6 @@ def load_tokenizer(config: RunConfig) -> Any:
     return tokenizer
 
 
-def attention_implementation(config: RunConfig, precision: Precision) -> str:
-    """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
-    installed and usable (CUDA, 16-bit), else PyTorch SDPA, or eager attention for models that
-    cap their attention logits (Gemma-2), which SDPA cannot do."""
-    choice = config.model.attn_implementation
-    if choice != "auto":
-        return choice
-    import importlib.util
-
-    if (
-        torch.cuda.is_available()
-        and importlib.util.find_spec("flash_attn") is not None
-        and precision.compute_dtype in ("bfloat16", "float16")
-    ):
-        return "flash_attention_2"
-    from sft_play.planner.shapes import load_model_config
-
-    model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return "eager" if getattr(text, "attn_logit_softcapping", None) is not None else "sdpa"
-
-
 def quantization_config(config: RunConfig, precision: Precision) -> Any:
     """bitsandbytes 4-bit settings for QLoRA (None for the other methods)."""
     if config.finetune.method != "qlora":
@@ -130,15 +109,17 @@ def quantization_config(config: RunConfig, precision: Precision) -> Any:
     )
 
 
-def load_model(config: RunConfig, precision: Precision, device: str | None = None) -> Any:
-    """The base causal LM, loaded in the precision recipe's dtype (4-bit linears for QLoRA).
+def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
+    """The base causal LM, loaded in the resolved run's dtype with its attention kernel (4-bit
+    linears for QLoRA).
 
     Args:
         config: the run config.
-        precision: the resolved precision recipe.
+        run: the resolved run (:func:`sft_play.run.resolve`).
         device: where the model is placed at load, each rank its own (e.g. ``cuda:1``), so that
             large models never pass through host memory; ZeRO-3 places (and shards) them itself.
     """
+    precision = run.precision
     from transformers import AutoModelForCausalLM
 
     if config.model.trust_remote_code:
@@ -147,7 +128,7 @@ def load_model(config: RunConfig, precision: Precision, device: str | None = Non
     quant = quantization_config(config, precision)
     kwargs: dict[str, Any] = {
         "dtype": TORCH_DTYPES[precision.weights_dtype],
-        "attn_implementation": attention_implementation(config, precision),
+        "attn_implementation": run.attention,
         "trust_remote_code": config.model.trust_remote_code,
         "use_safetensors": True,
     }

@@ -18,7 +18,7 @@ from sft_play import checkpoints
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import BatchSplit
-from sft_play.precision import Precision, resolve_optimizer
+from sft_play.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def deepspeed_config(config: RunConfig) -> dict | None:
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             zero.setdefault(key, "auto")
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
-    if config.distributed.offload_optimizer:
+    if config.distributed.offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if config.distributed.offload_optimizer or config.distributed.offload_parameters:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
@@ -70,18 +72,19 @@ def process_group_backend(config: RunConfig) -> str | None:
 
 def sft_arguments(
     config: RunConfig,
-    precision: Precision,
+    run: Run,
     micro_batch_size: int,
     gradient_accumulation_steps: int,
     run_dir: Path,
     has_validation: bool,
     **overrides: Any,
 ) -> Any:
-    """TRL ``SFTConfig`` for the run; every value comes from the run config or the plan
-    (`overrides` replace any of them, e.g. for calibration steps)."""
+    """TRL ``SFTConfig`` for the run; every value comes from the run config, the resolved run or
+    the plan (`overrides` replace any of them, e.g. for calibration steps)."""
     import torch
     from trl import SFTConfig
 
+    precision = run.precision
     train, data = config.train, config.data
     evaluate = has_validation and train.eval_steps > 0
     settings = dict(
@@ -94,7 +97,7 @@ def sft_arguments(
         warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
-        optim=resolve_optimizer(config, torch.cuda.is_available()),
+        optim=run.optimizer,
         num_train_epochs=train.num_epochs,
         max_steps=train.max_steps,
         bf16=precision.mixed == "bf16",
@@ -156,7 +159,7 @@ def build_trainer(
 
 def trainer_factory(
     config: RunConfig,
-    precision: Precision,
+    run: Run,
     run_dir: Path,
     model: Any,
     peft_config: Any,
@@ -173,7 +176,7 @@ def trainer_factory(
 
     def make(split: BatchSplit, **overrides: Any) -> Any:
         args = sft_arguments(
-            config, precision, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
+            config, run, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
             has_validation=eval_dataset is not None, **overrides,
         )
         trainer = build_trainer(
@@ -206,15 +209,16 @@ def measure_peaks(make_trainer: Callable[..., Any], micros: tuple[int, ...] = (1
 
 
 def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, target: Any, data_stats: Any,
-              precision: Precision) -> Any:
+              run: Any) -> Any:
     """`plan` re-decided from two measured steps (``planner.calibrate``; GPU only): peaks at
     micro-batches 1 and 2, fitted as fixed + per-sample, compared with the predictions."""
     from sft_play import planner
     from sft_play.planner import calibrate as calibration
     from sft_play.planner import memory
+    from sft_play.planner.predict import recipe_for
 
-    runtime = memory.runtime_bytes(planner.recipe_for(config, precision, target.world_size, on_cuda=True))
-    measured = {m: peak + runtime for m, peak in measure_peaks(make_trainer).items()}
+    outside = memory.outside_allocator_bytes(recipe_for(run), on_cuda=True)
+    measured = {m: peak + outside for m, peak in measure_peaks(make_trainer).items()}
     predicted = {m: planner.peak_at(config, target, data_stats, m) for m in measured}
     return calibration.calibrated_plan(plan, measured, predicted, config.planner.safety_margin_gib,
                                        config.planner.safety_fraction)

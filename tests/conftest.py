@@ -91,16 +91,16 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     from sft_play import config as config_module
     from sft_play import data, model, training
     from sft_play.data import collate
-    from sft_play.precision import resolve_precision
+    from sft_play.run import resolve
 
     config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
         "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false",
         *overrides,
     ])
-    precision = resolve_precision(config, has_gpu=False, bf16_supported=False)
     tokenizer = model.load_tokenizer(config)
     bundle = data.build(config.data, tokenizer, seed=config.train.seed)
-    base = model.load_model(config, precision, device="cpu")
-    collator = collate.make_collator(tokenizer.pad_token_id, True, "sdpa")
-    return training.trainer_factory(config, precision, tmp_path, base, model.lora_config(config), tokenizer,
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
+    base = model.load_model(config, run, device="cpu")
+    collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
+    return training.trainer_factory(config, run, tmp_path, base, model.lora_config(config), tokenizer,
                                     bundle.train, None, collator, callbacks)

@@ -20,10 +20,19 @@ def test_planner_accuracy_cpu_path_writes_a_report(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
-    assert "No GPU figure exists yet" in text
+    assert "No GPU figure exists in this report" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny_model")]
     assert len(rows) == 2 and all("%" in row for row in rows)
-    assert "Median absolute error" in text
+    assert "median absolute error" in text
+
+
+def test_workers_keep_the_callers_python_path(monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from bench._common import worker_env
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/site-packages")
+    entries = worker_env()["PYTHONPATH"].split(":")
+    assert entries == ["/opt/site-packages", str(REPO)]  # packages installed there stay importable
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")

@@ -173,16 +173,16 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
 
 def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
     from sft_play.planner import model_shape
-    from sft_play.precision import resolve_precision
+    from sft_play.run import resolve
 
     config = config_module.load(None, ["train.save_steps=10", f"train.output_dir={tmp_path}"])
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda _: usage._replace(free=1000))
-    precision = resolve_precision(config, False, False)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
     with pytest.raises(UserError, match="not enough disk for this run: 0.0 GiB free, checkpoints need about"):
-        checks.ensure_disk_room(config, tmp_path, model_shape(config), precision)
+        checks.ensure_disk_room(config, tmp_path, model_shape(config), run)
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda _: usage._replace(free=10**12))
-    checks.ensure_disk_room(config, tmp_path, model_shape(config), precision)
+    checks.ensure_disk_room(config, tmp_path, model_shape(config), run)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def plan_config(model: str, *overrides: str):
 @pytest.mark.parametrize(
     "model, total",
     [("llama-3.1-8b", 8_030_261_248), ("qwen2.5-0.5b", 494_032_768), ("mistral-7b-v0.1", 7_241_732_096),
-     ("gemma-2-9b", 9_241_705_984), ("llama-3-70b", 70_553_706_496)],
+     ("gemma-2-9b", 9_241_705_984), ("llama-3-70b", 70_553_706_496), ("llama-3.2-3b", 3_212_749_824)],
 )
 def test_published_parameter_counts(model, total):
     shape = model_shape(plan_config(model, "finetune.method=full"))
@@ -72,7 +72,7 @@ def test_qlora_quantises_every_linear_but_the_head():
     assert shape.trainable_params == 41_943_040
 
 
-# --- memory terms, on a small shape worked out by hand ---------------------------------------
+# --- the state a GPU holds whatever the batch, on a small shape worked out by hand ----------
 
 SHAPE = ModelShape(
     model_type="llama", architecture="LlamaForCausalLM", total_params=1_000_000,
@@ -87,7 +87,6 @@ FULL = memory.Recipe(method="full", weight_bytes=4, compute_bytes=2, mixed_preci
 LORA = memory.Recipe(method="lora", weight_bytes=2, compute_bytes=2, mixed_precision=True, optimizer="adamw_torch",
                      lora_rank=8)
 QLORA = dataclasses.replace(LORA, method="qlora", adapter_bytes=2)
-WORK = memory.Workload(micro_batch=2, seq_len=16, gradient_checkpointing=False, attention="sdpa", masked=False)
 
 
 def test_weights_by_storage_dtype():
@@ -110,85 +109,36 @@ def test_gradients_and_optimizer_states():
     assert memory.optimizer_state_bytes(SHAPE, dataclasses.replace(FULL, optimizer="sgd")) == 0
     assert 0 < memory.optimizer_state_bytes(SHAPE, dataclasses.replace(FULL, optimizer="adafactor")) < 1_000_000
     assert memory.master_weights_bytes(SHAPE, FULL) == 0
+    assert memory.optimizer_step_bytes(SHAPE, FULL) == 4_000_000  # foreach AdamW: one state-sized intermediate
+    assert memory.optimizer_step_bytes(SHAPE, dataclasses.replace(FULL, optimizer="adamw_torch_fused")) == 0
 
 
-def test_zero2_shards_gradients_states_and_masters():
+def test_zero_shards_gradients_states_masters_and_parameters():
     zero2 = dataclasses.replace(FULL, world_size=4, strategy="deepspeed_zero2")
     assert memory.weights_bytes(SHAPE, zero2) == 2_000_000  # DeepSpeed holds the 16-bit copy
     assert memory.gradient_bytes(SHAPE, zero2) == 2_000_000 // 4
     assert memory.optimizer_state_bytes(SHAPE, zero2) == 8_000_000 // 4
     assert memory.master_weights_bytes(SHAPE, zero2) == 4_000_000 // 4
-    assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64 + 2 * 1_000_000
+    # reduce bucket (h^2 by default, double-buffered) and all-gather bucket, both in 16 bits
+    assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64 + 2 * 64 * 64
+    sized = dataclasses.replace(zero2, reduce_bucket_elements=10_000, allgather_bucket_elements=5 * 10**8)
+    assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 10_000 + 2 * 1_000_000  # capped at the parameters
     offload = dataclasses.replace(zero2, offload_optimizer=True)
     assert memory.optimizer_state_bytes(SHAPE, offload) == memory.master_weights_bytes(SHAPE, offload) == 0
     zero3 = dataclasses.replace(zero2, strategy="deepspeed_zero3")
     deep = dataclasses.replace(SHAPE, num_layers=32)  # ZeRO-3 gathers two layers at a time
     per_layer = (2_000_000 - 2 * 100_000) // 32
     assert memory.weights_bytes(deep, zero3) == 2_000_000 // 4 + 2 * per_layer
+    offloaded = dataclasses.replace(zero3, offload_parameters=True)  # only the gathered layers stay
+    assert memory.weights_bytes(deep, offloaded) == 2 * per_layer
 
 
-def test_ddp_buckets_only_with_several_processes():
+def test_ddp_buckets_and_nccl_only_with_several_processes():
     assert memory.ddp_bucket_bytes(SHAPE, FULL) == 0
     assert memory.ddp_bucket_bytes(SHAPE, dataclasses.replace(FULL, world_size=2)) == 4_000_000
-    assert memory.runtime_bytes(dataclasses.replace(FULL, world_size=2)) - memory.runtime_bytes(FULL) == memory.NCCL_BYTES
-
-
-def test_activation_terms():
-    per_token = memory.layer_activation_bytes_per_token(SHAPE, FULL, WORK)
-    # norms 2 x (4 + 4 + 2) h, attention 2 (3 q + 2 kv) + 4 heads, MLP 4 x 2 x I
-    assert per_token == 2 * 10 * 64 + 2 * (3 * 64 + 2 * 32) + 16 + 8 * 128
-    tokens = WORK.tokens
-    assert memory.activation_bytes(SHAPE, FULL, WORK) == int(2 * per_token * tokens + (4 + 4 + 2) * 64 * tokens)
-    checkpointed = dataclasses.replace(WORK, gradient_checkpointing=True)
-    assert memory.activation_bytes(SHAPE, FULL, checkpointed) < memory.activation_bytes(SHAPE, FULL, WORK)
-
-
-def test_lora_activations_count_the_cast_copies():
-    lora = memory.lora_activation_bytes_per_token(LORA_SHAPE, LORA)
-    assert lora == 2 * 64 + 2 * 8 + 2 * 64 + 2 * 8  # fp32 adapters under bf16 autocast: a 16-bit copy per input
-    no_mixed = dataclasses.replace(LORA, compute_bytes=4, mixed_precision=False)
-    assert memory.lora_activation_bytes_per_token(LORA_SHAPE, no_mixed) == 2 * 4 * 8
-    assert memory.lora_activation_bytes_per_token(SHAPE, FULL) == 0
-
-
-def test_attention_scores_for_eager_and_masked_sdpa():
-    assert memory.attention_score_bytes(SHAPE, FULL, WORK) == 0
-    eager = dataclasses.replace(WORK, attention="eager")
-    assert memory.attention_score_bytes(SHAPE, FULL, eager) == 2 * 4 * 16 * 16 * (4 + 2) * 2 + 2 * 16 * 16 * 2
-    masked = dataclasses.replace(WORK, masked=True)
-    assert memory.attention_score_bytes(SHAPE, FULL, masked) == 2 * 16 * 16 * 2 * 2 + 2 * 16 * 16
-    flash = dataclasses.replace(WORK, attention="flash_attention_2", masked=False)
-    assert memory.attention_score_bytes(SHAPE, FULL, flash) == 0
-
-
-def test_logits_loss_never_materialises_batch_x_seq_x_vocab():
-    big_vocab = dataclasses.replace(SHAPE, vocab_size=256_000)
-    lora_big = dataclasses.replace(big_vocab, trainable_params=10, lora_params=10)
-    loss = memory.logits_loss_bytes(lora_big, LORA, WORK)
-    assert loss < WORK.tokens * 256_000 * 4  # the full fp32 logits would be this
-    tile = min(WORK.tokens, memory.FUSED_HEAD_TOKENS) * memory.FUSED_HEAD_VOCAB * 2
-    assert loss >= tile
-    # A trained head (full fine-tuning) also accumulates its gradient in fp32
-    frozen_head = dataclasses.replace(FULL, method="lora")
-    assert memory.logits_loss_bytes(big_vocab, FULL, WORK) - memory.logits_loss_bytes(big_vocab, frozen_head, WORK) == (
-        256_000 * 64 * 4
-    )
-
-
-def test_breakdown_sums_to_the_peak_and_grows_with_the_batch():
-    terms = memory.breakdown(SHAPE, FULL, WORK)
-    assert sum(terms.values()) == memory.peak_bytes(SHAPE, FULL, WORK)
-    assert set(terms) >= {"weights", "gradients", "optimizer_states", "activations", "logits_loss", "cuda_runtime",
-                          "fragmentation", "ddp_buckets", "zero_buffers", "master_weights", "optimizer_step"}
-    peaks = [memory.peak_bytes(SHAPE, FULL, dataclasses.replace(WORK, micro_batch=m)) for m in (1, 2, 4, 8)]
-    assert peaks == sorted(peaks)
-
-
-def test_optimizer_step_is_the_peak_when_activations_are_small():
-    tiny_work = dataclasses.replace(WORK, micro_batch=1, seq_len=1)
-    big_model = dataclasses.replace(SHAPE, total_params=10**9, trainable_params=10**9)
-    terms = memory.breakdown(big_model, FULL, tiny_work)
-    assert terms["optimizer_step"] == 4 * 10**9 and terms["activations"] == 0
+    two = dataclasses.replace(FULL, world_size=2)
+    assert memory.outside_allocator_bytes(two) - memory.outside_allocator_bytes(FULL) == memory.NCCL_BYTES
+    assert memory.outside_allocator_bytes(FULL, on_cuda=False) == 0
 
 
 # --- the choice ------------------------------------------------------------------------------
@@ -197,12 +147,22 @@ def test_optimizer_step_is_the_peak_when_activations_are_small():
 def test_budget_keeps_the_larger_margin():
     assert budget_bytes(80 * GIB, 1.0, 0.05) == 76 * GIB
     assert budget_bytes(10 * GIB, 1.0, 0.05) == 9 * GIB
+    assert budget_bytes(100 * GIB, 0.5, 0.03) == 97 * GIB
 
 
-def test_largest_fitting_micro_by_binary_search():
-    assert largest_fitting_micro(lambda m: m * 10, 75, 64) == 7
-    assert largest_fitting_micro(lambda m: m * 10, 5, 64) == 0
-    assert largest_fitting_micro(lambda m: m * 10, 10_000, 16) == 16
+@pytest.mark.parametrize("guess", [None, 1, 6, 7, 8, 40])
+def test_largest_fitting_micro_finds_the_boundary(guess):
+    tried = []
+
+    def fits(m):
+        tried.append(m)
+        return m * 10 <= 75
+
+    assert largest_fitting_micro(fits, 64, guess) == 7
+    assert largest_fitting_micro(lambda m: m * 10 <= 5, 64, guess) == 0
+    assert largest_fitting_micro(lambda m: True, 16, guess) == 16
+    if guess in (6, 7, 8):  # a good guess needs few predictions
+        assert len(tried) <= 5
 
 
 def test_choose_split_prefers_an_exact_global_batch():
@@ -227,17 +187,19 @@ def test_split_with_fixed_values_reports_a_changed_global_batch():
 
 
 def test_plan_picks_the_largest_micro_that_fits():
-    config = plan_config("llama-3.1-8b", "finetune.method=qlora", "train.global_batch_size=64",
-                         "data.max_seq_length=2048", "train.gradient_checkpointing=true")
-    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
+    # 8B LoRA at 2048 tokens on one 80 GiB GPU: a few sequences fit, 64 do not
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=64",
+                         "data.max_seq_length=2048", "lora.dropout=0")
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"))
     assert plan.fits and plan.global_batch_size == 64
-    assert plan.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size == 64
+    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 64
     assert sum(plan.breakdown.values()) == plan.peak_bytes_per_gpu <= plan.budget_bytes_per_gpu
-    bigger = next((c for c in plan.candidates if c["micro_batch_size"] > plan.micro_batch_size), None)
-    if bigger is not None and plan.micro_batch_size < 8:
-        assert not bigger["fits"]
+    fitting = max(c["micro_batch_size"] for c in plan.candidates if c["fits"])
+    assert 1 < fitting < 64  # the search stopped between what fits and what does not
+    assert any(c["micro_batch_size"] == fitting + 1 and not c["fits"] for c in plan.candidates)
+    assert plan.micro_batch_size <= fitting and 2 * plan.micro_batch_size >= fitting
+    assert f"largest micro-batch that fits: {fitting}" in plan.notes
     assert plan.describe().startswith(f"global 64 = micro {plan.micro_batch_size} x accum")
-    assert "predicted peak" in plan.describe()
 
 
 def test_explicit_micro_is_respected_with_a_warning():
@@ -248,13 +210,13 @@ def test_explicit_micro_is_respected_with_a_warning():
     assert any("train.micro_batch_size=16 is predicted not to fit" in w for w in plan.warnings)
 
 
-def test_when_nothing_fits_remedies_are_ranked_with_their_peaks():
-    config = plan_config("llama-3-70b", "finetune.method=lora", "train.global_batch_size=64",
+def test_when_nothing_fits_remedies_are_ranked_with_their_peaks_and_commands():
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=64",
                          "data.max_seq_length=4096")
-    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
+    plan = make_plan(config, Target(8, 24 * GIB, "8 x 24 GiB"))
     assert not plan.fits
     remedies = plan.remedies
-    assert remedies and all(r["peak_bytes"] > 0 and r["change"] for r in remedies)
+    assert remedies and all(r["peak_bytes"] > 0 and r["change"] and r["command"].startswith("make ") for r in remedies)
     fitting = [r for r in remedies if r["fits"]]
     assert fitting, remedies
     assert remedies[: len(fitting)] == fitting  # those that work lead
@@ -262,6 +224,9 @@ def test_when_nothing_fits_remedies_are_ranked_with_their_peaks():
     assert "gradient checkpointing" in names and "QLoRA instead of LoRA" in names
     checkpointing = next(r for r in remedies if r["name"] == "gradient checkpointing")
     assert checkpointing["peak_bytes"] < plan.peak_bytes_per_gpu
+    assert checkpointing["command"] == 'make train-distributed NUM_GPUS=8 ARGS="train.gradient_checkpointing=true"'
+    zero2 = next(r for r in remedies if r["name"] == "ZeRO-2")
+    assert zero2["command"].startswith("make train-deepspeed NUM_GPUS=8")  # DeepSpeed needs its launcher target
     assert all(r["peak_bytes"] <= plan.budget_bytes_per_gpu for r in fitting)
 
 
@@ -273,10 +238,32 @@ def test_a_single_remedy_that_fits_is_offered_alone():
     assert first["name"] == "gradient checkpointing" and first["fits"] and first["micro_batch_size"] >= 1
 
 
+def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
+    config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
+                         "data.max_seq_length=2048")
+    plan = make_plan(config, Target(1, 24 * GIB, "1 x 24 GiB"))
+    assert not plan.fits and not any(r["fits"] for r in plan.remedies)
+    # 4-bit 70B weights alone are ~37 GiB: the smallest hardware is named, not guessed
+    assert plan.smallest_hardware and "GiB" in plan.smallest_hardware
+    assert any("nothing fits on 1 x 24 GiB" in note for note in plan.notes)
+
+
+def test_70b_full_on_eight_24_gib_gpus_gets_a_working_remedy_or_the_hardware():
+    config = plan_config("llama-3-70b", "finetune.method=full", "train.global_batch_size=16",
+                         "data.max_seq_length=2048")
+    plan = make_plan(config, Target(8, 24 * GIB, "8 x 24 GiB"))
+    assert not plan.fits
+    working = [r for r in plan.remedies if r["fits"]]
+    if working:
+        assert all(r["command"].startswith("make ") for r in working)
+    else:
+        assert plan.smallest_hardware
+
+
 def test_cpu_target_plans_host_memory_without_cuda_runtime():
     config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml")
     plan = make_plan(config, Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False))
-    assert "cuda_runtime" not in plan.breakdown and plan.fits
+    assert not plan.breakdown.get("cuda_runtime") and plan.fits
     assert plan.precision["mixed"] == "no"
 
 
@@ -310,9 +297,9 @@ def test_plan_json_contract(plan_json):
     assert "no tokenizer" in " ".join(doc["notes"])  # a folder with config.json only
 
 
-def test_planning_70b_takes_under_two_seconds(plan_json):
+def test_planning_70b_takes_under_a_second(plan_json):
     doc, _ = plan_json
-    assert doc["plan_seconds"] < 2.0
+    assert doc["plan_seconds"] < 1.0  # planning only: imports are done before the clock starts
 
 
 def test_plot_is_written(plan_json):
@@ -324,7 +311,7 @@ def test_plot_is_written(plan_json):
 def test_plan_without_gpu_needs_the_hardware_described():
     result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "--no-data")
     assert result.returncode == 2
-    assert "--gpus N --vram-gib G" in result.stderr and "Traceback" not in result.stderr
+    assert "NUM_GPUS=N VRAM_GIB=G" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_plan_uses_the_real_data_when_it_can():

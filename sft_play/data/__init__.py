@@ -42,6 +42,7 @@ class DataStats:
     tokens_max: int = 0
     packed_rows: int | None = None
     max_seq_length: int = 0
+    uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
 
     @property
     def truncated_share(self) -> float:
@@ -160,12 +161,14 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))
     stats.tokens_max = int(lengths.max())
+    stats.uniform_rows = bool(len(dataset)) and int(lengths.min()) == stats.tokens_max
     if cfg.packing and len(dataset):
         from trl.data_utils import pack_dataset
 
         # Best-fit decreasing into rows of max_seq_length; `seq_lengths` records the examples of a row
         dataset = pack_dataset(dataset, limit, "bfd")
         stats.packed_rows = len(dataset)
+        stats.uniform_rows = stats.uniform_rows and stats.packed_rows == stats.examples
     return dataset
 
 

@@ -65,17 +65,19 @@ class RecordingCollator:
         return self.inner(examples)
 
 
-def make_collator(pad_token_id: int, packed: bool, attn_implementation: str, record_to: Path | None = None) -> Any:
-    """The collator for the run's data layout and attention kernel.
+def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None) -> Any:
+    """The collator the run resolved (``Run.collator``, :func:`sft_play.run.collator_kind`).
 
-    Unpacked data goes to TRL's collator, which pads to the longest in the batch; packed rows to
-    TRL's padding-free one under FlashAttention-2 (variable length), else to
+    ``padded``: TRL's collator, which pads to the longest in the batch; ``padding_free``: TRL's
+    padding-free one (packed rows under FlashAttention-2, variable length); ``packed_rows``:
     :class:`PackedRowsCollator`. With `record_to`, every row's fingerprint is recorded there.
     """
-    if not packed:
+    if kind == "padded":
         collator: Any = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
-    elif attn_implementation.startswith("flash_attention"):
+    elif kind == "padding_free":
         collator = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)
-    else:
+    elif kind == "packed_rows":
         collator = PackedRowsCollator(pad_token_id=pad_token_id)
+    else:
+        raise ValueError(f"unknown collator {kind!r}")
     return RecordingCollator(collator, record_to) if record_to is not None else collator

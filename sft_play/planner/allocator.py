@@ -58,18 +58,65 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
 class _Block:
-    segment: int
-    offset: int
-    size: int
-    small: bool
-    allocated: bool = False
-    previous: _Block | None = None
-    next: _Block | None = None
+    __slots__ = ("segment", "offset", "size", "small", "allocated", "category", "previous", "next")
 
-    def key(self) -> tuple[int, int, int]:
-        return (self.size, self.segment, self.offset)
+    def __init__(self, segment: int, offset: int, size: int, small: bool, previous=None, next=None):
+        self.segment = segment
+        self.offset = offset
+        self.size = size
+        self.small = small
+        self.allocated = False
+        self.category = ""
+        self.previous = previous
+        self.next = next
+
+
+def _address(block: _Block) -> tuple[int, int]:
+    return (block.segment, block.offset)
+
+
+class _FreeBlocks:
+    """One pool's cached blocks, for best fit: sorted distinct sizes, and per size the blocks in
+    address order (segments in the order they were allocated)."""
+
+    __slots__ = ("sizes", "by_size")
+
+    def __init__(self):
+        self.sizes: list[int] = []
+        self.by_size: dict[int, list[_Block]] = {}
+
+    def add(self, block: _Block) -> None:
+        blocks = self.by_size.get(block.size)
+        if blocks is None:
+            self.by_size[block.size] = [block]
+            bisect.insort(self.sizes, block.size)
+        else:
+            bisect.insort(blocks, block, key=_address)
+
+    def remove(self, block: _Block) -> None:
+        blocks = self.by_size[block.size]
+        if len(blocks) == 1:
+            del self.by_size[block.size]
+            del self.sizes[bisect.bisect_left(self.sizes, block.size)]
+        else:
+            blocks.remove(block)
+
+    def best_fit(self, size: int) -> _Block | None:
+        """Remove and return the smallest block of at least `size` bytes, lowest address first."""
+        index = bisect.bisect_left(self.sizes, size)
+        if index == len(self.sizes):
+            return None
+        found = self.sizes[index]
+        blocks = self.by_size[found]
+        block = blocks.pop(0)
+        if not blocks:
+            del self.by_size[found]
+            del self.sizes[index]
+        return block
+
+    def blocks(self) -> list[_Block]:
+        return [b for blocks in self.by_size.values() for b in blocks]
 
 
 @dataclass
@@ -88,9 +135,8 @@ class CachingAllocator:
     peak_allocated: int = 0
     releases: int = 0  # times the cache was released to satisfy an allocation
     at_peak: dict[str, int] = field(default_factory=dict)
-    _pools: tuple[list, list] = field(default_factory=lambda: ([], []))  # (small, large): sorted keys of free blocks
-    _free: dict = field(default_factory=dict)  # key -> free block
-    _live: dict = field(default_factory=dict)  # handle -> (block, category)
+    _pools: tuple[_FreeBlocks, _FreeBlocks] = field(default_factory=lambda: (_FreeBlocks(), _FreeBlocks()))
+    _live: dict = field(default_factory=dict)  # handle -> block
     _by_category: dict[str, int] = field(default_factory=dict)
     _segments: int = 0
     _segment_sizes: dict[int, int] = field(default_factory=dict)
@@ -101,51 +147,55 @@ class CachingAllocator:
         Raises:
             OutOfMemory: the allocation fails even after releasing the cache.
         """
-        size = round_size(size)
+        size = MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
         small = size <= SMALL_SIZE
-        block = self._take_free(size, small)
+        pool = self._pools[0 if small else 1]
+        block = pool.best_fit(size)
         grew = block is None
         if grew:
             block = self._new_segment(size, small)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = _Block(block.segment, block.offset + size, remaining, small, previous=block, next=block.next)
+            rest = _Block(block.segment, block.offset + size, remaining, small, block, block.next)
             if block.next is not None:
                 block.next.previous = rest
             block.next = rest
             block.size = size
-            self._add_free(rest)
+            pool.add(rest)
         block.allocated = True
-        self._live[handle] = (block, category)
+        block.category = category
+        self._live[handle] = block
         self.allocated += block.size
-        self._by_category[category] = self._by_category.get(category, 0) + block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        by_category = self._by_category
+        by_category[category] = by_category.get(category, 0) + block.size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         if grew and self.reserved > self.peak_reserved:
             self._record_peak()
 
     def free(self, handle) -> None:
-        entry = self._live.pop(handle, None)
-        if entry is None:
+        block = self._live.pop(handle, None)
+        if block is None:
             return
-        block, category = entry
         self.allocated -= block.size
-        self._by_category[category] -= block.size
+        self._by_category[block.category] -= block.size
         block.allocated = False
-        for neighbour in (block.previous, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._remove_free(neighbour)
-                if neighbour is block.previous:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.previous = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.previous = block
-        self._add_free(block)
+        pool = self._pools[0 if block.small else 1]
+        previous, following = block.previous, block.next
+        if previous is not None and not previous.allocated:
+            pool.remove(previous)
+            previous.size += block.size
+            previous.next = following
+            if following is not None:
+                following.previous = previous
+            block = previous
+        if following is not None and not following.allocated:
+            pool.remove(following)
+            block.size += following.size
+            block.next = following.next
+            if following.next is not None:
+                following.next.previous = block
+        pool.add(block)
 
     def is_live(self, handle) -> bool:
         return handle in self._live
@@ -159,25 +209,6 @@ class CachingAllocator:
         self.peak_reserved = self.reserved
         self.at_peak = {k: v for k, v in self._by_category.items() if v}
         self.at_peak["allocator_cache"] = self.reserved - self.allocated
-
-    def _take_free(self, size: int, small: bool) -> _Block | None:
-        pool = self._pools[0 if small else 1]
-        index = bisect.bisect_left(pool, (size, -1, -1))
-        if index == len(pool):
-            return None
-        block = self._free.pop(pool.pop(index))
-        return block
-
-    def _add_free(self, block: _Block) -> None:
-        key = block.key()
-        bisect.insort(self._pools[0 if block.small else 1], key)
-        self._free[key] = block
-
-    def _remove_free(self, block: _Block) -> None:
-        key = block.key()
-        pool = self._pools[0 if block.small else 1]
-        del pool[bisect.bisect_left(pool, key)]
-        del self._free[key]
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         allocation = segment_size(size)
@@ -196,7 +227,7 @@ class CachingAllocator:
         """``release_cached_blocks``: every completely free segment goes back to CUDA."""
         self.releases += 1
         for pool in self._pools:
-            for key in [k for k in pool if self._free[k].previous is None and self._free[k].next is None]:
-                del pool[bisect.bisect_left(pool, key)]
-                block = self._free.pop(key)
-                self.reserved -= self._segment_sizes.pop(block.segment)
+            for block in pool.blocks():
+                if block.previous is None and block.next is None:
+                    pool.remove(block)
+                    self.reserved -= self._segment_sizes.pop(block.segment)

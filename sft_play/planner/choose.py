@@ -1,5 +1,5 @@
-"""Choosing the batch: the budget, the micro-batch size, the accumulation steps and, when
-nothing fits, the remedies. Pure arithmetic on numbers the other planner modules produce."""
+"""Choosing the batch: the budget, the micro-batch size and the accumulation steps. Pure
+arithmetic on the predictions the other planner modules produce."""
 
 from __future__ import annotations
 
@@ -76,17 +76,34 @@ def split_global_batch(global_batch: int, world_size: int, micro: int, accum: in
     return split
 
 
-def largest_fitting_micro(peak_of: Callable[[int], int], budget: int, upper: int) -> int:
-    """The largest micro-batch in [1, upper] whose predicted peak fits `budget` (0 if none).
+def largest_fitting_micro(fits: Callable[[int], bool], upper: int, guess: int | None = None) -> int:
+    """The largest micro-batch in [1, upper] that fits (0 if none).
 
-    The peak grows with the micro-batch, so a binary search finds it in log(upper) evaluations.
+    Memory grows with the micro-batch. With a `guess` (where a straight line through two
+    predictions crosses the budget) the answer is usually within a step or two of it, so it is
+    walked from there; otherwise, or when the walk runs long, a binary search narrows it.
     """
-    if upper < 1 or peak_of(1) > budget:
+    if upper < 1 or not fits(1):
         return 0
-    low, high = 1, upper
+    if fits(upper):
+        return upper
+    low, high = 1, upper - 1  # fits(low); everything above high does not
+    if guess is not None:
+        guess = min(max(guess, 1), high)
+        for _ in range(3):
+            if fits(guess):
+                low = guess
+                if guess == high:
+                    return low
+                guess += 1
+            else:
+                high = guess - 1
+                if high <= low:
+                    return low
+                guess -= 1
     while low < high:
         middle = (low + high + 1) // 2
-        if peak_of(middle) <= budget:
+        if fits(middle):
             low = middle
         else:
             high = middle - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from sft_play.planner import Plan
@@ -11,20 +12,19 @@ GIB = 1024**3
 
 # Breakdown terms in the order they are drawn and listed; labels for people.
 TERM_LABELS = {
-    "weights": "weights",
+    "weights": "weights (+ adapters)",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "master_weights": "fp32 master weights",
     "ddp_buckets": "DDP gradient buckets",
     "zero_buffers": "ZeRO bucket buffers",
-    "cuda_runtime": "CUDA context + libraries",
-    "activations": "activations",
-    "attention_scores": "attention scores / mask",
-    "logits_loss": "logits + loss (chunked head)",
+    "cuda_runtime": "CUDA context + cuBLAS",
+    "inputs": "batch, mask, rotary tables",
+    "activations": "activations (forward)",
     "backward_working": "backward working set",
-    "dequantize": "4-bit de-quantisation",
+    "logits_loss": "loss head (chunked)",
     "optimizer_step": "optimizer step temporaries",
-    "fragmentation": "allocator fragmentation",
+    "allocator_cache": "allocator cache (freed, kept)",
 }
 
 
@@ -36,14 +36,15 @@ def to_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), indent=2)
 
 
-def to_text(plan: Plan) -> str:
-    """The plan as ``make plan`` prints it."""
+def to_text(plan: Plan, config_path: str | None = None) -> str:
+    """The plan as ``make plan`` prints it; `config_path` completes the remedies' commands."""
     lines = [
         f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})",
         "         by kind: " + ", ".join(f"{k} {v:,}" for k, v in plan.params_by_kind.items() if v),
         f"Hardware {plan.device}; {plan.strategy}, world size {plan.world_size}",
         f"Recipe   weights {plan.precision['weights']}, compute {plan.precision['compute']} "
-        f"(mixed precision {plan.precision['mixed']}), attention {plan.attention}, "
+        f"(mixed precision {plan.precision['mixed']}), attention {plan.attention}"
+        f"{' with a mask' if plan.attention_mask else ''}, "
         f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}",
         f"Sequence {plan.sequence_length} tokens: {plan.sequence_length_source}",
         "",
@@ -54,7 +55,8 @@ def to_text(plan: Plan) -> str:
         if value:
             lines.append(f"  {TERM_LABELS.get(term, term):<32} {gib(value):>9} {100 * value / total:>6.1f}%")
     lines += [
-        f"  {'predicted peak':<32} {gib(plan.peak_bytes_per_gpu):>9}",
+        f"  {'predicted peak':<32} {gib(plan.peak_bytes_per_gpu):>9}   (live tensors at most "
+        f"{gib(plan.allocated_bytes_per_gpu)})",
         f"  {'budget (free less margin)':<32} {gib(plan.budget_bytes_per_gpu):>9}   of {gib(plan.free_bytes_per_gpu)} free",
         "",
         f"Plan     {plan.describe()}  {'FITS' if plan.fits else 'DOES NOT FIT'}",
@@ -66,8 +68,20 @@ def to_text(plan: Plan) -> str:
         for r in plan.remedies:
             outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
             lines.append(f"  {r['name']:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
+            if r["fits"]:
+                lines.append(f"  {'':<34} run: {_with_config(r['command'], config_path)}")
+    if plan.smallest_hardware:
+        lines.append(f"\nSmallest hardware that would run it: {plan.smallest_hardware}")
     lines.append(f"\nPlanned in {plan.plan_seconds:.2f} s.")
     return "\n".join(lines)
+
+
+def _with_config(command: str, config_path: str | None) -> str:
+    if not config_path:
+        return command
+    target, _, rest = command.partition(" ")
+    make_target, _, rest = rest.partition(" ")
+    return " ".join(p for p in (target, make_target, f"CONFIG={config_path}", rest) if p)
 
 
 def plot(plan: Plan, path: str | Path) -> Path:
@@ -93,11 +107,13 @@ def plot(plan: Plan, path: str | Path) -> Path:
     axes.axhline(plan.budget_bytes_per_gpu / GIB, color="red", linestyle="--", label="budget")
     chosen = labels.index(str(plan.micro_batch_size)) if str(plan.micro_batch_size) in labels else None
     if chosen is not None:
-        axes.annotate("chosen", (chosen, bottoms[chosen]), textcoords="offset points", xytext=(0, 6), ha="center",
-                      fontweight="bold")
+        mark = "chosen" if plan.fits else "does not fit"
+        axes.annotate(mark, (chosen, bottoms[chosen]), textcoords="offset points", xytext=(0, 6), ha="center",
+                      fontweight="bold", color="black" if plan.fits else "red")
     axes.set_xlabel("micro-batch size (sequences per GPU)")
     axes.set_ylabel("GiB per GPU")
-    axes.set_title(f"{plan.model} ({plan.method}), seq {plan.sequence_length}, {plan.device}", fontsize=9)
+    title = f"{Path(plan.model).name or plan.model} ({plan.method}), seq {plan.sequence_length}, {plan.device}"
+    axes.set_title(textwrap.fill(title, 60), fontsize=9)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     path = Path(path)

@@ -10,6 +10,7 @@ transformers the latter leaves tied embeddings untied and counts them twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -51,9 +52,16 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def key(self) -> tuple:
+        """A hashable identity of the shape (for caching predictions)."""
+        return tuple(tuple(v.items()) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
+                     for v in (getattr(self, f.name) for f in dataclasses.fields(self)))
 
+
+@functools.lru_cache(maxsize=32)
 def load_model_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a hub id (config download only) or a local folder."""
+    """The transformers config of a hub id (config download only) or a local folder (cached:
+    treat it as read-only)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -263,3 +271,42 @@ def shape_from_config(model_config: Any, method: str, lora_config: Any = None, t
     base = base_shape(model_config, trust_remote_code)
     lora = lora_counts_for_config(model_config, lora_config, trust_remote_code) if method in ("lora", "qlora") else None
     return with_method(base, method, lora)
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Exact sizes of the configured model and method (config.json only, no weights).
+
+    Args:
+        config: a :class:`sft_play.config.RunConfig`.
+    """
+    targets = config.lora.target_modules
+    return _model_shape(
+        config.model.name_or_path, config.model.revision, config.model.trust_remote_code, config.finetune.method,
+        config.lora.r, targets if isinstance(targets, str) else tuple(targets), tuple(config.lora.modules_to_save),
+        config.lora.bias,
+    )
+
+
+def _model_shape(name_or_path: str, revision: str | None, trust_remote_code: bool, method: str, rank: int,
+                 targets: str | tuple[str, ...], modules_to_save: tuple[str, ...], bias: str) -> ModelShape:
+    base = _base_shape(name_or_path, revision, trust_remote_code)
+    if method == "full":
+        return with_method(base, method)
+    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, rank, targets,
+                                                  modules_to_save, bias))
+
+
+# Remedies plan other methods of the same model: the model and each adapter are counted once
+@functools.lru_cache(maxsize=16)
+def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool) -> ModelShape:
+    return base_shape(load_model_config(name_or_path, revision, trust_remote_code), trust_remote_code)
+
+
+@functools.lru_cache(maxsize=16)
+def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, rank: int,
+                 targets: str | tuple[str, ...], modules_to_save: tuple[str, ...], bias: str):
+    from peft import LoraConfig
+
+    lora = LoraConfig(task_type="CAUSAL_LM", r=rank, target_modules=targets if isinstance(targets, str) else list(targets),
+                      modules_to_save=list(modules_to_save) or None, bias=bias)
+    return lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code), lora, trust_remote_code)

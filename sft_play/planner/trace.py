@@ -542,8 +542,13 @@ def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
         prepared = _prepared_layer(spec)
         parts = {}
         for which in ("layer", "norm") if prepared[1] is not None else ("layer",):
-            runs = {b: _trace_module(spec, prepared, b, seq_len, which) for b in (1, 2, 3)}
-            parts[which] = (_module_events(runs[1], runs[1], 1), _module_events(runs[2], runs[3], 2))
+            one, two = (_trace_module(spec, prepared, b, seq_len, which) for b in (1, 2))
+            try:  # the same operations at 1 and 2 rows: one description for every micro-batch
+                scaled = _module_events(one, two, 1)
+                parts[which] = (scaled, scaled)
+            except ValueError:
+                three = _trace_module(spec, prepared, 3, seq_len, which)
+                parts[which] = (_module_events(one, one, 1), _module_events(two, three, 2))
     norm = parts.get("norm", (None, None))
     return LayerTrace((parts["layer"][0], norm[0]), (parts["layer"][1], norm[1]))
 

@@ -1,0 +1,269 @@
+"""Planning a run: the hardware it is for, the micro-batch and accumulation it takes, why, and
+what to change when it does not fit.
+
+:func:`make_plan` resolves the run (:mod:`sft_play.run`), predicts the peak of one GPU for
+candidate micro-batches (:mod:`sft_play.planner.predict`), keeps the largest that fits the
+budget (:mod:`sft_play.planner.choose`), and when none does, plans the remedies
+(:mod:`sft_play.planner.remedies`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sft_play.config import RunConfig
+from sft_play.planner import remedies as remedy_catalogue
+from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
+from sft_play.planner.predict import Prediction, predict, static_lower_bound
+from sft_play.planner.shapes import ModelShape, model_shape
+from sft_play.run import Run, resolve
+
+GIB = 1024**3
+
+
+@dataclass
+class Target:
+    """The hardware a plan is for: how many GPUs, and the free memory of the smallest."""
+
+    world_size: int
+    free_bytes: int
+    device_name: str
+    bf16_supported: bool = True
+    on_cuda: bool = True
+    source: str = "detected"
+
+
+@dataclass
+class Plan:
+    """A plan and why: the JSON document of ``scripts/plan.py --json``."""
+
+    model: str
+    method: str
+    strategy: str
+    total_params: int
+    trainable_params: int
+    params_by_kind: dict[str, int]
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    global_batch_size: int
+    requested_global_batch_size: int
+    sequence_length: int
+    sequence_length_source: str
+    peak_bytes_per_gpu: int
+    budget_bytes_per_gpu: int
+    free_bytes_per_gpu: int
+    device: str
+    fits: bool
+    breakdown: dict[str, int]
+    precision: dict[str, str]
+    attention: str
+    gradient_checkpointing: bool
+    allocated_bytes_per_gpu: int = 0
+    attention_mask: bool = False
+    remedies: list[dict[str, Any]] = field(default_factory=list)
+    smallest_hardware: str | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    plan_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def split(self) -> BatchSplit:
+        return BatchSplit(self.micro_batch_size, self.gradient_accumulation_steps, self.world_size,
+                          self.requested_global_batch_size)
+
+    def describe(self) -> str:
+        """The start-up line: ``global 64 = micro 4 x accum 2 x world 8; predicted peak 61.2 GiB of 79.1 GiB``."""
+        return (
+            f"{self.split.describe()}; predicted peak {self.peak_bytes_per_gpu / GIB:.1f} GiB of "
+            f"{self.budget_bytes_per_gpu / GIB:.1f} GiB"
+        )
+
+
+def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None,
+                shape: ModelShape | None = None) -> Run:
+    """The run `config` makes on `target` (see :func:`sft_play.run.resolve`)."""
+    return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
+                   world_size=target.world_size, data_stats=data_stats, model_facts=shape)
+
+
+def make_plan(
+    config: RunConfig,
+    target: Target,
+    data_stats: Any | None = None,
+    shape: ModelShape | None = None,
+    with_remedies: bool = True,
+    run: Run | None = None,
+) -> Plan:
+    """Plan `config` on `target`.
+
+    Args:
+        config: the run config (micro-batch and accumulation may be ``auto`` or fixed).
+        target: the GPUs (or, for a CPU run, the host memory) to plan for.
+        data_stats: the tokenised data's statistics, when the data was read (sequence lengths,
+            whether rows need a mask).
+        shape: the model shape, when already computed (otherwise read from the config).
+        with_remedies: when nothing fits, also plan the remedies and the smallest hardware.
+        run: the resolved run, when the caller already has it (otherwise resolved here).
+    """
+    started = time.perf_counter()
+    shape = shape or model_shape(config)
+    run = run or resolve_for(config, target, data_stats, shape)
+    train = config.train
+    budget = budget_bytes(target.free_bytes, config.planner.safety_margin_gib, config.planner.safety_fraction)
+    per_process = max(1, -(-train.global_batch_size // target.world_size))
+    fixed_accum = None if train.gradient_accumulation_steps == "auto" else train.gradient_accumulation_steps
+
+    tried: dict[int, Prediction] = {}
+
+    def predicted(micro: int, accumulating: bool | None = None) -> Prediction:
+        if accumulating is None:
+            accumulating = (fixed_accum or 1) > 1 if fixed_accum is not None else micro < per_process
+        floor = static_lower_bound(shape, run)
+        if floor > budget:  # the weights and optimizer states alone do not fit: no replay needed
+            prediction = Prediction(micro, floor, floor, {}, False)
+        else:
+            prediction = predict(shape, run, micro, budget, accumulating)
+        tried.setdefault(micro, prediction)
+        return prediction
+
+    notes: list[str] = []
+    warnings: list[str] = []
+    fitting = largest_fitting_micro(lambda m: bool(predicted(m).fits), per_process,
+                                    _crossing(predicted(1), predicted(per_process), budget))
+
+    if isinstance(train.micro_batch_size, int):
+        split = split_global_batch(train.global_batch_size, target.world_size, train.micro_batch_size, fixed_accum)
+        if not predicted(split.micro_batch_size).fits:
+            warnings.append(
+                f"train.micro_batch_size={split.micro_batch_size} is predicted not to fit "
+                f"({predicted(split.micro_batch_size).peak_bytes / GIB:.1f} GiB of {budget / GIB:.1f} GiB)"
+                + (f"; the largest that fits is {fitting}" if fitting else "")
+            )
+    elif fixed_accum is not None:
+        micro = max(1, round(train.global_batch_size / (fixed_accum * target.world_size)))
+        split = split_global_batch(train.global_batch_size, target.world_size, micro, fixed_accum)
+        if fitting and micro > fitting:
+            warnings.append(f"train.gradient_accumulation_steps={fixed_accum} implies micro-batch {micro}, predicted "
+                            f"not to fit; the largest that fits is {fitting}")
+    else:
+        split = choose_split(train.global_batch_size, target.world_size, max(1, fitting))
+        if fitting:
+            notes.append(f"largest micro-batch that fits: {fitting}")
+    if split.note:
+        notes.append(split.note)
+
+    chosen = predicted(split.micro_batch_size, split.gradient_accumulation_steps > 1)
+    fits = bool(chosen.fits)
+    # The micro-batches the search predicted, for the table and the picture (no further replays)
+    candidates = [
+        {"micro_batch_size": m, "peak_bytes": p.peak_bytes, "fits": bool(p.fits), "breakdown": p.breakdown}
+        for m, p in sorted(tried.items())
+    ]
+    remedies: list[dict[str, Any]] = []
+    smallest = None
+    if not fits and with_remedies:
+        def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
+            return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
+
+        remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
+        if not any(r["fits"] for r in remedies):
+            smallest = remedy_catalogue.smallest_hardware(
+                config, target, lambda c, t: make_plan(c, t, data_stats, None, with_remedies=False).fits)
+            notes.append(f"nothing fits on {target.device_name}: "
+                         + (f"the smallest hardware that would is {smallest}" if smallest else
+                            "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
+    masked = run.masked(split.micro_batch_size)
+    if run.attention == "sdpa" and masked and target.on_cuda:
+        notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
+                     "installing flash-attn lets packing run mask-free and faster")
+    return Plan(
+        model=config.model.name_or_path,
+        method=config.finetune.method,
+        strategy=config.distributed.strategy,
+        total_params=shape.total_params,
+        trainable_params=shape.trainable_params,
+        params_by_kind=shape.params_by_kind,
+        micro_batch_size=split.micro_batch_size,
+        gradient_accumulation_steps=split.gradient_accumulation_steps,
+        world_size=target.world_size,
+        global_batch_size=split.global_batch_size,
+        requested_global_batch_size=train.global_batch_size,
+        sequence_length=run.sequence.tokens,
+        sequence_length_source=run.sequence.source,
+        peak_bytes_per_gpu=chosen.peak_bytes,
+        budget_bytes_per_gpu=budget,
+        free_bytes_per_gpu=target.free_bytes,
+        device=target.device_name,
+        fits=fits,
+        breakdown=chosen.breakdown,
+        precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
+                   "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
+        attention=run.attention,
+        gradient_checkpointing=run.gradient_checkpointing,
+        allocated_bytes_per_gpu=chosen.allocated_bytes,
+        attention_mask=masked,
+        remedies=remedies,
+        smallest_hardware=smallest,
+        candidates=candidates,
+        notes=notes,
+        warnings=warnings,
+        plan_seconds=round(time.perf_counter() - started, 4),
+    )
+
+
+def peak_at(config: RunConfig, target: Target, data_stats: Any | None, micro: int) -> int:
+    """The predicted peak of one GPU at micro-batch `micro` (what calibration compares against)."""
+    shape = model_shape(config)
+    run = resolve_for(config, target, data_stats, shape)
+    return predict(shape, run, micro).peak_bytes
+
+
+def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = None,
+               allow_cpu: bool = False) -> Target:
+    """The hardware to plan for: given (``--gpus``/``--vram-gib``), else detected.
+
+    Args:
+        hardware: :class:`sft_play.hardware.HardwareInfo` of this machine.
+        gpus: number of GPUs (all nodes); defaults to the visible ones.
+        vram_gib: free memory per GPU to plan for, in GiB; plans for hardware you do not have.
+        allow_cpu: on a machine without a GPU, plan against host memory instead of refusing.
+
+    Raises:
+        ValueError: no GPU here and none described, or a count or size that is not positive.
+    """
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"the number of GPUs must be at least 1 (got {gpus}): NUM_GPUS=8 or --gpus 8")
+    if vram_gib is not None and vram_gib <= 0:
+        raise ValueError(f"the GPU memory must be positive (got {vram_gib:g} GiB): VRAM_GIB=80 or --vram-gib 80")
+    if vram_gib is not None:
+        count = gpus or 1
+        return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given)", source="--vram-gib")
+    if hardware.gpus:
+        count = gpus or len(hardware.gpus)
+        local = hardware.gpus[: min(count, len(hardware.gpus))]
+        smallest = min(local, key=lambda g: g.free_bytes)
+        note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"
+        return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
+                      bf16_supported=all(g.bf16_supported for g in local))
+    if allow_cpu:
+        count = gpus or 1
+        # Processes on one host share its memory
+        return Target(count, hardware.ram_available_bytes // count, f"CPU (host memory / {count} process(es))",
+                      bf16_supported=False, on_cuda=False, source="host memory")
+    raise ValueError("no CUDA GPU on this machine: say what to plan for with NUM_GPUS=N VRAM_GIB=G "
+                     "(e.g. make plan NUM_GPUS=8 VRAM_GIB=80; scripts/plan.py takes --gpus 8 --vram-gib 80)")
+
+
+def _crossing(first: Prediction, last: Prediction, budget: int) -> int | None:
+    """Where the straight line through two predictions reaches the budget."""
+    if last.micro_batch <= first.micro_batch or last.peak_bytes <= first.peak_bytes:
+        return None
+    per_sample = (last.peak_bytes - first.peak_bytes) / (last.micro_batch - first.micro_batch)
+    return first.micro_batch + int((budget - first.peak_bytes) // per_sample)

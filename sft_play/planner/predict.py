@@ -1,0 +1,156 @@
+"""The peak of one GPU at a micro-batch: trace the model's decoder layer for the run
+(:mod:`sft_play.planner.trace`), replay training steps through the caching allocator
+(:mod:`sft_play.planner.step`), add what lives outside the allocator.
+
+``predict`` answers two questions: what the GPU holds at its peak (``peak_bytes``, comparable
+with ``torch.cuda.max_memory_reserved()`` plus the CUDA context, or with NVML's used memory), and
+whether the step runs within a budget (``fits``): replayed with the budget as the allocator's
+limit, as the real allocator would release its cache and retry before running out of memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sft_play.planner import memory
+from sft_play.planner.shapes import ModelShape
+from sft_play.planner.step import StepSpec, replay
+from sft_play.planner.trace import TraceSpec, layer_trace
+from sft_play.precision import DTYPE_BYTES
+from sft_play.run import Run
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One micro-batch's predicted peak; ``breakdown`` sums to ``peak_bytes``."""
+
+    micro_batch: int
+    peak_bytes: int
+    allocated_bytes: int  # live tensors at their peak (plus what lives outside the allocator)
+    breakdown: dict[str, int]
+    fits: bool | None  # None: no budget given
+
+
+def recipe_for(run: Run) -> memory.Recipe:
+    """The static terms' view of the run."""
+    precision = run.precision
+    return memory.Recipe(
+        method=run.method,
+        weight_bytes=DTYPE_BYTES[precision.weights_dtype],
+        compute_bytes=DTYPE_BYTES[precision.compute_dtype],
+        mixed_precision=precision.mixed != "no",
+        optimizer=run.optimizer,
+        world_size=run.world_size,
+        strategy=run.strategy,  # type: ignore[arg-type]
+        offload_optimizer=run.offload_optimizer,
+        offload_parameters=run.offload_parameters,
+        double_quant=run.double_quant,
+        lora_dropout=run.lora_dropout > 0,
+        lora_rank=run.lora_rank,
+        adapter_bytes=DTYPE_BYTES[run.adapter_dtype],
+        reduce_bucket_elements=run.reduce_bucket_elements or 0,
+        allgather_bucket_elements=run.allgather_bucket_elements or 0,
+    )
+
+
+def static_lower_bound(shape: ModelShape, run: Run) -> int:
+    """What the GPU holds before any activation: parameters, optimizer states, fp32 masters,
+    communication buckets and what lives outside the allocator. A micro-batch cannot fit where
+    this alone does not (checked before any replay)."""
+    recipe = recipe_for(run)
+    return (memory.weights_bytes(shape, recipe) + memory.optimizer_state_bytes(shape, recipe)
+            + memory.master_weights_bytes(shape, recipe) + memory.ddp_bucket_bytes(shape, recipe)
+            + memory.zero_buffer_bytes(shape, recipe) + memory.outside_allocator_bytes(recipe, run.on_cuda))
+
+
+def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
+    precision = run.precision
+    residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
+    if run.deepspeed:  # DeepSpeed casts the module to the 16-bit compute dtype
+        residual = precision.compute_dtype
+    return TraceSpec(
+        name_or_path=run.model,
+        revision=run.revision,
+        trust_remote_code=run.trust_remote_code,
+        method=run.method,
+        weights_dtype=residual,
+        adapter_dtype=precision.compute_dtype if run.deepspeed and run.method != "full" else run.adapter_dtype,
+        compute_dtype=precision.compute_dtype if precision.mixed != "no" else None,
+        attention=run.attention,
+        masked=run.masked(micro_batch),
+        checkpointing=run.gradient_checkpointing,
+        lora_rank=run.lora_rank,
+        lora_targets=run.lora_targets,
+        lora_dropout=run.lora_dropout > 0,
+    )
+
+
+def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = None,
+            accumulating: bool = False) -> Prediction:
+    """The peak of one GPU training `run` at `micro_batch`.
+
+    Args:
+        shape: the exact model shape for the run's method.
+        run: the resolved run.
+        micro_batch: sequences per GPU per forward pass.
+        budget: bytes the process may hold on its GPU; None predicts without deciding the fit.
+        accumulating: gradients accumulate over micro-batches (the next forward runs with them).
+    """
+    key = (shape.key(), run, micro_batch, budget, accumulating)
+    if key not in _CACHE:
+        if len(_CACHE) > 1024:
+            _CACHE.clear()
+        _CACHE[key] = _predict(shape, run, micro_batch, budget, accumulating)
+    return _CACHE[key]
+
+
+_CACHE: dict = {}
+
+
+def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
+    recipe = recipe_for(run)
+    outside = memory.outside_allocator_bytes(recipe, run.on_cuda)
+    unlimited = _replay(shape, run, micro_batch, accumulating, None)
+    fits = None
+    result = unlimited
+    if budget is not None:
+        fits = unlimited.peak_reserved + outside <= budget
+        if not fits and unlimited.peak_allocated + outside <= budget:
+            # The live tensors fit but the cache does not: the real allocator releases its cache
+            # before it gives up, so replay with the budget as the limit
+            limited = _replay(shape, run, micro_batch, accumulating, max(0, budget - outside))
+            fits = not limited.out_of_memory
+            if fits:
+                result = limited
+    if run.on_cuda:
+        peak = result.peak_reserved + outside
+        breakdown = dict(result.at_peak)
+    else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
+        peak = result.peak_allocated
+        breakdown = _scaled(result.at_peak, result.peak_allocated)
+    breakdown["cuda_runtime"] = breakdown.get("cuda_runtime", 0) + outside
+    breakdown = {k: v for k, v in breakdown.items() if v}
+    breakdown[max(breakdown, key=breakdown.get)] += peak - sum(breakdown.values())  # rounding
+    return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits)
+
+
+def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None):
+    trace = layer_trace(trace_spec(run, micro_batch), run.sequence.tokens)
+    spec = StepSpec(
+        recipe=recipe_for(run),
+        micro_batch=micro_batch,
+        seq_len=run.sequence.tokens,
+        checkpointing=run.gradient_checkpointing,
+        masked=run.masked(micro_batch),
+        eager_mask=run.attention == "eager",
+        loss_token_share=run.sequence.loss_token_share if run.on_cuda else 1.0,
+        accumulating=accumulating,
+        on_cuda=run.on_cuda,
+    )
+    return replay(shape, trace, spec, capacity)
+
+
+def _scaled(at_peak: dict[str, int], total: int) -> dict[str, int]:
+    live = {k: v for k, v in at_peak.items() if k != "allocator_cache"}
+    scale = total / max(1, sum(live.values()))
+    return {k: int(v * scale) for k, v in live.items()}

@@ -1,0 +1,217 @@
+"""What to change when a run does not fit: remedies as data, each with the config overrides it
+applies, the make target that runs it, and when it applies; and the smallest hardware that
+would run the config when nothing on the given hardware does.
+
+A remedy is planned like the run itself (the same prediction), so each one shown comes with
+its predicted peak and whether it fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sft_play.config import RunConfig, parse_override
+
+# What a remedy needs to know about the hardware: how many GPUs (a Target)
+Applies = Callable[[RunConfig, Any], bool]
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One change that lowers the memory of a run.
+
+    Attributes:
+        name: a short label.
+        description: what it does and what it costs.
+        overrides: the ``key=value`` overrides it applies.
+        make_target: the make target that runs the changed config.
+        applies: whether it changes anything for a config on a target.
+        gpu_factor: multiplies the number of GPUs (more hardware).
+        halve_sequence: halves ``data.max_seq_length``.
+    """
+
+    name: str
+    description: str
+    overrides: tuple[str, ...]
+    make_target: str
+    applies: Applies
+    gpu_factor: int = 1
+    halve_sequence: bool = False
+
+    def config_for(self, config: RunConfig) -> RunConfig:
+        changed = copy.deepcopy(config)
+        for text in self.overrides:
+            key, value = parse_override(text)
+            section, attribute = key.split(".")
+            setattr(getattr(changed, section), attribute, value)
+        if self.halve_sequence:
+            changed.data.max_seq_length = config.data.max_seq_length // 2
+        return changed
+
+    def target_for(self, target: Any) -> Any:
+        if self.gpu_factor == 1:
+            return target
+        return type(target)(**{**asdict(target), "world_size": target.world_size * self.gpu_factor})
+
+    def change_text(self, config: RunConfig, target: Any) -> list[str]:
+        """The overrides as the user types them (plus ``--gpus N`` for more GPUs)."""
+        changes = list(self.overrides)
+        if self.halve_sequence:
+            changes.append(f"data.max_seq_length={config.data.max_seq_length // 2}")
+        if self.gpu_factor > 1:
+            changes.insert(0, f"--gpus {target.world_size * self.gpu_factor}")
+        return changes
+
+
+def _full(config: RunConfig) -> bool:
+    return config.finetune.method == "full"
+
+
+def _multi_gpu(target: Any) -> bool:
+    return target.world_size > 1
+
+
+# Cheapest change first: what a remedy costs the user (speed, fidelity, money) grows down the list
+REMEDIES: tuple[Remedy, ...] = (
+    Remedy("gradient checkpointing", "recompute activations in backward (about 30% slower)",
+           ("train.gradient_checkpointing=true",), "train",
+           lambda c, t: not c.train.gradient_checkpointing),
+    Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes)", ("train.optimizer=adamw_8bit",), "train",
+           lambda c, t: _full(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused")),
+    Remedy("bf16 weights", "train bf16 weights directly, without fp32 masters (half the model state)",
+           ("model.torch_dtype=bfloat16",), "train",
+           lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and t.bf16_supported
+           and c.train.mixed_precision in ("auto", "bf16")),
+    Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
+           "train-deepspeed", lambda c, t: _multi_gpu(t) and c.distributed.strategy == "ddp"),
+    Remedy("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
+           ("distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"), "train-deepspeed",
+           lambda c, t: _full(c) and not c.distributed.offload_optimizer),
+    Remedy("ZeRO-3", "shard the parameters too (DeepSpeed stage 3)", ("distributed.strategy=deepspeed_zero3",),
+           "train-deepspeed",
+           lambda c, t: _multi_gpu(t) and c.distributed.strategy != "deepspeed_zero3" and c.finetune.method != "qlora"),
+    Remedy("parameter offload", "ZeRO-3 with parameters and optimizer states in CPU memory (much slower; "
+           "needs CPU memory for them)",
+           ("distributed.strategy=deepspeed_zero3", "distributed.offload_optimizer=true",
+            "distributed.offload_parameters=true"), "train-deepspeed",
+           lambda c, t: c.finetune.method != "qlora" and not c.distributed.offload_parameters),
+    Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
+           lambda c, t: _full(c)),
+    Remedy("QLoRA instead of LoRA", "adapters on a 4-bit base", ("finetune.method=qlora",), "train",
+           lambda c, t: c.finetune.method == "lora" and c.distributed.strategy != "deepspeed_zero3"),
+    Remedy("shorter sequences", "halve data.max_seq_length", (), "train",
+           lambda c, t: c.data.max_seq_length > 256, halve_sequence=True),
+    Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding", ("distributed.strategy=deepspeed_zero2",),
+           "train-deepspeed", lambda c, t: c.distributed.strategy == "ddp", gpu_factor=2),
+)
+
+
+def command(remedies: list[Remedy], config: RunConfig, target: Any, changes: list[str]) -> str:
+    """The make command that runs the changed config (CONFIG is the caller's to add)."""
+    make_target = "train"
+    if any(r.make_target == "train-deepspeed" for r in remedies):
+        make_target = "train-deepspeed"
+    world = target.world_size
+    for remedy in remedies:
+        world *= remedy.gpu_factor
+    if make_target == "train" and world > 1:
+        make_target = "train-distributed"
+    overrides = [c for c in changes if not c.startswith("--gpus")]
+    parts = [f"make {make_target}"]
+    if world > 1:
+        parts.append(f"NUM_GPUS={world}")
+    if overrides:
+        parts.append(f'ARGS="{" ".join(overrides)}"')
+    return " ".join(parts)
+
+
+def plan_remedies(config: RunConfig, target: Any, plan_for: Callable[[RunConfig, Any], Any]) -> list[dict[str, Any]]:
+    """Each applicable remedy planned on its own; if none fits alone, the cheapest combination
+    that fits: remedies added in cost order until the plan fits, then any that are not needed
+    taken out again. `plan_for(config, target)` plans without remedies."""
+    applicable = [r for r in REMEDIES if r.applies(config, target)]
+    entries = []
+    for remedy in applicable:
+        plan = plan_for(remedy.config_for(config), remedy.target_for(target))
+        entries.append(_entry([remedy], config, target, plan))
+    if entries and not any(e["fits"] for e in entries):
+        combination = _fitting_combination(config, target, applicable, plan_for)
+        if combination is not None:
+            chosen, plan = combination
+            entries.append(_entry(chosen, config, target, plan))
+    entries.sort(key=lambda e: not e["fits"])  # those that work first, each group in cost order
+    return entries
+
+
+def _apply(config: RunConfig, target: Any, remedies: list[Remedy]) -> tuple[RunConfig, Any]:
+    for remedy in remedies:
+        config, target = remedy.config_for(config), remedy.target_for(target)
+    return config, target
+
+
+def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy], plan_for):
+    chosen: list[Remedy] = []
+    plan = None
+    for remedy in applicable:
+        chosen.append(remedy)
+        plan = plan_for(*_apply(config, target, chosen))
+        if plan.fits:
+            break
+    if plan is None or not plan.fits:
+        return None
+    for remedy in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
+        trial = [r for r in chosen if r is not remedy]
+        trial_plan = plan_for(*_apply(config, target, trial))
+        if trial_plan.fits:
+            chosen, plan = trial, trial_plan
+    return chosen, plan
+
+
+def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) -> dict[str, Any]:
+    final: dict[str, str] = {}  # a later change of the same key wins, as it did in the plan
+    current = config
+    for remedy in remedies:
+        for change in remedy.change_text(current, target):
+            key = change.split("=", 1)[0] if "=" in change else change.split(" ", 1)[0]
+            final[key] = change
+        current = remedy.config_for(current)
+    changes = sorted(final.values())
+    return {
+        "name": " + ".join(r.name for r in remedies),
+        "description": remedies[0].description if len(remedies) == 1 else "together",
+        "change": changes,
+        "command": command(remedies, config, target, changes),
+        "peak_bytes": plan.peak_bytes_per_gpu,
+        "fits": plan.fits,
+        "micro_batch_size": plan.micro_batch_size if plan.fits else None,
+    }
+
+
+# The smallest hardware: GPU memory sizes sold today, and counts up to a large node group
+GPU_SIZES_GIB = (24, 40, 48, 80, 96, 141)
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConfig, Any], bool]) -> str | None:
+    """The hardware with the least GPU memory in total (fewer GPUs on a tie) on which `config`
+    fits at micro-batch 1, with checkpointing on and, on several GPUs, ZeRO-3 (ZeRO-2 for QLoRA,
+    whose 4-bit weights ZeRO-3 cannot shard here); None when nothing up to 64 x 141 GiB does.
+    `fits_on(config, target)` answers for one candidate."""
+    from sft_play.planner.plan import GIB
+
+    base = copy.deepcopy(config)
+    base.train.gradient_checkpointing = True
+    options = sorted(((n * size, n, size) for n in GPU_COUNTS for size in GPU_SIZES_GIB))
+    for _total, count, size in options:
+        candidate = copy.deepcopy(base)
+        if count > 1:
+            candidate.distributed.strategy = "deepspeed_zero2" if config.finetune.method == "qlora" else "deepspeed_zero3"
+        hardware = type(target)(**{**asdict(target), "world_size": count, "free_bytes": int(size * GIB),
+                                   "device_name": f"{count} x {size} GiB"})
+        if fits_on(candidate, hardware):
+            strategy = f" with {candidate.distributed.strategy}" if count > 1 else ""
+            return f"{count} x {size} GiB GPU(s){strategy} and gradient checkpointing"
+    return None

@@ -1,0 +1,223 @@
+"""The run, resolved once: every decision about how a run executes, made in one place from the
+config, the hardware and the data, and read everywhere else.
+
+The planner predicts the memory of the run the loader, the collator and the trainer then build;
+each of them reads the same :class:`Run` instead of deciding again, so that the plan cannot
+describe a different run from the one that trains:
+
+| decision | read by |
+|---|---|
+| precision (weights, compute, adapters) | loader, trainer arguments, planner, disk check |
+| optimizer | trainer arguments, planner, disk check |
+| attention kernel | loader, collator, planner |
+| batch layout and whether attention gets a mask | collator, planner |
+| world size, strategy, offload, DeepSpeed bucket sizes | trainer arguments, planner |
+| sequence length the memory is planned for | planner |
+| gradient checkpointing | trainer arguments, planner |
+
+:func:`resolve` builds it; nothing here loads weights (the model's ``config.json`` is read for
+what decides the attention kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sft_play.config import RunConfig
+from sft_play.precision import Precision, resolve_optimizer, resolve_precision
+
+Collator = Literal["padded", "packed_rows", "padding_free"]
+
+
+@dataclass(frozen=True)
+class SequenceLength:
+    """The tokens per row the memory is planned for, and where the number comes from."""
+
+    tokens: int
+    source: str
+    loss_token_share: float = 1.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """How the run executes (see the module docstring for who reads what)."""
+
+    method: Literal["full", "lora", "qlora"]
+    precision: Precision
+    adapter_dtype: str  # LoRA/QLoRA adapter weights (and their gradients and AdamW states)
+    optimizer: str
+    attention: str  # flash_attention_2, sdpa or eager
+    collator: Collator
+    uniform_rows: bool  # every row one example of one length: no packing boundaries, no padding
+    world_size: int
+    strategy: str
+    offload_optimizer: bool
+    offload_parameters: bool
+    on_cuda: bool
+    gradient_checkpointing: bool
+    sequence: SequenceLength
+    model: str  # model.name_or_path, with its revision and trust_remote_code
+    revision: str | None = None
+    trust_remote_code: bool = False
+    lora_rank: int = 0
+    lora_dropout: float = 0.0
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    double_quant: bool = True
+    reduce_bucket_elements: int | None = None  # DeepSpeed reduce_bucket_size, as the trainer fills it
+    allgather_bucket_elements: int | None = None
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy.startswith("deepspeed")
+
+    def masked(self, micro_batch: int) -> bool:
+        """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
+        (or are padded to the longest in the batch), and padded batches of unequal lengths need
+        one, unless FlashAttention-2 runs them as variable-length sequences."""
+        if self.attention == "flash_attention_2" or self.uniform_rows:
+            return False
+        return self.collator == "packed_rows" or micro_batch > 1
+
+    def with_changes(self, **changes: Any) -> Run:
+        return dataclasses.replace(self, **changes)
+
+
+def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool) -> str:
+    """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
+    installed and usable (CUDA, 16-bit compute), else PyTorch SDPA, or eager attention for models
+    that cap their attention logits (Gemma-2), which SDPA cannot do."""
+    choice = config.model.attn_implementation
+    if choice != "auto":
+        return choice
+    if on_cuda and precision.compute_dtype != "float32" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "eager" if softcapping else "sdpa"
+
+
+def collator_kind(packing: bool, attention: str) -> Collator:
+    """Packed rows go to TRL's padding-free collator under FlashAttention-2 (variable-length
+    sequences) and to our packed-rows collator otherwise; unpacked data is padded per batch."""
+    if not packing:
+        return "padded"
+    return "padding_free" if attention.startswith("flash_attention") else "packed_rows"
+
+
+def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength:
+    """The sequence length the plan budgets for, and where it came from.
+
+    Packed rows are filled up to ``data.max_seq_length``; without packing a batch pads to its
+    longest example, so the longest example in the data bounds it. Without a tokenizer or data
+    at hand, ``data.max_seq_length`` is the assumption.
+    """
+    limit = config.data.max_seq_length
+    if data_stats is None or not data_stats.examples:
+        return SequenceLength(limit, "data.max_seq_length (no tokenizer or data at hand: assumed full length)")
+    share = data_stats.loss_token_share or 1.0
+    if config.data.packing:
+        return SequenceLength(limit, f"data.max_seq_length (packed rows; {data_stats.examples} examples, "
+                              f"p95 {data_stats.tokens_p95} tokens)", share)
+    longest = min(limit, data_stats.tokens_max)
+    return SequenceLength(longest, f"longest example in the data ({data_stats.tokens_max} tokens, packing off; "
+                          f"p50 {data_stats.tokens_p50}, p95 {data_stats.tokens_p95})", share)
+
+
+def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:
+    """ZeRO's reduce and all-gather bucket sizes in elements, as the trainer will fill them:
+    transformers replaces ``reduce_bucket_size: "auto"`` by hidden_size^2; the all-gather bucket
+    is read from the JSON (DeepSpeed's default 5e8 when absent)."""
+    if not config.distributed.strategy.startswith("deepspeed"):
+        return None, None
+    try:
+        zero = json.loads(Path(config.distributed.deepspeed_config).read_text()).get("zero_optimization", {})
+    except (OSError, ValueError):
+        zero = {}
+
+    def elements(key: str, auto: int, default: int) -> int:
+        value = zero.get(key, default)
+        return auto if value == "auto" else int(float(value))
+
+    squared = hidden_size * hidden_size
+    return elements("reduce_bucket_size", squared, 5 * 10**8), elements("allgather_bucket_size", squared, 5 * 10**8)
+
+
+def resolve(
+    config: RunConfig,
+    *,
+    on_cuda: bool,
+    bf16_supported: bool,
+    world_size: int,
+    data_stats: Any | None = None,
+    model_facts: Any | None = None,
+) -> Run:
+    """Every decision about the run, from the config, the hardware and (when read) the data.
+
+    Args:
+        config: the run config.
+        on_cuda: whether the processes train on CUDA GPUs.
+        bf16_supported: whether every participating GPU supports bf16.
+        world_size: data-parallel processes.
+        data_stats: the tokenised data's statistics (:class:`sft_play.data.DataStats`), if read.
+        model_facts: the model's shape (:class:`sft_play.planner.shapes.ModelShape`) or its
+            transformers config; read from ``config.model`` when not given.
+    """
+    precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
+    facts = model_facts if model_facts is not None else _model_config(config)
+    softcapping = _softcapping(facts)
+    hidden = _hidden_size(facts)
+    attention = attention_kernel(config, precision, on_cuda, softcapping)
+    method = config.finetune.method
+    if method == "full":
+        adapter = precision.weights_dtype
+    elif method == "qlora":
+        adapter = "bfloat16"  # TRL casts QLoRA adapters to bf16 (QLoRA paper, section 3)
+    else:
+        adapter = "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
+    reduce_bucket, allgather_bucket = deepspeed_buckets(config, hidden)
+    return Run(
+        method=method,
+        precision=precision,
+        adapter_dtype=adapter,
+        optimizer=resolve_optimizer(config, on_cuda),
+        attention=attention,
+        collator=collator_kind(config.data.packing, attention),
+        uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
+        world_size=world_size,
+        strategy=config.distributed.strategy,
+        offload_optimizer=config.distributed.offload_optimizer or config.distributed.offload_parameters,
+        offload_parameters=config.distributed.offload_parameters,
+        on_cuda=on_cuda,
+        gradient_checkpointing=config.train.gradient_checkpointing,
+        sequence=sequence_length(config, data_stats),
+        model=config.model.name_or_path,
+        revision=config.model.revision,
+        trust_remote_code=config.model.trust_remote_code,
+        lora_rank=config.lora.r,
+        lora_dropout=config.lora.dropout,
+        lora_targets=targets if isinstance(targets := config.lora.target_modules, str) else tuple(targets),
+        double_quant=config.quantization.double_quant,
+        reduce_bucket_elements=reduce_bucket,
+        allgather_bucket_elements=allgather_bucket,
+    )
+
+
+def _model_config(config: RunConfig) -> Any:
+    from sft_play.planner.shapes import load_model_config
+
+    return load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+
+
+def _softcapping(facts: Any) -> bool:
+    if hasattr(facts, "attention_softcapping"):
+        return bool(facts.attention_softcapping)
+    text = facts.get_text_config() if hasattr(facts, "get_text_config") else facts
+    return getattr(text, "attn_logit_softcapping", None) is not None
+
+
+def _hidden_size(facts: Any) -> int:
+    text = facts.get_text_config() if hasattr(facts, "get_text_config") else facts
+    return int(getattr(text, "hidden_size", 0) or 0)

@@ -1,0 +1,84 @@
+"""The caching-allocator simulation follows PyTorch's rules (c10/cuda/CUDACachingAllocator.cpp)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sft_play.planner.allocator import MIB, CachingAllocator, OutOfMemory, round_size, segment_size
+
+
+def test_sizes_round_to_512_bytes_and_segments_by_pool():
+    assert round_size(1) == 512 and round_size(513) == 1024 and round_size(4096) == 4096
+    assert segment_size(100) == 2 * MIB  # small pool: 2 MiB segments
+    assert segment_size(1 * MIB) == 2 * MIB
+    assert segment_size(1 * MIB + 512) == 20 * MIB  # under 10 MiB: a 20 MiB segment
+    assert segment_size(10 * MIB) == 10 * MIB  # from 10 MiB: rounded up to 2 MiB
+    assert segment_size(11 * MIB) == 12 * MIB
+
+
+def test_small_requests_share_a_segment_and_large_ones_split_theirs():
+    a = CachingAllocator()
+    a.malloc("x", 1000)
+    a.malloc("y", 1000)
+    assert a.reserved == 2 * MIB and a.allocated == 2048
+    a.malloc("big", 3 * MIB)  # a 20 MiB segment, split: the rest stays cached
+    assert a.reserved == 22 * MIB and a.allocated == 2048 + 3 * MIB
+    a.malloc("more", 3 * MIB)  # served from the cached remainder
+    assert a.reserved == 22 * MIB
+
+
+def test_a_large_remainder_of_at_most_1_mib_is_not_split_off():
+    a = CachingAllocator()
+    a.malloc("x", 11 * MIB)  # a 12 MiB segment; 1 MiB left is not more than 1 MiB
+    assert a.allocated == 12 * MIB
+
+
+def test_freed_blocks_are_cached_merged_and_reused_best_fit():
+    a = CachingAllocator()
+    for name in "abc":
+        a.malloc(name, 30 * MIB)
+    assert a.reserved == 90 * MIB
+    a.free("a")
+    a.free("b")
+    a.malloc("d", 25 * MIB)  # best fit: a cached 30 MiB block, split
+    assert a.reserved == 90 * MIB and a.allocated == 55 * MIB
+    a.malloc("e", 40 * MIB)  # nothing cached is large enough (blocks of different segments never merge)
+    assert a.reserved == 130 * MIB
+    a.free("d")
+    a.free("e")
+    a.free("c")
+    assert a.allocated == 0 and a.reserved == 130 * MIB  # freed memory stays reserved
+    assert a.peak_reserved == 130 * MIB and a.peak_allocated == 95 * MIB
+
+
+def test_adjacent_free_blocks_of_one_segment_merge():
+    a = CachingAllocator()
+    a.malloc("whole", 60 * MIB)
+    a.free("whole")
+    a.malloc("x", 20 * MIB)  # split from the cached 60 MiB block
+    a.malloc("y", 20 * MIB)
+    a.free("x")
+    a.free("y")  # merges with x's block and the rest: one 60 MiB block again
+    a.malloc("z", 60 * MIB)
+    assert a.reserved == 60 * MIB
+
+
+def test_at_the_limit_the_cache_is_released_and_the_allocation_retried():
+    a = CachingAllocator(capacity=100 * MIB)
+    a.malloc("a", 40 * MIB)
+    a.malloc("b", 40 * MIB)
+    a.free("a")
+    a.malloc("c", 50 * MIB)  # 80 reserved + 50 > 100: the free 40 MiB segment goes back, then it fits
+    assert a.releases == 1 and a.reserved == 90 * MIB
+    with pytest.raises(OutOfMemory):
+        a.malloc("d", 20 * MIB)
+
+
+def test_the_breakdown_at_the_peak_accounts_for_every_reserved_byte():
+    a = CachingAllocator()
+    a.malloc("w", 50 * MIB, "weights")
+    a.malloc("x", 30 * MIB, "activations")
+    a.free("x")
+    a.malloc("y", 40 * MIB, "activations")
+    assert a.peak_reserved == 120 * MIB
+    assert a.at_peak == {"weights": 50 * MIB, "activations": 40 * MIB, "allocator_cache": 30 * MIB}

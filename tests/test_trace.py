@@ -1,0 +1,105 @@
+"""The meta-device trace of a decoder layer: what autograd keeps, with CUDA's kernels and autocast
+put in where the meta device would differ. Shapes: the tiny Llama (h 256, I 768, 4 heads of 64,
+2 key-value heads) and Gemma-2-9B's config (logit soft-capping: eager attention)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sft_play.planner import trace as tracing
+from sft_play.planner.trace import INPUT, TraceSpec, layer_trace
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_model")
+H, I, HEADS, KV, D = 256, 768, 4, 2, 64
+S = 128
+
+
+def spec(**changes) -> TraceSpec:
+    settings = dict(name_or_path=TINY, revision=None, trust_remote_code=False, method="lora",
+                    weights_dtype="bfloat16", adapter_dtype="float32", compute_dtype="bfloat16", attention="sdpa",
+                    masked=False, checkpointing=False, lora_rank=8)
+    return TraceSpec(**{**settings, **changes})
+
+
+def kept_after_forward(events, micro: int, seq: int = S) -> int:
+    """Bytes the layer's forward leaves alive for backward once the model's forward is over
+    (autocast's cache released), less its output (the next layer's input)."""
+    module = events
+    alive: dict[int, int] = {}
+    for kind, event_id, *_ in module.forward:
+        if kind == "a":
+            alive[event_id] = module.size((kind, event_id, *_), micro)
+        else:
+            alive.pop(event_id, None)
+    for kind, event_id, *_ in module.after_forward + module.cache_release:
+        alive.pop(event_id, None)
+    alive.pop(module.output, None)
+    return sum(alive.values())
+
+
+def layer(trace_spec: TraceSpec, micro: int = 1, seq: int = S):
+    return layer_trace(trace_spec, seq).at(micro)[0]
+
+
+def test_checkpointing_keeps_only_the_layer_input():
+    checkpointed = layer(spec(checkpointing=True))
+    assert checkpointed.input_kept
+    assert kept_after_forward(checkpointed, 1) == 0  # the input is the only thing left, and it is the caller's
+    plain = layer(spec())
+    assert kept_after_forward(plain, 1) > 10 * S * H  # a whole layer's activations
+
+
+def test_the_run_precision_decides_what_adapters_keep():
+    # fp32 LoRA adapters under bf16 autocast keep a 16-bit copy of each adapted input (q, k, v,
+    # o, gate, up, down: 3h + q + 2h + I per token); bf16 QLoRA adapters read the inputs
+    # themselves, shared: the normed input once for q, k, v, the attention output the kernel
+    # keeps anyway, the normed input once for gate and up, the MLP product (2h + I)
+    lora = kept_after_forward(layer(spec()), 1)
+    qlora = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16")), 1)
+    assert lora - qlora >= 2 * S * (3 * H + HEADS * D)
+
+
+def test_dropout_keeps_a_boolean_mask_not_float_noise():
+    without = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16")), 1)
+    with_dropout = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16", lora_dropout=True)), 1)
+    adapted_inputs = 3 * H + HEADS * D + 2 * H + I
+    extra = with_dropout - without
+    # CUDA's dropout: a bf16 output and a 1-byte mask per adapted input; the meta device's own
+    # dropout would keep 2-byte noise on top
+    assert S * adapted_inputs <= extra <= 3 * S * adapted_inputs
+
+
+def test_a_masked_batch_keeps_the_additive_mask_and_repeated_heads():
+    unmasked = kept_after_forward(layer(spec()), 2)
+    masked = kept_after_forward(layer(spec(masked=True)), 2)
+    bias = 2 * S * S * 2  # [b, 1, s, s] in bf16, converted from the boolean mask in every layer
+    repeated_kv = 2 * 2 * S * (HEADS - KV) * D * 2  # k and v repeated to the query heads (no GQA with a mask)
+    assert masked - unmasked == bias + repeated_kv
+
+
+def test_eager_attention_keeps_the_probabilities():
+    # eager attention keeps the fp32 softmax and its 16-bit copy per head (s^2 x 6 bytes each); the
+    # fused kernel keeps one [s, s] bf16 mask, its output and an fp32 log-sum-exp per row instead
+    eager = kept_after_forward(layer(spec(attention="eager", masked=True)), 1)
+    fused = kept_after_forward(layer(spec(masked=True)), 1)
+    assert eager - fused == HEADS * S * S * 6 - S * S * 2 - S * HEADS * D * 2 - HEADS * S * 4
+    gemma = str(REPO / "tests" / "fixtures" / "model_configs" / "gemma-2-9b")  # soft-capped: eager only
+    assert kept_after_forward(layer(spec(name_or_path=gemma, attention="eager", masked=True)), 1) > 16 * S * S * 6
+
+
+def test_events_scale_with_the_micro_batch_exactly():
+    trace_spec = spec(masked=True)
+    prepared = tracing._prepared_layer(trace_spec)
+    direct = tracing._module_events(*(tracing._trace_module(trace_spec, prepared, 5, S, "layer") for _ in range(2)), 5)
+    assert kept_after_forward(layer(trace_spec, 5), 5) == kept_after_forward(direct, 5)
+    backward = layer(trace_spec, 5)
+    total = sum(backward.size(e, 5) for e in backward.backward if e[0] == "a")
+    assert total == sum(direct.size(e, 5) for e in direct.backward if e[0] == "a")
+
+
+def test_the_layers_chain_through_their_input_and_gradient():
+    events = layer(spec())
+    assert events.output >= 0 and events.input_grad >= 0
+    assert any(kind == "f" and event_id == INPUT for kind, event_id, *_ in events.after_forward)
+    assert events.persistent  # the adapters' gradients, alive until the optimizer step
