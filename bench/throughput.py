@@ -122,7 +122,9 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
     from sft_play.model import weights_location
 
     on_cuda = torch.cuda.is_available()
-    config = config_module.load(None, [f"model.name_or_path={case.model}"], check_paths=False)
+    # The same random weights as side B: the same method decides their dtype
+    config = config_module.load(None, [f"model.name_or_path={case.model}", f"finetune.method={case.method}"],
+                                check_paths=False)
     weights = weights_location(config)
     vocab = AutoConfig.from_pretrained(weights).vocab_size
     micro = 4

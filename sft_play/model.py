@@ -41,24 +41,55 @@ def has_weights(path: str) -> bool:
     return any((folder / name).exists() for name in WEIGHT_FILES)
 
 
-def materialise_init_weights(config_dir: str, seed: int) -> str:
-    """A folder with weights initialised from ``config_dir/config.json`` under `seed`.
+def init_dtype(config: RunConfig) -> str:
+    """The dtype random weights for a config-only model are initialised and stored in: the dtype
+    the run stores its weights in (fp32 for full fine-tuning's masters, else the 16-bit dtype).
+    It depends on the config alone, so that every command of a run (train, merge, generate, eval)
+    finds the same weights on any machine."""
+    if config.model.torch_dtype != "auto":
+        return config.model.torch_dtype
+    if config.finetune.method == "full":
+        return "float32"
+    return "float16" if config.train.mixed_precision == "fp16" else "bfloat16"
+
+
+def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32") -> str:
+    """A folder with weights initialised from ``config_dir/config.json`` under `seed`, in `dtype`.
 
     The folder is created once (atomically, so concurrent ranks cannot see half of it) and
-    reused while the config and seed stay the same.
+    reused while the config, seed and dtype stay the same. The weights are built on the CPU
+    (the CPU's random numbers are the same on every machine, a GPU's are not), in `dtype`, so a
+    16-bit run needs 2 bytes per parameter of host memory, not 4.
+
+    Raises:
+        UserError: the host has too little memory to build them.
     """
+    import psutil
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from sft_play.errors import UserError
+
     config_bytes = (Path(config_dir) / "config.json").read_bytes()
-    key = hashlib.sha256(config_bytes + f"|seed={seed}".encode()).hexdigest()[:16]
+    salt = f"|seed={seed}" + ("" if dtype == "float32" else f"|dtype={dtype}")
+    key = hashlib.sha256(config_bytes + salt.encode()).hexdigest()[:16]
     target = cache_dir() / "init_weights" / key
     if has_weights(str(target)):
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("no weights in %s: initialising them from config.json with seed %d", config_dir, seed)
     model_config = AutoConfig.from_pretrained(config_dir)
+    from sft_play.planner.shapes import base_shape
+
+    needed = base_shape(model_config).total_params * TORCH_DTYPES[dtype].itemsize
+    available = psutil.virtual_memory().available
+    if needed > 0.9 * available:
+        raise UserError(
+            f"{config_dir} has a config.json but no weights, and initialising random {dtype} weights for it needs "
+            f"{needed / 1024**3:.1f} GiB of host memory ({available / 1024**3:.1f} GiB available): point "
+            "model.name_or_path at real weights (a hub id or a folder with safetensors)"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("no weights in %s: initialising them from config.json with seed %d in %s", config_dir, seed, dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=TORCH_DTYPES[dtype])
     staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-")
     model.save_pretrained(staging, safe_serialization=True)
     try:
@@ -74,7 +105,7 @@ def weights_location(config: RunConfig) -> str:
     """Where the base weights load from: the configured model, or initialised weights for a bare config."""
     path = config.model.name_or_path
     if Path(path).is_dir() and not has_weights(path):
-        return materialise_init_weights(path, config.model.init_seed)
+        return materialise_init_weights(path, config.model.init_seed, init_dtype(config))
     return path
 
 

@@ -103,3 +103,35 @@ def test_bad_config_exits_2_with_the_problems_and_no_traceback(tmp_path):
     assert "did you mean 'train.learning_rate'" in result.stderr
     assert "'full', 'lora', 'qlora'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_random_weights_are_built_in_the_runs_storage_dtype():
+    from sft_play import config as config_module
+    from sft_play.model import init_dtype
+
+    def dtype(*overrides):
+        return init_dtype(config_module.load(None, list(overrides), check_paths=False))
+
+    assert dtype("finetune.method=lora") == dtype("finetune.method=qlora") == "bfloat16"
+    assert dtype("finetune.method=full") == "float32"  # full fine-tuning trains fp32 masters
+    assert dtype("finetune.method=lora", "train.mixed_precision=fp16") == "float16"
+    assert dtype("finetune.method=full", "model.torch_dtype=bfloat16") == "bfloat16"
+
+
+def test_a_config_only_70b_is_refused_before_memory_is_spent(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    import psutil
+
+    from sft_play import config as config_module
+    from sft_play.errors import UserError
+    from sft_play.model import weights_location
+
+    from tests.conftest import FIXTURES
+
+    shutil.copy(FIXTURES / "model_configs" / "llama-3-70b" / "config.json", tmp_path)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * 1024**3))
+    config = config_module.load(None, [f"model.name_or_path={tmp_path}", "finetune.method=qlora"], check_paths=False)
+    with pytest.raises(UserError, match=r"needs 131\.4 GiB of host memory"):
+        weights_location(config)

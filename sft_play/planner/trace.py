@@ -1,24 +1,18 @@
-"""What one decoder layer keeps for backward, measured by running the model's own layer.
+"""What one decoder layer allocates through a training step, recorded by running the model's
+own layer.
 
-The activation memory of a training step is what autograd saves in the forward pass and what
-the backward pass holds while it runs. Rather than a formula per architecture, the planner
-runs one decoder layer of the real model (transformers' module, with peft's LoRA wrappers,
-checkpointing and the precision recipe as configured) on the **meta device**, where tensors
-have shapes and dtypes but no memory and every operation costs microseconds, and counts the
-bytes of every storage that is alive:
+Rather than a formula per architecture, the planner runs one decoder layer of the real model
+(transformers' module, with peft's LoRA wrappers, checkpointing and the precision recipe as
+configured), and the model's final norm, forward and backward on the **meta device**, where
+tensors have shapes and dtypes but no memory and every operation costs microseconds. A
+dispatch mode records every storage an operation creates and, through weak references, when it
+is released: the layer's allocations in order (:class:`ModuleEvents`), which
+:mod:`sft_play.planner.step` chains layer to layer and replays through the caching allocator.
 
-- **saved**: what is left alive after the layer's forward (what backward will read), less
-  the layer's output (the next layer's input, counted there if that layer keeps it);
-- **forward_extra**: the transient peak above the layer's input while the forward runs;
-- **backward_extra**: the peak above (everything saved + the incoming gradient) while the
-  layer's backward runs (with checkpointing: the recomputation plus the backward);
-- **cast_cache**: the 16-bit copies of fp32 weights that autocast caches until the model's
-  forward ends (full fine-tuning under mixed precision).
-
-Each quantity is traced at micro-batch 1 and 2 at the run's sequence length and written as
-``const + per_sample x b`` (exact: at a fixed length every activation scales with b), so that
-the planner's arithmetic never runs a trace itself. Profiles are cached per (model, method,
-precision, kernel, mask, checkpointing, sequence length): one costs about 0.1 s.
+Traces at micro-batch 1 and 2 (and 3 where a single row takes fewer copies) give every
+allocation's size as a function of the micro-batch at the run's sequence length, so the planner
+never traces per micro-batch. Traces are cached per (model, method, precision, kernel, mask,
+checkpointing, sequence length); three take about 0.1-0.3 s.
 
 What a trace on the meta device cannot see is put in explicitly, each with its source:
 
@@ -40,7 +34,7 @@ What a trace on the meta device cannot see is put in explicitly, each with its s
   weight) and de-quantise their weight for each matmul, in forward and backward
   (:class:`_FourBitMatmul`).
 
-Parameters are never counted here (the planner counts them exactly), nor their gradients.
+Parameters are not recorded (the planner counts them exactly); their gradients are.
 """
 
 from __future__ import annotations
