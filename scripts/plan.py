@@ -66,7 +66,7 @@ def main() -> int:
         plan.notes.append(f"sequence length from the config: {why}")
     if args.plot:
         plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
-    print(report.to_json(plan) if args.json else report.to_text(plan, args.config))
+    print(report.to_json(plan) if args.json else report.to_text(plan, args.config, args.overrides))
     return 0 if plan.fits else 3
 
 

@@ -109,8 +109,10 @@ REMEDIES: tuple[Remedy, ...] = (
 )
 
 
-def command(remedies: list[Remedy], config: RunConfig, target: Any, changes: list[str]) -> str:
-    """The make command that runs the changed config (CONFIG is the caller's to add)."""
+def command(remedies: list[Remedy], target: Any, changes: list[str], config_path: str | None = None,
+            overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The make command that runs the changed config: the make target the remedies need, the
+    GPUs, the config file and the user's own overrides followed by the remedies' (which win)."""
     make_target = "train"
     if any(r.make_target == "train-deepspeed" for r in remedies):
         make_target = "train-deepspeed"
@@ -119,12 +121,16 @@ def command(remedies: list[Remedy], config: RunConfig, target: Any, changes: lis
         world *= remedy.gpu_factor
     if make_target == "train" and world > 1:
         make_target = "train-distributed"
-    overrides = [c for c in changes if not c.startswith("--gpus")]
+    changed_keys = {c.split("=", 1)[0] for c in changes}
+    kept = [o for o in overrides if o.split("=", 1)[0] not in changed_keys]
+    arguments = kept + [c for c in changes if not c.startswith("--gpus")]
     parts = [f"make {make_target}"]
+    if config_path:
+        parts.append(f"CONFIG={config_path}")
     if world > 1:
         parts.append(f"NUM_GPUS={world}")
-    if overrides:
-        parts.append(f'ARGS="{" ".join(overrides)}"')
+    if arguments:
+        parts.append(f'ARGS="{" ".join(arguments)}"')
     return " ".join(parts)
 
 
@@ -183,7 +189,9 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
         "name": " + ".join(r.name for r in remedies),
         "description": remedies[0].description if len(remedies) == 1 else "together",
         "change": changes,
-        "command": command(remedies, config, target, changes),
+        "make_target": remedies[-1].make_target,
+        "remedies": [r.name for r in remedies],
+        "command": command(remedies, target, changes),
         "peak_bytes": plan.peak_bytes_per_gpu,
         "fits": plan.fits,
         "micro_batch_size": plan.micro_batch_size if plan.fits else None,

@@ -36,8 +36,9 @@ def to_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), indent=2)
 
 
-def to_text(plan: Plan, config_path: str | None = None) -> str:
-    """The plan as ``make plan`` prints it; `config_path` completes the remedies' commands."""
+def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The plan as ``make plan`` prints it; `config_path` and the user's `overrides` complete the
+    remedies' commands."""
     lines = [
         f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})",
         "         by kind: " + ", ".join(f"{k} {v:,}" for k, v in plan.params_by_kind.items() if v),
@@ -69,19 +70,21 @@ def to_text(plan: Plan, config_path: str | None = None) -> str:
             outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
             lines.append(f"  {r['name']:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
             if r["fits"]:
-                lines.append(f"  {'':<34} run: {_with_config(r['command'], config_path)}")
+                lines.append(f"  {'':<34} run: {_command(r, plan, config_path, overrides)}")
     if plan.smallest_hardware:
         lines.append(f"\nSmallest hardware that would run it: {plan.smallest_hardware}")
     lines.append(f"\nPlanned in {plan.plan_seconds:.2f} s.")
     return "\n".join(lines)
 
 
-def _with_config(command: str, config_path: str | None) -> str:
-    if not config_path:
-        return command
-    target, _, rest = command.partition(" ")
-    make_target, _, rest = rest.partition(" ")
-    return " ".join(p for p in (target, make_target, f"CONFIG={config_path}", rest) if p)
+def _command(entry: dict, plan: Plan, config_path: str | None, overrides) -> str:
+    from types import SimpleNamespace
+
+    from sft_play.planner.remedies import REMEDIES, command
+
+    chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
+    return command(chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,
+                   [o for o in overrides if "=" in o])
 
 
 def plot(plan: Plan, path: str | Path) -> Path:
