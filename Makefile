@@ -39,12 +39,13 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet $(PIP_ARGS) -r requirements.txt
+	$(VENV)/bin/pip install --quiet --no-deps $(PIP_ARGS) -e .
 	touch $@
 
-install: $(STAMP) ## Create .venv and install the pinned requirements (re-runs when requirements.txt changes)
+install: $(STAMP) ## Create .venv, install the pinned requirements and this package (editable); re-runs when they change
 
 check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder and the disk
 	$(PY) scripts/check.py --config $(CONFIG) $(ARGS)

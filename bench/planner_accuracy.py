@@ -30,9 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import CONFIGS, REPO, run_worker, versions  # noqa: E402
+from _common import CONFIGS, REPO, run_worker, versions  # bench/ is the script's folder
 
 GIB = 1024**3
 

@@ -32,11 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from _common import CONFIGS, REPO, run_worker, versions  # bench/ is the script's folder
 from transformers import TrainerCallback
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import CONFIGS, REPO, run_worker, versions  # noqa: E402
 
 # Dense bf16 peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12,

@@ -6,26 +6,19 @@ Usage: python scripts/chat.py [--config PATH] [--run RUN_DIR] [--system TEXT]
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sft_play import cli  # noqa: E402
-from sft_play import config as config_module  # noqa: E402
+from sft_play import cli
 
 
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
-    parser.add_argument("--run", help="run folder (default: the newest finished run under train.output_dir)")
+    parser = cli.run_parser(__doc__.splitlines()[0])
     parser.add_argument("--system", help="a system message to start every conversation with")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
     from sft_play import export
 
-    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
-    run = export.resolve_run(args.run, output_dir)
+    run = cli.chosen_run(args)
     trained, tokenizer, _ = export.load_trained(run)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)

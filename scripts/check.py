@@ -6,12 +6,8 @@ Usage: python scripts/check.py [--config PATH] [key=value ...]
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sft_play import cli  # noqa: E402
+from sft_play import cli
 
 
 def main() -> int:
@@ -24,6 +20,7 @@ def main() -> int:
     facts = hardware.detect()
     results.append(checks.check_accelerator(facts))
     if config is not None:
+        results += checks.check_model(config)
         results += checks.check_data(config)
         results.append(checks.check_output_dir(config))
         results.append(checks.disk_check_for(config, facts))

@@ -9,9 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli, config  # noqa: E402
+from sft_play import cli, config
 
 TARGET = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 

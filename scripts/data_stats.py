@@ -8,13 +8,10 @@ Usage: python scripts/data_stats.py [--config PATH] [key=value ...] [--json]
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli  # noqa: E402
-from sft_play import config as config_module  # noqa: E402
+from sft_play import cli
+from sft_play import config as config_module
 
 
 def describe(name: str, stats) -> list[str]:
@@ -29,7 +26,9 @@ def describe(name: str, stats) -> list[str]:
         lines.append(f"  rows after packing: {stats.packed_rows} of {stats.max_seq_length} tokens "
                      f"({100 * stats.tokens_total / max(1, stats.packed_rows * stats.max_seq_length):.1f}% filled)")
     if stats.skipped:
-        lines.append("  skipped: " + ", ".join(f"{reason} x{count}" for reason, count in sorted(stats.skipped.items())))
+        from sft_play.data import skip_summary
+
+        lines.append(f"  {skip_summary(stats)}")
     lines += [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
     return lines
 

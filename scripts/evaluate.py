@@ -6,18 +6,12 @@ Usage: python scripts/evaluate.py [--config PATH] [--run RUN_DIR] [--count N]
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sft_play import cli  # noqa: E402
-from sft_play import config as config_module  # noqa: E402
+from sft_play import cli
 
 
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
-    parser.add_argument("--run", help="run folder (default: the newest finished run under train.output_dir)")
+    parser = cli.run_parser(__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
@@ -25,8 +19,7 @@ def main() -> int:
 
     from sft_play import export
 
-    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
-    run = export.resolve_run(args.run, output_dir)
+    run = cli.chosen_run(args)
     result = export.evaluate(run, args.count, args.max_new_tokens)
     print(f"Run: {run}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
           f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")

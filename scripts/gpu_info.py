@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli, hardware  # noqa: E402
+from sft_play import cli, hardware
 
 
 def main() -> int:

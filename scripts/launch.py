@@ -15,10 +15,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli, launch  # noqa: E402
-from sft_play import config as config_module  # noqa: E402
+from sft_play import cli, launch
+from sft_play import config as config_module
 
 
 def visible_gpu_count() -> int:

@@ -9,23 +9,20 @@ Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-g
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sft_play import cli  # noqa: E402
+from sft_play import cli
 
 
 def read_data_stats(config):
     """The data's statistics, or None (with the reason) when there is no tokenizer or data to read."""
     from sft_play import data, model
     from sft_play.data.formats import InvalidRow
+    from sft_play.errors import UserError
 
     try:
         tokenizer = model.load_tokenizer(config)
-    except (OSError, ValueError) as exc:
-        return None, f"no tokenizer at {config.model.tokenizer_name_or_path or config.model.name_or_path} ({type(exc).__name__})"
+    except (OSError, ValueError, UserError) as exc:
+        return None, f"no tokenizer at {config.model.tokenizer_name_or_path or config.model.name_or_path} ({exc})"
     try:
         return data.build(config.data, tokenizer, seed=config.train.seed).stats, None
     except (InvalidRow, OSError, ValueError) as exc:

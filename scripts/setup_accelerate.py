@@ -11,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli  # noqa: E402
+from sft_play import cli
 
 DEFAULT_OUTPUT = "configs/accelerate/local.yaml"
 

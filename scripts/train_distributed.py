@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sft_play import cli  # noqa: E402
-from sft_play import config as config_module  # noqa: E402
+from sft_play import cli
+from sft_play import config as config_module
 
 logger = logging.getLogger("sft_play.train")
 

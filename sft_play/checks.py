@@ -91,6 +91,29 @@ def check_accelerator(facts: HardwareInfo) -> Check:
     return Check("cuda", True, detail, warning=facts.nccl_version is None and len(facts.gpus) > 1)
 
 
+def check_model(config: RunConfig) -> list[Check]:
+    """The model's config reads (a hub id: downloaded or cached), and its tokenizer encodes text."""
+    from sft_play.errors import UserError
+    from sft_play.model import load_tokenizer
+    from sft_play.planner.shapes import load_model_config
+
+    name = config.model.name_or_path
+    try:
+        model_config = load_model_config(name, config.model.revision, config.model.trust_remote_code)
+    except UserError as exc:
+        return [Check("model", False, str(exc))]
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    checks = [Check("model", True, f"{name}: {getattr(model_config, 'model_type', '?')}, "
+                                   f"{getattr(text, 'num_hidden_layers', '?')} layers, vocabulary {getattr(text, 'vocab_size', '?')}")]
+    try:
+        tokenizer = load_tokenizer(config)
+        checks.append(Check("tokenizer", True, f"{len(tokenizer)} tokens, from "
+                                               f"{config.model.tokenizer_name_or_path or name}"))
+    except UserError as exc:
+        checks.append(Check("tokenizer", False, str(exc)))
+    return checks
+
+
 def check_data(config: RunConfig) -> list[Check]:
     """Every row of the training (and validation) data reads and converts; a sample tokenises."""
     from sft_play.data import DataStats, load_records
@@ -110,7 +133,9 @@ def check_data(config: RunConfig) -> list[Check]:
         formats = ", ".join(sorted(set(stats.formats.values())))
         detail = f"{len(records)} records ({formats})"
         if stats.skipped:
-            detail += f"; would skip {sum(stats.skipped.values())}: {stats.skipped}"
+            from sft_play.data import skip_summary
+
+            detail += f"; would be {skip_summary(stats)}"
         checks.append(Check(key, bool(records), detail if records else "no usable records", bool(stats.skipped)))
     return checks
 

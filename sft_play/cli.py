@@ -4,13 +4,15 @@ turning user errors into a clear message and a non-zero exit instead of a traceb
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from sft_play.config import ConfigError
-from sft_play.data.formats import InvalidRow
+from sft_play.data.formats import InvalidRow, UnknownFormat
 from sft_play.errors import UserError
 
 DEFAULT_CONFIG = "configs/run_tiny.yaml"
@@ -19,7 +21,7 @@ DEFAULT_CONFIG = "configs/run_tiny.yaml"
 EXIT_USER_ERROR = 2
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InvalidRow, UserError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InvalidRow, UnknownFormat, UserError, FileNotFoundError)
 
 
 def config_parser(description: str) -> argparse.ArgumentParser:
@@ -30,17 +32,57 @@ def config_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def run_parser(description: str) -> argparse.ArgumentParser:
+    """:func:`config_parser` plus ``--run RUN_DIR``, for the commands that use a finished run."""
+    parser = config_parser(description)
+    parser.add_argument("--run", help="run folder (default: the newest finished run under train.output_dir)")
+    return parser
+
+
+def chosen_run(args: argparse.Namespace):
+    """The run folder ``--run`` names, or the newest finished run under the config's output folder."""
+    from sft_play import config as config_module
+    from sft_play import export
+
+    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
+    return export.resolve_run(args.run, output_dir)
+
+
 def is_main_process() -> bool:
     """Rank 0 by the launcher's environment (usable before any process group exists)."""
     return os.environ.get("RANK", "0") == "0"
 
 
 def setup_logging(quiet: bool = False) -> None:
-    """INFO from our package on the main process, warnings only elsewhere (and when `quiet`)."""
+    """INFO from our package on the main process, warnings only elsewhere (and when `quiet`);
+    the libraries' noise that tells the user nothing is silenced (:func:`quiet_libraries`)."""
     level = logging.INFO if is_main_process() and not quiet else logging.WARNING
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     logging.getLogger("sft_play").setLevel(level)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Silence what the stack prints on every command without telling the user anything, and
+    nothing else (their other warnings stay):
+
+    - bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional
+      hub package we do not install);
+    - transformers' FutureWarning that ``gradient_checkpointing`` is renamed (TRL passes it);
+    - DeepSpeed's "Setting accelerator to CPU" on machines without a GPU, where accelerate
+      imports DeepSpeed to unwrap a model even when it is not used (``DS_ACCELERATOR=cpu`` says so);
+    - datasets' progress bars (the data module logs what it did instead).
+    """
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "gemm_4bit_forward" not in record.getMessage())
+    warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -239,16 +239,51 @@ def valid_keys() -> list[str]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``section.key=value``; the value is read as YAML (``true``, ``4``, ``[a, b]``)."""
+    """Split ``section.key=value``; the value is read as YAML (``true``, ``4``, ``[a, b]``).
+
+    A mapping may be written the way people type it on a command line, without spaces (which
+    make would split): ``data.columns={prompt:question,completion:answer}`` or
+    ``data.columns=prompt:question,completion:answer``; one entry at a time also works,
+    ``data.columns.prompt=question``.
+    """
     if "=" not in text:
         raise ConfigError([f"override {text!r} is not of the form section.key=value"])
     key, raw = text.split("=", 1)
     key = key.strip()
+    if _is_mapping_key(key):
+        return key, _parse_mapping(raw)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _is_mapping_key(dotted: str) -> bool:
+    section, _, name = dotted.partition(".")
+    fields = SECTIONS[section].model_fields if section in SECTIONS else {}
+    return name in fields and get_origin(fields[name].annotation) is dict
+
+
+def _parse_mapping(raw: str) -> Any:
+    """``{a:b,c:d}``, ``a:b,c:d`` or YAML flow mapping text as a dict (other text as YAML)."""
+    text = raw.strip()
+    try:
+        value = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError:
+        value = None
+    if isinstance(value, dict) and all(v is not None for v in value.values()):
+        return {str(k): str(v) for k, v in value.items()}
+    inner = text[1:-1] if text.startswith("{") and text.endswith("}") else text
+    mapping: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in inner.split(","))):
+        name, separator, target = entry.partition(":")
+        if not separator:
+            name, separator, target = entry.partition("=")
+        if not separator or not name.strip() or not target.strip():
+            return raw  # not a mapping: validation reports it with the form to use
+        mapping[name.strip()] = target.strip()
+    return mapping
 
 
 def _nearest(name: str, candidates: list[str]) -> str | None:
@@ -287,7 +322,7 @@ def _expected_text(annotation: Any) -> str:
     if origin is list:
         return "a list of " + _expected_text(get_args(annotation)[0]) + "s"
     if origin is dict:
-        return "a mapping"
+        return "a mapping, e.g. data.columns.prompt=question (one entry per override) or {prompt:question,completion:answer}"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
@@ -397,6 +432,10 @@ def _path_problems(config: RunConfig) -> list[str]:
 def _consistency_problems(config: RunConfig) -> list[str]:
     problems = []
     train, method = config.train, config.finetune.method
+    for key in ("micro_batch_size", "gradient_accumulation_steps"):
+        value = getattr(train, key)
+        if isinstance(value, int) and value < 1:
+            problems.append(f"train.{key}: got {value}; use a positive number, or auto for the planner's choice")
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(f"train.max_steps: got {train.max_steps}; use a positive number of steps, or -1 for num_epochs")
     if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
@@ -493,6 +532,11 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
         except ConfigError as exc:
             problems.extend(exc.problems)
             continue
+        if key.count(".") == 2 and _is_mapping_key(key.rsplit(".", 1)[0]):  # data.columns.prompt=question
+            key, entry = key.rsplit(".", 1)
+            section, name = key.split(".")
+            current = raw.get(section, {}).get(name) if isinstance(raw.get(section), dict) else None
+            value = {**(current if isinstance(current, dict) else {}), entry: str(value)}
         if key not in valid_keys():
             problems.append(_unknown_key_message(key) + f" (in override {text!r})")
             continue

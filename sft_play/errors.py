@@ -7,3 +7,25 @@ class UserError(Exception):
 
 class OutOfMemory(UserError):
     """Training ran out of memory and could not back off any further."""
+
+
+def hub_error(name: str, error: OSError, what: str = "model") -> UserError:
+    """A hub id that could not be loaded, as a message that says why (the network, the name, or
+    a gated repository) and how to use a local folder instead."""
+    import os
+
+    text = str(error)
+    lowered = text.lower()
+    if any(k in lowered for k in ("gated", "401", "403", "restricted", "authenticat")):
+        cause = (f"'{name}' is gated or private: accept its licence on huggingface.co, then log in "
+                 "(huggingface-cli login, or set HF_TOKEN)")
+    elif os.environ.get("HF_HUB_OFFLINE") == "1" or "couldn't connect" in lowered or "connection" in lowered:
+        cause = (f"the hub cannot be reached (no network, or HF_HUB_OFFLINE=1) and '{name}' is not in the local "
+                 "cache")
+    elif any(k in lowered for k in ("not a valid model identifier", "404", "repository not found",
+                                   "does not appear to have")):
+        cause = f"'{name}' is not on the hub (check the spelling: organisation/name)"
+    else:
+        cause = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return UserError(f"cannot load the {what} '{name}': {cause}. To use a local copy instead: "
+                     f"huggingface-cli download {name} --local-dir DIR, then set model.name_or_path=DIR")

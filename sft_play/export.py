@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +211,18 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     (output / "sft_play_merge.json").write_text(json.dumps(
         {"run": str(run_dir), "method": config.finetune.method, "base": config.model.name_or_path,
          "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+    _readable(output)
     return output
+
+
+def _readable(folder: Path) -> None:
+    """Give every file of `folder` the permissions a new file gets (safetensors writes through a
+    private temporary file, mode 0600): a merged model is meant to be shared and served."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
 
 
 def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_size: int = 8) -> dict[str, Any]:
@@ -232,17 +244,17 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, "sdpa"))
     loss_sum, tokens = 0.0, 0
     rows = bundle.validation
+    # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = collator([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
             batch = {k: v.to(model.device) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            logits = model(**batch, use_cache=False).logits.float()
-            shifted = labels[:, 1:]
-            losses = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.size(-1)), shifted.reshape(-1), ignore_index=-100, reduction="sum")
-            loss_sum += losses.item()
-            tokens += int((shifted != -100).sum())
+            output = model(**batch, use_cache=False, fused_lm_head=True)
+            loss_sum += float(-output.log_probs.double().sum())
+            tokens += int(output.label_mask.sum())
     loss = loss_sum / max(1, tokens)
     generations = []
     for prompt in held_out_prompts(config, count):

@@ -221,7 +221,7 @@ def format_report(info: HardwareInfo) -> str:
             lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
     else:
         reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"
-        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; plans need --gpus and --vram-gib.")
+        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan needs the hardware described: NUM_GPUS=8 VRAM_GIB=80.")
     physical = info.cpu_physical_cores if info.cpu_physical_cores is not None else "?"
     lines.append(
         f"CPU: {physical} physical / {info.cpu_logical_cores} logical cores ({info.cpu_usable_cores} usable by "

@@ -109,14 +109,49 @@ def weights_location(config: RunConfig) -> str:
     return path
 
 
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog."
+
+
 def load_tokenizer(config: RunConfig) -> Any:
-    """The tokenizer, with the config's chat template override applied and a pad token set."""
+    """The tokenizer, with the config's chat template override applied and a pad token set.
+
+    Raises:
+        UserError: the tokenizer cannot be loaded, or it cannot encode text (a folder with only a
+            config.json gives a vocabulary of one that turns every text into nothing), or its
+            vocabulary is larger than the model's embeddings.
+    """
     from transformers import AutoTokenizer
 
+    from sft_play.errors import UserError, hub_error
+    from sft_play.planner.shapes import load_model_config
+
     source = config.model.tokenizer_name_or_path or config.model.name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(
-        source, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
+        )
+    except OSError as exc:
+        raise hub_error(source, exc, "tokenizer") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"cannot load a tokenizer from '{source}' ({exc}); set model.tokenizer_name_or_path to the "
+                        "model's tokenizer (a hub id, or a folder with tokenizer.json)") from None
+    encoded = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if len(tokenizer) < 32 or len(encoded) < 2:
+        raise UserError(
+            f"the tokenizer from '{source}' cannot encode text: its vocabulary has {len(tokenizer)} token(s) and "
+            f"'{TOKENIZER_PROBE}' becomes {len(encoded)} token(s) (the folder has no tokenizer files?). Set "
+            "model.tokenizer_name_or_path to the model's tokenizer (a hub id, or a folder with tokenizer.json)"
+        )
+    text = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+    vocab = getattr(text.get_text_config() if hasattr(text, "get_text_config") else text, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:
+        raise UserError(
+            f"the tokenizer from '{source}' has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
+            "belong together. Set model.tokenizer_name_or_path to the model's own tokenizer"
+        )
+    if vocab and len(tokenizer) < vocab // 8:
+        logger.warning("the tokenizer from %s has %d tokens, the model %d: is it the model's own tokenizer?",
+                       source, len(tokenizer), vocab)
     if config.data.chat_template:
         tokenizer.chat_template = resolve_chat_template(tokenizer, config.data.chat_template)
     if tokenizer.pad_token is None:
@@ -169,7 +204,12 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["quantization_config"] = quant
     if config.distributed.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
         kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
-    model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as exc:
+        from sft_play.errors import hub_error
+
+        raise hub_error(location, exc) from None
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
     model.name_or_path = model.config.name_or_path = config.model.name_or_path
     # Training never decodes; and with a cache, transformers stops separating packed examples.

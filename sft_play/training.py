@@ -132,31 +132,6 @@ def sft_arguments(
     return SFTConfig(**{**settings, **overrides})
 
 
-def build_trainer(
-    args: Any,
-    model: Any,
-    peft_config: Any,
-    tokenizer: Any,
-    train_dataset: Any,
-    eval_dataset: Any | None,
-    data_collator: Any = None,
-    callbacks: list[TrainerCallback] | None = None,
-) -> Any:
-    """TRL's ``SFTTrainer`` over already tokenised (and, with packing, packed) data."""
-    from trl import SFTTrainer
-
-    return SFTTrainer(
-        model=model,
-        args=args,
-        data_collator=data_collator,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset if args.eval_strategy != "no" else None,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=callbacks,
-    )
-
-
 def trainer_factory(
     config: RunConfig,
     run: Run,
@@ -169,9 +144,12 @@ def trainer_factory(
     data_collator: Any = None,
     callbacks: list[TrainerCallback] | None = None,
 ) -> Callable[[BatchSplit], Any]:
-    """A function that builds the run's trainer for a batch split (what :func:`train_with_backoff`
-    calls again with a smaller split). The first trainer wraps the model with the adapter; later
-    ones reuse the wrapped model."""
+    """A function that builds the run's TRL ``SFTTrainer`` (over already tokenised, and with
+    packing already packed, data) for a batch split: what :func:`train_with_backoff` calls again
+    with a smaller split. The first trainer wraps the model with the adapter; later ones reuse
+    the wrapped model."""
+    from trl import SFTTrainer
+
     held = {"model": model, "peft_config": peft_config}
 
     def make(split: BatchSplit, **overrides: Any) -> Any:
@@ -179,8 +157,15 @@ def trainer_factory(
             config, run, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
             has_validation=eval_dataset is not None, **overrides,
         )
-        trainer = build_trainer(
-            args, held["model"], held["peft_config"], tokenizer, train_dataset, eval_dataset, data_collator, callbacks,
+        trainer = SFTTrainer(
+            model=held["model"],
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset if args.eval_strategy != "no" else None,
+            processing_class=tokenizer,
+            peft_config=held["peft_config"],
+            callbacks=callbacks,
         )
         held.update(model=trainer.model, peft_config=None)
         return trainer

@@ -120,9 +120,12 @@ def test_stats_describe_the_tokens(tiny_tokenizer):
     bundle = build(data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=256), tiny_tokenizer)
     stats = bundle.stats
     assert stats.examples == 3
-    assert stats.tokens_max == max(sum(lengths) for lengths in bundle.train["seq_lengths"]) or stats.packed_rows == 1
+    lengths = sorted(length for row in bundle.train["seq_lengths"] for length in row)  # per example, from the packing
+    assert len(lengths) == 3
+    assert stats.tokens_max == lengths[-1] and stats.tokens_total == sum(lengths) and stats.tokens_p50 == lengths[1]
     assert 0 < stats.loss_token_share < 0.5
     assert stats.packed_rows == 1  # three short examples fit one row of 256
+    assert not stats.uniform_rows  # one row of three examples: attention needs a mask
 
 
 def test_packed_rows_give_the_same_per_example_loss_as_single_examples(tiny_tokenizer):

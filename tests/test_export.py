@@ -4,6 +4,7 @@ merged and full models."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def test_merged_lora_matches_the_adapter_model(runs):
     adapter_model, _, _ = export.load_trained(runs["lora"], device="cpu")
     torch.testing.assert_close(logits(merged, tokenizer), logits(adapter_model, tokenizer), rtol=1e-4, atol=1e-4)
     assert json.loads((merged_dir / "sft_play_merge.json").read_text())["method"] == "lora"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (merged_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shareable, not 0600
 
 
 def test_merged_qlora_is_the_dequantised_base_plus_adapter(runs):
@@ -71,6 +75,20 @@ def test_eval_writes_loss_perplexity_and_generations(runs):
     assert 0 < saved["loss"] < 10 and saved["perplexity"] == pytest.approx(2.718281828 ** saved["loss"], rel=1e-6)
     assert saved["loss_tokens"] > 1000 and len(saved["generations"]) == 2
     assert "validation loss" in result.stdout
+    # the chunked head gives the loss full logits would
+    from sft_play import data
+    from sft_play.data.collate import make_collator
+    from sft_play.model import load_tokenizer
+
+    model, tokenizer, config = export.load_trained(runs["lora"], device="cpu")
+    rows = data.build(config.data, load_tokenizer(config), seed=config.train.seed).validation
+    batch = make_collator(tokenizer.pad_token_id, "packed_rows")([rows[i] for i in range(len(rows))])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        full = model(**batch, use_cache=False).logits.float()
+    reference = torch.nn.functional.cross_entropy(full[:, :-1].reshape(-1, full.size(-1)), labels[:, 1:].reshape(-1),
+                                                  ignore_index=-100)
+    assert saved["loss"] == pytest.approx(float(reference), rel=1e-4)
 
 
 @pytest.mark.parametrize("which", ["merged", "full"])

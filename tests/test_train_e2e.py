@@ -67,7 +67,9 @@ def test_adapter_reloads_and_changes_the_model(lora_run):
             before = base(**ids).logits
     assert not torch.allclose(after, before)
     answer = export.generate(trained, tokenizer, [{"role": "user", "content": "Reverse the letters: a b c"}], 8)
-    assert isinstance(answer, str)
+    # only the reply: no prompt, no template markers, at most the 8 new tokens
+    assert answer and "Reverse" not in answer and "<|" not in answer
+    assert len(tokenizer(answer, add_special_tokens=False)["input_ids"]) <= 8
 
 
 def test_generate_script_answers_held_out_prompts(lora_run):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.config import DataConfig
-from sft_play.data.formats import InvalidRow, detect_format, normalise
+from sft_play.data.formats import InvalidRow, InvalidRows, detect_format, normalise
 from sft_play.data.sources import iter_sources
 from sft_play.data.tokenize import IGNORE_INDEX, encode_record, resolve_chat_template
 
@@ -43,6 +44,7 @@ class DataStats:
     packed_rows: int | None = None
     max_seq_length: int = 0
     uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
+    skipped_rows: dict[str, list[str]] = field(default_factory=dict)  # reason -> "file:row" (the first few)
 
     @property
     def truncated_share(self) -> float:
@@ -75,15 +77,24 @@ def _reason_key(error: InvalidRow) -> str:
     return f"{field_name}: {reason}"
 
 
+SKIPPED_ROWS_KEPT = 20  # row numbers kept per reason for the skip summary
+
+
 def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
-    """Canonical records from every source in `paths`; bad rows raise or are counted in `stats.skipped`."""
+    """Canonical records from every source in `paths`. With ``data.on_invalid: error`` every bad
+    row is collected and one :class:`InvalidRows` names them all; with ``skip`` they are counted
+    by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
     records: list[dict[str, Any]] = []
     skipped: Counter[str] = Counter(stats.skipped)
+    bad: list[InvalidRow] = []
 
     def reject(error: InvalidRow) -> None:
-        if cfg.on_invalid == "error":
-            raise error
-        skipped[_reason_key(error)] += 1
+        bad.append(error)
+        reason = _reason_key(error)
+        skipped[reason] += 1
+        where = stats.skipped_rows.setdefault(reason, [])
+        if len(where) < SKIPPED_ROWS_KEPT:
+            where.append(f"{error.source}:{error.row}")
 
     for source, rows in iter_sources(paths, cfg.split):
         raw: list[tuple[int, dict[str, Any]]] = []
@@ -104,8 +115,22 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
                 records.append(normalise(row, fmt, cfg.columns, source, number))
             except InvalidRow as exc:
                 reject(exc)
+    if bad and cfg.on_invalid == "error":
+        raise InvalidRows(bad)
     stats.skipped = dict(skipped)
     return records
+
+
+def skip_summary(stats: DataStats) -> str | None:
+    """The rows ``data.on_invalid: skip`` left out, by reason, with their numbers (None if none)."""
+    if not stats.skipped:
+        return None
+    parts = []
+    for reason, count in sorted(stats.skipped.items()):
+        rows = stats.skipped_rows.get(reason, [])
+        listed = ", ".join(rows) + (f", ... ({count - len(rows)} more)" if count > len(rows) else "")
+        parts.append(f"{reason} x{count}" + (f" ({listed})" if rows else ""))
+    return f"skipped {sum(stats.skipped.values())} rows: " + "; ".join(parts)
 
 
 def _encode(record: dict[str, Any], tokenizer: Any, template: str, train_on: str, limit: int,
@@ -214,10 +239,12 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     cached = cache.load(key) if key else None
     if cached is not None:
         logger.info("data: preprocessed data from the cache (%s)", key)
-        return DataBundle(
+        bundle = DataBundle(
             train=cached["train"], validation=cached["validation"], stats=DataStats(**_stat_fields(cached["stats"])),
             validation_stats=DataStats(**_stat_fields(cached["validation_stats"])) if cached["validation_stats"] else None,
         )
+        _log_skips(bundle)
+        return bundle
     bundle = _build(cfg, tokenizer, seed)
     if key:
         cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
@@ -252,7 +279,11 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         validation_records = [r for i, r in enumerate(records) if i in held]
         records = [r for i, r in enumerate(records) if i not in held]
         validation_stats = DataStats(formats=dict(stats.formats))
+    started = time.perf_counter()
     train = tokenize_records(records, tokenizer, cfg, stats)
+    logger.info("data: %d examples tokenised%s in %.1f s", stats.examples,
+                f" and packed into {stats.packed_rows} rows" if stats.packed_rows is not None else "",
+                time.perf_counter() - started)
     if len(train) == 0:
         raise ValueError(
             f"no usable training example in {cfg.path}"
@@ -262,11 +293,19 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     validation = None
     if validation_records is not None and validation_stats is not None:
         validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats)
-    if stats.skipped:
-        logger.warning("data: skipped %d rows: %s", sum(stats.skipped.values()), stats.skipped)
+    bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
+    _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:
         logger.warning(
             "data: %d examples truncated and %d dropped at data.max_seq_length=%d",
             stats.truncated, stats.dropped_overlong, cfg.max_seq_length,
         )
-    return DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
+    return bundle
+
+
+def _log_skips(bundle: DataBundle) -> None:
+    """The skip summary, on every run (also when the data comes from the cache)."""
+    for name, stats in (("train", bundle.stats), ("validation", bundle.validation_stats)):
+        summary = skip_summary(stats) if stats is not None else None
+        if summary:
+            logger.warning("data (%s): %s", name, summary)

@@ -59,6 +59,29 @@ class InvalidRow(ValueError):
         return f"{self.source}, row {self.row}, field '{self.field}': {self.reason}"
 
 
+SHOWN_BAD_ROWS = 20  # bad rows listed by name; the rest are counted
+
+
+class InvalidRows(InvalidRow):
+    """Every bad row of the data (the first :data:`SHOWN_BAD_ROWS` named, the rest counted)."""
+
+    def __init__(self, rows: list[InvalidRow]):
+        first = rows[0]
+        super().__init__(first.source, first.row, first.field, first.reason)
+        self.rows = rows
+
+    def __str__(self) -> str:
+        shown = "\n".join(f"  - {row}" for row in self.rows[:SHOWN_BAD_ROWS])
+        more = len(self.rows) - SHOWN_BAD_ROWS
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        return (f"{len(self.rows)} bad row(s) in the data:\n{shown}{tail}\n"
+                "Fix them, or set data.on_invalid=skip to train without them (they are then listed by reason).")
+
+
+class UnknownFormat(ValueError):
+    """Data whose format cannot be detected from its columns."""
+
+
 def column_map(columns: dict[str, str]) -> dict[str, str]:
     """Our field names mapped to the dataset's column names, with `data.columns` applied."""
     return {**DEFAULT_COLUMNS, **columns}
@@ -68,7 +91,7 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     """The format of `rows` (a few first rows of a dataset), from the columns they carry.
 
     Raises:
-        ValueError: when no format matches, naming the columns that were found.
+        UnknownFormat: when no format matches, naming the columns that were found.
     """
     cols = column_map(columns)
     keys = set().union(*(r.keys() for r in rows)) if rows else set()
@@ -85,10 +108,10 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
         return "prompt_completion"
     if cols["text"] in keys:
         return "text"
-    raise ValueError(
+    raise UnknownFormat(
         f"cannot tell the data format from the columns {sorted(keys)}; expected 'messages', 'conversations', "
         "'instruction'+'output', 'prompt'+'completion' or 'text'. Set data.format, or map your columns with "
-        "data.columns (e.g. data.columns={messages: dialog})"
+        "data.columns, e.g. data.columns.prompt=question data.columns.completion=answer"
     )
 
 

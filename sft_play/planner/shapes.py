@@ -61,10 +61,19 @@ class ModelShape:
 @functools.lru_cache(maxsize=32)
 def load_model_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     """The transformers config of a hub id (config download only) or a local folder (cached:
-    treat it as read-only)."""
+    treat it as read-only).
+
+    Raises:
+        UserError: the hub id cannot be loaded (network, name or access, said which).
+    """
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    from sft_play.errors import hub_error
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise hub_error(name_or_path, exc) from None
 
 
 def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:
