@@ -203,6 +203,24 @@ def test_skipping_bad_rows_counts_them_by_reason(tmp_path):
         "messages[].role: unknown role 'robot'": 1,
         "<line>: not valid UTF-8 (invalid start byte at byte 0)": 1,
     }
+    assert stats.skipped_rows["messages: empty conversation"] == [f"{path}:2"]
+    assert stats.skipped_rows["messages[].role: unknown role 'robot'"] == [f"{path}:3"]
+
+
+def test_the_skip_summary_is_printed_on_every_run_also_from_the_cache(tmp_path, tiny_tokenizer, monkeypatch, caplog):
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mixed.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text("\n".join(json.dumps(r) for r in [good, {"messages": []}, good, {"messages": []}]) + "\n")
+    cfg = data_config(path=str(path), on_invalid="skip")
+    for attempt in ("fresh", "cached"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="sft_play.data"):
+            bundle = build(cfg, tiny_tokenizer)
+        assert any("from the cache" in r.getMessage() for r in caplog.records) == (attempt == "cached")
+        summary = [r.getMessage() for r in caplog.records if "skipped 2 rows" in r.getMessage()]
+        assert summary == [f"data (train): skipped 2 rows: messages: empty conversation x2 ({path}:2, {path}:4)"], attempt
+        assert bundle.stats.skipped_rows == {"messages: empty conversation": [f"{path}:2", f"{path}:4"]}
 
 
 def test_undetectable_format_says_how_to_fix_it(tmp_path):

@@ -1,0 +1,75 @@
+"""Everything a newcomer can type wrong ends with one clear message and exit status 2, never a
+Python traceback. Each row runs the real script (in this process, as ``python scripts/X.py``
+would: ``cli.run`` is what turns errors into messages) and checks the message names the problem.
+"""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("bad")
+    (folder / "qa.csv").write_text("question,answer\nWhat is 2+2?,4\nCapital of France?,Paris\n")
+    rows = ['{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}'] * 10
+    rows[4] = '{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}'  # row 5: no content
+    rows[8] = '{"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]}'  # row 9
+    (folder / "two_bad_rows.jsonl").write_text("\n".join(rows) + "\n")
+    config_only = folder / "config_only"
+    config_only.mkdir()
+    shutil.copy(FIXTURES / "model_configs" / "qwen2.5-0.5b" / "config.json", config_only)
+    return {"csv": folder / "qa.csv", "rows": folder / "two_bad_rows.jsonl", "config_only": config_only}
+
+
+# (script, arguments, what the message must say)
+CASES = [
+    ("data_stats.py", ["data.path={csv}", "data.validation_path=null"],
+     "cannot tell the data format from the columns ['answer', 'question']"),
+    ("data_stats.py", ["data.path={rows}", "data.validation_path=null"],
+     "2 bad row(s) in the data"),
+    ("train_distributed.py", ["train.micro_batch_size=0"], "train.micro_batch_size: got 0"),
+    ("train_distributed.py", ["train.gradient_accumulation_steps=-1"], "train.gradient_accumulation_steps: got -1"),
+    ("plan.py", ["--gpus", "-2", "--vram-gib", "80"], "the number of GPUs must be at least 1 (got -2)"),
+    ("plan.py", ["--gpus", "0", "--vram-gib", "80"], "the number of GPUs must be at least 1 (got 0)"),
+    ("plan.py", ["--gpus", "1", "--vram-gib", "-5"], "the GPU memory must be positive (got -5 GiB)"),
+    ("plan.py", ["model.name_or_path=nobody-here/no-such-model", "--gpus", "1", "--vram-gib", "24"],
+     "cannot load the model 'nobody-here/no-such-model': the hub cannot be reached"),
+    ("train_distributed.py", ["distributed.strategy=deepspeed_zero2"], "use make train-deepspeed"),
+    ("data_stats.py", ["model.name_or_path={config_only}"], "cannot encode text"),
+    ("data_stats.py", ["data.columns=question"], "data.columns.prompt=question"),
+    ("train_distributed.py", ["train.learning_rat=1"], "did you mean 'train.learning_rate'"),
+]
+
+
+@pytest.mark.parametrize("script, arguments, expected", CASES, ids=[f"{c[0]}:{c[1][0]}" for c in CASES])
+def test_bad_input_gets_one_message_and_exit_2(script, arguments, expected, bad_files, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    argv = [a.format(**bad_files) for a in arguments]
+    monkeypatch.setattr(sys, "argv", [script, "--config", str(REPO / "configs" / "run_tiny.yaml"), *argv])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert expected in err, err[-2000:]
+    assert exit_info.value.code == 2
+
+
+def test_every_bad_row_is_named(bad_files, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["data_stats.py", "--config", str(REPO / "configs" / "run_tiny.yaml"),
+                                      f"data.path={bad_files['rows']}", "data.validation_path=null"])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "scripts" / "data_stats.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert "row 5, field 'messages[0].content': missing" in err and "row 9, field 'messages[0].role'" in err
