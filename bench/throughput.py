@@ -184,7 +184,9 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
                                     packed, None, collator, [timer])
     trainer = make(split)
     result = _finish(trainer, timer, split.micro_batch_size)
-    result.update(accumulation=split.gradient_accumulation_steps, predicted_peak=plan.peak_bytes_per_gpu)
+    result.update(accumulation=split.gradient_accumulation_steps, predicted_peak=plan.peak_bytes_per_gpu,
+                  predicted_step_seconds=plan.time["seconds_per_step"] if plan.time else None,
+                  measured_step_seconds=timer.seconds / max(1, steps))
     return result
 
 
@@ -280,21 +282,24 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
         f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s",
         "- A: TRL SFTTrainer defaults for the method, micro-batch 4, no packing; B: SFT-Play, planned, packed",
         "",
-        "| case | side | micro | tokens/s | peak GiB | MFU | loss (last steps) | B/A |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | side | micro | tokens/s | peak GiB | MFU | loss (last steps) | B/A | s/step: predicted / measured |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, a, b, flops in rows:
         ratio = (b.get("tokens_per_second", 0) / a["tokens_per_second"]) if a.get("tokens_per_second") else None
         for side, result in (("A", a), ("B", b)):
             if "error" in result or result.get("ok") is False:
-                lines.append(f"| {case.name} | {side} | - | failed: {result.get('error')} | | | | |")
+                lines.append(f"| {case.name} | {side} | - | failed: {result.get('error')} | | | | | |")
                 continue
             tps = result["tokens_per_second"]
             mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"
             memory = f"{result['peak_bytes'] / 1024**3:.1f}" if result.get("peak_bytes") else "n/a"
             shown_ratio = f"{ratio:.2f}x" if side == "B" and ratio else ""
+            predicted = result.get("predicted_step_seconds")
+            timing = (f"{predicted:.3f} / {result['measured_step_seconds']:.3f}" if predicted
+                      else ("n/a (no GPU peak)" if side == "B" else ""))
             lines.append(f"| {case.name} | {side} | {result['micro_batch']} | {tps:,.0f} | {memory} | {mfu} | "
-                         f"{result['last_loss']:.3f} | {shown_ratio} |")
+                         f"{result['last_loss']:.3f} | {shown_ratio} | {timing} |")
     lines += ["", "Targets (issue 8): B/A >= 1.5x on every row with matching losses; MFU >= 45% for the 0.5B full and",
               "8B LoRA rows on an H100; no OOM at the planned batch."]
     return "\n".join(lines) + "\n"

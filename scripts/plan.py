@@ -33,6 +33,8 @@ def main() -> int:
     parser = cli.config_parser(__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, help="GPUs to plan for, all nodes together (default: the visible ones)")
     parser.add_argument("--vram-gib", type=float, help="free memory per GPU to plan for, in GiB")
+    parser.add_argument("--gpu-model", help="the GPU model to time the plan for (H100, A100, L40S...; default: "
+                        "the detected GPU, or the one --vram-gib most often means)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", help="write the per-GPU memory picture to this image file")
     parser.add_argument("--no-data", action="store_true", help="do not read the data; assume data.max_seq_length")
@@ -46,7 +48,7 @@ def main() -> int:
 
     config = config_module.load(args.config, args.overrides)
     try:
-        target = planner.target_for(hardware.detect(), args.gpus, args.vram_gib)
+        target = planner.target_for(hardware.detect(), args.gpus, args.vram_gib, gpu_model=args.gpu_model)
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)

@@ -133,7 +133,8 @@ def load_tokenizer(config: RunConfig) -> Any:
     except OSError as exc:
         raise hub_error(source, exc, "tokenizer") from None
     except (ValueError, TypeError) as exc:
-        raise UserError(f"cannot load a tokenizer from '{source}' ({exc}); set model.tokenizer_name_or_path to the "
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot load a tokenizer from '{source}' ({reason}); set model.tokenizer_name_or_path to the "
                         "model's tokenizer (a hub id, or a folder with tokenizer.json)") from None
     encoded = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     if len(tokenizer) < 32 or len(encoded) < 2:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan, memory, model_shape
+from sft_play.planner import Target, make_plan, memory, model_shape, target_for
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.shapes import ModelShape
 from tests.conftest import run_script
@@ -348,3 +348,36 @@ def test_calibration_fits_two_measurements_and_replans():
     assert any("calibrated on this GPU: micro 1: predicted" in note for note in replanned.notes)
     with pytest.raises(ValueError, match="two different micro-batch sizes"):
         calibrate.fit({1: GIB})
+
+
+# --- time ------------------------------------------------------------------------------------
+
+
+def test_the_time_prediction_reproduces_the_measured_h100_throughput():
+    # bench/throughput.py measured 8,306 tokens/s per H100 for Llama-3.1-8B LoRA (seq 2048, micro 2)
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=2", "lora.dropout=0",
+                         "data.max_seq_length=2048", "train.max_steps=100")
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="NVIDIA H100 80GB HBM3"))
+    shape = model_shape(config)
+    per_token = 4 * shape.total_params + 6 * shape.lora_params
+    assert plan.time["tokens_per_second"] == pytest.approx(0.272 * 989.4e12 / per_token, rel=1e-6)
+    assert plan.time["tokens_per_second"] == pytest.approx(8306, rel=0.05)
+    assert plan.time["communication_seconds"] == 0 and plan.time["steps"] == 100
+    assert plan.time["wall_seconds"] == pytest.approx(100 * plan.time["seconds_per_step"])
+    assert plan.time["gpu_hours"] == pytest.approx(plan.time["wall_seconds"] / 3600)
+
+
+def test_time_counts_recomputation_communication_and_the_hardware_rented():
+    base = ["finetune.method=full", "train.global_batch_size=64", "data.max_seq_length=2048", "train.max_steps=10"]
+    eight = make_plan(plan_config("qwen2.5-0.5b", *base), Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))
+    checkpointed = make_plan(plan_config("qwen2.5-0.5b", *base, "train.gradient_checkpointing=true"),
+                             Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))
+    assert checkpointed.time["compute_seconds"] == pytest.approx(eight.time["compute_seconds"] * 8 / 6)
+    assert eight.time["communication_seconds"] > 0  # DDP's all-reduce of fp32 gradients
+    slow_links = make_plan(plan_config("qwen2.5-0.5b", *base),
+                           Target(8, 80 * GIB, "8 x 80", gpu_model="H100", interconnect="pcie"))
+    assert slow_links.time["communication_seconds"] > 10 * eight.time["communication_seconds"]
+    described = target_for(None, gpus=8, vram_gib=80)  # what a user deciding what to rent types
+    assert described.gpu_model == "H100"
+    assert make_plan(plan_config("qwen2.5-0.5b", *base), described).time is not None
+    assert make_plan(plan_config("qwen2.5-0.5b", *base), Target(1, 8 * GIB, "CPU", on_cuda=False)).time is None

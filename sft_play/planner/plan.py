@@ -18,6 +18,7 @@ from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.predict import Prediction, predict, static_lower_bound
 from sft_play.planner.shapes import ModelShape, model_shape
+from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import Run, resolve
 
 GIB = 1024**3
@@ -33,6 +34,9 @@ class Target:
     bf16_supported: bool = True
     on_cuda: bool = True
     source: str = "detected"
+    gpu_model: str = ""  # the GPU's name, for its peak FLOP/s (the time prediction)
+    interconnect: str = "nvlink"  # between the GPUs of a node: nvlink or pcie
+    gpus_per_node: int = 8
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Plan:
     gradient_checkpointing: bool
     allocated_bytes_per_gpu: int = 0
     attention_mask: bool = False
+    time: dict[str, Any] | None = None
     remedies: list[dict[str, Any]] = field(default_factory=list)
     smallest_hardware: str | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -179,6 +184,10 @@ def make_plan(
             notes.append(f"nothing fits on {target.device_name}: "
                          + (f"the smallest hardware that would is {smallest}" if smallest else
                             "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
+    rows = getattr(data_stats, "packed_rows", None) or getattr(data_stats, "examples", None)
+    step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
+                             target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
+                             total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size))
     masked = run.masked(split.micro_batch_size)
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
@@ -209,6 +218,7 @@ def make_plan(
         gradient_checkpointing=run.gradient_checkpointing,
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,
+        time=step_time.to_dict() if step_time else None,
         remedies=remedies,
         smallest_hardware=smallest,
         candidates=candidates,
@@ -225,8 +235,12 @@ def peak_at(config: RunConfig, target: Target, data_stats: Any | None, micro: in
     return predict(shape, run, micro).peak_bytes
 
 
+# The GPU a memory size most often means, when hardware is described by its memory alone
+GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100", 141: "H200", 180: "B200"}
+
+
 def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = None,
-               allow_cpu: bool = False) -> Target:
+               allow_cpu: bool = False, gpu_model: str | None = None) -> Target:
     """The hardware to plan for: given (``--gpus``/``--vram-gib``), else detected.
 
     Args:
@@ -234,6 +248,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         gpus: number of GPUs (all nodes); defaults to the visible ones.
         vram_gib: free memory per GPU to plan for, in GiB; plans for hardware you do not have.
         allow_cpu: on a machine without a GPU, plan against host memory instead of refusing.
+        gpu_model: the GPU model described hardware has (for the time prediction); by default the
+            one its memory size most often means (80 GiB: H100).
 
     Raises:
         ValueError: no GPU here and none described, or a count or size that is not positive.
@@ -244,14 +260,18 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         raise ValueError(f"the GPU memory must be positive (got {vram_gib:g} GiB): VRAM_GIB=80 or --vram-gib 80")
     if vram_gib is not None:
         count = gpus or 1
-        return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given)", source="--vram-gib")
+        model = gpu_model or GPU_BY_MEMORY_GIB.get(min(GPU_BY_MEMORY_GIB, key=lambda size: abs(size - vram_gib)), "")
+        return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given; timed as {model or '?'})",
+                      source="--vram-gib", gpu_model=model)
     if hardware.gpus:
         count = gpus or len(hardware.gpus)
         local = hardware.gpus[: min(count, len(hardware.gpus))]
         smallest = min(local, key=lambda g: g.free_bytes)
         note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"
+        linked = all(g.nvlinks_active for g in local) if len(local) > 1 else True
         return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
-                      bf16_supported=all(g.bf16_supported for g in local))
+                      bf16_supported=all(g.bf16_supported for g in local), gpu_model=gpu_model or smallest.name,
+                      interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus))
     if allow_cpu:
         count = gpus or 1
         # Processes on one host share its memory

@@ -62,6 +62,13 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         "",
         f"Plan     {plan.describe()}  {'FITS' if plan.fits else 'DOES NOT FIT'}",
     ]
+    if plan.time:
+        t = plan.time
+        run_part = (f"; {t['steps']} steps: {t['wall_seconds'] / 3600:.2f} h, {t['gpu_hours']:.1f} GPU-hours"
+                    if t.get("wall_seconds") else "")
+        lines.append(f"Time     about {t['tokens_per_second']:,.0f} tokens/s, {t['seconds_per_step']:.2f} s per optimizer "
+                     f"step{run_part}")
+        lines += [f"  time: {source}" for source in t["sources"]]
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  warning: {warning}" for warning in plan.warnings]
     if plan.remedies:

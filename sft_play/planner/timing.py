@@ -1,0 +1,151 @@
+"""How long a plan takes: tokens per second, seconds per optimizer step, the run's wall time and
+GPU-hours, predicted before anything runs.
+
+Compute time is the model's FLOPs per token over the GPU's dense 16-bit peak times an efficiency
+(MFU) that ``bench/throughput.py`` measures; communication is the gradient traffic of DDP or
+ZeRO over the interconnect. Each number says where it comes from (:class:`StepTime.sources`).
+
+FLOPs per token follow the benchmark's definition so that the measured MFUs apply unchanged:
+6 N for full fine-tuning (forward 2 N, backward 4 N), 4 N + 6 N_lora for adapters (a frozen
+base needs no weight gradients); checkpointing adds a second forward (2 N). Attention's own
+FLOPs are in the measured efficiency, not in N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sft_play.planner.shapes import ModelShape
+from sft_play.run import Run
+
+# Dense 16-bit peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12, "A100": 312e12,
+             "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12, "A6000": 155e12}
+
+# Model FLOPs utilisation measured by bench/throughput.py (SFT-Play's side, packed rows, SDPA),
+# by method: the planner's efficiency for the method on GPUs it has not been measured on too.
+MEASURED_MFU = {
+    "full": (0.207, "H100, Qwen2.5-0.5B full, seq 2048, micro 16 (bench/throughput.py, 2026-11-23)"),
+    "lora": (0.272, "H100, Llama-3.1-8B LoRA, seq 2048, micro 2 (bench/throughput.py, 2026-11-23)"),
+}
+# QLoRA has not been measured: its 4-bit weights are de-quantised for every matmul, forward and
+# backward (bitsandbytes' dequantize_4bit + F.linear for many rows). Taken as LoRA's MFU times
+# this factor until bench/throughput.py measures it on a GPU.
+QLORA_FACTOR = 0.75
+
+# Sustained all-reduce bus bandwidth, bytes/s (NCCL tests, order of magnitude): NVLink within a
+# node (H100 SXM), PCIe within a node, and 400 Gb/s InfiniBand or Ethernet between nodes
+BANDWIDTH = {"nvlink": 350e9, "pcie": 20e9, "network": 40e9}
+GPUS_PER_NODE = 8  # assumed for hardware described with --gpus/--vram-gib
+
+
+@dataclass
+class StepTime:
+    """Predicted time of one optimizer step and of the whole run."""
+
+    tokens_per_second: float  # all GPUs together, real tokens
+    seconds_per_step: float
+    compute_seconds: float
+    communication_seconds: float
+    efficiency: float
+    peak_flops: float
+    steps: int | None = None
+    wall_seconds: float | None = None
+    gpu_hours: float | None = None
+    sources: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def flops_per_token(shape: ModelShape, run: Run) -> float:
+    """Training FLOPs per token (the benchmark's definition; module docstring)."""
+    n = shape.total_params
+    if run.method == "full":
+        flops = 6.0 * n
+        recompute = 2.0 * n
+    else:
+        flops = 4.0 * n + 6.0 * shape.lora_params
+        recompute = 2.0 * n
+    return flops + (recompute if run.gradient_checkpointing else 0.0)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense 16-bit peak of a GPU by its name (the longest known name it contains)."""
+    for name in sorted(PEAK_BF16, key=len, reverse=True):
+        if name in device_name:
+            return PEAK_BF16[name]
+    return None
+
+
+def efficiency(run: Run) -> tuple[float, str]:
+    if run.method == "qlora":
+        mfu, source = MEASURED_MFU["lora"]
+        return mfu * QLORA_FACTOR, f"LoRA's measured {100 * mfu:.1f} % x {QLORA_FACTOR} for 4-bit de-quantisation " \
+                                   "(an estimate: QLoRA awaits a GPU measurement)"
+    mfu, source = MEASURED_MFU[run.method]
+    return mfu, f"measured {100 * mfu:.1f} % ({source})"
+
+
+def gradient_traffic_bytes(shape: ModelShape, run: Run) -> float:
+    """Bytes each GPU sends per optimizer step: a ring all-reduce of the gradients (DDP), or a
+    reduce-scatter plus the all-gather of the updated parameters (ZeRO), 2 (W - 1) / W of them."""
+    from sft_play.planner.predict import recipe_for
+
+    if run.world_size <= 1:
+        return 0.0
+    grad_bytes = recipe_for(run).trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
+    return 2.0 * (run.world_size - 1) / run.world_size * shape.trainable_params * grad_bytes
+
+
+def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name: str, interconnect: str,
+                 gpus_per_node: int, total_steps: int | None) -> StepTime | None:
+    """The step time of `run` on the named GPU (None when its peak is unknown, e.g. on a CPU).
+
+    Args:
+        shape: the model shape for the run's method.
+        run: the resolved run.
+        tokens_per_step: tokens of one optimizer step across all GPUs (global batch x sequence).
+        device_name: the GPU's name (its peak is looked up).
+        interconnect: "nvlink" or "pcie" within a node.
+        gpus_per_node: GPUs per node (more processes than that cross the network).
+        total_steps: optimizer steps of the run, if known.
+    """
+    peak = peak_flops(device_name)
+    if peak is None or not run.on_cuda:
+        return None
+    mfu, source = efficiency(run)
+    compute = tokens_per_step * flops_per_token(shape, run) / (run.world_size * peak * mfu)
+    link = "network" if run.world_size > gpus_per_node else interconnect
+    traffic = gradient_traffic_bytes(shape, run)
+    # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
+    communication = traffic / BANDWIDTH[link] * (0.25 if run.world_size > 1 else 0.0)
+    seconds = compute + communication
+    sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})"]
+    if traffic:
+        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
+                       f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+    wall = seconds * total_steps if total_steps else None
+    return StepTime(
+        tokens_per_second=tokens_per_step / seconds,
+        seconds_per_step=seconds,
+        compute_seconds=compute,
+        communication_seconds=communication,
+        efficiency=mfu,
+        peak_flops=peak,
+        steps=total_steps,
+        wall_seconds=wall,
+        gpu_hours=wall * run.world_size / 3600 if wall else None,
+        sources=sources,
+    )
+
+
+def total_steps(max_steps: int, num_epochs: float, rows: int | None, global_batch: int) -> int | None:
+    """Optimizer steps of the run: ``train.max_steps``, or epochs over the (packed) rows."""
+    if max_steps > 0:
+        return max_steps
+    if not rows:
+        return None
+    return max(1, math.ceil(num_epochs * rows / global_batch))
