@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,14 +48,17 @@ def main() -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
+    from sft_play import callbacks, checkpoints, checks, data, hardware, launch, model, planner, training
     from sft_play.data import collate
     from sft_play.planner import report
 
+    stop = callbacks.GracefulStop()
+    stop.install()  # a stop asked for while loading is kept, not lost
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
     model.weights_location(config)
-    state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config))
+    state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config),
+                         timeout=timedelta(minutes=config.distributed.timeout_minutes))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
 
@@ -74,23 +79,29 @@ def main() -> int:
 
     # Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
     # rank learns the outcome, so that a refusal stops them all instead of leaving some waiting
-    decision: list = [None, None, None, None]
+    decision: list = [None, None, None, None, None]
     if state.is_main_process:
         try:
-            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config)
+            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config, state.num_processes)
             checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
-            decision = [name, resume_checkpoint, message, None]
+            token = checkpoints.mark_shared(Path(config.train.output_dir) / name)
+            decision = [name, resume_checkpoint, message, None, token]
         except (ValueError, cli.UserError) as exc:
-            decision = [None, None, None, str(exc)]
+            decision = [None, None, None, str(exc), None]
     broadcast_object_list(decision)
-    name, resume_checkpoint, message, refusal = decision
+    name, resume_checkpoint, message, refusal, token = decision
     if refusal:
         raise cli.UserError(refusal)
     run_dir = Path(config.train.output_dir) / name
+    # Every node writes its part of each checkpoint into the run folder: it must be one folder
+    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(run_dir, token))])
+    blind = sorted({host for host, seen in sight if not seen})
+    if blind:
+        raise cli.UserError(checkpoints.unshared_message(run_dir, blind))
     if state.is_main_process:
+        checkpoints.unmark_shared(run_dir)
         if message:
             logger.info("%s", message)
-        run_dir.mkdir(parents=True, exist_ok=True)
         config.train.run_name = name
         (run_dir / "config.yaml").write_text(config.to_yaml())
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
@@ -112,13 +123,14 @@ def main() -> int:
     base = model.load_model(config, run, device=device)
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
-    stop = callbacks.GracefulStop()
     guard = callbacks.NonFiniteGuard(
         config.train.max_bad_steps, watch_gradients=not run.deepspeed and precision.mixed != "fp16",
     )
+    faults = [callbacks.FaultInjection()] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
+    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=config.distributed.strategy)
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
-        collator, [callbacks.CheckpointMarker(), stop, guard],
+        collator, [*faults, callbacks.TokenThroughput(), marker, stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if on_gpu:
@@ -131,6 +143,12 @@ def main() -> int:
                 (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
+    if callbacks.any_rank(stop.received is not None):
+        if state.is_main_process:
+            print(f"\nStopped by {stop.received or 'a signal'} before training started: nothing new to save\n"
+                  f"  resume: {launch.resume_command()}", flush=True)
+        state.wait_for_everyone()
+        return EXIT_INTERRUPTED
     trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
     state.wait_for_everyone()
     if guard.stopped_at is not None:
@@ -145,9 +163,11 @@ def main() -> int:
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
             training.write_summary(trainer, run_dir, {"interrupted": stop.received, "batch": split.describe()})
-            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; checkpoint saved: {last}\n"
-                  f"  resume: make train CONFIG={args.config} RESUME=auto"
-                  f"   (or ARGS=\"train.resume_from={last}\")", flush=True)
+            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
+                  + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
+                  + f"\n  resume: {launch.resume_command()}"
+                  + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""), flush=True)
+        state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
     training.save_final_model(trainer, run_dir / "model")
