@@ -1,11 +1,13 @@
 """Serve TensorBoard for one run folder (or every run under the config's output folder) on a
-free loopback port, in the foreground; Ctrl-C stops it.
+free loopback port, in the foreground; Ctrl-C, SIGTERM or SIGHUP stops it (TensorBoard runs in
+its own session, so it is stopped here, never left behind).
 
 Usage: python scripts/serve_tensorboard.py [--config PATH] [--run RUN_DIR]
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -30,6 +32,12 @@ def main() -> int:
         launch.stop(board)
         raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
     print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
+
+    def stop_serving(signum, _frame):
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop_serving)
     try:
         return board.wait()
     except KeyboardInterrupt:

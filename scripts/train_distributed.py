@@ -59,6 +59,16 @@ def main() -> int:
     model.weights_location(config)
     state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config),
                          timeout=timedelta(minutes=config.distributed.timeout_minutes))
+    # Every node writes its part of each checkpoint into the run folder: it must be one folder
+    output_dir = Path(config.train.output_dir)
+    token = [checkpoints.mark_shared(output_dir) if state.is_main_process else None]
+    broadcast_object_list(token)
+    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(output_dir, token[0]))])
+    if state.is_main_process:
+        checkpoints.unmark_shared(output_dir, token[0])
+    blind = sorted({host for host, seen in sight if not seen})
+    if blind:
+        raise cli.UserError(checkpoints.unshared_message(output_dir, blind))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
 
@@ -79,29 +89,23 @@ def main() -> int:
 
     # Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
     # rank learns the outcome, so that a refusal stops them all instead of leaving some waiting
-    decision: list = [None, None, None, None, None]
+    decision: list = [None, None, None, None]
     if state.is_main_process:
         try:
             name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config, state.num_processes)
             checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
-            token = checkpoints.mark_shared(Path(config.train.output_dir) / name)
-            decision = [name, resume_checkpoint, message, None, token]
+            decision = [name, resume_checkpoint, message, None]
         except (ValueError, cli.UserError) as exc:
-            decision = [None, None, None, str(exc), None]
+            decision = [None, None, None, str(exc)]
     broadcast_object_list(decision)
-    name, resume_checkpoint, message, refusal, token = decision
+    name, resume_checkpoint, message, refusal = decision
     if refusal:
         raise cli.UserError(refusal)
-    run_dir = Path(config.train.output_dir) / name
-    # Every node writes its part of each checkpoint into the run folder: it must be one folder
-    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(run_dir, token))])
-    blind = sorted({host for host, seen in sight if not seen})
-    if blind:
-        raise cli.UserError(checkpoints.unshared_message(run_dir, blind))
+    run_dir = output_dir / name
     if state.is_main_process:
-        checkpoints.unmark_shared(run_dir)
         if message:
             logger.info("%s", message)
+        run_dir.mkdir(parents=True, exist_ok=True)
         config.train.run_name = name
         (run_dir / "config.yaml").write_text(config.to_yaml())
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
@@ -149,7 +153,14 @@ def main() -> int:
                   f"  resume: {launch.resume_command()}", flush=True)
         state.wait_for_everyone()
         return EXIT_INTERRUPTED
-    trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
+    try:
+        trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
+    except RuntimeError as error:
+        if state.num_processes == 1 or not callbacks.lost_another_rank(error):
+            raise
+        print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
+              f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        return 1
     state.wait_for_everyone()
     if guard.stopped_at is not None:
         last = checkpoints.newest_complete(run_dir / "checkpoints")

@@ -54,6 +54,18 @@ def max_over_ranks(value: int) -> int:
     return int(tensor.item())
 
 
+def lost_another_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another process of the run went away
+    (it crashed, was killed, or its node failed): that process's own error, or the launcher's
+    report of it, says why."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "remote worker",
+                                  "NCCL communicator was aborted"))
+
+
 def _barrier() -> None:
     dist = _distributed()
     if dist is not None:
@@ -74,9 +86,8 @@ def injected_faults() -> dict[str, tuple[int, ...]]:
 
     - ``slow_step=S:SECONDS``: step S takes SECONDS longer on every rank (before its checkpoint
       decision), as a long step would;
-    - ``kill_before_marker=S``: rank 0 is killed (SIGKILL) once checkpoint S is written, before its marker;
-    - ``kill_before_rotation=S``: rank 0 is killed after marking checkpoint S, before older ones are deleted;
-    - ``kill_before_save=S:RANK``: that rank is killed at the end of step S, before it saves anything.
+    - ``kill_before_marker=S:RANK``: that rank (default 0) is killed (SIGKILL) once it has written
+      its part of checkpoint S, before the ranks agree that the checkpoint is whole and mark it.
     """
     faults = {}
     for item in filter(None, (part.strip() for part in os.environ.get(FAULTS_ENV, "").split(","))):
@@ -95,17 +106,15 @@ def kill_if_injected(name: str, step: int, rank: int = 0) -> None:
 
 
 class FaultInjection(TrainerCallback):
-    """The step-level faults of :func:`injected_faults`; added only when ``SFT_PLAY_FAULTS`` is set."""
+    """``slow_step`` of :func:`injected_faults`; added (first) only when ``SFT_PLAY_FAULTS`` is set."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        rank, _ = _rank_and_world()
         slow = injected_faults().get("slow_step")
         if slow and slow[0] == state.global_step:
             logger.warning("fault injection (slow_step): step %d takes %d s longer", state.global_step, slow[1])
             deadline = time.monotonic() + slow[1]
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, 1.0))  # signals are handled between naps
-        kill_if_injected("kill_before_save", state.global_step, rank)
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -127,6 +136,7 @@ class CheckpointMarker(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         rank, world = _rank_and_world()
+        kill_if_injected("kill_before_marker", state.global_step, rank)
         _barrier()  # every rank has written its part
         names = [checkpoints.checkpoint_files(folder) if rank == 0 and folder.is_dir() else []]
         dist = _distributed()
@@ -144,7 +154,6 @@ class CheckpointMarker(TrainerCallback):
         else:
             shares = [mine]
         if rank == 0 and folder.is_dir():
-            kill_if_injected("kill_before_marker", state.global_step)
             missing = checkpoints.missing_rank_files(folder, world)
             if missing:
                 logger.error("%s is not marked complete: %s missing (a rank did not finish saving, or a node writes "
@@ -153,7 +162,6 @@ class CheckpointMarker(TrainerCallback):
             else:
                 merged = {name: digest for share in shares for name, digest in (share or {}).items()}
                 checkpoints.write_marker(folder, state.global_step, world, self.strategy, merged)
-                kill_if_injected("kill_before_rotation", state.global_step)
                 if self.keep:
                     checkpoints.rotate(folder.parent, self.keep)
         _barrier()

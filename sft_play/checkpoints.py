@@ -179,27 +179,27 @@ def rotate(folder: Path, keep: int) -> list[Path]:
     return old
 
 
-# --- one run folder for every node ---------------------------------------------------------------
+# --- one output folder for every node ------------------------------------------------------------
 
-SHARED_MARK = ".sft_play_shared"
+_SHARED_MARK = ".sft_play_shared_{}"
 
 
-def mark_shared(run_dir: Path) -> str:
-    """Create `run_dir` and write a token into it that every rank must then find there (see
+def mark_shared(folder: Path) -> str:
+    """Create `folder` and write a token file into it that every rank must then find there (see
     :func:`sees_shared_mark`); returns the token."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
-    (run_dir / SHARED_MARK).write_text(token)
+    (folder / _SHARED_MARK.format(token)).write_text(token)
     return token
 
 
-def sees_shared_mark(run_dir: Path, token: str, wait_s: float = 5.0) -> bool:
-    """Whether this process finds rank 0's token in `run_dir` (within `wait_s`, for network
+def sees_shared_mark(folder: Path, token: str, wait_s: float = 5.0) -> bool:
+    """Whether this process finds rank 0's token file in `folder` (within `wait_s`, for network
     filesystems that show new files late): False on a node whose folder is not rank 0's."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            if (run_dir / SHARED_MARK).read_text() == token:
+            if (folder / _SHARED_MARK.format(token)).read_text() == token:
                 return True
         except OSError:
             pass
@@ -208,12 +208,12 @@ def sees_shared_mark(run_dir: Path, token: str, wait_s: float = 5.0) -> bool:
         time.sleep(0.5)
 
 
-def unmark_shared(run_dir: Path) -> None:
-    (run_dir / SHARED_MARK).unlink(missing_ok=True)
+def unmark_shared(folder: Path, token: str) -> None:
+    (folder / _SHARED_MARK.format(token)).unlink(missing_ok=True)
 
 
-def unshared_message(run_dir: Path, hosts: list[str]) -> str:
-    return (f"the run folder {run_dir} is not shared: the processes on {', '.join(hosts)} cannot see what rank 0 "
+def unshared_message(folder: Path, hosts: list[str]) -> str:
+    return (f"train.output_dir ({folder}) is not shared: the processes on {', '.join(hosts)} cannot see what rank 0 "
             "writes there. Every node writes its part of each checkpoint (its optimizer shard and random-number "
             "state) into the run folder, and resuming reads them all back: set train.output_dir to a folder on a "
             "filesystem every node mounts (NFS, Lustre, ...), at the same path on every node")

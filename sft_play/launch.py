@@ -404,7 +404,7 @@ class NodeCount:
         self.topology = topology
         self.arrived: int | None = None  # None until connected to node 0
         self.complete = False
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout = timedelta(seconds=timeout_s + 60)  # the launcher's deadline comes first, with its message
         threading.Thread(target=self._count, daemon=True, name="sft-play-node-count").start()
 
     def _count(self) -> None:
@@ -423,19 +423,20 @@ class NodeCount:
 
     def waiting(self) -> str:
         where = f"{self.topology.master_addr}:{self.topology.master_port}"
-        if self.arrived is None:
+        arrived = self.arrived or (1 if self.topology.node_rank == 0 else None)
+        if arrived is None:
             return f"waiting for node 0 at {where}"
-        missing = self.topology.nnodes - self.arrived
-        return f"waiting for {missing} more node(s) at {where} ({self.arrived} of {self.topology.nnodes} here)"
+        missing = self.topology.nnodes - arrived
+        return f"waiting for {missing} more node(s) at {where} ({arrived} of {self.topology.nnodes} here)"
 
     def failure(self, timeout_s: float) -> str:
         t = self.topology
         where = f"{t.master_addr}:{t.master_port}"
         after = f"within {timeout_s / 60:g} min (distributed.rendezvous_timeout_minutes)"
-        if self.arrived is None:
+        if self.arrived is None and t.node_rank != 0:
             return (f"node 0 did not answer at {where} {after}: start node 0 (NODE_RANK=0) with NNODES={t.nnodes} "
                     f"and MASTER_PORT={t.master_port}, and check that this node reaches {where}")
-        return (f"only {self.arrived} of {t.nnodes} node(s) arrived at {where} {after}: start the missing node(s) "
+        return (f"only {self.arrived or 1} of {t.nnodes} node(s) arrived at {where} {after}: start the missing node(s) "
                 f"with NNODES={t.nnodes} MASTER_ADDR={t.master_addr} MASTER_PORT={t.master_port} and their "
                 f"NODE_RANK, and check that they reach {where}")
 
@@ -498,13 +499,19 @@ def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str
             return EXIT_INTERRUPTED, None
         if set(codes.values()) == {EXIT_USER_ERROR}:  # each rank printed its error
             return EXIT_USER_ERROR, None
-        described = ", ".join(
-            f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}")
-            for rank, code in sorted(codes.items()))
+        def said(rank: int) -> str:
+            code = codes[rank]
+            return f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}")
+
+        first, _ = error.get_first_failure()
+        others = "".join(f", then {said(rank)}" for rank in sorted(codes) if rank != first)
+        resume = "RESUME=auto continues from the newest complete checkpoint"
         if stop.first and stop.requests > 1:
-            return 130, (f"stopped at once by a second {stop.first} ({described}); nothing was saved for the step "
-                         "under way: resume continues from the newest complete checkpoint")
-        return 1, f"training failed ({described}); the first error printed above is the cause"
+            return 130, (f"stopped at once by a second {stop.first} ({said(first)}{others}); nothing was saved for "
+                         f"the step under way: {resume}")
+        why = (" (a process killed without a message was usually out of host memory, see `dmesg`, or killed by the "
+               "cluster)" if codes[first] < 0 else ": its error is printed above")
+        return 1, f"training failed: {said(first)} first{others}{why}; {resume}"
     if isinstance(error, (DistError, RendezvousError)):
         return EXIT_USER_ERROR, f"the nodes could not meet: {error}"
     raise error
@@ -541,7 +548,7 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
                     stop.send(signal.SIGKILL)
                     return EXIT_USER_ERROR
                 message = nodes.waiting()
-                if now - started > 1.0 and (message != said or now - said_at > 30):
+                if now - started > 2.0 and (message != said or now - said_at > 30):
                     print(f"{message}; up to {timeouts.rendezvous_s / 60:g} min "
                           "(distributed.rendezvous_timeout_minutes)", flush=True)
                     said, said_at = message, now
