@@ -462,19 +462,17 @@ def _run_in_thread(command: list[str], stop: StopForwarder) -> tuple[threading.T
     thread; the dict receives its exception, if any, under ``error``."""
     module, arguments = command[2], command[3:]
     outcome: dict = {}
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed import run
 
     def target() -> None:
         try:
             if module == "accelerate.commands.launch":
-                from accelerate.commands.launch import launch_command, launch_command_parser
-
                 args = launch_command_parser().parse_args(arguments)
                 if "--main_process_ip" not in arguments:
                     args.standalone = True  # one node: passed through to torchrun, as accelerate itself does
                 launch_command(args)
             elif module == "torch.distributed.run":
-                from torch.distributed import run
-
                 run.run(run.parse_args(arguments))
             else:
                 raise ValueError(f"not a launcher this module runs: {module}")
@@ -526,6 +524,9 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
         exclude: pids of our children that are not training processes (TensorBoard).
     """
     import psutil
+    # on the main thread, before any other: two threads importing torch at once abort the process
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+    import torch.distributed.elastic.rendezvous  # noqa: F401
 
     def workers() -> list[int]:
         skip = exclude()

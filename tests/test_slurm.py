@@ -50,7 +50,7 @@ exec /usr/bin/env -u STUB_LOG PATH="$REAL_PATH" make "$@"
 
 
 def stubs(folder: Path) -> dict[str, str]:
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for name, text in STUBS.items():
         (folder / name).write_text(text)
         (folder / name).chmod((folder / name).stat().st_mode | stat.S_IEXEC)
