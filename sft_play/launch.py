@@ -361,6 +361,7 @@ class StopForwarder:
         self.first: str | None = None  # the first signal's name
         self.first_at: float | None = None
         self.requests = 0
+        self.signalled: set[int] = set()
         self._last_at = -1e9
         self._previous: dict[int, object] = {}
 
@@ -382,8 +383,15 @@ class StopForwarder:
         self.requests += 1
         self.send(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    def send(self, signum: int) -> None:
-        for pid in self.targets():
+    def catch_up(self) -> None:
+        """Pass a stop request on to training processes started after it arrived."""
+        if self.first is not None:
+            signum = signal.SIGTERM if self.first == "SIGHUP" else signal.Signals[self.first]
+            self.send(signum, [pid for pid in self.targets() if pid not in self.signalled])
+
+    def send(self, signum: int, pids: list[int] | None = None) -> None:
+        for pid in self.targets() if pids is None else pids:
+            self.signalled.add(pid)
             try:
                 os.killpg(pid, signum)
             except (ProcessLookupError, PermissionError):
@@ -485,6 +493,9 @@ def _run_in_thread(command: list[str], stop: StopForwarder) -> tuple[threading.T
     return thread, outcome
 
 
+_STOPPED_AT_START = "stopped by {} while starting, before training: nothing new to save"
+
+
 def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str | None]:
     """(exit status, error message or None) for the launcher thread's exception."""
     from torch.distributed import DistError
@@ -497,6 +508,8 @@ def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str
             return EXIT_INTERRUPTED, None
         if set(codes.values()) == {EXIT_USER_ERROR}:  # each rank printed its error
             return EXIT_USER_ERROR, None
+        if stop.first and stop.requests == 1 and set(codes.values()) <= {-signal.SIGTERM, -signal.SIGINT}:
+            return EXIT_INTERRUPTED, _STOPPED_AT_START.format(stop.first)
         def said(rank: int) -> str:
             code = codes[rank]
             return f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}")
@@ -544,6 +557,10 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
             thread.join(0.2)
             now = time.monotonic()
             if nodes is not None and not nodes.complete:
+                if stop.first is not None:
+                    print(f"{_STOPPED_AT_START.format(stop.first)} (the nodes had not all arrived)", flush=True)
+                    stop.send(signal.SIGKILL)
+                    return EXIT_INTERRUPTED
                 if now - started > timeouts.rendezvous_s:
                     print(f"error: {nodes.failure(timeouts.rendezvous_s)}", file=sys.stderr, flush=True)
                     stop.send(signal.SIGKILL)
@@ -556,6 +573,8 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
             elif nodes is not None and said is not None:
                 print(f"all {topology.nnodes} nodes arrived", flush=True)
                 said = None
+            if stop.first is not None and not killed:
+                stop.catch_up()
             if stop.first_at is not None and not killed and now - stop.first_at > timeouts.stop_s:
                 print(f"error: the training processes did not stop within {timeouts.stop_s / 60:g} min of "
                       f"{stop.first} (distributed.stop_timeout_minutes): killing them; resume continues from "
@@ -568,7 +587,7 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
             return outcome["error"].code if isinstance(outcome["error"].code, int) else 1
         status, message = _failure_status(outcome["error"], stop)
         if message:
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            print(message if status == EXIT_INTERRUPTED else f"error: {message}", file=sys.stderr, flush=True)
         return status
     finally:
         stop.restore()
@@ -591,6 +610,9 @@ def run_process(command: list[str], env: dict[str, str], timeouts: Timeouts) -> 
                     print(f"error: training did not stop within {timeouts.stop_s / 60:g} min of {stop.first} "
                           "(distributed.stop_timeout_minutes): killing it", file=sys.stderr, flush=True)
                     stop.send(signal.SIGKILL)
+        if stop.first and stop.requests == 1 and status in (-signal.SIGTERM, -signal.SIGINT):
+            print(_STOPPED_AT_START.format(stop.first), file=sys.stderr, flush=True)  # before it could save
+            return EXIT_INTERRUPTED
         return 128 - status if status < 0 else status
     finally:
         stop.restore()

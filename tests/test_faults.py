@@ -27,9 +27,10 @@ from tests.conftest import tiny_trainer_factory as build
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train_process(*overrides: str) -> subprocess.Popen:
+def train_process(*overrides: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
-                             *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def run_to_end(*overrides: str) -> str:
@@ -41,19 +42,19 @@ def run_to_end(*overrides: str) -> str:
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
-    common = ["train.max_steps=24", "train.logging_steps=4", "train.save_steps=100", f"train.output_dir={tmp_path}"]
-    process = train_process(*common, "train.run_name=interrupted")
+    common = ["train.max_steps=8", "train.logging_steps=2", "train.save_steps=100", f"train.output_dir={tmp_path}"]
+    reference = train_process(*common, "train.run_name=reference")  # alongside, never interrupted
+    process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "slow_step=3:2"})
     seen: list[str] = []
 
     def read():
         for line in process.stdout:
             seen.append(line)
+            if "fault injection (slow_step)" in line:  # step 3 is under way (and slow)
+                process.send_signal(signal.SIGTERM)
 
     reader = threading.Thread(target=read)
     reader.start()
-    while process.poll() is None and sum("'loss'" in line for line in seen) < 3:  # a few steps in
-        threading.Event().wait(0.2)
-    process.send_signal(signal.SIGTERM)
     process.wait(timeout=300)
     reader.join()
     output = "".join(seen)
@@ -64,15 +65,15 @@ def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tm
     assert f"resume: {shlex.join(ran + ['train.resume_from=auto'])}" in output, "the command that ran, to resume"
     run = tmp_path / "interrupted"
     saved = checkpoints.newest_complete(run / "checkpoints")
-    assert saved is not None and 0 < int(saved.name.split("-")[1]) < 24
+    assert saved is not None and saved.name == "checkpoint-3"
     assert not (run / "model").exists(), "an interrupted run has no final model"
 
     resumed = run_to_end(*common, "train.run_name=interrupted", "train.resume_from=auto")
     assert f"resuming {run} from {saved.name}" in resumed
-    run_to_end(*common, "train.run_name=reference")
+    assert reference.communicate(timeout=600)[0] and reference.returncode == 0
     ours = json.loads((run / "summary.json").read_text())
     theirs = json.loads((tmp_path / "reference" / "summary.json").read_text())
-    assert ours["global_step"] == theirs["global_step"] == 24
+    assert ours["global_step"] == theirs["global_step"] == 8
     assert ours["last_loss"] == pytest.approx(theirs["last_loss"], rel=1e-4)
 
 
@@ -166,13 +167,16 @@ def test_resume_with_other_settings_is_refused():
     assert checkpoints.differences(saved, current) == ["lora.r: 8 in the run, 16 now"]
 
 
-@pytest.mark.slow
-def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
-    run_to_end("train.max_steps=5", "train.save_steps=1", "train.save_total_limit=2", "train.logging_steps=5",
-               f"train.output_dir={tmp_path}", "train.run_name=limited")
-    kept = checkpoints.checkpoints(tmp_path / "limited" / "checkpoints")
-    assert [p.name for p in kept] == ["checkpoint-4", "checkpoint-5"]
-    assert all(checkpoints.is_complete(p) for p in kept)
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4, 5):
+        fake_checkpoint(run, step)
+    torn = run / "checkpoints" / "checkpoint-6"
+    torn.mkdir()  # being written: not counted, not deleted
+    assert [p.name for p in checkpoints.rotate(run / "checkpoints", keep=2)] == ["checkpoint-1", "checkpoint-2",
+                                                                                  "checkpoint-3"]
+    assert [p.name for p in checkpoints.checkpoints(run / "checkpoints")] == ["checkpoint-4", "checkpoint-5",
+                                                                              "checkpoint-6"]
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
@@ -343,14 +347,15 @@ def test_a_signal_delivered_twice_is_one_stop_request(monkeypatch):
 
 @pytest.mark.slow
 def test_a_rank_killed_before_the_marker_leaves_the_previous_checkpoint_to_resume(tmp_path):
-    """Two processes, save_total_limit 1: rank 0 is killed once checkpoint 4 is written, before
-    the ranks agree it is whole (the old order deleted checkpoint 2 before that point)."""
+    """Two processes, save_total_limit 1: checkpoint 2 is deleted once checkpoint 4 is marked;
+    rank 0 is killed once checkpoint 6 is written, before the ranks agree it is whole (the
+    trainer's own rotation used to delete checkpoint 4 before that point)."""
     result = subprocess.run(
         [sys.executable, "scripts/launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2",
-         "--config", "configs/run_tiny.yaml", "train.max_steps=4", "train.logging_steps=1", "train.save_steps=2",
+         "--config", "configs/run_tiny.yaml", "train.max_steps=6", "train.logging_steps=1", "train.save_steps=2",
          "train.save_total_limit=1", f"train.output_dir={tmp_path}", "train.run_name=killed"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=4:0"},
+        env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=6:0"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
@@ -358,8 +363,9 @@ def test_a_rank_killed_before_the_marker_leaves_the_previous_checkpoint_to_resum
     assert "[rank 1] error: lost contact with another process of this run" in output
     assert "Traceback" not in output, output[-4000:]
     folder = tmp_path / "killed" / "checkpoints"
-    assert checkpoints.is_complete(folder / "checkpoint-2", verify=True)
-    assert (folder / "checkpoint-4" / "rng_state_1.pth").is_file() and not checkpoints.is_complete(folder / "checkpoint-4")
+    assert [p.name for p in checkpoints.checkpoints(folder)] == ["checkpoint-4", "checkpoint-6"]
+    assert checkpoints.is_complete(folder / "checkpoint-4", verify=True)
+    assert (folder / "checkpoint-6" / "rng_state_1.pth").is_file() and not checkpoints.is_complete(folder / "checkpoint-6")
     run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path, "killed", "run_tiny")
-    assert checkpoint == folder / "checkpoint-2" and message.startswith(f"resuming {run} from checkpoint-2")
-    assert (tmp_path / "killed" / "incomplete-checkpoints" / "checkpoint-4").is_dir()
+    assert checkpoint == folder / "checkpoint-4" and message.startswith(f"resuming {run} from checkpoint-4")
+    assert (tmp_path / "killed" / "incomplete-checkpoints" / "checkpoint-6").is_dir()

@@ -99,7 +99,7 @@ def test_make_train_tb_ctrl_c_saves_once_and_stops_tensorboard(tmp_path):
         ["make", "--no-print-directory", "train-tb",
          f"ARGS=train.max_steps=4 train.logging_steps=1 train.output_dir={tmp_path} train.run_name=tb"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "SFT_PLAY_FAULTS": "slow_step=2:3"},
+        env={**os.environ, "SFT_PLAY_FAULTS": "slow_step=2:1"},
     )
     reader, lines = watch(process, "fault injection (slow_step)", lambda: os.killpg(process.pid, signal.SIGINT))
     process.wait(timeout=600)
