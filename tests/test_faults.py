@@ -358,26 +358,27 @@ def test_a_signal_delivered_twice_is_one_stop_request(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_before_the_marker_leaves_the_previous_checkpoint_to_resume(tmp_path):
-    """Two processes, save_total_limit 1: checkpoint 2 is deleted once checkpoint 4 is marked;
-    rank 0 is killed once checkpoint 6 is written, before the ranks agree it is whole (the
-    trainer's own rotation used to delete checkpoint 4 before that point)."""
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    """Two processes, save_total_limit 1: checkpoint 2 is deleted once checkpoint 4 is marked.
+    At checkpoint 6, rank 1 is killed as soon as it has written its part, while rank 0 may still
+    be writing its own and before the ranks agree the checkpoint is whole: checkpoint 4 must
+    stay (the trainer's own rotation used to delete it before that point)."""
     result = subprocess.run(
         [sys.executable, "scripts/launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2",
          "--config", "configs/run_tiny.yaml", "train.max_steps=6", "train.logging_steps=1", "train.save_steps=2",
          "train.save_total_limit=1", f"train.output_dir={tmp_path}", "train.run_name=killed"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=6:0"},
+        env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=6:1"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]
-    assert "error: training failed: rank 0 killed by SIGKILL first" in output
-    assert "[rank 1] error: lost contact with another process of this run" in output
+    assert "error: training failed: rank 1 killed by SIGKILL first" in output
+    assert "[rank 0] error: lost contact with another process of this run" in output
     assert "Traceback" not in output, output[-4000:]
     folder = tmp_path / "killed" / "checkpoints"
     assert [p.name for p in checkpoints.checkpoints(folder)] == ["checkpoint-4", "checkpoint-6"]
     assert checkpoints.is_complete(folder / "checkpoint-4", verify=True)
-    assert (folder / "checkpoint-6" / "rng_state_1.pth").is_file() and not checkpoints.is_complete(folder / "checkpoint-6")
+    assert (folder / "checkpoint-6").is_dir() and not checkpoints.is_complete(folder / "checkpoint-6")
     run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path, "killed", "run_tiny")
     assert checkpoint == folder / "checkpoint-4" and message.startswith(f"resuming {run} from checkpoint-4")
     assert (tmp_path / "killed" / "incomplete-checkpoints" / "checkpoint-6").is_dir()
