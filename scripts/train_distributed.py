@@ -177,7 +177,8 @@ def main() -> int:
             print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
                   + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
                   + f"\n  resume: {launch.resume_command()}"
-                  + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""), flush=True)
+                  + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""),
+                  flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])

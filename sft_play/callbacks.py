@@ -82,7 +82,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 def injected_faults() -> dict[str, tuple[int, ...]]:
     """Faults asked for in ``SFT_PLAY_FAULTS`` (for tests: a real process must be killed or made
-    slow at a chosen point), e.g. ``slow_step=2:35,kill_before_marker=4,kill_before_save=4:1``:
+    slow at a chosen point), e.g. ``slow_step=2:35,kill_before_marker=6:1``:
 
     - ``slow_step=S:SECONDS``: step S takes SECONDS longer on every rank (before its checkpoint
       decision), as a long step would;
@@ -148,11 +148,9 @@ class CheckpointMarker(TrainerCallback):
                 mine[name] = checkpoints.file_digest(folder / name)
             except OSError:  # not visible from this node: rank 0 hashes it
                 pass
-        shares = [None] * world
+        shares = [mine] if dist is None else [None] * world
         if dist is not None:
             dist.all_gather_object(shares, mine)
-        else:
-            shares = [mine]
         if rank == 0 and folder.is_dir():
             missing = checkpoints.missing_rank_files(folder, world)
             if missing:
@@ -307,7 +305,8 @@ class TokenThroughput(TrainerCallback):
         if logs is None or "loss" not in logs:
             return
         now, tokens = time.monotonic(), state.num_input_tokens_seen
-        counts = {"num_tokens": tokens, "tokens_per_second": round((tokens - self._tokens) / max(now - self._time, 1e-6), 1)}
+        rate = (tokens - self._tokens) / max(now - self._time, 1e-6)
+        counts = {"num_tokens": tokens, "tokens_per_second": round(rate, 1)}
         logs.update(counts)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(counts)

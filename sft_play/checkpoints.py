@@ -59,7 +59,8 @@ def missing_rank_files(checkpoint: Path, world_size: int) -> list[str]:
     cannot see."""
     if world_size <= 1:
         return []
-    return [f"rng_state_{rank}.pth" for rank in range(world_size) if not (checkpoint / f"rng_state_{rank}.pth").is_file()]
+    expected = [f"rng_state_{rank}.pth" for rank in range(world_size)]
+    return [name for name in expected if not (checkpoint / name).is_file()]
 
 
 def write_marker(checkpoint: Path, step: int, world_size: int = 1, strategy: str | None = None,
@@ -238,7 +239,8 @@ def _last_saved(run: Path) -> float:
 
 def _no_checkpoint_help(save_steps: int) -> str:
     if save_steps > 0:
-        return f"checkpoints are written every train.save_steps={save_steps} steps and when a run is stopped by a signal"
+        return (f"checkpoints are written every train.save_steps={save_steps} steps and when a run is stopped by "
+                "a signal")
     return ("train.save_steps is 0, so a checkpoint is written only when a run is stopped by a signal: set "
             "train.save_steps (e.g. ARGS=\"train.save_steps=100\") so that a killed or crashed run can resume")
 
@@ -263,7 +265,7 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
             raise ValueError(f"{prefix} {run} finished (see its summary.json and model/); there is nothing to resume. "
                              "Choose another train.run_name for a new run")
         return run, f"the run named '{run_name}'"
-    runs = [p for p in output_dir.glob(f"{config_stem}-*") if (p / "config.yaml").is_file()] if output_dir.is_dir() else []
+    runs = [p for p in output_dir.glob(f"{config_stem}-*") if (p / "config.yaml").is_file()]
     if not runs:
         return None, f"{prefix} no run of '{config_stem}' in {output_dir}; starting a fresh run"
     unfinished = [p for p in runs if not is_finished(p)]
@@ -280,7 +282,9 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
     without = len(unfinished) - len(resumable)
     if without:
         skipped.append(f"{without} unfinished run(s) without a checkpoint skipped")
-    why = f"the newest unfinished run of '{config_stem}' with a checkpoint" + (f" ({'; '.join(skipped)})" if skipped else "")
+    why = f"the newest unfinished run of '{config_stem}' with a checkpoint"
+    if skipped:
+        why += f" ({'; '.join(skipped)})"
     return run, why
 
 

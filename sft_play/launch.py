@@ -241,7 +241,8 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     return command + [str(TRAIN_SCRIPT), "--config", config, *overrides]
 
 
-def torchrun_command(topology: Topology, config: str, overrides: list[str], timeouts: Timeouts | None = None) -> list[str]:
+def torchrun_command(topology: Topology, config: str, overrides: list[str],
+                     timeouts: Timeouts | None = None) -> list[str]:
     """The same entry script under ``torchrun`` (used for DeepSpeed)."""
     timeouts = timeouts or Timeouts()
     command = [
@@ -537,6 +538,7 @@ def run_launcher(command: list[str], topology: Topology, timeouts: Timeouts, exc
         exclude: pids of our children that are not training processes (TensorBoard).
     """
     import psutil
+
     # on the main thread, before any other: two threads importing torch at once abort the process
     import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
     import torch.distributed.elastic.rendezvous  # noqa: F401

@@ -93,7 +93,8 @@ def stopped_runs(tmp_path_factory):
     """DDP and ZeRO-2 runs stopped by SIGTERM during a slow step, started first so that they
     sleep through the uninterrupted runs below."""
     root = tmp_path_factory.mktemp("stopped")
-    runs = {"ddp": StoppedRun("train-distributed", root / "ddp"), "zero2": StoppedRun("train-deepspeed", root / "zero2")}
+    runs = {"ddp": StoppedRun("train-distributed", root / "ddp"),
+            "zero2": StoppedRun("train-deepspeed", root / "zero2")}
     yield runs
     for run in runs.values():
         run.kill()
@@ -157,7 +158,8 @@ def test_a_node_that_never_comes_is_waited_for_then_ends_with_one_error():
         assert process.returncode == 2, f"{name}: {outputs[name][-3000:]}"
         assert "Traceback" not in outputs[name], outputs[name][-3000:]
     assert f"waiting for 1 more node(s) at 127.0.0.1:{alone0} (1 of 2 here)" in outputs["alone0"]
-    assert re.search(rf"^error: only 1 of 2 node\(s\) arrived at 127.0.0.1:{alone0} within 0.05 min", outputs["alone0"], re.M)
+    arrived = rf"^error: only 1 of 2 node\(s\) arrived at 127.0.0.1:{alone0} within 0.05 min"
+    assert re.search(arrived, outputs["alone0"], re.M)
     assert f"waiting for node 0 at 127.0.0.1:{alone1}" in outputs["alone1"]
     assert re.search(rf"^error: node 0 did not answer at 127.0.0.1:{alone1} within 0.05 min", outputs["alone1"], re.M)
     assert waited < 3 + 30, "each gave up within the configured timeout"
@@ -170,7 +172,7 @@ def test_sigterm_under_both_launchers_saves_every_rank_and_resumes_to_the_same_l
         output = run.output()
         assert run.signalled_at is not None, output[-5000:]
         # the launcher's exit status (make itself, signalled too, dies by the signal)
-        assert f"[Makefile" in output and f"{run.target}] Error 75" in output, output[-5000:]
+        assert "[Makefile" in output and f"{run.target}] Error 75" in output, output[-5000:]
         assert run.ended_at - run.signalled_at > 30, "the processes had the time the step and the save took"
         assert "Traceback" not in output and "SignalException" not in output, output[-5000:]
         assert output.count("received SIGTERM: finishing this step") == 2, "each rank got the stop once"
@@ -261,8 +263,8 @@ def test_commands_carry_the_topology():
     env = launch.child_env(launch.Topology(cpu=True, processes_per_node=2), gpus="0,1", timeouts=timeouts)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["DS_ACCELERATOR"] == "cpu"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"  # what accelerate launch's agent reads
-    config = config_module.load(None, ["distributed.stop_timeout_minutes=2", "distributed.rendezvous_timeout_minutes=0.5"],
-                                check_paths=False)
+    config = config_module.load(
+        None, ["distributed.stop_timeout_minutes=2", "distributed.rendezvous_timeout_minutes=0.5"], check_paths=False)
     assert launch.Timeouts.from_config(config.distributed) == launch.Timeouts(stop_s=120, rendezvous_s=30)
 
 

@@ -158,7 +158,8 @@ def test_resume_from_a_half_written_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoints.resolve_resume(str(tmp_path / "run" / "checkpoints" / "checkpoint-3"), tmp_path, None, "run")
     run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path / "nothing", None, "run_tiny")
-    assert run is None and checkpoint is None and "no run of 'run_tiny'" in message and "starting a fresh run" in message
+    assert run is None and checkpoint is None
+    assert "no run of 'run_tiny'" in message and "starting a fresh run" in message
 
 
 def test_resume_with_other_settings_is_refused():
@@ -220,7 +221,8 @@ def fake_run(output_dir: Path, name: str, summary: dict | None = None, overrides
     return run
 
 
-def fake_checkpoint(run: Path, step: int, world_size: int = 1, strategy: str = "ddp", saved_at: float | None = None) -> Path:
+def fake_checkpoint(run: Path, step: int, world_size: int = 1, strategy: str = "ddp",
+                    saved_at: float | None = None) -> Path:
     folder = run / "checkpoints" / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "adapter_model.safetensors").write_bytes(os.urandom(256))
@@ -320,7 +322,8 @@ def test_markers_cover_every_ranks_files_and_older_markers_still_count(tmp_path)
     old.mkdir(parents=True)
     (old / "rng_state_0.pth").write_bytes(b"a")
     (old / "rng_state_1.pth").write_bytes(b"b")
-    (old / checkpoints.MARKER).write_text(json.dumps({"step": 3, "files": {"rng_state_0.pth": 1, "rng_state_1.pth": 1}}))
+    sizes_only = {"step": 3, "files": {"rng_state_0.pth": 1, "rng_state_1.pth": 1}}
+    (old / checkpoints.MARKER).write_text(json.dumps(sizes_only))
     assert checkpoints.is_complete(old, verify=True) and checkpoints.written_by(old) == (2, None)
 
 
