@@ -21,11 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sft_play import cli  # noqa: E402
 from sft_play import config as config_module  # noqa: E402
+from sft_play.launch import EXIT_INTERRUPTED  # noqa: E402  (75: stopped by a signal after saving)
 
 logger = logging.getLogger("sft_play.train")
-
-
-EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; resume to finish
 
 
 def main() -> int:

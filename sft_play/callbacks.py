@@ -23,11 +23,11 @@ from transformers import TrainerCallback
 
 from sft_play import checkpoints
 
-logger = logging.getLogger(__name__)
+# A signal that arrives again within this window is the same request delivered twice (a terminal
+# or a cluster signals every process, and the launcher passes it on as well)
+from sft_play.launch import DUPLICATE_SIGNAL_WINDOW_S
 
-# A signal that arrives again within this many seconds is the same request delivered twice
-# (a terminal or a cluster signals every process, and the launcher passes it on as well)
-DUPLICATE_SIGNAL_WINDOW_S = 2.0
+logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "SFT_PLAY_FAULTS"
 
