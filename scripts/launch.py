@@ -74,15 +74,16 @@ def main() -> int:
         print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "
               f"({args.launcher}, {config.distributed.strategy}, rendezvous {topology.rendezvous()})", flush=True)
     board = None
-    if args.tensorboard and args.node_rank == 0:
-        board, port = launch.start_tensorboard(config.train.output_dir)
-        if launch.wait_for_port(port, process=board):
-            print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; "
-                  "stops when training ends)", flush=True)
-        else:
-            print(f"TensorBoard did not start; see {config.train.output_dir}/tensorboard.log", file=sys.stderr)
     env = launch.child_env(topology, args.gpus, timeouts)
     try:
+        if args.tensorboard and args.node_rank == 0:
+            launch.interrupt_on_termination()  # until training starts: then the signals are passed on to it
+            board, port = launch.start_tensorboard(config.train.output_dir)
+            if launch.wait_for_port(port, process=board):
+                print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; "
+                      "stops when training ends)", flush=True)
+            else:
+                print(f"TensorBoard did not start; see {config.train.output_dir}/tensorboard.log", file=sys.stderr)
         if topology is None:
             return launch.run_process(command, env, timeouts)
         os.environ.update(env)  # the launcher runs in this process and starts the training processes

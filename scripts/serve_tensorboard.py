@@ -7,7 +7,6 @@ Usage: python scripts/serve_tensorboard.py [--config PATH] [--run RUN_DIR]
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -27,24 +26,19 @@ def main() -> int:
             raise cli.UserError(f"run folder '{args.run}' does not exist")
     else:
         logdir = Path(config_module.load(args.config, args.overrides, check_paths=False).train.output_dir)
-    board, port = launch.start_tensorboard(logdir)
-    if not launch.wait_for_port(port, process=board):
-        launch.stop(board)
-        raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
-    print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
-
-    def stop_serving(signum, _frame):
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop_serving)
+    launch.interrupt_on_termination()
+    board = None
     try:
+        board, port = launch.start_tensorboard(logdir)
+        if not launch.wait_for_port(port, process=board):
+            raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
+        print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
         return board.wait()
     except KeyboardInterrupt:
         return 0
     finally:
-        launch.stop(board)
-
+        if board is not None:
+            launch.stop(board)
 
 if __name__ == "__main__":
     cli.run(main)

@@ -108,6 +108,16 @@ def start_tensorboard(logdir: str | Path, port: int | None = None) -> tuple[subp
     return process, port
 
 
+def interrupt_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does, so that the ``finally``
+    blocks that stop TensorBoard (it runs in a session of its own) run on every way to stop us."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+
+
 def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
     """Stop a process we started (SIGTERM, then SIGKILL)."""
     if process.poll() is not None:
