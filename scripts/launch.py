@@ -1,9 +1,12 @@
 """Launch training: one process, DDP under accelerate, or DeepSpeed under torchrun, on one or
 many nodes, optionally with TensorBoard beside it.
 
-The config is validated before anything starts. On a single node a taken MASTER_PORT is
-replaced by a free one (and said so). TensorBoard serves the output folder on a free loopback
-port; its URL is printed before training starts and it is stopped when training ends.
+The config is validated before anything starts. On one node the processes meet on a port
+torchrun picks; on several, at MASTER_ADDR:MASTER_PORT, saying how many nodes are missing while
+they wait. A stop signal is passed on to the training processes once, and they get
+distributed.stop_timeout_minutes to save; the exit status is theirs (75: stopped after saving,
+resume to finish). TensorBoard serves the output folder on a free loopback port; its URL is
+printed before training starts and it is stopped when training ends.
 
 Usage: python scripts/launch.py --launcher {python,accelerate,torchrun} [--num-gpus N] [--gpus 0,1]
          [--nnodes N --node-rank R --master-addr A --master-port P] [--cpu] [--tensorboard]
@@ -12,6 +15,7 @@ Usage: python scripts/launch.py --launcher {python,accelerate,torchrun} [--num-g
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +52,7 @@ def main() -> int:
         config = config_module.load(args.config, args.overrides)
 
     topology = None
+    timeouts = launch.Timeouts.from_config(config.distributed)
     if args.launcher == "python":
         command = launch.python_command(args.config, args.overrides)
     else:
@@ -61,22 +66,27 @@ def main() -> int:
         for message in messages:
             print(message, flush=True)
         if args.launcher == "accelerate":
-            command = launch.accelerate_command(topology, args.config, args.overrides, Path(args.accelerate_config))
+            command = launch.accelerate_command(topology, args.config, args.overrides, Path(args.accelerate_config),
+                                                timeouts)
         else:
-            command = launch.torchrun_command(topology, args.config, args.overrides)
+            command = launch.torchrun_command(topology, args.config, args.overrides, timeouts)
         print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "
-              f"({args.launcher}, {config.distributed.strategy}, rendezvous {topology.master_addr}:"
-              f"{topology.master_port})", flush=True)
+              f"({args.launcher}, {config.distributed.strategy}, rendezvous {topology.rendezvous()})", flush=True)
     board = None
-    if args.tensorboard and args.node_rank == 0:
-        board, port = launch.start_tensorboard(config.train.output_dir)
-        if launch.wait_for_port(port, process=board):
-            print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; "
-                  "stops when training ends)", flush=True)
-        else:
-            print(f"TensorBoard did not start; see {config.train.output_dir}/tensorboard.log", file=sys.stderr)
+    env = launch.child_env(topology, args.gpus, timeouts)
     try:
-        return launch.run_forwarding_signals(command, env=launch.child_env(topology, args.gpus))
+        if args.tensorboard and args.node_rank == 0:
+            launch.interrupt_on_termination()  # until training starts: then the signals are passed on to it
+            board, port = launch.start_tensorboard(config.train.output_dir)
+            if launch.wait_for_port(port, process=board):
+                print(f"TensorBoard: {launch.loopback_url(port)}  (logs under {config.train.output_dir}/; "
+                      "stops when training ends)", flush=True)
+            else:
+                print(f"TensorBoard did not start; see {config.train.output_dir}/tensorboard.log", file=sys.stderr)
+        if topology is None:
+            return launch.run_process(command, env, timeouts)
+        os.environ.update(env)  # the launcher runs in this process and starts the training processes
+        return launch.run_launcher(command, topology, timeouts, exclude=lambda: {board.pid} if board else set())
     finally:
         if board is not None:
             launch.stop(board)

@@ -1,5 +1,6 @@
 """Serve TensorBoard for one run folder (or every run under the config's output folder) on a
-free loopback port, in the foreground; Ctrl-C stops it.
+free loopback port, in the foreground; Ctrl-C, SIGTERM or SIGHUP stops it (TensorBoard runs in
+its own session, so it is stopped here, never left behind).
 
 Usage: python scripts/serve_tensorboard.py [--config PATH] [--run RUN_DIR]
 """
@@ -23,18 +24,19 @@ def main() -> int:
             raise cli.UserError(f"run folder '{args.run}' does not exist")
     else:
         logdir = Path(config_module.load(args.config, args.overrides, check_paths=False).train.output_dir)
-    board, port = launch.start_tensorboard(logdir)
-    if not launch.wait_for_port(port, process=board):
-        launch.stop(board)
-        raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
-    print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
+    launch.interrupt_on_termination()
+    board = None
     try:
+        board, port = launch.start_tensorboard(logdir)
+        if not launch.wait_for_port(port, process=board):
+            raise cli.UserError(f"TensorBoard did not start; see {logdir / 'tensorboard.log'}")
+        print(f"TensorBoard: {launch.loopback_url(port)}  (serving {logdir}; Ctrl-C stops it)", flush=True)
         return board.wait()
     except KeyboardInterrupt:
         return 0
     finally:
-        launch.stop(board)
-
+        if board is not None:
+            launch.stop(board)
 
 if __name__ == "__main__":
     cli.run(main)

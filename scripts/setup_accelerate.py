@@ -1,12 +1,19 @@
 """Write an accelerate config into configs/accelerate/: interactively with accelerate's own
 wizard, or (--auto) from the detected hardware without questions.
 
+The file is written beside its destination and moved into place only once complete, so an
+existing config survives a wizard that cannot run or is abandoned. --auto writes YAML (accelerate's
+own write_basic_config writes JSON whatever the file is called) for multi-GPU DDP: on a machine
+without GPUs (a login node) it still describes GPU nodes, whose process count `make
+train-distributed` fills in from NUM_GPUS.
+
 Usage: python scripts/setup_accelerate.py [--auto] [--output configs/accelerate/local.yaml] [--force]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +24,28 @@ from sft_play import cli
 DEFAULT_OUTPUT = "configs/accelerate/local.yaml"
 
 
+def auto_config(output: Path) -> str:
+    """Write the config for this machine's GPUs to `output`; returns what to tell the user."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    from sft_play import hardware
+
+    gpus = hardware.detect().gpus
+    if gpus:
+        mixed = "bf16" if all(g.bf16_supported for g in gpus) else "fp16"
+        note = f"for {len(gpus)} GPU(s), mixed precision {mixed}"
+    else:
+        mixed = "no"
+        note = ("for GPU nodes (no GPU here): make train-distributed starts NUM_GPUS processes per node, default "
+                "every GPU of the node it runs on; mixed precision comes from the run config (train.mixed_precision)")
+    ClusterConfig(
+        compute_environment="LOCAL_MACHINE", distributed_type="MULTI_GPU", mixed_precision=mixed,
+        num_processes=max(1, len(gpus)), gpu_ids="all", use_cpu=False, debug=False,
+        rdzv_backend="static", same_network=True, main_training_function="main",
+    ).to_yaml_file(str(output))
+    return note
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--auto", action="store_true", help="no questions: write a config for this machine's GPUs")
@@ -25,32 +54,28 @@ def main() -> int:
     args = parser.parse_args()
     output = Path(args.output)
     if output.exists() and not args.force:
-        raise cli.UserError(f"{output} exists; pass FORCE=1 (--force) to replace it, or OUTPUT=another.yaml")
+        raise cli.UserError(f"{output} exists; pass FORCE=1 (--force) to replace it, or write another file with "
+                            f"ARGS=\"--output configs/accelerate/other.yaml\"")
+    if not args.auto and not sys.stdin.isatty():
+        raise cli.UserError("the accelerate wizard asks questions and needs a terminal; "
+                            "run `make setup-accelerate` in one, or `make setup-accelerate AUTO=1`")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.unlink(missing_ok=True)
-
-    if args.auto:
-        from accelerate.commands.config.default import write_basic_config
-
-        from sft_play import hardware
-
-        facts = hardware.detect()
-        if facts.gpus:
-            mixed = "bf16" if all(g.bf16_supported for g in facts.gpus) else "fp16"
+    staging = output.with_name(f".{output.name}.{os.getpid()}.tmp{output.suffix}")
+    try:
+        if args.auto:
+            note = auto_config(staging)
         else:
-            mixed = "no"
-        write_basic_config(mixed_precision=mixed, save_location=str(output))
-        print(f"wrote {output} for {len(facts.gpus)} GPU(s), mixed precision {mixed}:\n")
-        print(output.read_text())
-    else:
-        if not sys.stdin.isatty():
-            raise cli.UserError("the accelerate wizard asks questions and needs a terminal; "
-                                "run `make setup-accelerate` in one, or `make setup-accelerate AUTO=1`")
-        status = subprocess.call([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config",
-                                  "--config_file", str(output)])
-        if status != 0:
-            return status
-        print(f"\nwrote {output}")
+            status = subprocess.call([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config",
+                                      "--config_file", str(staging)])
+            if status != 0 or not staging.is_file():
+                print(f"the wizard did not finish; {output} is unchanged", file=sys.stderr)
+                return status or 1
+            note = "with accelerate's wizard"
+        staging.replace(output)
+    finally:
+        staging.unlink(missing_ok=True)
+    print(f"wrote {output} {note}:\n")
+    print(output.read_text())
     print(f"use it with: make train-distributed ACCELERATE_CONFIG={output}")
     return 0
 

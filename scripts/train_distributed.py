@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import sys
+from datetime import timedelta
 from pathlib import Path
-
 
 from sft_play import cli
 from sft_play import config as config_module
+from sft_play.launch import EXIT_INTERRUPTED  # 75: stopped by a signal after saving
 
 logger = logging.getLogger("sft_play.train")
-
-
-EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; resume to finish
 
 
 def main() -> int:
@@ -44,14 +44,27 @@ def main() -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
+    from sft_play import callbacks, checkpoints, checks, data, hardware, launch, model, planner, training
     from sft_play.data import collate
     from sft_play.planner import report
 
+    stop = callbacks.GracefulStop()
+    stop.install()  # a stop asked for while loading is kept, not lost
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
     model.weights_location(config)
-    state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config))
+    state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config),
+                         timeout=timedelta(minutes=config.distributed.timeout_minutes))
+    # Every node writes its part of each checkpoint into the run folder: it must be one folder
+    output_dir = Path(config.train.output_dir)
+    token = [checkpoints.mark_shared(output_dir) if state.is_main_process else None]
+    broadcast_object_list(token)
+    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(output_dir, token[0]))])
+    if state.is_main_process:
+        checkpoints.unmark_shared(output_dir, token[0])
+    blind = sorted({host for host, seen in sight if not seen})
+    if blind:
+        raise cli.UserError(checkpoints.unshared_message(output_dir, blind))
     facts = hardware.detect()
     on_gpu = state.device.type == "cuda"
 
@@ -75,7 +88,7 @@ def main() -> int:
     decision: list = [None, None, None, None]
     if state.is_main_process:
         try:
-            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config)
+            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, args.config, state.num_processes)
             checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
             decision = [name, resume_checkpoint, message, None]
         except (ValueError, cli.UserError) as exc:
@@ -84,7 +97,7 @@ def main() -> int:
     name, resume_checkpoint, message, refusal = decision
     if refusal:
         raise cli.UserError(refusal)
-    run_dir = Path(config.train.output_dir) / name
+    run_dir = output_dir / name
     if state.is_main_process:
         if message:
             logger.info("%s", message)
@@ -110,13 +123,14 @@ def main() -> int:
     base = model.load_model(config, run, device=device)
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
-    stop = callbacks.GracefulStop()
     guard = callbacks.NonFiniteGuard(
         config.train.max_bad_steps, watch_gradients=not run.deepspeed and precision.mixed != "fp16",
     )
+    faults = [callbacks.FaultInjection()] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
+    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=config.distributed.strategy)
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,
-        collator, [callbacks.CheckpointMarker(), stop, guard],
+        collator, [*faults, callbacks.TokenThroughput(), marker, stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if on_gpu:
@@ -129,7 +143,20 @@ def main() -> int:
                 (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
-    trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
+    if callbacks.any_rank(stop.received is not None):
+        if state.is_main_process:
+            print(f"\nStopped by {stop.received or 'a signal'} before training started: nothing new to save\n"
+                  f"  resume: {launch.resume_command()}", flush=True)
+        state.wait_for_everyone()
+        return EXIT_INTERRUPTED
+    try:
+        trainer, split = training.train_with_backoff(make_trainer, split, resume_checkpoint)
+    except RuntimeError as error:
+        if state.num_processes == 1 or not callbacks.lost_another_rank(error):
+            raise
+        print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
+              f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        return 1
     state.wait_for_everyone()
     if guard.stopped_at is not None:
         last = checkpoints.newest_complete(run_dir / "checkpoints")
@@ -143,9 +170,12 @@ def main() -> int:
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
             training.write_summary(trainer, run_dir, {"interrupted": stop.received, "batch": split.describe()})
-            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; checkpoint saved: {last}\n"
-                  f"  resume: make train CONFIG={args.config} RESUME=auto"
-                  f"   (or ARGS=\"train.resume_from={last}\")", flush=True)
+            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
+                  + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
+                  + f"\n  resume: {launch.resume_command()}"
+                  + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""),
+                  flush=True)
+        state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
     training.save_final_model(trainer, run_dir / "model")

@@ -1,16 +1,21 @@
-"""Behaviour added to the trainer as callbacks: completeness markers on checkpoints, a clean stop
-on SIGTERM/SIGINT, and a guard against NaN or infinite losses and gradients.
+"""Behaviour added to the trainer as callbacks: completeness markers and rotation of checkpoints,
+a clean stop on SIGTERM/SIGINT, a guard against NaN or infinite losses and gradients, and the
+true token count and throughput in the logs.
 
 Every decision that stops training is agreed across ranks (an all-reduce of one number per
 step), so that all processes stop at the same step and none waits forever in a collective.
+
+``SFT_PLAY_FAULTS`` (tests only) injects faults at chosen steps, see :func:`injected_faults`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -18,20 +23,30 @@ from transformers import TrainerCallback
 
 from sft_play import checkpoints
 
+# A signal that arrives again within this window is the same request delivered twice (a terminal
+# or a cluster signals every process, and the launcher passes it on as well)
+from sft_play.launch import DUPLICATE_SIGNAL_WINDOW_S
+
 logger = logging.getLogger(__name__)
 
+FAULTS_ENV = "SFT_PLAY_FAULTS"
 
-def _any_rank(flag: bool) -> bool:
+
+def _distributed():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any rank (no-op without a process group)."""
-
     return bool(max_over_ranks(1 if flag else 0))
 
 
 def max_over_ranks(value: int) -> int:
     """The largest `value` of all ranks (itself without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    dist = _distributed()
+    if dist is None:
         return value
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = torch.tensor([value], device=device, dtype=torch.int64)
@@ -39,30 +54,129 @@ def max_over_ranks(value: int) -> int:
     return int(tensor.item())
 
 
-def _barrier() -> None:
+def lost_another_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another process of the run went away
+    (it crashed, was killed, or its node failed): that process's own error, or the launcher's
+    report of it, says why."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "remote worker",
+                                  "NCCL communicator was aborted"))
+
+
+def _barrier() -> None:
+    dist = _distributed()
+    if dist is not None:
         dist.barrier()
 
 
+def _rank_and_world() -> tuple[int, int]:
+    dist = _distributed()
+    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
+
+
+# --- fault injection (tests) -------------------------------------------------------------------
+
+
+def injected_faults() -> dict[str, tuple[int, ...]]:
+    """Faults asked for in ``SFT_PLAY_FAULTS`` (for tests: a real process must be killed or made
+    slow at a chosen point), e.g. ``slow_step=2:35,kill_before_marker=6:1``:
+
+    - ``slow_step=S:SECONDS``: step S takes SECONDS longer on every rank (before its checkpoint
+      decision), as a long step would;
+    - ``kill_before_marker=S:RANK``: that rank (default 0) is killed (SIGKILL) once it has written
+      its part of checkpoint S, before the ranks agree that the checkpoint is whole and mark it.
+    """
+    faults = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(FAULTS_ENV, "").split(","))):
+        name, _, values = item.partition("=")
+        faults[name.strip()] = tuple(int(v) for v in values.split(":") if v.strip())
+    return faults
+
+
+def kill_if_injected(name: str, step: int, rank: int = 0) -> None:
+    """SIGKILL this process if ``SFT_PLAY_FAULTS`` asks for fault `name` at `step` on `rank`."""
+    values = injected_faults().get(name)
+    if values and values[0] == step and (values[1] if len(values) > 1 else 0) == rank:
+        logger.warning("fault injection (%s): killing rank %d at step %d", name, rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultInjection(TrainerCallback):
+    """``slow_step`` of :func:`injected_faults`; added (first) only when ``SFT_PLAY_FAULTS`` is set."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        slow = injected_faults().get("slow_step")
+        if slow and slow[0] == state.global_step:
+            logger.warning("fault injection (slow_step): step %d takes %d s longer", state.global_step, slow[1])
+            deadline = time.monotonic() + slow[1]
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(left, 1.0))  # signals are handled between naps
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
 class CheckpointMarker(TrainerCallback):
-    """Marks each checkpoint complete once every rank has finished writing it."""
+    """Marks each checkpoint complete once every rank has finished writing it, then deletes the
+    complete checkpoints beyond the newest `keep` (the trainer's own rotation, which deletes
+    before the new checkpoint is known to be whole, stays off: ``save_total_limit=None``).
+
+    The marker lists every file with its size and SHA-256 digest (the ranks hash a share of the
+    files each) and is withheld when a rank's files are missing.
+    """
+
+    def __init__(self, keep: int | None = None, strategy: str | None = None) -> None:
+        self.keep = keep
+        self.strategy = strategy
 
     def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        rank, world = _rank_and_world()
+        kill_if_injected("kill_before_marker", state.global_step, rank)
+        _barrier()  # every rank has written its part
+        names = [checkpoints.checkpoint_files(folder) if rank == 0 and folder.is_dir() else []]
+        dist = _distributed()
+        if dist is not None:
+            dist.broadcast_object_list(names, src=0)
+        mine = {}
+        for name in names[0][rank::world]:
+            try:
+                mine[name] = checkpoints.file_digest(folder / name)
+            except OSError:  # not visible from this node: rank 0 hashes it
+                pass
+        shares = [mine] if dist is None else [None] * world
+        if dist is not None:
+            dist.all_gather_object(shares, mine)
+        if rank == 0 and folder.is_dir():
+            missing = checkpoints.missing_rank_files(folder, world)
+            if missing:
+                logger.error("%s is not marked complete: %s missing (a rank did not finish saving, or a node writes "
+                             "into a folder the others cannot see: train.output_dir must be shared by every node)",
+                             folder, ", ".join(missing))
+            else:
+                merged = {name: digest for share in shares for name, digest in (share or {}).items()}
+                checkpoints.write_marker(folder, state.global_step, world, self.strategy, merged)
+                if self.keep:
+                    checkpoints.rotate(folder.parent, self.keep)
         _barrier()
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if folder.is_dir():
-                checkpoints.write_marker(folder, state.global_step)
-        _barrier()
+
+
+# --- stopping ----------------------------------------------------------------------------------
 
 
 class GracefulStop(TrainerCallback):
     """On SIGTERM or SIGINT, finish the current step, save a checkpoint, and stop.
 
-    A second signal stops at once (SIGINT raises KeyboardInterrupt). After training,
-    ``received`` names the signal and ``stopped_at`` the step, for the entry script's message.
+    A second signal more than :data:`DUPLICATE_SIGNAL_WINDOW_S` after the first stops at once
+    (SIGINT raises KeyboardInterrupt); one within it is the same request delivered twice (by the
+    terminal or the cluster to every process, and by the launcher) and changes nothing. After
+    training, ``received`` names the signal and ``stopped_at`` the step, for the entry script's
+    message. :meth:`install` may be called before training, so that a signal during start-up
+    is not lost.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -70,25 +184,34 @@ class GracefulStop(TrainerCallback):
     def __init__(self) -> None:
         self.received: str | None = None
         self.stopped_at: int | None = None
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame):
-        if self.received is not None:  # asked twice: stop now
-            previous = self._previous.get(signum)
+        now = time.monotonic()
+        if self.received is not None:
+            if now - self._first_at < DUPLICATE_SIGNAL_WINDOW_S:
+                return
+            previous = self._previous.get(signum)  # asked twice: stop now
             self._restore()
             if callable(previous):
                 previous(signum, frame)
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
+        self._first_at = now
         logger.warning("received %s: finishing this step, saving a checkpoint, then stopping "
                        "(send it again to stop at once)", self.received)
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if threading.current_thread() is threading.main_thread():
+    def install(self) -> None:
+        """Handle SIGTERM and SIGINT from now on (main thread only; once)."""
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.install()
+
     def on_step_end(self, args, state, control, **kwargs):
-        if _any_rank(self.received is not None):
+        if any_rank(self.received is not None):
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
@@ -127,7 +250,7 @@ class NonFiniteGuard(TrainerCallback):
         if grads:
             norms = torch._foreach_norm(grads)
             finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
-        if _any_rank(not finite):
+        if any_rank(not finite):
             for p in model.parameters():
                 p.grad = None  # the optimizer skips parameters without a gradient
             self._bad(state, control, "gradients")
@@ -157,3 +280,34 @@ class NonFiniteGuard(TrainerCallback):
             self.stopped_at = state.global_step
             control.should_training_stop = True
             control.should_save = False
+
+
+# --- logs --------------------------------------------------------------------------------------
+
+
+class TokenThroughput(TrainerCallback):
+    """Logs the tokens trained on so far as ``num_tokens`` (every rank's non-padding tokens, the
+    trainer's ``num_input_tokens_seen``) and ``tokens_per_second`` since the previous log line.
+
+    TRL's own ``num_tokens`` counts one row's length per batch when batches carry position ids
+    and no attention mask, as our packed rows do; this callback overwrites it. It must run before
+    the TensorBoard callback (see :func:`sft_play.training.trainer_factory`).
+    """
+
+    def __init__(self) -> None:
+        self._tokens = 0
+        self._time = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._tokens, self._time = state.num_input_tokens_seen, time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        now, tokens = time.monotonic(), state.num_input_tokens_seen
+        rate = (tokens - self._tokens) / max(now - self._time, 1e-6)
+        counts = {"num_tokens": tokens, "tokens_per_second": round(rate, 1)}
+        logs.update(counts)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(counts)
+        self._tokens, self._time = tokens, now

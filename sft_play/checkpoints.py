@@ -1,51 +1,126 @@
 """Checkpoints that can be trusted: a completeness marker written once a checkpoint is whole,
-finding the newest complete one to resume from, and setting half-written ones aside.
+rotation that never leaves a run without one, finding the run and checkpoint to resume, and
+setting torn or corrupted ones aside.
 
 A checkpoint folder (``<run>/checkpoints/checkpoint-N``) is complete when it holds
-``sft_play_complete.json`` and every file that marker lists, at the size it lists. The marker
-is written after the trainer has finished saving on every rank; a process killed during a save,
-or a disk that filled up, leaves a folder without it (or with files of another size), and such a
-folder is moved to ``<run>/incomplete-checkpoints/`` on resume (so that neither resuming nor the
-trainer's ``save_total_limit`` rotation ever sees it) with a warning, never loaded.
+``sft_play_complete.json`` and every file that marker lists, at the size it lists; on resume
+the files' SHA-256 digests are checked too. The marker is written after every rank has finished
+saving, and only when the files of every rank are there (``rng_state_<rank>.pth``); older
+checkpoints are deleted (``train.save_total_limit``) only after the new one is marked. A
+process killed during a save, a disk that filled up, a node writing into a folder the others
+cannot see, or a file damaged later leaves a checkpoint that fails these checks: on resume it
+is moved to ``<run>/incomplete-checkpoints/`` with a warning, never loaded, and the previous
+complete one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import secrets
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 MARKER = "sft_play_complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHUNK = 8 << 20
 
 
-def write_marker(checkpoint: Path, step: int) -> None:
-    """Record that `checkpoint` is complete: its files and their sizes."""
-    files = {
-        str(p.relative_to(checkpoint)): p.stat().st_size
-        for p in sorted(checkpoint.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's contents, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digests(checkpoint: Path, names: list[str], threads: int = 4) -> dict[str, str]:
+    """SHA-256 of each of `names` inside `checkpoint` (hashlib releases the GIL: threads overlap)."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return dict(zip(names, pool.map(lambda name: file_digest(checkpoint / name), names)))
+
+
+def checkpoint_files(checkpoint: Path) -> list[str]:
+    """The files of a checkpoint (relative names), without its marker."""
+    return [str(p.relative_to(checkpoint)) for p in sorted(checkpoint.rglob("*"))
+            if p.is_file() and p.name != MARKER and not p.name.startswith(f".{MARKER}")]
+
+
+def missing_rank_files(checkpoint: Path, world_size: int) -> list[str]:
+    """The per-rank files (``rng_state_<rank>.pth``, written by every rank) absent from
+    `checkpoint`: a rank that did not finish saving, or a node writing into a folder the others
+    cannot see."""
+    if world_size <= 1:
+        return []
+    expected = [f"rng_state_{rank}.pth" for rank in range(world_size)]
+    return [name for name in expected if not (checkpoint / name).is_file()]
+
+
+def write_marker(checkpoint: Path, step: int, world_size: int = 1, strategy: str | None = None,
+                 file_digests: dict[str, str] | None = None) -> None:
+    """Record that `checkpoint` is complete: its files with their sizes and SHA-256 digests, and
+    the number of processes and the strategy that wrote it.
+
+    Args:
+        file_digests: digests already computed (e.g. by several ranks); the rest are computed here.
+    """
+    names = checkpoint_files(checkpoint)
+    known = dict(file_digests or {})
+    known.update(digests(checkpoint, [n for n in names if n not in known]))
+    files = {name: {"size": (checkpoint / name).stat().st_size, "sha256": known[name]} for name in names}
     staging = checkpoint / f".{MARKER}.tmp"
-    staging.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    staging.write_text(json.dumps({"step": step, "world_size": world_size, "strategy": strategy, "files": files},
+                                  indent=1))
     staging.rename(checkpoint / MARKER)
 
 
-def is_complete(checkpoint: Path) -> bool:
-    """Whether `checkpoint` has its marker and every file the marker lists, at its size."""
-    marker = checkpoint / MARKER
+def read_marker(checkpoint: Path) -> dict | None:
     try:
-        listed = json.loads(marker.read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        marker = json.loads((checkpoint / MARKER).read_text())
+        return marker if isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _entries(marker: dict) -> dict[str, tuple[int, str | None]]:
+    """(size, digest) per file; markers written before digests list sizes only."""
+    return {name: (entry, None) if isinstance(entry, int) else (entry["size"], entry.get("sha256"))
+            for name, entry in marker["files"].items()}
+
+
+def is_complete(checkpoint: Path, verify: bool = False) -> bool:
+    """Whether `checkpoint` has its marker and every file the marker lists, at its size; with
+    `verify`, also with its recorded SHA-256 digest (reads every byte)."""
+    marker = read_marker(checkpoint)
+    if marker is None or not marker["files"]:
         return False
-    for name, size in listed.items():
+    entries = _entries(marker)
+    for name, (size, _) in entries.items():
         path = checkpoint / name
         if not path.is_file() or path.stat().st_size != size:
             return False
-    return bool(listed)
+    if verify:
+        recorded = {name: digest for name, (_, digest) in entries.items() if digest}
+        return digests(checkpoint, list(recorded)) == recorded
+    return True
+
+
+def written_by(checkpoint: Path) -> tuple[int, str | None]:
+    """(processes, strategy) that wrote `checkpoint`: from its marker, or for markers that do not
+    record them, the processes from its per-rank files and the strategy from DeepSpeed's folders."""
+    marker = read_marker(checkpoint) or {}
+    world_size = marker.get("world_size") or max(1, len(list(checkpoint.glob("rng_state_*.pth"))))
+    strategy = marker.get("strategy")
+    if strategy is None and "world_size" not in marker:
+        strategy = "deepspeed" if any(checkpoint.glob("global_step*")) else None
+    return world_size, strategy
 
 
 def checkpoints(folder: Path) -> list[Path]:
@@ -56,41 +131,161 @@ def checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def set_aside(checkpoint: Path, why: str) -> Path:
+    """Move `checkpoint` to ``<run>/incomplete-checkpoints/`` (never deleted: it may help find out
+    what happened) and say so; returns where it went."""
+    aside = checkpoint.parent.parent / "incomplete-checkpoints"
+    aside.mkdir(exist_ok=True)
+    target = aside / checkpoint.name
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = aside / f"{checkpoint.name}.{suffix}"
+    checkpoint.rename(target)
+    logger.warning("%s %s: moved to %s, not loaded", checkpoint, why, target)
+    return target
+
+
 def set_aside_incomplete(folder: Path) -> list[Path]:
-    """Move every incomplete checkpoint in `folder` to ``../incomplete-checkpoints/``; returns
-    where they went."""
-    moved = []
-    for checkpoint in checkpoints(folder):
-        if not is_complete(checkpoint):
-            aside = folder.parent / "incomplete-checkpoints"
-            aside.mkdir(exist_ok=True)
-            target = aside / checkpoint.name
-            suffix = 1
-            while target.exists():
-                suffix += 1
-                target = aside / f"{checkpoint.name}.{suffix}"
-            checkpoint.rename(target)
-            logger.warning("%s is incomplete (killed while saving, or the disk filled up): moved to %s, not loaded",
-                           checkpoint, target)
-            moved.append(target)
-    return moved
+    """Move every incomplete checkpoint in `folder` aside; returns where they went."""
+    return [set_aside(c, "is incomplete (killed while saving, a rank's files missing, or the disk filled up)")
+            for c in checkpoints(folder) if not is_complete(c)]
 
 
 def newest_complete(folder: Path) -> Path | None:
-    """The complete checkpoint with the highest step in `folder`, or None."""
+    """The complete checkpoint with the highest step in `folder` (sizes checked), or None."""
     complete = [c for c in checkpoints(folder) if is_complete(c)]
     return complete[-1] if complete else None
 
 
-def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str) -> Path | None:
-    """The run folder ``train.resume_from: auto`` continues: the named run, else the newest run
-    of this config (``<config name>-<timestamp>``) that has a complete checkpoint."""
+def newest_intact(folder: Path) -> Path | None:
+    """The newest checkpoint in `folder` whose files match their recorded digests. Incomplete
+    checkpoints, and complete ones whose contents changed since (a file damaged in place), are
+    set aside, so that the previous complete one is used."""
+    set_aside_incomplete(folder)
+    for checkpoint in reversed(checkpoints(folder)):
+        if is_complete(checkpoint, verify=True):
+            return checkpoint
+        set_aside(checkpoint, "does not match the digests recorded when it was saved (a file damaged since)")
+    return None
+
+
+def rotate(folder: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep` complete ones; returns them.
+    Called once the newest is marked, so a run always keeps at least one complete checkpoint."""
+    complete = [c for c in checkpoints(folder) if is_complete(c)]
+    old = complete[:-keep] if keep > 0 else []
+    for checkpoint in old:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    return old
+
+
+# --- one output folder for every node ------------------------------------------------------------
+
+_SHARED_MARK = ".sft_play_shared_{}"
+
+
+def mark_shared(folder: Path) -> str:
+    """Create `folder` and write a token file into it that every rank must then find there (see
+    :func:`sees_shared_mark`); returns the token."""
+    folder.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    (folder / _SHARED_MARK.format(token)).write_text(token)
+    return token
+
+
+def sees_shared_mark(folder: Path, token: str, wait_s: float = 5.0) -> bool:
+    """Whether this process finds rank 0's token file in `folder` (within `wait_s`, for network
+    filesystems that show new files late): False on a node whose folder is not rank 0's."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if (folder / _SHARED_MARK.format(token)).read_text() == token:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+def unmark_shared(folder: Path, token: str) -> None:
+    (folder / _SHARED_MARK.format(token)).unlink(missing_ok=True)
+
+
+def unshared_message(folder: Path, hosts: list[str]) -> str:
+    return (f"train.output_dir ({folder}) is not shared: the processes on {', '.join(hosts)} cannot see what rank 0 "
+            "writes there. Every node writes its part of each checkpoint (its optimizer shard and random-number "
+            "state) into the run folder, and resuming reads them all back: set train.output_dir to a folder on a "
+            "filesystem every node mounts (NFS, Lustre, ...), at the same path on every node")
+
+
+# --- which run to resume -----------------------------------------------------------------------
+
+
+def is_finished(run: Path) -> bool:
+    """Whether `run` trained to its end (its ``summary.json`` is written then, and by a stopped
+    run with ``interrupted`` in it)."""
+    try:
+        return "interrupted" not in json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _last_saved(run: Path) -> float:
+    checkpoint = newest_complete(run / "checkpoints")
+    return (checkpoint / MARKER).stat().st_mtime if checkpoint else run.stat().st_mtime
+
+
+def _no_checkpoint_help(save_steps: int) -> str:
+    if save_steps > 0:
+        return (f"checkpoints are written every train.save_steps={save_steps} steps and when a run is stopped by "
+                "a signal")
+    return ("train.save_steps is 0, so a checkpoint is written only when a run is stopped by a signal: set "
+            "train.save_steps (e.g. ARGS=\"train.save_steps=100\") so that a killed or crashed run can resume")
+
+
+def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
+                    save_steps: int = 0) -> tuple[Path | None, str]:
+    """The run folder ``train.resume_from: auto`` continues, and why (or why none).
+
+    With ``train.run_name``: that run, unless it finished (nothing to resume: an error). Without:
+    the newest unfinished run of this config (``<config name>-<timestamp>``) that has a complete
+    checkpoint; finished runs are not resumable and are skipped.
+
+    Raises:
+        ValueError: the named run finished.
+    """
+    prefix = "train.resume_from=auto:"
     if run_name:
         run = output_dir / run_name
-        return run if run.is_dir() else None
-    candidates = [p for p in output_dir.glob(f"{config_stem}-*") if p.is_dir()] if output_dir.is_dir() else []
-    with_checkpoints = [p for p in candidates if newest_complete(p / "checkpoints") is not None]
-    return max(with_checkpoints, key=lambda p: p.stat().st_mtime, default=None)
+        if not run.is_dir():
+            return None, f"{prefix} no run named '{run_name}' in {output_dir} yet; starting it"
+        if is_finished(run):
+            raise ValueError(f"{prefix} {run} finished (see its summary.json and model/); there is nothing to resume. "
+                             "Choose another train.run_name for a new run")
+        return run, f"the run named '{run_name}'"
+    runs = [p for p in output_dir.glob(f"{config_stem}-*") if (p / "config.yaml").is_file()]
+    if not runs:
+        return None, f"{prefix} no run of '{config_stem}' in {output_dir}; starting a fresh run"
+    unfinished = [p for p in runs if not is_finished(p)]
+    finished = len(runs) - len(unfinished)
+    if not unfinished:
+        return None, (f"{prefix} all {finished} run(s) of '{config_stem}' in {output_dir} finished; nothing to resume, "
+                      "starting a fresh run")
+    resumable = [p for p in unfinished if newest_complete(p / "checkpoints") is not None]
+    if not resumable:
+        return None, (f"{prefix} none of the {len(unfinished)} unfinished run(s) of '{config_stem}' in {output_dir} "
+                      f"has a checkpoint ({_no_checkpoint_help(save_steps)}); starting a fresh run")
+    run = max(resumable, key=_last_saved)
+    skipped = [f"{finished} finished run(s) skipped"] if finished else []
+    without = len(unfinished) - len(resumable)
+    if without:
+        skipped.append(f"{without} unfinished run(s) without a checkpoint skipped")
+    why = f"the newest unfinished run of '{config_stem}' with a checkpoint"
+    if skipped:
+        why += f" ({'; '.join(skipped)})"
+    return run, why
 
 
 # What a checkpoint depends on: resuming under other values would train something else.
@@ -98,31 +293,35 @@ _MUST_MATCH = ("model", "finetune", "lora", "quantization", "data")
 _MUST_MATCH_TRAIN = ("global_batch_size", "seed")
 
 
-def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, config_stem: str) -> tuple[Path | None, Path | None, str]:
+def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, config_stem: str,
+                   save_steps: int = 0) -> tuple[Path | None, Path | None, str]:
     """Where ``train.resume_from`` continues: (run folder, checkpoint, what to tell the user).
 
-    ``auto`` takes the newest complete checkpoint of the run (see :func:`find_resume_run`),
-    setting incomplete ones aside first; with nothing to resume it says so and training starts
-    fresh. A path must name a complete checkpoint inside a run folder.
+    ``auto`` takes the newest intact checkpoint of the run :func:`find_resume_run` picks (torn
+    and damaged ones are set aside first); with nothing to resume it says why and training
+    starts fresh. A path must name a complete, undamaged checkpoint inside a run folder.
 
     Raises:
-        ValueError: a path that is not a complete checkpoint of a run.
+        ValueError: a path that is not a complete checkpoint of a run; a named run that finished.
     """
     if resume_from == "auto":
-        run = find_resume_run(output_dir, run_name, config_stem)
+        run, why = find_resume_run(output_dir, run_name, config_stem, save_steps)
         if run is None:
-            return None, None, f"train.resume_from=auto: no run of '{config_stem}' to resume in {output_dir}; starting fresh"
-        set_aside_incomplete(run / "checkpoints")
-        checkpoint = newest_complete(run / "checkpoints")
+            return None, None, why
+        checkpoint = newest_intact(run / "checkpoints")
         if checkpoint is None:
-            return None, None, f"train.resume_from=auto: {run} has no complete checkpoint; starting a fresh run"
-        return run, checkpoint, f"resuming {run} from {checkpoint.name}"
+            return None, None, (f"train.resume_from=auto: {run} has no complete checkpoint "
+                                f"({_no_checkpoint_help(save_steps)}); starting it again from step 0")
+        return run, checkpoint, f"resuming {run} from {checkpoint.name}: {why}"
     checkpoint = Path(resume_from)
     if not checkpoint.is_dir():
         raise ValueError(f"train.resume_from: '{resume_from}' is not a folder; use auto or a checkpoint folder")
     if not is_complete(checkpoint):
         raise ValueError(f"train.resume_from: '{resume_from}' is not a complete checkpoint (no {MARKER}, or files "
                          "missing): it was being written when the run stopped. Use auto to take the newest complete one")
+    if not is_complete(checkpoint, verify=True):
+        raise ValueError(f"train.resume_from: '{resume_from}' does not match the digests recorded when it was saved "
+                         "(a file damaged since). Use auto to take the newest intact one")
     run = checkpoint.parent.parent
     if checkpoint.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
         raise ValueError(f"train.resume_from: '{resume_from}' is not inside a run folder (<run>/checkpoints/checkpoint-N)")
@@ -142,13 +341,29 @@ def differences(saved: dict, current: dict) -> list[str]:
     return changed
 
 
-def choose_run_folder(config, config_path: str) -> tuple[str, str | None, str | None]:
-    """(run folder name, checkpoint to resume or None, message) for a run of `config`: a new
-    folder (``train.run_name``, else ``<config name>-<timestamp>``), or the run being resumed.
+def layout_differences(checkpoint: Path, world_size: int, strategy: str) -> list[str]:
+    """How the processes about to resume differ from those that wrote `checkpoint`: its optimizer
+    states and random-number states are per process and per strategy."""
+    saved_world, saved_strategy = written_by(checkpoint)
+    changed = []
+    if saved_world != world_size:
+        changed.append(f"processes: {saved_world} wrote it, {world_size} now (NUM_GPUS x NNODES)")
+    if saved_strategy is not None:
+        same = (saved_strategy == strategy if saved_strategy != "deepspeed"
+                else strategy.startswith("deepspeed"))
+        if not same:
+            changed.append(f"distributed.strategy: {saved_strategy!r} wrote it, {strategy!r} now")
+    return changed
+
+
+def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[str, str | None, str | None]:
+    """(run folder name, checkpoint to resume or None, message) for a run of `config` on
+    `world_size` processes: a new folder (``train.run_name``, else ``<config name>-<timestamp>``),
+    or the run being resumed.
 
     Raises:
-        ValueError: an unusable ``train.resume_from``, or a resume with settings the checkpoint
-            was not trained with.
+        ValueError: an unusable ``train.resume_from``; a resume with settings, a number of
+            processes or a strategy other than those the checkpoint was written with.
     """
     from datetime import datetime
 
@@ -159,10 +374,14 @@ def choose_run_folder(config, config_path: str) -> tuple[str, str | None, str | 
     if not config.train.resume_from:
         return fresh, None, None
     run, checkpoint, message = resolve_resume(config.train.resume_from, Path(config.train.output_dir),
-                                              config.train.run_name, stem)
+                                              config.train.run_name, stem, config.train.save_steps)
     if run is None:
         return fresh, None, message
     changed = differences(load(run / "config.yaml", check_paths=False).to_dict(), config.to_dict())
+    changed += layout_differences(checkpoint, world_size, config.distributed.strategy)
     if changed:
-        raise ValueError(f"cannot resume {run} with different settings:\n  " + "\n  ".join(changed))
+        raise ValueError(f"cannot resume {run} from {checkpoint.name} with different settings:\n  "
+                         + "\n  ".join(changed)
+                         + "\nResume with the settings it was written with, or start a new run "
+                           "(without RESUME=auto, or with another train.run_name)")
     return run.name, str(checkpoint), message

@@ -195,6 +195,18 @@ class DistributedConfig(_Section):
         False, description="DeepSpeed ZeRO-3: keep the parameters in CPU memory too (much slower; for models that fit no other way)."
     )
     deepspeed_config: str = Field("configs/deepspeed_z2.json", description="DeepSpeed JSON whose 'auto' values we fill.")
+    timeout_minutes: float = Field(
+        30, gt=0, description="How long a process waits for the others in a collective (the process-group "
+        "timeout) before the run fails: above the longest pause of one rank, e.g. rank 0 preparing the data."
+    )
+    rendezvous_timeout_minutes: float = Field(
+        10, gt=0, description="How long the nodes of a multi-node run wait for each other at start before "
+        "stopping with an error."
+    )
+    stop_timeout_minutes: float = Field(
+        15, gt=0, description="After a stop signal, how long the launcher lets the processes finish the step "
+        "and save before killing them: above the longest step plus checkpoint save."
+    )
 
 
 class PlannerConfig(_Section):

@@ -109,7 +109,7 @@ def sft_arguments(
         logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
         save_strategy="steps" if train.save_steps > 0 else "no",
         save_steps=train.save_steps if train.save_steps > 0 else 500,
-        save_total_limit=train.save_total_limit,
+        save_total_limit=None,  # CheckpointMarker deletes old checkpoints, once the new one is marked complete
         eval_strategy="steps" if evaluate else "no",
         eval_steps=train.eval_steps if evaluate else None,
         report_to=["tensorboard"] if train.tensorboard else "none",
@@ -122,6 +122,7 @@ def sft_arguments(
         dataset_num_proc=data.num_proc,
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
         ddp_find_unused_parameters=False,
+        ddp_timeout=max(1, round(config.distributed.timeout_minutes * 60)),
         dataloader_pin_memory=torch.cuda.is_available(),
         use_cpu=use_cpu_processes(config),
         deepspeed=deepspeed_config(config),
@@ -147,7 +148,9 @@ def trainer_factory(
     """A function that builds the run's TRL ``SFTTrainer`` (over already tokenised, and with
     packing already packed, data) for a batch split: what :func:`train_with_backoff` calls again
     with a smaller split. The first trainer wraps the model with the adapter; later ones reuse
-    the wrapped model."""
+    the wrapped model. The TensorBoard callback is moved behind ours, so that what our callbacks
+    add to a log line (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too."""
+    from transformers.integrations import TensorBoardCallback
     from trl import SFTTrainer
 
     held = {"model": model, "peft_config": peft_config}
@@ -167,6 +170,9 @@ def trainer_factory(
             peft_config=held["peft_config"],
             callbacks=callbacks,
         )
+        board = trainer.pop_callback(TensorBoardCallback)
+        if board is not None:
+            trainer.add_callback(board)
         held.update(model=trainer.model, peft_config=None)
         return trainer
 

@@ -1,23 +1,31 @@
 """Distributed training with real processes on the CPU (gloo): DDP through accelerate launch,
-DeepSpeed ZeRO-2 through torchrun, and two "nodes" on one machine, all started by the make
-targets or the launcher script they call."""
+DeepSpeed ZeRO-2 through torchrun, stops and resumes under both, and multi-node starts on one
+machine, all started by the make targets or the launcher script they call."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from sft_play import checkpoints, launch, training
 from sft_play import config as config_module
-from sft_play import launch, training
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2"]
+# Step 2 plus its save take this long after the stop signal: longer than torchrun's default
+# shutdown timeout (30 s), after which its agent would have killed the processes unsaved
+SLOW_STOP_S = 31
 
 
 def make(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -44,60 +52,174 @@ def check_two_rank_run(run_dir: Path, output: str) -> dict:
     return summary
 
 
+class StoppedRun:
+    """A make target started in its own process group and sent SIGTERM, to the whole group as a
+    terminal or a cluster does, once step 2 is under way (made slow on purpose: ``slow_step``)."""
+
+    def __init__(self, target: str, run_dir: Path) -> None:
+        self.target, self.run_dir = target, run_dir
+        self.command = ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2",
+                        f"ARGS={' '.join(TINY)} train.output_dir={run_dir.parent} train.run_name={run_dir.name}"]
+        self.process = subprocess.Popen(
+            self.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "SFT_PLAY_FAULTS": f"slow_step=2:{SLOW_STOP_S}"},
+        )
+        self.lines: list[str] = []
+        self.signalled_at = self.ended_at = None
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if self.signalled_at is None and "fault injection (slow_step)" in line:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.signalled_at = time.monotonic()
+        self.process.wait()
+        self.ended_at = time.monotonic()
+
+    def output(self, timeout: float = 600) -> str:
+        self.reader.join(timeout)
+        assert not self.reader.is_alive(), f"{self.target} did not end"
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """DDP and ZeRO-2 runs stopped by SIGTERM during a slow step, started first so that they
+    sleep through the uninterrupted runs below."""
+    root = tmp_path_factory.mktemp("stopped")
+    runs = {"ddp": StoppedRun("train-distributed", root / "ddp"),
+            "zero2": StoppedRun("train-deepspeed", root / "zero2")}
+    yield runs
+    for run in runs.values():
+        run.kill()
+
+
+def _uninterrupted(tmp_path_factory, target: str, name: str):
+    root = tmp_path_factory.mktemp(name)
+    result = make(target, "CPU=1", "NUM_GPUS=2", f"ARGS={' '.join(TINY)} train.output_dir={root} train.run_name={name}")
+    return root / name, result.stdout + result.stderr, result.returncode
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, stopped_runs):
+    return _uninterrupted(tmp_path_factory, "train-distributed", "ddp")
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory, stopped_runs):
+    return _uninterrupted(tmp_path_factory, "train-deepspeed", "zero2")
+
+
 @pytest.mark.slow
-def test_make_train_distributed_runs_ddp_on_two_cpu_processes(tmp_path):
-    result = make("train-distributed", "CPU=1", "NUM_GPUS=2",
-                  f"ARGS={' '.join(TINY)} train.output_dir={tmp_path} train.run_name=ddp")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-5000:]
-    assert "launching 2 process(es) on 1 node(s) (accelerate, ddp" in output
+def test_make_train_distributed_runs_ddp_on_two_cpu_processes(ddp_run):
+    run_dir, output, status = ddp_run
+    assert status == 0, output[-5000:]
+    assert "launching 2 process(es) on 1 node(s) (accelerate, ddp, rendezvous standalone" in output
     assert "2 process(es) on 1 node(s), DistributedType.MULTI_CPU" in output
     assert "global 8 = micro 4 x accum 1 x world 2" in output
-    summary = check_two_rank_run(tmp_path / "ddp", output)
+    summary = check_two_rank_run(run_dir, output)
     assert summary["batch"] == "global 8 = micro 4 x accum 1 x world 2"
 
 
 @pytest.mark.slow
-def test_make_train_deepspeed_runs_zero2_on_two_cpu_processes(tmp_path):
-    result = make("train-deepspeed", "CPU=1", "NUM_GPUS=2",
-                  f"ARGS={' '.join(TINY)} train.output_dir={tmp_path} train.run_name=zero2")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-5000:]
-    assert "(torchrun, deepspeed_zero2" in output
+def test_make_train_deepspeed_runs_zero2_on_two_cpu_processes(zero2_run):
+    run_dir, output, status = zero2_run
+    assert status == 0, output[-5000:]
+    assert "(torchrun, deepspeed_zero2, rendezvous standalone" in output
     assert "DistributedType.DEEPSPEED" in output
-    check_two_rank_run(tmp_path / "zero2", output)
-    saved = config_module.load(tmp_path / "zero2" / "config.yaml")
+    check_two_rank_run(run_dir, output)
+    saved = config_module.load(run_dir / "config.yaml")
     assert saved.distributed.strategy == "deepspeed_zero2"
 
 
 @pytest.mark.slow
-def test_two_nodes_on_one_machine(tmp_path):
-    port = launch.free_port()
-    def node(rank: int) -> list[str]:
-        return [sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--num-gpus", "1",
-                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--config", "configs/run_tiny.yaml", *TINY, f"train.output_dir={tmp_path}", "train.run_name=nodes"]
+def test_a_node_that_never_comes_is_waited_for_then_ends_with_one_error():
+    """Node 0 alone, and node 1 alone (at another port): each says what it waits for, then gives
+    up within the configured time. (Before the test below: they sleep while its runs finish.)"""
+    def node(rank: int, port: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--num-gpus", "1", "--nnodes", "2",
+             "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--config", "configs/run_tiny.yaml", "distributed.rendezvous_timeout_minutes=0.05"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    nodes = [subprocess.Popen(node(rank), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = [node.communicate(timeout=900)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "2 process(es) on 2 node(s)" in outputs[0]
-    assert "global 8 = micro 4 x accum 1 x world 2" in outputs[0]  # the global batch counts both nodes
-    check_two_rank_run(tmp_path / "nodes", outputs[0] + outputs[1])
+    alone0, alone1 = free_ports(2)
+    started = time.monotonic()
+    launches = {"alone0": node(0, alone0), "alone1": node(1, alone1)}
+    outputs = {name: process.communicate(timeout=300)[0] for name, process in launches.items()}
+    waited = time.monotonic() - started
+    for name, process in launches.items():
+        assert process.returncode == 2, f"{name}: {outputs[name][-3000:]}"
+        assert "Traceback" not in outputs[name], outputs[name][-3000:]
+    assert f"waiting for 1 more node(s) at 127.0.0.1:{alone0} (1 of 2 here)" in outputs["alone0"]
+    arrived = rf"^error: only 1 of 2 node\(s\) arrived at 127.0.0.1:{alone0} within 0.05 min"
+    assert re.search(arrived, outputs["alone0"], re.M)
+    assert f"waiting for node 0 at 127.0.0.1:{alone1}" in outputs["alone1"]
+    assert re.search(rf"^error: node 0 did not answer at 127.0.0.1:{alone1} within 0.05 min", outputs["alone1"], re.M)
+    assert waited < 3 + 30, "each gave up within the configured timeout"
+
+
+@pytest.mark.slow
+def test_sigterm_under_both_launchers_saves_every_rank_and_resumes_to_the_same_loss(stopped_runs, ddp_run, zero2_run):
+    resumes = {}
+    for name, run in stopped_runs.items():
+        output = run.output()
+        assert run.signalled_at is not None, output[-5000:]
+        # the launcher's exit status (make itself, signalled too, dies by the signal)
+        assert "[Makefile" in output and f"{run.target}] Error 75" in output, output[-5000:]
+        assert run.ended_at - run.signalled_at > 30, "the processes had the time the step and the save took"
+        assert "Traceback" not in output and "SignalException" not in output, output[-5000:]
+        assert output.count("received SIGTERM: finishing this step") == 2, "each rank got the stop once"
+        assert "Stopped by SIGTERM at step 2; checkpoint saved" in output
+        checkpoint = run.run_dir / "checkpoints" / "checkpoint-2"
+        assert checkpoints.is_complete(checkpoint, verify=True)
+        assert checkpoints.written_by(checkpoint) == (2, "ddp" if name == "ddp" else "deepspeed_zero2")
+        assert not checkpoints.missing_rank_files(checkpoint, 2)
+        assert not (run.run_dir / "model").exists()
+        resume = re.search(r"^  resume: (.+)$", output, re.M).group(1)
+        assert shlex.split(resume) == run.command + ["RESUME=auto"], "the command that ran, plus RESUME=auto"
+        resumes[name] = subprocess.Popen(shlex.split(resume), cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+    for (name, process), (reference, _, _) in zip(resumes.items(), (ddp_run, zero2_run)):
+        output = process.communicate(timeout=600)[0]
+        assert process.returncode == 0, output[-5000:]
+        run_dir = stopped_runs[name].run_dir
+        assert f"resuming {run_dir} from checkpoint-2" in output
+        ours = json.loads((run_dir / "summary.json").read_text())
+        theirs = json.loads((reference / "summary.json").read_text())
+        assert ours["global_step"] == theirs["global_step"] == 4
+        assert ours["last_loss"] == pytest.approx(theirs["last_loss"], rel=1e-5)
+        assert ours["weights_fingerprints"] == theirs["weights_fingerprints"]
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
 
 
 # --- the launcher's decisions, without processes ---------------------------------------------
 
 
-def test_taken_port_is_replaced_on_one_node_and_said_so():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        taken = sock.getsockname()[1]
-        topology, messages = launch.resolve_topology(2, None, 1, 0, None, taken, True, 0)
-    assert topology.master_port != taken
-    assert messages == [f"port {taken} is in use: the processes rendezvous on {topology.master_port} instead"]
+def test_one_node_uses_torchruns_standalone_rendezvous():
+    topology, messages = launch.resolve_topology(2, None, 1, 0, None, 29555, True, 0)
+    assert topology.standalone and topology.rendezvous() == "standalone (a free local port)"
+    assert messages == ["one node: MASTER_PORT=29555 is not used, the processes meet on a free port torchrun picks "
+                        "(standalone rendezvous)"]
+    command = launch.torchrun_command(topology, "c.yaml", [])
+    assert "--standalone" in command and "--master_port" not in command and "--rdzv_conf" not in command
+    command = launch.accelerate_command(topology, "c.yaml", [])
+    assert command[command.index("--main_process_port") + 1] == "0" and "--main_process_ip" not in command
 
 
 def test_taken_port_on_a_multi_node_rank_zero_is_an_error():
@@ -128,12 +250,62 @@ def test_commands_carry_the_topology():
     assert command[command.index("--num_processes") + 1] == "16"
     assert command[command.index("--machine_rank") + 1] == "1"
     assert command[command.index("--main_process_ip") + 1] == "10.0.0.1"
-    assert command[-3:] == ["--config", "c.yaml", "train.max_steps=3"] and "--multi_gpu" not in command
-    command = launch.torchrun_command(topology, "c.yaml", [])
+    assert command[-3:] == ["--config", "c.yaml", "train.max_steps=3"]
+    assert "--multi_gpu" in command, "DDP whatever the accelerate config file says"
+    timeouts = launch.Timeouts(stop_s=600, rendezvous_s=120)
+    assert command[command.index("--rdzv_conf") + 1] == "timeout=630"
+    command = launch.torchrun_command(topology, "c.yaml", [], timeouts)
     assert command[command.index("--nproc_per_node") + 1] == "8"
     assert command[command.index("--nnodes") + 1] == "2"
-    env = launch.child_env(launch.Topology(cpu=True, processes_per_node=2), gpus="0,1")
+    assert command[command.index("--master_port") + 1] == "1234" and "--standalone" not in command
+    assert command[command.index("--shutdown_timeout") + 1] == "600"
+    assert command[command.index("--rdzv_conf") + 1] == "timeout=150"
+    env = launch.child_env(launch.Topology(cpu=True, processes_per_node=2), gpus="0,1", timeouts=timeouts)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["DS_ACCELERATOR"] == "cpu"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"  # what accelerate launch's agent reads
+    config = config_module.load(
+        None, ["distributed.stop_timeout_minutes=2", "distributed.rendezvous_timeout_minutes=0.5"], check_paths=False)
+    assert launch.Timeouts.from_config(config.distributed) == launch.Timeouts(stop_s=120, rendezvous_s=30)
+
+
+def test_the_resume_command_is_the_one_that_ran_plus_resume_auto():
+    ran = ["make", "train-distributed", "NUM_GPUS=2", "ARGS=train.max_steps=4 train.resume_from=runs/x/checkpoints/c",
+           "RESUME=runs/y"]
+    assert launch.resume_command(ran) == "make train-distributed NUM_GPUS=2 ARGS=train.max_steps=4 RESUME=auto"
+    ran = [sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--config", "c.yaml", "train.max_steps=4"]
+    assert launch.resume_command(ran) == shlex.join(ran + ["train.resume_from=auto"])
+
+
+def test_the_users_command_is_found_through_make_and_its_shell(tmp_path):
+    show = f"{sys.executable} -c 'from sft_play import launch; print(launch.user_command())'"
+    (tmp_path / "Makefile").write_text(f"show:\n\t{show} && true\n")  # "&& true": make runs it through sh -c
+    env = {**os.environ, "MAKEFLAGS": ""}
+    through_make = subprocess.run(["make", "-s", "-f", str(tmp_path / "Makefile"), "show", "X=1"], cwd=REPO,
+                                  capture_output=True, text=True, env=env)
+    assert through_make.stdout.strip() == repr(["make", "-s", "-f", str(tmp_path / "Makefile"), "show", "X=1"])
+    alone = subprocess.run(shlex.split(show), cwd=REPO, capture_output=True, text=True)  # started by pytest
+    assert alone.stdout.strip() == repr([sys.executable, "-c"])
+
+
+def test_a_stop_signal_is_passed_on_once_however_often_it_arrives(monkeypatch):
+    monkeypatch.setattr(launch, "DUPLICATE_SIGNAL_WINDOW_S", 0.5)
+    child = subprocess.Popen(["bash", "-c", 'trap "echo got" TERM; while :; do sleep 0.05; done'],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    forwarder = launch.StopForwarder(lambda: [child.pid])
+    forwarder.install()
+    try:
+        time.sleep(0.3)  # the child's trap is set
+        for _ in range(3):  # the terminal, make and the cluster each deliver it
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.8)
+        os.kill(os.getpid(), signal.SIGHUP)  # a second request, later: passed on (as SIGTERM)
+        time.sleep(0.3)
+    finally:
+        forwarder.restore()
+        child.kill()
+    assert child.communicate()[0].split() == ["got", "got"]
+    assert forwarder.first == "SIGTERM" and forwarder.requests == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_cuda_arch_suffixes_are_removed_for_deepspeed():
@@ -154,21 +326,34 @@ def test_deepspeed_config_fills_from_the_run_config():
     assert zero3["zero_optimization"]["stage"] == 3
 
 
-def test_setup_accelerate_auto_writes_a_config_accelerate_reads(tmp_path):
+def setup_accelerate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/setup_accelerate.py", *args], cwd=REPO, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=300)
+
+
+def test_setup_accelerate_auto_writes_yaml_for_multi_gpu_ddp_that_accelerate_reads(tmp_path):
     output = tmp_path / "local.yaml"
-    result = subprocess.run([sys.executable, "scripts/setup_accelerate.py", "--auto", "--output", str(output)],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = setup_accelerate("--auto", "--output", str(output))
     assert result.returncode == 0, result.stderr
+    import yaml
     from accelerate.commands.config.config_args import load_config_from_file
 
+    assert not output.read_text().lstrip().startswith("{"), "YAML, not JSON in a .yaml file"
+    written = yaml.safe_load(output.read_text())
+    assert written["distributed_type"] == "MULTI_GPU", "a config written without GPUs still starts several processes"
     loaded = load_config_from_file(str(output))
     assert loaded.compute_environment.value == "LOCAL_MACHINE"
-    again = subprocess.run([sys.executable, "scripts/setup_accelerate.py", "--auto", "--output", str(output)],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "exists" in again.stderr
+    again = setup_accelerate("--auto", "--output", str(output))
+    assert again.returncode == 2 and "exists" in again.stderr and 'ARGS="--output' in again.stderr
+    assert "OUTPUT=" not in again.stderr, "the Makefile has no OUTPUT variable"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "configs/accelerate/local.yaml"], cwd=REPO)
+    assert ignored.returncode == 0, "the machine-specific config is not committed by accident"
 
 
-def test_setup_accelerate_wizard_needs_a_terminal(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/setup_accelerate.py", "--output", str(tmp_path / "x.yaml")],
-                            cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+def test_setup_accelerate_wizard_needs_a_terminal_and_keeps_the_existing_file(tmp_path):
+    output = tmp_path / "local.yaml"
+    output.write_text("mine: true\n")
+    result = setup_accelerate("--force", "--output", str(output))
     assert result.returncode == 2 and "AUTO=1" in result.stderr
+    assert output.read_text() == "mine: true\n", "FORCE=1 must not delete the file before the wizard can run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local.yaml"]

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from sft_play.launch import port_is_free
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,13 +87,80 @@ def test_make_check_fails_with_a_list_on_a_bad_config():
     assert "[FAIL] config" in result.stdout and "train.learning_rate" in result.stdout
 
 
-@pytest.mark.slow
-def test_make_train_tb_prints_the_url_and_stops_tensorboard(tmp_path):
-    from sft_play.launch import port_is_free
+def watch(process: subprocess.Popen, when: str, then) -> tuple[threading.Thread, list[str]]:
+    """Read `process`'s output on a thread; call `then()` once a line contains `when`."""
+    lines: list[str] = []
 
-    result = make("train-tb", f"ARGS=train.max_steps=2 train.output_dir={tmp_path} train.run_name=tb")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    match = re.search(r"TensorBoard: http://127\.0\.0\.1:(\d+)/", result.stdout)
-    assert match, result.stdout
-    assert port_is_free(int(match.group(1))), "TensorBoard must stop when training ends"
-    assert list((tmp_path / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+    def read():
+        done = False
+        for line in process.stdout:
+            lines.append(line)
+            if not done and when in line:
+                then()
+                done = True
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, lines
+
+
+def stop_listener(port: int) -> None:
+    """Kill whatever still listens on `port` (a TensorBoard a failed test left behind)."""
+    import psutil
+
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN" and connection.pid:
+            psutil.Process(connection.pid).kill()
+
+
+@pytest.mark.slow
+def test_make_train_tb_ctrl_c_saves_once_and_stops_tensorboard(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground group: make, the launcher and (unless it
+    has a session of its own) training; training must see one request, finish the step and save."""
+    process = subprocess.Popen(
+        ["make", "--no-print-directory", "train-tb",
+         f"ARGS=train.max_steps=4 train.logging_steps=1 train.output_dir={tmp_path} train.run_name=tb"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "SFT_PLAY_FAULTS": "slow_step=2:1"},
+    )
+    reader, lines = watch(process, "fault injection (slow_step)", lambda: os.killpg(process.pid, signal.SIGINT))
+    process.wait(timeout=600)
+    reader.join(30)
+    output = "".join(lines)
+    match = re.search(r"TensorBoard: http://127\.0\.0\.1:(\d+)/", output)
+    assert match, output[-3000:]
+    port = int(match.group(1))
+    try:
+        assert "train-tb] Error 75" in output, output[-4000:]
+        assert output.count("received SIGINT: finishing this step") == 1 and "interrupted" not in output
+        assert "Stopped by SIGINT at step 2" in output
+        assert re.search(r"^  resume: make --no-print-directory train-tb .*RESUME=auto$", output, re.M)
+        from sft_play import checkpoints
+
+        assert checkpoints.is_complete(tmp_path / "tb" / "checkpoints" / "checkpoint-2")
+        assert list((tmp_path / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+        deadline = time.monotonic() + 10
+        while not port_is_free(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert port_is_free(port), "TensorBoard must stop when training ends"
+    finally:
+        stop_listener(port)
+
+
+def test_make_tensorboard_stops_tensorboard_on_sigterm(tmp_path):
+    (tmp_path / "run").mkdir()
+    process = subprocess.Popen(["make", "--no-print-directory", "tensorboard", f"RUN={tmp_path / 'run'}"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    reader, lines = watch(process, "TensorBoard: http", lambda: os.killpg(process.pid, signal.SIGTERM))
+    process.wait(timeout=120)
+    reader.join(30)
+    match = re.search(r"TensorBoard: http://127\.0\.0\.1:(\d+)/", "".join(lines))
+    assert match, "".join(lines)[-3000:]
+    port = int(match.group(1))
+    try:
+        deadline = time.monotonic() + 10
+        while not port_is_free(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert port_is_free(port), "TensorBoard was left running"
+    finally:
+        stop_listener(port)
