@@ -299,7 +299,9 @@ def test_plan_json_contract(plan_json):
 
 def test_planning_70b_takes_under_a_second(plan_json):
     doc, _ = plan_json
-    assert doc["plan_seconds"] < 1.0  # planning only: imports are done before the clock starts
+    # planning only (imports are done before the clock starts), in CPU time: other processes on a
+    # busy machine slow the wall clock, not what the planning costs
+    assert doc["plan_cpu_seconds"] < 1.0
 
 
 def test_plot_is_written(plan_json):
