@@ -16,14 +16,16 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_planner_accuracy_cpu_path_writes_a_report(tmp_path):
     report = tmp_path / "planner_accuracy.md"
-    result = subprocess.run([sys.executable, "bench/planner_accuracy.py", "--output", str(report)], cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "bench/planner_accuracy.py", "--timing-runs", "1", "--output", str(report)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert "No GPU figure exists in this report" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny_model")]
     assert len(rows) == 2 and all("%" in row for row in rows)
     assert "median absolute error" in text
+    timing = text.split("## Planning time", 1)[1]
+    assert "Failed" not in timing and "| CPU seconds |" in timing and "Allocator replays per plan" in timing
 
 
 def test_workers_keep_the_callers_python_path(monkeypatch):

@@ -297,11 +297,15 @@ def test_plan_json_contract(plan_json):
     assert "no tokenizer" in " ".join(doc["notes"])  # a folder with config.json only
 
 
-def test_planning_70b_takes_under_a_second(plan_json):
+def test_planning_70b_replays_a_handful_of_steps(plan_json):
     doc, _ = plan_json
-    # planning only (imports are done before the clock starts), in CPU time: other processes on a
-    # busy machine slow the wall clock, not what the planning costs
-    assert doc["plan_cpu_seconds"] < 1.0
+    # What planning costs is the allocator replays (one trace, then ~0.1-0.15 s per replay of 80
+    # layers on 2 cores): the search walks from where the line through micro 1 and micro 8 crosses
+    # the budget instead of trying every micro-batch. The seconds are measured by
+    # bench/planner_accuracy.py (docs/planner_accuracy.md), not here: a shared VM's clock and even
+    # its CPU time vary by half from one run to the next.
+    assert 2 <= doc["replays"] <= 6
+    assert 0 < doc["plan_cpu_seconds"] and 0 < doc["plan_seconds"]
 
 
 def test_plot_is_written(plan_json):

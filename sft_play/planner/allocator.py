@@ -31,6 +31,7 @@ One stream is simulated (a training step's tensors live on the default stream).
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 
 MIB = 1024**2
@@ -59,11 +60,11 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("segment", "offset", "size", "small", "allocated", "category", "previous", "next")
+    __slots__ = ("segment", "address", "size", "small", "allocated", "category", "previous", "next")
 
-    def __init__(self, segment: int, offset: int, size: int, small: bool, previous=None, next=None):
+    def __init__(self, segment: int, address: int, size: int, small: bool, previous=None, next=None):
         self.segment = segment
-        self.offset = offset
+        self.address = address  # orders blocks as (segment, offset) does: segment << 48 | offset
         self.size = size
         self.small = small
         self.allocated = False
@@ -72,8 +73,7 @@ class _Block:
         self.next = next
 
 
-def _address(block: _Block) -> tuple[int, int]:
-    return (block.segment, block.offset)
+_address = operator.attrgetter("address")
 
 
 class _FreeBlocks:
@@ -156,7 +156,7 @@ class CachingAllocator:
             block = self._new_segment(size, small)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = _Block(block.segment, block.offset + size, remaining, small, block, block.next)
+            rest = _Block(block.segment, block.address + size, remaining, small, block, block.next)
             if block.next is not None:
                 block.next.previous = rest
             block.next = rest
@@ -221,7 +221,7 @@ class CachingAllocator:
         self._segments += 1
         self._segment_sizes[segment] = allocation
         self.reserved += allocation
-        return _Block(segment, 0, allocation, small)
+        return _Block(segment, segment << 48, allocation, small)
 
     def _release_cache(self) -> None:
         """``release_cached_blocks``: every completely free segment goes back to CUDA."""

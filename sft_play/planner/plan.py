@@ -16,7 +16,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
-from sft_play.planner.predict import Prediction, predict, static_lower_bound
+from sft_play.planner.predict import REPLAYS, Prediction, predict, static_lower_bound
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import Run, resolve
@@ -75,6 +75,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     plan_seconds: float = 0.0  # wall clock
     plan_cpu_seconds: float = 0.0  # this process's CPU time: what planning costs, whatever else runs
+    replays: int = 0  # training steps replayed through the allocator (remedies' plans included)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,7 +119,7 @@ def make_plan(
         with_remedies: when nothing fits, also plan the remedies and the smallest hardware.
         run: the resolved run, when the caller already has it (otherwise resolved here).
     """
-    started, started_cpu = time.perf_counter(), time.process_time()
+    started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
     shape = shape or model_shape(config)
     run = run or resolve_for(config, target, data_stats, shape)
     train = config.train
@@ -227,6 +228,7 @@ def make_plan(
         warnings=warnings,
         plan_seconds=round(time.perf_counter() - started, 4),
         plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
+        replays=REPLAYS[0] - replays_before,
     )
 
 

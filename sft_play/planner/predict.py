@@ -105,6 +105,7 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
 
 
 _CACHE: dict = {}
+REPLAYS = [0]  # allocator replays so far in this process: what planning costs, counted (Plan.replays)
 
 
 def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
@@ -135,6 +136,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
 
 
 def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None):
+    REPLAYS[0] += 1
     trace = layer_trace(trace_spec(run, micro_batch), run.sequence.tokens)
     spec = StepSpec(
         recipe=recipe_for(run),
