@@ -11,7 +11,11 @@ masked out of the loss):
      trying, each try a fresh process); T+liger the same with TRL's Liger kernels where
      liger-kernel is installed;
   B  SFT-Play: its planner's micro-batch, packing with per-example position ids, its collator
-     and precision recipe, through the same functions the training entry uses.
+     and precision recipe, through the same functions the training entry uses;
+  B+lever  B with one kernel switch on (--levers; by default on a GPU every one that can run
+     there): flex (model.attn_implementation=flex_attention), compile (train.torch_compile),
+     liger (train.liger_kernels, where liger-kernel is installed), expandable
+     (train.expandable_segments). What pays becomes a default; the report is where that is read.
 
 Each side runs in its own process; after warm-up steps, a fixed number of steps is timed. The
 report gives real (non-pad) tokens per second, peak memory, MFU (model FLOPs per token x
@@ -23,7 +27,8 @@ planner's predicted seconds per step beside the measured. It writes docs/benchma
 Without a GPU the CPU path runs a tiny shape with the same code, so the script cannot rot;
 the report says which rows await a GPU.
 
-Usage: python bench/throughput.py [--cases ...] [--steps 20] [--warmup 5] [--output docs/benchmarks.md]
+Usage: python bench/throughput.py [--cases ...] [--levers flex compile liger expandable] [--steps 20] [--warmup 5]
+                                  [--output docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -166,8 +171,17 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
     return _finish(trainer, timer, micro)
 
 
-def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
-    """B: SFT-Play's own path, planned."""
+# The kernel switches, as config overrides (sft_play.config: model.attn_implementation, train.*)
+LEVERS = {
+    "flex": ["model.attn_implementation=flex_attention"],
+    "compile": ["train.torch_compile=true"],
+    "liger": ["train.liger_kernels=true"],
+    "expandable": ["train.expandable_segments=true"],
+}
+
+
+def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: str = "") -> dict:
+    """B: SFT-Play's own path, planned; with `lever`, one kernel switch on (LEVERS)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
     from trl.data_utils import pack_dataset
@@ -183,6 +197,7 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str) -> dict:
         "train.micro_batch_size=auto", "train.global_batch_size=64", f"train.max_steps={warmup + steps}",
         "train.logging_steps=1", "train.tensorboard=false", f"train.output_dir={output_dir}", "lora.r=16",
         "lora.dropout=0", f"train.learning_rate={2e-4 if case.method != 'full' else 2e-5}",
+        *LEVERS.get(lever, []),
     ], check_paths=False)
     vocab = AutoConfig.from_pretrained(weights_location(config)).vocab_size
     facts = hardware.detect()
@@ -273,6 +288,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on a GPU, 4 on the CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5 / 1)")
     parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
+    parser.add_argument("--levers", nargs="*", choices=sorted(LEVERS), default=None,
+                        help="B rows with one kernel switch on (default: every one that runs here on a GPU, none on "
+                             "the CPU)")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,7 +298,7 @@ def main() -> int:
         spec = json.loads(args.worker)
         case = Case(**spec["case"])
         if spec["side"] == "B":
-            result = run_sft_play(case, spec["steps"], spec["warmup"], spec["dir"])
+            result = run_sft_play(case, spec["steps"], spec["warmup"], spec["dir"], spec.get("lever", ""))
         else:
             result = run_baseline(case, spec["steps"], spec["warmup"], spec["dir"], tuned=spec.get("tuned", ""),
                                   micro=spec.get("micro", 4))
@@ -301,12 +319,16 @@ def main() -> int:
     import importlib.util
 
     liger = importlib.util.find_spec("liger_kernel") is not None and on_cuda
+    levers = args.levers if args.levers is not None else (
+        [lever for lever in LEVERS if lever != "liger" or liger] if on_cuda else [])
     for case in cases:
         sides = {"A": measure("A", case, steps, warmup, args.timeout),
                  "T": measure_tuned(case, steps, warmup, args.timeout, on_cuda)}
         if liger:
             sides["T+liger"] = measure_tuned(case, steps, warmup, args.timeout, on_cuda, tuned="liger")
         sides["B"] = measure("B", case, steps, warmup, args.timeout)
+        for lever in levers:
+            sides[f"B+{lever}"] = measure("B", case, steps, warmup, args.timeout, lever=lever)
         rows.append((case, sides, flops_per_token(case)))
         print(f"{case.name}: " + ", ".join(f"{k} {v.get('tokens_per_second', 0):.0f} tok/s" for k, v in sides.items()),
               flush=True)
@@ -333,7 +355,8 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
         "- A: TRL SFTTrainer with its defaults for the method, micro-batch 4, no packing; T: TRL tuned (bf16, its BFD",
         "  packing with padding-free rows, fused AdamW, FlashAttention-2 where installed, the largest micro-batch that",
         "  trains, found by trying); T+liger: T with TRL's Liger kernels (when liger-kernel is installed);",
-        "  B: SFT-Play, planned, packed. Tokens are real (non-pad) tokens. MFU: model FLOPs per token (6N full,",
+        "  B: SFT-Play, planned, packed; B+lever: B with one kernel switch on (flex attention, compiled layers, Liger",
+        "  kernels, expandable segments). Tokens are real (non-pad) tokens. MFU: model FLOPs per token (6N full,",
         "  4N + 6N_lora adapters) x tokens/s over the GPU's dense bf16 peak",
         "",
         "| case | side | micro | tokens/s | peak GiB | MFU | loss (last steps) | B over best tuned | s/step: predicted / measured |",
@@ -349,10 +372,11 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
             tps = result["tokens_per_second"]
             mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"
             memory = f"{result['peak_bytes'] / 1024**3:.1f}" if result.get("peak_bytes") else "n/a"
-            shown_ratio = f"{tps / best:.2f}x" if side == "B" and best else ""
+            ours = side.startswith("B")
+            shown_ratio = f"{tps / best:.2f}x" if ours and best else ""
             predicted = result.get("predicted_step_seconds")
             timing = (f"{predicted:.3f} / {result['measured_step_seconds']:.3f}" if predicted
-                      else ("n/a (no GPU peak)" if side == "B" else ""))
+                      else ("n/a (no GPU peak)" if ours else ""))
             lines.append(f"| {case.name} | {side} | {result['micro_batch']} | {tps:,.0f} | {memory} | {mfu} | "
                          f"{result['last_loss']:.3f} | {shown_ratio} | {timing} |")
     lines += ["", "Targets (issue 14, H100): B >= 1.3x the best tuned TRL baseline on every row with matching losses;",

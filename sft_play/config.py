@@ -62,8 +62,10 @@ class ModelConfig(_Section):
         description="Storage dtype of the base weights. auto: the mixed-precision dtype for the "
         "frozen base of LoRA/QLoRA, float32 master weights for full fine-tuning.",
     )
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
-        "auto", description="Attention kernel. auto: flash_attention_2 when installed on CUDA, else sdpa."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto",
+        description="Attention kernel. auto: flash_attention_2 when installed on CUDA, else sdpa. "
+        "flex_attention runs packed rows with a block mask built from the position ids (no s x s mask).",
     )
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped with a hub model. Off unless you trust the source."
@@ -166,6 +168,15 @@ class TrainConfig(_Section):
     )
     seed: int = Field(42, description="Seed for data order, dropout and adapter initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower), for debugging run differences.")
+    torch_compile: bool = Field(
+        False, description="Compile each decoder layer with torch.compile (the first steps are slower while it compiles)."
+    )
+    liger_kernels: bool = Field(
+        False, description="Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA only)."
+    )
+    expandable_segments: bool = Field(
+        False, description="CUDA caching allocator with expandable segments (less fragmentation; CUDA only)."
+    )
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between log lines.")
     save_steps: int = Field(0, ge=0, description="Optimizer steps between checkpoints; 0 saves only at the end.")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
@@ -459,6 +470,8 @@ def _consistency_problems(config: RunConfig) -> list[str]:
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "
             "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
         )
+    if train.liger_kernels and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("train.liger_kernels: needs the liger-kernel package (pip install liger-kernel); or set it false")
     if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
         problems.append(
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "

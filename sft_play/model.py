@@ -192,6 +192,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     if config.model.trust_remote_code:
         logger.warning("model.trust_remote_code is on: running Python code shipped with %s", config.model.name_or_path)
     location = weights_location(config)
+    if run.expandable_segments:
+        use_expandable_segments()
     quant = quantization_config(config, precision)
     kwargs: dict[str, Any] = {
         "dtype": TORCH_DTYPES[precision.weights_dtype],
@@ -215,7 +217,39 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     model.name_or_path = model.config.name_or_path = config.model.name_or_path
     # Training never decodes; and with a cache, transformers stops separating packed examples.
     model.config.use_cache = False
+    if run.compile_layers:
+        compile_decoder_layers(model)
     return model
+
+
+def use_expandable_segments() -> None:
+    """Switch the CUDA caching allocator to expandable segments (``train.expandable_segments``):
+    segments grow in place instead of new fixed ones being cut, so freed space is not stranded
+    between them. Settable at run time; applies to the segments allocated from now on, which is
+    all of them when called before the weights load."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    logger.info("CUDA allocator: expandable segments")
+
+
+def compile_decoder_layers(model: Any) -> int:
+    """``torch.compile`` every decoder layer in place (``train.torch_compile``), as torchtune does:
+    the layers are identical, so one compiled graph serves them all, and the loss head, the
+    checkpointing wrapper and peft's adapters (injected later, inside the layers, before the first
+    call that compiles) stay outside any graph break. Returns how many layers were compiled."""
+    from sft_play.planner.shapes import decoder_layers
+
+    text = model.config.get_text_config()
+    layers = decoder_layers(model, text.num_hidden_layers)
+    if layers is None:
+        from sft_play.errors import UserError
+
+        raise UserError("train.torch_compile: cannot find the decoder layers of "
+                        f"{type(model).__name__}; set train.torch_compile=false")
+    for layer in layers:
+        layer.compile()
+    logger.info("torch.compile: %d decoder layers (compiled on the first step)", len(layers))
+    return len(layers)
 
 
 def lora_config(config: RunConfig) -> Any:

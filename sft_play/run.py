@@ -14,6 +14,7 @@ describe a different run from the one that trains:
 | world size, strategy, offload, DeepSpeed bucket sizes | trainer arguments, planner |
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
+| kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
 
 :func:`resolve` builds it; nothing here loads weights (the model's ``config.json`` is read for
 what decides the attention kernel).
@@ -51,7 +52,7 @@ class Run:
     precision: Precision
     adapter_dtype: str  # LoRA/QLoRA adapter weights (and their gradients and AdamW states)
     optimizer: str
-    attention: str  # flash_attention_2, sdpa or eager
+    attention: str  # flash_attention_2, flex_attention, sdpa or eager
     collator: Collator
     uniform_rows: bool  # every row one example of one length: no packing boundaries, no padding
     world_size: int
@@ -68,6 +69,9 @@ class Run:
     lora_dropout: float = 0.0
     lora_targets: str | tuple[str, ...] = "all-linear"
     double_quant: bool = True
+    compile_layers: bool = False  # torch.compile each decoder layer
+    liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
+    expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
     reduce_bucket_elements: int | None = None  # DeepSpeed reduce_bucket_size, as the trainer fills it
     allgather_bucket_elements: int | None = None
 
@@ -79,12 +83,18 @@ class Run:
         """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
         (or are padded to the longest in the batch), and padded batches of unequal lengths need
         one, unless FlashAttention-2 runs them as variable-length sequences."""
-        if self.attention == "flash_attention_2" or self.uniform_rows:
+        if self.attention in MASK_FREE_ATTENTION or self.uniform_rows:
             return False
         return self.collator == "packed_rows" or micro_batch > 1
 
     def with_changes(self, **changes: Any) -> Run:
         return dataclasses.replace(self, **changes)
+
+
+# Kernels that take packed rows without an s x s mask: FlashAttention-2 reads the example
+# boundaries from the position ids (variable-length kernel); flex attention gets a block mask that
+# transformers builds from them (masking_utils.find_packed_sequence_indices), O((s/128)^2) entries.
+MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
 
 
 def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool) -> str:
@@ -101,7 +111,8 @@ def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, sof
 
 def collator_kind(packing: bool, attention: str) -> Collator:
     """Packed rows go to TRL's padding-free collator under FlashAttention-2 (variable-length
-    sequences) and to our packed-rows collator otherwise; unpacked data is padded per batch."""
+    sequences) and to our packed-rows collator otherwise (flex attention included: rows with
+    per-example position ids); unpacked data is padded per batch."""
     if not packing:
         return "padded"
     return "padding_free" if attention.startswith("flash_attention") else "packed_rows"
@@ -200,6 +211,9 @@ def resolve(
         lora_dropout=config.lora.dropout,
         lora_targets=targets if isinstance(targets := config.lora.target_modules, str) else tuple(targets),
         double_quant=config.quantization.double_quant,
+        compile_layers=config.train.torch_compile,
+        liger=config.train.liger_kernels and on_cuda,
+        expandable_segments=config.train.expandable_segments and on_cuda,
         reduce_bucket_elements=reduce_bucket,
         allgather_bucket_elements=allgather_bucket,
     )

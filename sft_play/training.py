@@ -117,6 +117,8 @@ def sft_arguments(
         data_seed=train.seed,
         full_determinism=train.deterministic,
         include_num_input_tokens_seen="non_padding",  # also logs train_tokens_per_second
+        # Liger's layer kernels (TRL keeps its own fused, chunked loss head)
+        use_liger_kernel=run.liger,
         max_length=data.max_seq_length,
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
         dataset_num_proc=data.num_proc,

@@ -193,7 +193,8 @@ def make_plan(
     masked = run.masked(split.micro_batch_size)
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
-                     "installing flash-attn lets packing run mask-free and faster")
+                     "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
+    notes.extend(kernel_notes(config, run))
     return Plan(
         model=config.model.name_or_path,
         method=config.finetune.method,
@@ -283,6 +284,25 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
                       bf16_supported=False, on_cuda=False, source="host memory")
     raise ValueError("no CUDA GPU on this machine: say what to plan for with NUM_GPUS=N VRAM_GIB=G "
                      "(e.g. make plan NUM_GPUS=8 VRAM_GIB=80; scripts/plan.py takes --gpus 8 --vram-gib 80)")
+
+
+def kernel_notes(config: RunConfig, run: Run) -> list[str]:
+    """What the plan says about the kernel switches: where one is off, and that the memory they
+    save is not predicted (the plan stays an upper bound for them; none is measured yet)."""
+    notes = []
+    if config.train.liger_kernels and not run.liger:
+        notes.append("train.liger_kernels: off without CUDA (Triton kernels)")
+    if config.train.expandable_segments and not run.expandable_segments:
+        notes.append("train.expandable_segments: off without CUDA")
+    saving = [name for name, on in (("Liger kernels", run.liger), ("compiled layers", run.compile_layers),
+                                    ("expandable segments", run.expandable_segments)) if on]
+    if saving:
+        notes.append(f"{', '.join(saving)}: planned without the memory they may save (not yet measured), "
+                     "so the plan is an upper bound for them")
+    if run.attention == "flex_attention":
+        notes.append("flex attention: planned as a fused kernel without a mask, like FlashAttention-2 (not yet "
+                     "measured)")
+    return notes
 
 
 def _crossing(first: Prediction, last: Prediction, budget: int) -> int | None:

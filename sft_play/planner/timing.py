@@ -81,12 +81,21 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def efficiency(run: Run) -> tuple[float, str]:
+    """The MFU the run is predicted at, and where it comes from. The measured MFUs are of the
+    default kernels (SDPA, no Liger, no compiled layers); the kernel switches have not been
+    measured yet, so they are predicted at the same efficiency and the source says so."""
     if run.method == "qlora":
         mfu, source = MEASURED_MFU["lora"]
-        return mfu * QLORA_FACTOR, f"LoRA's measured {100 * mfu:.1f} % x {QLORA_FACTOR} for 4-bit de-quantisation " \
-                                   "(an estimate: QLoRA awaits a GPU measurement)"
-    mfu, source = MEASURED_MFU[run.method]
-    return mfu, f"measured {100 * mfu:.1f} % ({source})"
+        mfu, text = mfu * QLORA_FACTOR, (f"LoRA's measured {100 * mfu:.1f} % x {QLORA_FACTOR} for 4-bit "
+                                         "de-quantisation (an estimate: QLoRA awaits a GPU measurement)")
+    else:
+        mfu, source = MEASURED_MFU[run.method]
+        text = f"measured {100 * mfu:.1f} % ({source})"
+    switched = [name for name, on in (("Liger kernels", run.liger), ("compiled layers", run.compile_layers),
+                                      (run.attention, run.attention not in ("sdpa", "eager"))) if on]
+    if switched:
+        text += f"; {', '.join(switched)}: not yet measured, taken at the same efficiency"
+    return mfu, text
 
 
 def gradient_traffic_bytes(shape: ModelShape, run: Run) -> float:

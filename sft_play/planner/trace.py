@@ -54,6 +54,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from sft_play.run import MASK_FREE_ATTENTION
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLASH_TRACE = "sft_play_flash_trace"
 
@@ -117,7 +119,7 @@ class TraceSpec:
     weights_dtype: str  # storage dtype of the (base) weights
     adapter_dtype: str  # LoRA adapters
     compute_dtype: str | None  # autocast dtype; None without autocast
-    attention: str  # sdpa, flash_attention_2, eager
+    attention: str  # sdpa, flash_attention_2, flex_attention, eager
     masked: bool  # a 4-D attention mask is passed (packed rows or padding without FlashAttention-2)
     checkpointing: bool
     lora_rank: int = 16
@@ -347,7 +349,9 @@ def _prepared_layer(spec: TraceSpec) -> tuple[Any, Any, Any, torch.dtype]:
         model.requires_grad_(True)
     model.train()
     text = model.config.get_text_config()
-    text._attn_implementation = _FLASH_TRACE if spec.attention == "flash_attention_2" else spec.attention
+    # Flex attention is traced as FlashAttention-2: a fused kernel that keeps q, k, v, the output
+    # and the log-sum-exp for backward and no s x s mask (its block mask is O((s/128)^2))
+    text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
     if spec.checkpointing:
         recompute = functools.partial(_Autocast, DTYPES[spec.compute_dtype] if spec.compute_dtype else None, False)
         model.activation_checkpointing_enable(
@@ -504,7 +508,7 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
     cos = torch.empty(b, s, _head_dim(text), dtype=residual, device=device)
     sin = torch.empty_like(cos)
     mask = None
-    if spec.masked and spec.attention != "flash_attention_2":
+    if spec.masked and spec.attention not in MASK_FREE_ATTENTION:
         # transformers builds a boolean [b, 1, s, s] mask for SDPA, a float one for eager attention
         mask = torch.empty(b, 1, s, s, dtype=torch.bool if spec.attention == "sdpa" else residual, device=device)
     ignore |= {t.untyped_storage()._cdata for t in (leaf, cos, sin, positions, mask) if t is not None}

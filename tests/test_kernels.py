@@ -1,0 +1,142 @@
+"""The kernel switches (issue 14): flex attention, torch.compile of the decoder layers, Liger
+kernels and expandable segments. Each is decided once (sft_play.run), applied where it acts, and
+falls back or refuses clearly where its package or a GPU is missing. How fast each is on a GPU is
+bench/throughput.py's business (--levers), not these tests'."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_play import config as config_module
+from sft_play import model as model_module
+from sft_play.planner import Target, make_plan
+from sft_play.planner.predict import predict
+from sft_play.planner.timing import efficiency
+from sft_play.run import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+H100 = Target(1, 80 * 1024**3, "NVIDIA H100 80GB HBM3")
+
+
+def load(*overrides: str):
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", list(overrides), check_paths=False)
+
+
+def test_liger_without_its_package_is_a_config_error_that_says_how_to_install_it():
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(config_module.ConfigError) as raised:
+        load("train.liger_kernels=true")
+    assert "pip install liger-kernel" in str(raised.value)
+
+
+def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real_find_spec(name, *a))
+    config = load("train.liger_kernels=true", "train.expandable_segments=true")
+    cpu = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
+    assert not cpu.liger and not cpu.expandable_segments
+    gpu = resolve(config, on_cuda=True, bf16_supported=True, world_size=1)
+    assert gpu.liger and gpu.expandable_segments
+    plan = make_plan(config, Target(1, 8 * 1024**3, "CPU (host memory)", on_cuda=False), with_remedies=False)
+    assert "train.liger_kernels: off without CUDA (Triton kernels)" in plan.notes
+    assert "train.expandable_segments: off without CUDA" in plan.notes
+    on_gpu = make_plan(config, H100, with_remedies=False)
+    assert any("Liger kernels, expandable segments: planned without the memory they may save" in n
+               for n in on_gpu.notes), on_gpu.notes
+    assert "Liger kernels: not yet measured" in efficiency(gpu)[1]
+
+
+def test_the_trainer_gets_liger_from_the_resolved_run():
+    from sft_play.training import sft_arguments
+
+    config = load()
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
+    assert sft_arguments(config, run, 2, 1, Path("/tmp/unused"), False).use_liger_kernel is False
+    assert sft_arguments(config, run.with_changes(liger=True), 2, 1, Path("/tmp/unused"), False).use_liger_kernel
+
+
+def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_flash():
+    flex = resolve(load("model.attn_implementation=flex_attention"), on_cuda=True, bf16_supported=True, world_size=1)
+    sdpa = resolve(load("model.attn_implementation=sdpa"), on_cuda=True, bf16_supported=True, world_size=1)
+    assert flex.collator == sdpa.collator == "packed_rows"  # per-example position ids, no mask tensor
+    assert not flex.masked(4) and sdpa.masked(4)
+    flash = flex.with_changes(attention="flash_attention_2", collator="padding_free")
+    from sft_play.planner import model_shape
+
+    shape = model_shape(load())
+    assert predict(shape, flex, 4).peak_bytes < predict(shape, sdpa, 4).peak_bytes  # no s x s mask per layer
+    assert predict(shape, flex, 4).allocated_bytes == predict(shape, flash, 4).allocated_bytes
+    plan = make_plan(load("model.attn_implementation=flex_attention"), H100, with_remedies=False)
+    assert plan.attention == "flex_attention" and not plan.attention_mask
+
+
+def test_flex_attention_keeps_packed_examples_apart_like_sdpa():
+    # SDPA's block-diagonal mask from the position ids is tested with the data (test_data.py);
+    # flex attention builds a block mask from the same position ids and must give the same logits
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sft_play.data.collate import PackedRowsCollator
+
+    ids = list(range(5, 25)) + list(range(40, 52))  # two examples packed in one row: 20 and 12 tokens
+    batch = PackedRowsCollator(pad_token_id=0)([{"input_ids": ids, "labels": ids, "seq_lengths": [20, 12]}])
+    logits = {}
+    for kernel in ("sdpa", "flex_attention"):
+        config = load(f"model.attn_implementation={kernel}", "finetune.method=full")
+        run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
+        model = model_module.load_model(config, run, device="cpu").eval()
+        assert model.config._attn_implementation == kernel
+        with torch.no_grad():
+            logits[kernel] = model(**batch).logits
+    torch.testing.assert_close(logits["flex_attention"], logits["sdpa"], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # and the second example sees nothing of the first
+        alone = model_module.load_model(config, run.with_changes(attention="sdpa"), device="cpu").eval()(
+            input_ids=torch.tensor([ids[20:]])).logits
+    torch.testing.assert_close(logits["flex_attention"][:, 20:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_layers_train_to_the_same_loss():
+    config = load("finetune.method=full", "train.torch_compile=true")
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
+    assert run.compile_layers
+    compiled = model_module.load_model(config, run, device="cpu")
+    plain = model_module.load_model(config, run.with_changes(compile_layers=False), device="cpu")
+    layers = compiled.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in plain.model.layers)
+    ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (compiled, plain):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append((loss.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(losses[0][1], losses[1][1], rtol=1e-3, atol=1e-5)
+
+
+def test_expandable_segments_are_set_before_the_weights_load(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    config = load()
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(expandable_segments=True)
+    model_module.load_model(config, run, device="cpu")
+    assert calls == ["expandable_segments:True"]
+
+
+def test_every_lever_the_throughput_bench_measures_is_a_valid_switch(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from throughput import LEVERS
+
+    assert set(LEVERS) == {"flex", "compile", "liger", "expandable"}
+    for lever, overrides in LEVERS.items():
+        if lever == "liger" and importlib.util.find_spec("liger_kernel") is None:
+            with pytest.raises(config_module.ConfigError):
+                load(*overrides)
+            continue
+        config = load(*overrides)
+        run = resolve(config, on_cuda=True, bf16_supported=True, world_size=1)
+        assert run != resolve(load(), on_cuda=True, bf16_supported=True, world_size=1), lever  # it changes the run
