@@ -96,8 +96,8 @@ eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (d
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
 	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
 
-test: $(STAMP) ## Run the test suite (CPU, no network; two workers)
-	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS)
+test: $(STAMP) ## Run the test suite (CPU, no network)
+	$(PY) -m pytest $(ARGS)
 
 bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
 	$(PY) bench/planner_accuracy.py $(ARGS)

@@ -29,22 +29,6 @@ os.environ.update(
 )
 sys.path.insert(0, str(REPO))
 
-# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). The tests that start
-# several training processes at once stay on one worker, one after another, so that two of them
-# never share the 2 cores with each other; the tests that read the shared real runs below stay on
-# one worker, so that each run is trained once. Everything else is spread over both.
-_GROUPS = {
-    "test_distributed.py": "processes", "test_faults.py": "processes", "test_slurm.py": "processes",
-    "test_export.py": "shared_runs", "test_train_e2e.py": "shared_runs", "test_token_count.py": "shared_runs",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = _GROUPS.get(item.path.name)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def repo() -> Path:
