@@ -47,6 +47,11 @@ def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) ->
     mixed = config.train.mixed_precision
     if mixed == "auto":
         mixed = ("bf16" if bf16_supported else "fp16") if has_gpu else "no"
+    elif not has_gpu and config.distributed.strategy.startswith("deepspeed"):
+        # DeepSpeed without GPUs (its CPU accelerator, for trying the launch path) trains in fp32:
+        # transformers allows 16-bit autocast without a GPU only with use_cpu, which DeepSpeed's
+        # process group cannot use
+        mixed = "no"
     dtype = config.model.torch_dtype
     if dtype == "auto":
         if config.finetune.method == "full":

@@ -71,7 +71,7 @@ def _shared_run(tmp_path_factory, name: str, *overrides: str):
 # what a run writes: (run folder, the finished process).
 @pytest.fixture(scope="session")
 def tiny_lora_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "lora", "train.max_steps=40", "train.logging_steps=5")
+    return _shared_run(tmp_path_factory, "lora", "train.max_steps=24", "train.logging_steps=4")
 
 
 @pytest.fixture(scope="session")

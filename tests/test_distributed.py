@@ -357,3 +357,16 @@ def test_setup_accelerate_wizard_needs_a_terminal_and_keeps_the_existing_file(tm
     assert result.returncode == 2 and "AUTO=1" in result.stderr
     assert output.read_text() == "mine: true\n", "FORCE=1 must not delete the file before the wizard can run"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local.yaml"]
+
+
+def test_deepspeed_without_gpus_trains_in_fp32_whatever_the_config_asks():
+    # transformers refuses 16-bit autocast without a GPU unless use_cpu, which DeepSpeed's process
+    # group cannot use: the embedded default asks for bf16, and `make train-deepspeed CPU=1` must run
+    from sft_play.precision import resolve_precision
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["distributed.strategy=deepspeed_zero2"])
+    assert config.train.mixed_precision == "bf16"
+    assert resolve_precision(config, has_gpu=False, bf16_supported=False).mixed == "no"
+    assert resolve_precision(config, has_gpu=True, bf16_supported=True).mixed == "bf16"
+    ddp = config_module.load(REPO / "configs" / "run_tiny.yaml")
+    assert resolve_precision(ddp, has_gpu=False, bf16_supported=False).mixed == "bf16"  # CPU autocast, use_cpu

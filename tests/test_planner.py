@@ -261,10 +261,11 @@ def test_70b_full_on_eight_24_gib_gpus_gets_a_working_remedy_or_the_hardware():
 
 
 def test_cpu_target_plans_host_memory_without_cuda_runtime():
-    config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml")
+    config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml",
+                                ["train.mixed_precision=auto"])
     plan = make_plan(config, Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False))
     assert not plan.breakdown.get("cuda_runtime") and plan.fits
-    assert plan.precision["mixed"] == "no"
+    assert plan.precision["mixed"] == "no"  # auto: no autocast on the CPU
 
 
 # --- the interface ---------------------------------------------------------------------------

@@ -16,11 +16,11 @@ def logged(output: str) -> list[dict]:
 
 
 def test_logs_count_every_trained_token_and_the_rate(tiny_lora_run):
-    run_dir, result = tiny_lora_run  # 40 steps of 8 packed rows of 256 tokens, logged every 5
+    run_dir, result = tiny_lora_run  # 24 steps of 8 packed rows of 256 tokens, logged every 4
     lines = logged(result.stdout + result.stderr)
     assert [int(line["num_tokens"]) for line in lines] == [int(line["num_input_tokens_seen"]) for line in lines]
     first, last = lines[1], lines[-1]  # lines[0] is the first step (logging_first_step)
-    per_step = (int(last["num_tokens"]) - int(first["num_tokens"])) / 35
+    per_step = (int(last["num_tokens"]) - int(first["num_tokens"])) / 20  # steps 4 to 24
     assert 0.8 * 8 * 256 < per_step <= 8 * 256, "real tokens per step: 8 rows, nearly full"
     assert all(float(line["tokens_per_second"]) > 0 for line in lines)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
