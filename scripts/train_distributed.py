@@ -53,6 +53,8 @@ def main() -> int:
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
     model.weights_location(config)
+    if training.deepspeed_on_cpu(config):
+        training.skip_deepspeed_inference_comm()
     state = PartialState(cpu=training.use_cpu_processes(config), backend=training.process_group_backend(config),
                          timeout=timedelta(minutes=config.distributed.timeout_minutes))
     # Every node writes its part of each checkpoint into the run folder: it must be one folder

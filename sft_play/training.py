@@ -64,6 +64,16 @@ def deepspeed_on_cpu(config: RunConfig) -> bool:
     return not torch.cuda.is_available() and config.distributed.strategy.startswith("deepspeed")
 
 
+def skip_deepspeed_inference_comm() -> None:
+    """DeepSpeed on the CPU compiles a shared-memory all-reduce op when its communication backend
+    starts (``deepspeed.comm.torch.build_shm_op``: ~40 s of C++ build on 2 cores, on the first
+    run in each TORCH_EXTENSIONS_DIR). Only ``inference_all_reduce`` uses it; training's
+    collectives go through torch.distributed (gloo). Marking it incompatible skips the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def process_group_backend(config: RunConfig) -> str | None:
     """The backend the entry script forms the process group with: gloo for DeepSpeed on CPU
     (accelerate finds none there), otherwise accelerate's choice (nccl on GPUs, gloo on CPUs)."""
