@@ -276,7 +276,7 @@ def plan_json(tmp_path_factory):
     image = tmp_path_factory.mktemp("plot") / "plan.png"
     result = run_script(
         "plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
-        "finetune.method=qlora", "train.micro_batch_size=auto", "train.global_batch_size=64",
+        "finetune.method=qlora", "lora.modules_to_save=[]", "train.micro_batch_size=auto", "train.global_batch_size=64",
         "train.gradient_checkpointing=true", "data.max_seq_length=4096", "--gpus", "8", "--vram-gib", "80",
         "--json", "--plot", str(image),
     )
