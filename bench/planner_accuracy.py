@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, run_worker, versions  # bench/ is the script's folder
+from _common import CONFIGS, REPO, run_worker, versions, worker_env  # bench/ is the script's folder
 
 GIB = 1024**3
 
@@ -290,8 +290,6 @@ TIMED_PLAN = ["--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS
 def plan_time() -> dict:
     """One `make plan` of the 70B QLoRA config in a fresh process: its planning seconds."""
     import subprocess
-
-    from _common import worker_env
 
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *TIMED_PLAN, "--json"], check=False,
                             cwd=REPO, capture_output=True, text=True, env=worker_env(), timeout=600)
