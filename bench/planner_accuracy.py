@@ -89,6 +89,13 @@ GRIDS = {
         + [Case(str(CONFIGS / "qwen2.5-0.5b"), "full", 2048, ckpt, (1, 4), "deepspeed_zero2") for ckpt in (False, True)]
     ),
     "quick": _grid(["qwen2.5-0.5b"], ["full", "lora", "qlora"], [2048], (1, 4)),
+    # What one short GPU lease can measure (~20 measurements), the shapes never measured first
+    "short": (
+        _grid(["llama-3.1-8b"], ["lora", "qlora"], [4096], (1, 2))
+        + _grid(["llama-3.2-3b"], ["full", "lora", "qlora"], [2048], (1, 4))
+        + [Case(str(CONFIGS / "qwen2.5-0.5b"), "full", 2048, True, (1, 4), "deepspeed_zero2")]
+        + _grid(["qwen2.5-0.5b"], ["full", "lora", "qlora"], [2048], (1, 4))
+    ),
     "cpu": [Case(str(REPO / "configs" / "tiny_model"), "lora", 128, False, (1, 4))],
 }
 
@@ -238,12 +245,27 @@ def main() -> int:
     parser.add_argument("--search", action="store_true", help="also search the largest micro-batch that really fits")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     parser.add_argument("--timing-runs", type=int, default=5, help="plans of the 70B config to time (0: none)")
+    parser.add_argument("--budget-seconds", type=float, default=None,
+                        help="start no new measurement after this many seconds (the report keeps what was measured)")
+    parser.add_argument("--from-rows", nargs="*", help="render the report from rows JSON files written by --rows; "
+                                                       "measures nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
         case = Case(**{**spec["case"], "micro_batches": tuple(spec["case"]["micro_batches"])})
         print(json.dumps(_worker(case, spec["micro"], spec["output_dir"])))
+        return 0
+    if args.from_rows:
+        docs = [json.loads(Path(path).read_text()) for path in args.from_rows]
+        rows = [row for doc in docs for row in doc["rows"]]
+        choices = [(Case(**{**c["case"], "micro_batches": tuple(c["case"]["micro_batches"])}), c["chosen"], c["real"],
+                    c["chosen_ok"]) for doc in docs for c in doc.get("choices", [])]
+        Path(args.output).write_text(render(rows, choices, None, docs[0]["device"] != "cpu",
+                                            sum(doc.get("seconds", 0) for doc in docs),
+                                            device=docs[0]["device"], versions_line=docs[0]["versions"],
+                                            commands=[doc.get("command", "") for doc in docs]))
+        print(f"wrote {args.output}")
         return 0
 
     import torch
@@ -259,8 +281,22 @@ def main() -> int:
         target = Target(1, facts.gpus[0].total_bytes, facts.gpus[0].name)
     started = time.time()
     rows, choices = [], []
+
+    def save_rows() -> None:  # after every measurement: a run cut short keeps what it measured
+        if args.rows:
+            Path(args.rows).write_text(json.dumps({
+                "device": facts.gpus[0].name if on_cuda else "cpu", "versions": versions(),
+                "command": _command(), "seconds": time.time() - started, "rows": rows,
+                "choices": [{"case": asdict(c), "chosen": chosen, "real": real, "chosen_ok": ok}
+                            for c, chosen, real, ok in choices]}, indent=1) + "\n")
+
+    def out_of_time() -> bool:
+        return args.budget_seconds is not None and time.time() - started > args.budget_seconds
+
     for case in grid:
         for micro in case.micro_batches:
+            if out_of_time():
+                break
             predicted, _ = predict(case, micro, target)
             measured = measure(case, micro, args.timeout)
             rows.append({"case": asdict(case), "micro": micro, "predicted": predicted, "measured": measured})
@@ -268,18 +304,22 @@ def main() -> int:
             print(f"{case.label} seq {case.seq_len} ckpt {case.checkpointing} micro {micro}: predicted "
                   f"{predicted['peak_bytes'] / GIB:.2f} GiB, measured "
                   f"{shown / GIB if shown else float('nan'):.2f} GiB", flush=True)
-        if args.search:
+            save_rows()
+        if args.search and not out_of_time():
             real = largest_real_micro(case, max(case.micro_batches), args.timeout)
             _, chosen = predict(case, 1, target)
             chosen_ok = measure(case, chosen, args.timeout)["ok"] if chosen else True
             choices.append((case, chosen, real, chosen_ok))
+            save_rows()
     timings = [plan_time() for _ in range(args.timing_runs)]
     Path(args.output).write_text(render(rows, choices, facts, on_cuda, time.time() - started, timings))
-    if args.rows:
-        Path(args.rows).write_text(json.dumps({"device": facts.gpus[0].name if on_cuda else "cpu",
-                                               "versions": versions(), "rows": rows}, indent=1) + "\n")
+    save_rows()
     print(f"wrote {args.output}")
     return 0
+
+
+def _command() -> str:
+    return "python bench/planner_accuracy.py " + " ".join(a for a in sys.argv[1:] if a != "--worker")
 
 
 TIMED_PLAN = ["--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
@@ -303,9 +343,9 @@ def _error(predicted: int, measured: int | None) -> float | None:
     return (predicted - measured) / measured if measured else None
 
 
-def render(rows, choices, facts, on_cuda, seconds, timings=()) -> str:
-    device = facts.gpus[0].name if on_cuda else f"CPU ({facts.cpu_logical_cores} cores), host memory"
-    command = "python bench/planner_accuracy.py " + " ".join(a for a in sys.argv[1:] if a != "--worker")
+def render(rows, choices, facts, on_cuda, seconds, timings=(), device=None, versions_line=None, commands=None) -> str:
+    device = device or (facts.gpus[0].name if on_cuda else f"CPU ({facts.cpu_logical_cores} cores), host memory")
+    commands = commands or [_command()]
     lines = ["# Planner accuracy", ""]
     if not on_cuda:
         lines += [
@@ -318,8 +358,8 @@ def render(rows, choices, facts, on_cuda, seconds, timings=()) -> str:
         ]
     lines += [
         f"- device: {device}",
-        f"- versions: {versions()}",
-        f"- command: `{command.strip()}`",
+        f"- versions: {versions_line or versions()}",
+        *[f"- command: `{command.strip()}`" for command in commands],
         f"- wall time: {seconds:.0f} s",
         *(["- measured peak: `torch.cuda.max_memory_reserved()` over 3 training steps plus the CUDA context (NVML's",
            "  per-process usage less torch's reservation right after initialisation); live: `max_memory_allocated()`",

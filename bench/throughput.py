@@ -241,23 +241,29 @@ def measure(side: str, case: Case, steps: int, warmup: int, timeout: int, **extr
         return run_worker(__file__, spec, timeout)
 
 
-def measure_tuned(case: Case, steps: int, warmup: int, timeout: int, on_cuda: bool, tuned: str = "tuned") -> dict:
-    """The tuned baseline at the largest micro-batch that trains: doubling from 2 until a run
-    fails, then bisecting (each try in a fresh process); on the CPU at micro-batch 8."""
+def measure_tuned(case: Case, steps: int, warmup: int, timeout: int, on_cuda: bool, tuned: str = "tuned",
+                  start: int = 2) -> dict:
+    """The tuned baseline at the largest micro-batch that trains: doubling from `start` (side
+    B's micro-batch, when known) until a run fails, then bisecting until the bounds are within an
+    eighth of each other (each try a fresh process; a micro-batch an eighth larger changes little
+    once the GPU is busy); on the CPU at micro-batch 8."""
     if not on_cuda:
         return {**measure("T", case, steps, warmup, timeout, tuned=tuned, micro=8), "searched": False}
-    best, low, high, micro = None, 0, None, 2
-    while high is None and micro <= 512:
+
+    def trains(micro: int) -> bool:
         result = measure("T", case, 2, 1, timeout, tuned=tuned, micro=micro)
-        if result.get("ok", True) and "error" not in result:
+        return result.get("ok", True) and "error" not in result
+
+    best, low, high, micro = None, 0, None, max(1, start)
+    while high is None and micro <= 512:
+        if trains(micro):
             low, micro = micro, micro * 2
         else:
             high = micro
     high = high or micro
-    while high - low > 1:
+    while high - low > max(1, low // 8):
         middle = (low + high) // 2
-        result = measure("T", case, 2, 1, timeout, tuned=tuned, micro=middle)
-        low, high = (middle, high) if result.get("ok", True) and "error" not in result else (low, middle)
+        low, high = (middle, high) if trains(middle) else (low, middle)
     if low:
         best = measure("T", case, steps, warmup, timeout, tuned=tuned, micro=low)
     return {**(best or {"ok": False, "error": "no micro-batch trains"}), "searched": True}
@@ -291,6 +297,11 @@ def main() -> int:
     parser.add_argument("--levers", nargs="*", choices=sorted(LEVERS), default=None,
                         help="B rows with one kernel switch on (default: every one that runs here on a GPU, none on "
                              "the CPU)")
+    parser.add_argument("--sides", nargs="*", choices=["A", "T", "B"], default=["A", "T", "B"],
+                        help="which sides to run (levers ride on B)")
+    parser.add_argument("--rows", help="also write the raw rows as JSON here, after every case")
+    parser.add_argument("--from-rows", nargs="*", help="render the report from rows JSON files written by --rows "
+                                                       "(several partial runs into one report); runs nothing")
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -303,6 +314,19 @@ def main() -> int:
             result = run_baseline(case, spec["steps"], spec["warmup"], spec["dir"], tuned=spec.get("tuned", ""),
                                   micro=spec.get("micro", 4))
         print(json.dumps(result))
+        return 0
+    if args.from_rows:
+        docs = [json.loads(Path(path).read_text()) for path in args.from_rows]
+        rows = [(Case(**case), sides, flops) for doc in docs for case, sides, flops in doc["rows"]]
+        meta = docs[0]
+        same = len({(doc["steps"], doc["warmup"]) for doc in docs}) == 1
+        commands = [doc["command"] + ("" if same else f" ({doc['warmup']} warm-up, {doc['steps']} timed steps)")
+                    for doc in docs]
+        Path(args.output).write_text(render(rows, meta["device"], meta["peak"], meta["on_cuda"],
+                                            meta["steps"] if same else None, meta["warmup"] if same else None,
+                                            sum(doc["seconds"] for doc in docs), commands=commands,
+                                            versions_line=meta["versions"]))
+        print(f"wrote {args.output}")
         return 0
 
     import torch
@@ -322,23 +346,35 @@ def main() -> int:
     levers = args.levers if args.levers is not None else (
         [lever for lever in LEVERS if lever != "liger" or liger] if on_cuda else [])
     for case in cases:
-        sides = {"A": measure("A", case, steps, warmup, args.timeout),
-                 "T": measure_tuned(case, steps, warmup, args.timeout, on_cuda)}
-        if liger:
-            sides["T+liger"] = measure_tuned(case, steps, warmup, args.timeout, on_cuda, tuned="liger")
-        sides["B"] = measure("B", case, steps, warmup, args.timeout)
-        for lever in levers:
+        sides = {}
+        if "A" in args.sides:
+            sides["A"] = measure("A", case, steps, warmup, args.timeout)
+        if "B" in args.sides:
+            sides["B"] = measure("B", case, steps, warmup, args.timeout)
+        if "T" in args.sides:  # the search starts from B's micro-batch: fewer tries
+            start = sides.get("B", {}).get("micro_batch") or 2
+            sides["T"] = measure_tuned(case, steps, warmup, args.timeout, on_cuda, start=start)
+            if liger:  # at T's micro-batch: Liger's kernels only lower the memory a micro-batch takes
+                sides["T+liger"] = measure("T", case, steps, warmup, args.timeout, tuned="liger",
+                                           micro=sides["T"].get("micro_batch") or start)
+        for lever in levers if "B" in args.sides else []:
             sides[f"B+{lever}"] = measure("B", case, steps, warmup, args.timeout, lever=lever)
         rows.append((case, sides, flops_per_token(case)))
         print(f"{case.name}: " + ", ".join(f"{k} {v.get('tokens_per_second', 0):.0f} tok/s" for k, v in sides.items()),
               flush=True)
+        if args.rows:  # after every case: a run cut short keeps what it measured
+            command = "python bench/throughput.py " + " ".join(sys.argv[1:])
+            Path(args.rows).write_text(json.dumps({
+                "device": device, "peak": peak, "on_cuda": on_cuda, "steps": steps, "warmup": warmup,
+                "seconds": time.time() - started, "command": command, "versions": versions(),
+                "rows": [(asdict(c), s, f) for c, s, f in rows]}, indent=1) + "\n")
     Path(args.output).write_text(render(rows, device, peak, on_cuda, steps, warmup, time.time() - started))
     print(f"wrote {args.output}")
     return 0
 
 
-def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
-    command = "python bench/throughput.py " + " ".join(sys.argv[1:])
+def render(rows, device, peak, on_cuda, steps, warmup, seconds, commands=None, versions_line=None) -> str:
+    commands = commands or ["python bench/throughput.py " + " ".join(sys.argv[1:])]
     lines = ["# Throughput benchmark", ""]
     if not on_cuda:
         lines += [
@@ -349,12 +385,13 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds) -> str:
         ]
     lines += [
         f"- device: {device}" + (f"; dense bf16 peak used for MFU: {peak / 1e12:.0f} TFLOP/s" if peak else ""),
-        f"- versions: {versions()}",
-        f"- command: `{command.strip()}`",
-        f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s",
+        f"- versions: {versions_line or versions()}",
+        *[f"- command: `{command.strip()}`" for command in commands],
+        (f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s" if steps else
+         f"- warm-up and timed steps per side as each command says; wall time {seconds:.0f} s"),
         "- A: TRL SFTTrainer with its defaults for the method, micro-batch 4, no packing; T: TRL tuned (bf16, its BFD",
         "  packing with padding-free rows, fused AdamW, FlashAttention-2 where installed, the largest micro-batch that",
-        "  trains, found by trying); T+liger: T with TRL's Liger kernels (when liger-kernel is installed);",
+        "  trains, found by trying); T+liger: T with TRL's Liger kernels at T's micro-batch (when installed);",
         "  B: SFT-Play, planned, packed; B+lever: B with one kernel switch on (flex attention, compiled layers, Liger",
         "  kernels, expandable segments). Tokens are real (non-pad) tokens. MFU: model FLOPs per token (6N full,",
         "  4N + 6N_lora adapters) x tokens/s over the GPU's dense bf16 peak",

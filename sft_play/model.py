@@ -53,6 +53,13 @@ def init_dtype(config: RunConfig) -> str:
     return "float16" if config.train.mixed_precision == "fp16" else "bfloat16"
 
 
+def init_weights_dir(config_dir: str, seed: int, dtype: str = "float32") -> Path:
+    """Where weights initialised from ``config_dir/config.json`` under `seed` in `dtype` are kept."""
+    config_bytes = (Path(config_dir) / "config.json").read_bytes()
+    salt = f"|seed={seed}" + ("" if dtype == "float32" else f"|dtype={dtype}")
+    return cache_dir() / "init_weights" / hashlib.sha256(config_bytes + salt.encode()).hexdigest()[:16]
+
+
 def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32") -> str:
     """A folder with weights initialised from ``config_dir/config.json`` under `seed`, in `dtype`.
 
@@ -69,10 +76,8 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
 
     from sft_play.errors import UserError
 
-    config_bytes = (Path(config_dir) / "config.json").read_bytes()
-    salt = f"|seed={seed}" + ("" if dtype == "float32" else f"|dtype={dtype}")
-    key = hashlib.sha256(config_bytes + salt.encode()).hexdigest()[:16]
-    target = cache_dir() / "init_weights" / key
+    target = init_weights_dir(config_dir, seed, dtype)
+    key = target.name
     if has_weights(str(target)):
         return str(target)
     model_config = AutoConfig.from_pretrained(config_dir)
