@@ -32,8 +32,11 @@ def run_worker(script: str | Path, spec: dict, timeout: int) -> dict:
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": "timeout"}
     for line in reversed(result.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
+        if line.startswith("{"):  # the worker's report; the trainer's own logs print Python dicts
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
     if "out of memory" in result.stderr.lower():
         return {"ok": False, "error": "out of memory"}
     return {"ok": False, "error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}

@@ -37,6 +37,19 @@ def test_workers_keep_the_callers_python_path(monkeypatch):
     assert entries == ["/opt/site-packages", str(REPO)]  # packages installed there stay importable
 
 
+def test_a_worker_that_fails_after_the_trainer_logged_is_a_failed_row(tmp_path):
+    # On an H100 an out-of-memory try of the tuned baseline ended with the trainer's last log line,
+    # a Python dict, which the bench read as its JSON report and crashed on
+    sys.path.insert(0, str(REPO))
+    from bench._common import run_worker
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys\nprint({'loss': 1.0, 'epoch': 0.1})\nsys.exit('torch.OutOfMemoryError: CUDA out of memory')\n")
+    assert run_worker(worker, {}, timeout=60) == {"ok": False, "error": "out of memory"}
+    worker.write_text("print({'loss': 1.0})\nprint('{\"ok\": true, \"tokens\": 3}')\n")
+    assert run_worker(worker, {}, timeout=60) == {"ok": True, "tokens": 3}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_throughput_cpu_path_compares_both_sides(tmp_path):
     report = tmp_path / "benchmarks.md"
