@@ -20,9 +20,10 @@ import pytest
 
 from sft_play import checkpoints, launch, training
 from sft_play import config as config_module
+from tests.conftest import BATCH
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2"]
+TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", BATCH]
 # Step 2 plus its save take this long after the stop signal: longer than torchrun's default
 # shutdown timeout (30 s), after which its agent would have killed the processes unsaved
 SLOW_STOP_S = 31

@@ -129,7 +129,6 @@ def test_a_config_only_70b_is_refused_before_memory_is_spent(tmp_path, monkeypat
     from sft_play import config as config_module
     from sft_play.errors import UserError
     from sft_play.model import weights_location
-
     from tests.conftest import FIXTURES
 
     shutil.copy(FIXTURES / "model_configs" / "llama-3-70b" / "config.json", tmp_path)
