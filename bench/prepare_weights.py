@@ -14,10 +14,7 @@ Usage: python bench/prepare_weights.py MODEL:DTYPE [MODEL:DTYPE ...]
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 import time
 
 from _common import CONFIGS  # bench/ is the script's folder
@@ -27,7 +24,7 @@ def prepare(name: str, dtype: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft_play.model import TORCH_DTYPES, has_weights, init_weights_dir
+    from sft_play.model import TORCH_DTYPES, has_weights, init_weights_dir, save_init_weights
 
     config_dir = CONFIGS / name
     target = init_weights_dir(str(config_dir), seed, dtype)
@@ -37,13 +34,7 @@ def prepare(name: str, dtype: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=TORCH_DTYPES[dtype])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-")
-    model.save_pretrained(staging, safe_serialization=True)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
+    save_init_weights(model, target)
     del model
     torch.cuda.empty_cache()
     return f"{name} {dtype}: built on the GPU in {time.time() - started:.0f} s into {target}"

@@ -8,8 +8,8 @@ masked out of the loss):
      quantization_config), micro-batch 4, no packing, the same sequence cap;
   T  TRL tuned as a competent user would: bf16, its BFD packing with padding-free rows, fused
      AdamW, FlashAttention-2 where installed, the largest micro-batch that trains (found by
-     trying, each try a fresh process); T+liger the same with TRL's Liger kernels where
-     liger-kernel is installed;
+     trying, each try a fresh process); T+liger the same at T's micro-batch with TRL's
+     Liger kernels where liger-kernel is installed;
   B  SFT-Play: its planner's micro-batch, packing with per-example position ids, its collator
      and precision recipe, through the same functions the training entry uses;
   B+lever  B with one kernel switch on (--levers; by default on a GPU every one that can run

@@ -77,7 +77,6 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
     from sft_play.errors import UserError
 
     target = init_weights_dir(config_dir, seed, dtype)
-    key = target.name
     if has_weights(str(target)):
         return str(target)
     model_config = AutoConfig.from_pretrained(config_dir)
@@ -91,11 +90,17 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
             f"{needed / 1024**3:.1f} GiB of host memory ({available / 1024**3:.1f} GiB available): point "
             "model.name_or_path at real weights (a hub id or a folder with safetensors)"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("no weights in %s: initialising them from config.json with seed %d in %s", config_dir, seed, dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=TORCH_DTYPES[dtype])
-    staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-")
+    save_init_weights(AutoModelForCausalLM.from_config(model_config, dtype=TORCH_DTYPES[dtype]), target)
+    return str(target)
+
+
+def save_init_weights(model: Any, target: Path) -> None:
+    """Write `model` into `target` atomically (staged beside it, then renamed), so that
+    concurrent ranks never see half of it; a process that got there first wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-")
     model.save_pretrained(staging, safe_serialization=True)
     try:
         os.rename(staging, target)
@@ -103,7 +108,6 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
         shutil.rmtree(staging, ignore_errors=True)
         if not has_weights(str(target)):
             raise
-    return str(target)
 
 
 def weights_location(config: RunConfig) -> str:
