@@ -20,6 +20,7 @@ def main() -> int:
     facts = hardware.detect()
     results.append(checks.check_accelerator(facts))
     if config is not None:
+        results.append(checks.check_precision(config, facts))
         results += checks.check_model(config)
         results += checks.check_data(config)
         results.append(checks.check_output_dir(config))

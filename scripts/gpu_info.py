@@ -1,4 +1,5 @@
-"""Print this machine's GPUs (index, name, memory, compute capability, bf16, links), CPU and RAM.
+"""Print this machine's GPUs (index, name, memory, compute capability, bf16, links), CPU and RAM,
+and the precision ``train.mixed_precision: auto`` trains in here.
 
 Exits 0 on a machine without a GPU, saying so. --json prints the same facts as one document.
 
@@ -12,6 +13,7 @@ import json
 
 
 from sft_play import cli, hardware
+from sft_play.precision import auto_mixed_precision
 
 
 def main() -> int:
@@ -19,7 +21,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
     facts = hardware.detect()
-    print(json.dumps(facts.to_dict(), indent=2) if args.json else hardware.format_report(facts))
+    mixed, reason = auto_mixed_precision(facts.has_gpu, facts.bf16_supported(facts.has_gpu))
+    if args.json:
+        print(json.dumps({**facts.to_dict(), "auto_mixed_precision": {"mode": mixed, "reason": reason}}, indent=2))
+    else:
+        print(hardware.format_report(facts))
+        print(f"train.mixed_precision=auto trains in {'fp32' if mixed == 'no' else mixed} here ({reason})")
     return 0
 
 

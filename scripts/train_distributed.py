@@ -111,10 +111,12 @@ def main() -> int:
     if state.is_main_process:
         nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
         logger.info(
-            "%d process(es) on %d node(s), %s, mixed precision %s, weights %s, attention %s, optimizer %s",
-            state.num_processes, nodes, state.distributed_type, precision.mixed, precision.weights_dtype,
-            run.attention, run.optimizer,
+            "%d process(es) on %d node(s), %s, mixed precision %s (%s), weights %s, attention %s, optimizer %s",
+            state.num_processes, nodes, state.distributed_type, precision.mixed, precision.reason,
+            precision.weights_dtype, run.attention, run.optimizer,
         )
+        if precision.warning:
+            logger.warning("%s", precision.warning)
         logger.info("%s", plan.describe())
         for line in plan.notes + plan.warnings:
             logger.info("plan: %s", line)

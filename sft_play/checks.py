@@ -91,6 +91,18 @@ def check_accelerator(facts: HardwareInfo) -> Check:
     return Check("cuda", True, detail, warning=facts.nccl_version is None and len(facts.gpus) > 1)
 
 
+def check_precision(config: RunConfig, facts: HardwareInfo) -> Check:
+    """The autocast mode and weights dtype the run would train in here, and why."""
+    from sft_play.precision import resolve_precision
+
+    precision = resolve_precision(config, has_gpu=facts.has_gpu, bf16_supported=facts.bf16_supported(facts.has_gpu))
+    compute = "fp32" if precision.mixed == "no" else f"{precision.mixed} autocast"
+    detail = f"{compute}, {precision.weights_dtype} weights ({precision.reason})"
+    if precision.warning:
+        detail += f"; {precision.warning}"
+    return Check("precision", True, detail, warning=precision.warning is not None)
+
+
 def check_model(config: RunConfig) -> list[Check]:
     """The model's config reads (a hub id: downloaded or cached), and its tokenizer encodes text."""
     from sft_play.errors import UserError
@@ -207,6 +219,6 @@ def disk_check_for(config: RunConfig, facts: HardwareInfo) -> Check:
         shape = model_shape(config)
     except OSError:
         return check_disk(config, None)
-    run = resolve(config, on_cuda=facts.has_gpu, bf16_supported=facts.has_gpu and all(g.bf16_supported for g in facts.gpus),
+    run = resolve(config, on_cuda=facts.has_gpu, bf16_supported=facts.bf16_supported(facts.has_gpu),
                   world_size=max(1, len(facts.gpus)), model_facts=shape)
     return check_disk(config, needed_disk_bytes(config, shape, run))

@@ -73,6 +73,8 @@ def quiet_libraries() -> None:
     - DeepSpeed's "Setting accelerator to CPU" on machines without a GPU, where accelerate
       imports DeepSpeed to unwrap a model even when it is not used (``DS_ACCELERATOR=cpu`` says so);
     - datasets' progress bars (the data module logs what it did instead).
+
+    transformers' "Loading weights" bar goes where models load (:func:`sft_play.model.quiet_loading`).
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         lambda record: "gemm_4bit_forward" not in record.getMessage())
@@ -86,7 +88,9 @@ def quiet_libraries() -> None:
 
 
 def run(main: Callable[[], int | None]) -> None:
-    """Call `main` and exit with its status; user errors print a message and exit 2."""
+    """Call `main` and exit with its status; user errors print a message and exit 2. The
+    libraries' noise is silenced first (:func:`quiet_libraries`)."""
+    quiet_libraries()
     try:
         status = main()
     except USER_ERRORS as exc:

@@ -164,7 +164,8 @@ class TrainConfig(_Section):
     max_steps: int = Field(-1, description="Optimizer steps; -1 means use num_epochs.")
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training data (when max_steps is -1).")
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = Field(
-        "auto", description="Compute precision; auto: bf16 where the GPU supports it, fp16 on older GPUs, no on CPU."
+        "auto", description="Compute precision; auto: bf16 where the devices compute it natively (Ampere+ GPUs; CPUs "
+        "with AMX, AVX512-BF16 or Arm BF16), fp16 on older GPUs, no (fp32) on other CPUs."
     )
     seed: int = Field(42, description="Seed for data order, dropout and adapter initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower), for debugging run differences.")

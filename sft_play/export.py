@@ -89,6 +89,9 @@ def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sft_play.model import quiet_loading
+
+    quiet_loading()
     model_dir, config = _locate(Path(path))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = inference_dtype(device)
@@ -190,6 +193,9 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
+    from sft_play.model import quiet_loading
+
+    quiet_loading()
     model_dir, config = _locate(Path(path))
     if config is None:
         raise UserError(f"{path} is not a run folder (it needs config.yaml beside model/)")

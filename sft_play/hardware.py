@@ -1,4 +1,5 @@
-"""What this machine has: CUDA GPUs (NVML where present, else torch.cuda), CPU cores and RAM.
+"""What this machine has: CUDA GPUs (NVML where present, else torch.cuda), the CPU (cores, vector
+instructions, whether it computes bf16 natively) and RAM.
 
 ``detect()`` is the one source of hardware facts for ``make gpu-info``, ``make check`` and the
 planner. It only reads facts; decisions live elsewhere. GPU indices are the ones CUDA uses in
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -59,6 +61,10 @@ class HardwareInfo:
     cpu_physical_cores: int | None = None
     cpu_logical_cores: int = 1
     cpu_usable_cores: int = 1
+    cpu_model: str = ""
+    cpu_capability: str | None = None  # the vector instructions PyTorch's CPU kernels use (AVX2, AVX512, ...)
+    cpu_bf16: bool = False  # the CPU computes bf16 matmuls in hardware (AMX, AVX512-BF16, Arm BF16)
+    cpu_bf16_evidence: str = ""  # why cpu_bf16 is what it is
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     python_version: str = ""
@@ -68,6 +74,11 @@ class HardwareInfo:
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
+
+    def bf16_supported(self, on_gpu: bool) -> bool:
+        """Whether the devices that train compute bf16 natively: every GPU (compute capability 8.0
+        or newer) when training on GPUs, else this CPU."""
+        return all(g.bf16_supported for g in self.gpus) if on_gpu and self.gpus else self.cpu_bf16
 
     def without_gpus(self) -> HardwareInfo:
         """This machine as processes that train on the CPU see it."""
@@ -138,6 +149,52 @@ def _nvml_facts(uuids: list[str]) -> tuple[dict[str, dict[str, Any]], list[GpuLi
             pass
 
 
+# CPU flags (Linux /proc/cpuinfo) that mean bf16 matrix arithmetic in hardware, and their names
+NATIVE_BF16_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16", "bf16": "Arm BF16"}
+
+
+def _cpu_flags_and_model() -> tuple[set[str] | None, str]:
+    """The CPU's feature flags and model name from /proc/cpuinfo (None and the platform's
+    processor string where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None, platform.processor()
+    flags: set[str] | None = None
+    model = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features") and flags is None:
+            flags = set(value.split())
+        elif key == "model name" and not model:
+            model = value.strip()
+    return flags, model or platform.processor()
+
+
+def native_bf16(flags: set[str] | None, torch_reports_bf16: bool) -> tuple[bool, str]:
+    """Whether a CPU computes bf16 matmuls in hardware, and the evidence.
+
+    PyTorch's report (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``) is necessary but not
+    enough: oneDNN also says yes on AVX512 CPUs without AVX512-BF16, where it emulates bf16 at
+    a fraction of fp32's speed; on an AVX2-only CPU bf16 autocast is ~25x slower than fp32. So
+    bf16 counts as native where PyTorch reports it and the CPU has AMX, AVX512-BF16 or Arm's
+    BF16 extension (PyTorch's word alone where the flags cannot be read).
+
+    Args:
+        flags: the CPU's feature flags (``/proc/cpuinfo``), or None where unknown.
+        torch_reports_bf16: what PyTorch's oneDNN reports.
+    """
+    if not torch_reports_bf16:
+        return False, "PyTorch reports no bf16 support on this CPU"
+    if flags is None:
+        return True, "PyTorch reports bf16 support (CPU flags unreadable)"
+    native = [name for flag, name in NATIVE_BF16_FLAGS.items() if flag in flags]
+    if native:
+        return True, " and ".join(native)
+    return False, "no AMX, AVX512-BF16 or Arm BF16: bf16 would be emulated"
+
+
 def _cpu_and_memory(info: HardwareInfo) -> None:
     info.cpu_physical_cores = psutil.cpu_count(logical=False)
     info.cpu_logical_cores = psutil.cpu_count(logical=True) or 1
@@ -164,6 +221,13 @@ def detect() -> HardwareInfo:
         return info
     info.torch_version = torch.__version__
     info.cuda_runtime_version = torch.version.cuda
+    flags, info.cpu_model = _cpu_flags_and_model()
+    try:
+        info.cpu_capability = torch.backends.cpu.get_cpu_capability()
+        reported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        reported = False
+    info.cpu_bf16, info.cpu_bf16_evidence = native_bf16(flags, reported)
     if not torch.cuda.is_available():
         return info
     count = torch.cuda.device_count()
@@ -224,8 +288,12 @@ def format_report(info: HardwareInfo) -> str:
         lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan needs the hardware described: NUM_GPUS=8 VRAM_GIB=80.")
     physical = info.cpu_physical_cores if info.cpu_physical_cores is not None else "?"
     lines.append(
-        f"CPU: {physical} physical / {info.cpu_logical_cores} logical cores ({info.cpu_usable_cores} usable by "
-        f"this process); RAM {info.ram_total_bytes / GIB:.1f} GiB total, {info.ram_available_bytes / GIB:.1f} GiB available"
+        f"CPU: {info.cpu_model or 'unknown model'}, {physical} physical / {info.cpu_logical_cores} logical cores "
+        f"({info.cpu_usable_cores} usable by this process); RAM {info.ram_total_bytes / GIB:.1f} GiB total, "
+        f"{info.ram_available_bytes / GIB:.1f} GiB available"
     )
+    if info.torch_version is not None:
+        lines.append(f"  vector instructions {info.cpu_capability or 'unknown'}; native bf16: "
+                     f"{'yes' if info.cpu_bf16 else 'no'} ({info.cpu_bf16_evidence})")
     lines.append(f"Python {info.python_version}, torch {info.torch_version or 'not installed'}, {info.platform}")
     return "\n".join(lines)

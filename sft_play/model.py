@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from sft_play import hub
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
 from sft_play.precision import Precision
@@ -34,6 +35,14 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 def cache_dir() -> Path:
     """Where initialised weights are kept: ``$SFT_PLAY_CACHE``, else ``~/.cache/sft_play``."""
     return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play"))
+
+
+def quiet_loading() -> None:
+    """Turn off transformers' "Loading weights" progress bar (one tick per tensor: it tells the
+    user nothing; hub downloads keep their own bars)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 def has_weights(path: str) -> bool:
@@ -135,6 +144,7 @@ def load_tokenizer(config: RunConfig) -> Any:
     from sft_play.planner.shapes import load_model_config
 
     source = config.model.tokenizer_name_or_path or config.model.name_or_path
+    hub.prepare(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code
@@ -216,6 +226,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["quantization_config"] = quant
     if config.distributed.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
         kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
+    hub.prepare(location)
+    quiet_loading()
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as exc:

@@ -10,7 +10,9 @@ answer), so that the plan describes the run that really happens.
 | lora   | 16-bit frozen base (the mixed dtype)| adapters float32 (peft)  | autocast bf16/fp16 |
 | qlora  | 4-bit linears, the rest 16-bit     | adapters bf16 (TRL casts) | bnb compute dtype = mixed dtype |
 
-With ``mixed_precision: no`` everything is float32 (the CPU case).
+With ``mixed_precision: no`` everything is float32. ``auto`` picks bf16 where the devices that
+train compute it natively (Ampere or newer GPUs; CPUs with AMX, AVX512-BF16 or Arm BF16), fp16
+on older GPUs and float32 on other CPUs, where bf16 autocast is emulated and ~25x slower.
 """
 
 from __future__ import annotations
@@ -30,10 +32,23 @@ class Precision:
 
     mixed: MixedPrecision
     weights_dtype: str
+    reason: str = ""  # why this autocast mode: the config, or what auto found on the hardware
+    warning: str | None = None  # a configured choice that will run slowly here
 
     @property
     def compute_dtype(self) -> str:
         return {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[self.mixed]
+
+
+def auto_mixed_precision(has_gpu: bool, bf16_supported: bool) -> tuple[MixedPrecision, str]:
+    """What ``train.mixed_precision: auto`` means on this hardware, and why."""
+    if has_gpu:
+        if bf16_supported:
+            return "bf16", "auto: every GPU computes bf16 (compute capability 8.0 or newer)"
+        return "fp16", "auto: a GPU without bf16 (compute capability below 8.0): fp16 with loss scaling"
+    if bf16_supported:
+        return "bf16", "auto: this CPU computes bf16 natively"
+    return "no", "auto: this CPU has no native bf16, and emulated bf16 is ~25x slower than fp32"
 
 
 def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) -> Precision:
@@ -42,23 +57,31 @@ def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) ->
     Args:
         config: the run config.
         has_gpu: whether training runs on CUDA GPUs.
-        bf16_supported: whether every participating GPU supports bf16 (compute capability >= 8.0).
+        bf16_supported: whether the devices that train compute bf16 natively: every
+            participating GPU (compute capability >= 8.0), or the CPU when training runs there
+            (:meth:`sft_play.hardware.HardwareInfo.bf16_supported`).
     """
     mixed = config.train.mixed_precision
-    if mixed == "auto":
-        mixed = ("bf16" if bf16_supported else "fp16") if has_gpu else "no"
-    elif not has_gpu and config.distributed.strategy.startswith("deepspeed"):
+    warning = None
+    if not has_gpu and config.distributed.strategy.startswith("deepspeed"):
         # DeepSpeed without GPUs (its CPU accelerator, for trying the launch path) trains in fp32:
         # transformers allows 16-bit autocast without a GPU only with use_cpu, which DeepSpeed's
         # process group cannot use
-        mixed = "no"
+        mixed, reason = "no", "DeepSpeed without GPUs trains in fp32"
+    elif mixed == "auto":
+        mixed, reason = auto_mixed_precision(has_gpu, bf16_supported)
+    else:
+        reason = f"train.mixed_precision={mixed}"
+        if not has_gpu and mixed == "bf16" and not bf16_supported:
+            warning = ("train.mixed_precision=bf16 on a CPU without native bf16: emulated, about 25x slower than "
+                       "fp32; train.mixed_precision=auto (or no) trains in fp32 here")
     dtype = config.model.torch_dtype
     if dtype == "auto":
         if config.finetune.method == "full":
             dtype = "float32"
         else:
             dtype = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[mixed]
-    return Precision(mixed=mixed, weights_dtype=dtype)
+    return Precision(mixed=mixed, weights_dtype=dtype, reason=reason, warning=warning)
 
 
 def resolve_optimizer(config: RunConfig, on_cuda: bool) -> str:

@@ -59,15 +59,17 @@ def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = N
     )
 
 
-# The tests' runs keep the global batch of 8 their splits are written for (make train's recipe
-# uses 12 rows a step: steadier answers, slower steps)
-BATCH = "train.global_batch_size=8"
+# What the tests' runs pin, so that a test means the same on every machine: the global batch of 8
+# their splits are written for (make train's recipe uses more rows a step), and fp32, where
+# train.mixed_precision=auto would train in bf16 on a CPU with native bf16 and in fp32 elsewhere.
+# A test that needs another precision says so in its own overrides (later overrides win).
+PINNED = ("train.global_batch_size=8", "train.mixed_precision=no")
 
 
 def _shared_run(tmp_path_factory, name: str, *overrides: str):
     root = tmp_path_factory.mktemp(f"shared-{name}")
     result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        f"train.run_name={name}", BATCH, *overrides)
+                        f"train.run_name={name}", *PINNED, *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return root / name, result
 
@@ -99,7 +101,7 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     from sft_play.run import resolve
 
     config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
-        "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false", BATCH,
+        "train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", "train.tensorboard=false", *PINNED,
         *overrides,
     ])
     tokenizer = model.load_tokenizer(config)

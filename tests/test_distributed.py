@@ -20,10 +20,10 @@ import pytest
 
 from sft_play import checkpoints, launch, training
 from sft_play import config as config_module
-from tests.conftest import BATCH
+from tests.conftest import PINNED
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", BATCH]
+TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", *PINNED]
 # Step 2 plus its save take this long after the stop signal: longer than torchrun's default
 # shutdown timeout (30 s), after which its agent would have killed the processes unsaved
 SLOW_STOP_S = 31
@@ -363,12 +363,14 @@ def test_setup_accelerate_wizard_needs_a_terminal_and_keeps_the_existing_file(tm
 
 def test_deepspeed_without_gpus_trains_in_fp32_whatever_the_config_asks():
     # transformers refuses 16-bit autocast without a GPU unless use_cpu, which DeepSpeed's process
-    # group cannot use: the embedded default asks for bf16, and `make train-deepspeed CPU=1` must run
+    # group cannot use: a config that asks for bf16 (or auto, on a CPU with native bf16) must still
+    # run under `make train-deepspeed CPU=1`
     from sft_play.precision import resolve_precision
 
-    config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["distributed.strategy=deepspeed_zero2"])
-    assert config.train.mixed_precision == "bf16"
-    assert resolve_precision(config, has_gpu=False, bf16_supported=False).mixed == "no"
-    assert resolve_precision(config, has_gpu=True, bf16_supported=True).mixed == "bf16"
-    ddp = config_module.load(REPO / "configs" / "run_tiny.yaml")
+    for asked in ("bf16", "auto"):
+        config = config_module.load(REPO / "configs" / "run_tiny.yaml",
+                                    ["distributed.strategy=deepspeed_zero2", f"train.mixed_precision={asked}"])
+        assert resolve_precision(config, has_gpu=False, bf16_supported=True).mixed == "no"
+        assert resolve_precision(config, has_gpu=True, bf16_supported=True).mixed == "bf16"
+    ddp = config_module.load(REPO / "configs" / "run_tiny.yaml", ["train.mixed_precision=bf16"])
     assert resolve_precision(ddp, has_gpu=False, bf16_supported=False).mixed == "bf16"  # CPU autocast, use_cpu

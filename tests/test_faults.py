@@ -22,7 +22,7 @@ from sft_play import callbacks, checkpoints, checks, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
 from sft_play.planner.choose import BatchSplit
-from tests.conftest import BATCH
+from tests.conftest import PINNED
 from tests.conftest import tiny_trainer_factory as build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def run_to_end(*overrides: str) -> str:
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
-    common = ["train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", BATCH]
+    common = ["train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", *PINNED]
     reference = train_process(*common, "train.run_name=reference")  # alongside, never interrupted
     process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "slow_step=2:1"})
     seen: list[str] = []
@@ -200,7 +200,7 @@ def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
 def test_secrets_stay_out_of_logs_and_saved_files(tmp_path):
     secret = "hf_SECRETtoken1234567890"
     process = subprocess.run([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
-                              "train.max_steps=2", "train.save_steps=2", f"train.output_dir={tmp_path}", BATCH,
+                              "train.max_steps=2", "train.save_steps=2", f"train.output_dir={tmp_path}", *PINNED,
                               "train.run_name=secret"], cwd=REPO, capture_output=True, text=True,
                              env={**os.environ, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret}, timeout=600)
     assert process.returncode == 0, process.stderr[-3000:]
@@ -371,7 +371,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume(tmp
     result = subprocess.run(
         [sys.executable, "scripts/launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2",
          "--config", "configs/run_tiny.yaml", "train.max_steps=6", "train.logging_steps=1", "train.save_steps=2",
-         "train.save_total_limit=1", f"train.output_dir={tmp_path}", "train.run_name=killed", BATCH],
+         "train.save_total_limit=1", f"train.output_dir={tmp_path}", "train.run_name=killed", *PINNED],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=6:1"},
     )

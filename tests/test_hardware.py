@@ -51,3 +51,87 @@ def test_report_lists_each_gpu():
     report = hardware.format_report(facts)
     assert "NVIDIA H100 80GB HBM3" in report and "79.00" in report and "9.0" in report
     assert "driver 580.1" in report and "NCCL 2.27.3" in report
+
+
+# --- the CPU's bf16, and the precision train.mixed_precision=auto takes from it ----------------
+
+AMD_ZEN3 = {"avx2", "fma", "sse4_2"}  # AVX2 only: bf16 autocast is emulated there
+AMD_ZEN4 = AMD_ZEN3 | {"avx512f", "avx512bw", "avx512_bf16"}
+INTEL_SPR = AMD_ZEN3 | {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile"}
+INTEL_SKX = AMD_ZEN3 | {"avx512f", "avx512bw"}  # AVX512 without bf16: oneDNN says yes, and emulates
+
+
+@pytest.mark.parametrize("flags, torch_says, native", [
+    (AMD_ZEN3, False, False),
+    (AMD_ZEN4, True, True),
+    (INTEL_SPR, True, True),
+    (INTEL_SKX, True, False),
+    ({"fp", "asimd", "bf16"}, True, True),  # Arm with the BF16 extension
+    (None, True, True),  # flags unreadable: PyTorch's word
+    (INTEL_SPR, False, False),  # PyTorch cannot use it (a build without oneDNN's bf16, or an ISA cap)
+])
+def test_native_bf16_needs_the_instructions_and_pytorch(flags, torch_says, native):
+    found, evidence = hardware.native_bf16(flags, torch_says)
+    assert found is native
+    assert evidence
+    if flags is INTEL_SPR and torch_says:
+        assert "AMX" in evidence
+
+
+def _config(*overrides):
+    from sft_play import config as config_module
+
+    return config_module.load(None, list(overrides), check_paths=False)
+
+
+@pytest.mark.parametrize("cpu_bf16, expected", [(True, "bf16"), (False, "no")])
+def test_auto_precision_on_the_cpu_follows_its_native_bf16(monkeypatch, cpu_bf16, expected):
+    """The decision both ways, with the CPU's capability faked where detect() reads it."""
+    from sft_play import planner
+    from sft_play.precision import resolve_precision
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda flags, says: (cpu_bf16, "faked"))
+    facts = hardware.detect().without_gpus()
+    assert facts.cpu_bf16 is cpu_bf16
+    config = _config("train.mixed_precision=auto")
+    precision = resolve_precision(config, has_gpu=False, bf16_supported=facts.bf16_supported(on_gpu=False))
+    assert precision.mixed == expected
+    assert ("natively" if cpu_bf16 else "no native bf16") in precision.reason
+    # the planner's CPU target carries the same fact, so plan and trainer agree
+    target = planner.target_for(facts, allow_cpu=True)
+    assert target.bf16_supported is cpu_bf16
+    assert planner.resolve_for(config, target).precision.mixed == expected
+
+
+def test_bf16_asked_for_on_a_cpu_without_it_is_kept_and_warned_about():
+    from sft_play.precision import resolve_precision
+
+    slow = resolve_precision(_config("train.mixed_precision=bf16"), has_gpu=False, bf16_supported=False)
+    assert slow.mixed == "bf16" and "25x slower" in slow.warning
+    assert resolve_precision(_config("train.mixed_precision=bf16"), has_gpu=False, bf16_supported=True).warning is None
+    assert resolve_precision(_config("train.mixed_precision=no"), has_gpu=False, bf16_supported=False).warning is None
+
+
+def test_auto_precision_on_gpus():
+    from sft_play.precision import resolve_precision
+
+    config = _config("train.mixed_precision=auto")
+    assert resolve_precision(config, has_gpu=True, bf16_supported=True).mixed == "bf16"
+    assert resolve_precision(config, has_gpu=True, bf16_supported=False).mixed == "fp16"
+    gpus = hardware.HardwareInfo(gpus=[hardware.GpuInfo(0, "Tesla V100", 1, 1, (7, 0), False)], cpu_bf16=True)
+    assert gpus.bf16_supported(on_gpu=True) is False and gpus.bf16_supported(on_gpu=False) is True
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="x86 oneDNN ISA cap")
+def test_gpu_info_and_check_say_fp32_where_the_cpu_has_no_bf16():
+    """A real CPU without native bf16, as oneDNN sees one when its ISA is capped at AVX2: the
+    same test on an AVX2-only machine and on one with AMX."""
+    avx2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    result = run_script("gpu_info.py", "--json", env=avx2)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["cpu_bf16"] is False and doc["cpu_capability"] == "AVX2"
+    assert doc["auto_mixed_precision"]["mode"] == "no"
+    result = run_script("check.py", "--config", "configs/run_tiny.yaml", env=avx2)
+    line = next(line for line in result.stdout.splitlines() if "precision:" in line)
+    assert "fp32" in line and "no native bf16" in line, line

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sft_play.launch import port_is_free
-from tests.conftest import BATCH
+from tests.conftest import PINNED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_make_train_tb_ctrl_c_saves_once_and_stops_tensorboard(tmp_path):
     has a session of its own) training; training must see one request, finish the step and save."""
     process = subprocess.Popen(
         ["make", "--no-print-directory", "train-tb",
-         f"ARGS=train.max_steps=4 train.logging_steps=1 {BATCH} train.output_dir={tmp_path} train.run_name=tb"],
+         f"ARGS=train.max_steps=4 train.logging_steps=1 {' '.join(PINNED)} train.output_dir={tmp_path} train.run_name=tb"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "SFT_PLAY_FAULTS": "slow_step=2:1"},
     )

@@ -281,7 +281,7 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         count = gpus or 1
         # Processes on one host share its memory
         return Target(count, hardware.ram_available_bytes // count, f"CPU (host memory / {count} process(es))",
-                      bf16_supported=False, on_cuda=False, source="host memory")
+                      bf16_supported=hardware.cpu_bf16, on_cuda=False, source="host memory")
     raise ValueError("no CUDA GPU on this machine: say what to plan for with NUM_GPUS=N VRAM_GIB=G "
                      "(e.g. make plan NUM_GPUS=8 VRAM_GIB=80; scripts/plan.py takes --gpus 8 --vram-gib 80)")
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from sft_play import hub
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 _ATTENTION_NAMES = ("attn", "attention")
@@ -60,8 +65,9 @@ class ModelShape:
 
 @functools.lru_cache(maxsize=32)
 def load_model_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a hub id (config download only) or a local folder (cached:
-    treat it as read-only).
+    """The transformers config of a hub id (config download only, or the local cache) or a local
+    folder (cached: treat it as read-only). A hub id that cannot be read while the project ships
+    its config (:func:`sft_play.hub.shipped_config`) is read from that copy.
 
     Raises:
         UserError: the hub id cannot be loaded (network, name or access, said which).
@@ -70,10 +76,15 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
 
     from sft_play.errors import hub_error
 
+    hub.prepare(name_or_path)
     try:
         return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except OSError as exc:
-        raise hub_error(name_or_path, exc) from None
+        shipped = hub.shipped_config(name_or_path, revision)
+        if shipped is None:
+            raise hub_error(name_or_path, exc) from None
+    logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
+    return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
 
 
 def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:

@@ -1,0 +1,60 @@
+"""Hub ids where the hub cannot be reached: one clear error at once, no retries; the example
+configs' models plan from the configs that ship with the project."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sft_play import hub
+from tests.conftest import REPO, run_script
+
+# A hub that refuses connections at once (nothing listens on port 9): the network is "down"
+UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "",
+               "HF_DATASETS_OFFLINE": ""}
+
+
+@pytest.mark.parametrize("config", ["configs/run_distributed.yaml", "configs/run_gemma27b_distributed.yaml"])
+def test_the_example_configs_plan_without_a_network(config):
+    result = run_script("plan.py", "--config", config, "--gpus", "4", "--vram-gib", "80", "--json", env=UNREACHABLE)
+    assert result.returncode in (0, 3), result.stderr[-3000:]
+    assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"] in config_names() and plan["total_params"] > 4 * 10**8
+
+
+def config_names() -> set[str]:
+    return {"/".join(p.parent.relative_to(hub.SHIPPED).parts) for p in hub.SHIPPED.glob("*/*/config.json")}
+
+
+def test_every_example_configs_hub_model_ships_its_config():
+    from sft_play import config as config_module
+
+    for path in sorted((REPO / "configs").glob("run_*.yaml")):
+        name = config_module.load(path, check_paths=False).model.name_or_path
+        if not (REPO / name).is_dir():
+            assert hub.shipped_config(name) is not None, f"{path.name} names {name}: ship its config.json"
+    assert hub.shipped_config("Qwen/Qwen2.5-0.5B-Instruct", revision="v2") is None, "another revision may differ"
+    assert hub.shipped_config("nobody/nothing") is None
+
+
+def test_a_hub_id_that_cannot_be_read_is_one_error_without_retries(tmp_path):
+    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "model.name_or_path=nobody/not-cached",
+                        "--gpus", "1", "--vram-gib", "80", env=UNREACHABLE)
+    assert result.returncode == 2
+    assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
+    assert "the hub cannot be reached" in result.stderr and "nobody/not-cached" in result.stderr
+
+
+def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub.prepare(str(REPO / "configs" / "tiny_model"))  # a local folder needs no hub
+    assert not hub.offline()
+    hub.prepare("org/name")
+    assert hub.offline() and huggingface_hub.constants.HF_HUB_OFFLINE is True
