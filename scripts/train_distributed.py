@@ -130,7 +130,7 @@ def main() -> int:
     guard = callbacks.NonFiniteGuard(
         config.train.max_bad_steps, watch_gradients=not run.deepspeed and precision.mixed != "fp16",
     )
-    faults = [callbacks.FaultInjection()] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
+    faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=config.distributed.strategy)
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, model.lora_config(config), tokenizer, bundle.train, bundle.validation,

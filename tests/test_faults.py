@@ -45,13 +45,13 @@ def run_to_end(*overrides: str) -> str:
 def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
     common = ["train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", *PINNED]
     reference = train_process(*common, "train.run_name=reference")  # alongside, never interrupted
-    process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "slow_step=2:1"})
+    process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "hold_step=2"})
     seen: list[str] = []
 
     def read():
         for line in process.stdout:
             seen.append(line)
-            if "fault injection (slow_step)" in line:  # step 2 is under way (and slow)
+            if "fault injection (hold_step)" in line:  # step 2 waits for the signal
                 process.send_signal(signal.SIGTERM)
 
     reader = threading.Thread(target=read)

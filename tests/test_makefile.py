@@ -122,9 +122,9 @@ def test_make_train_tb_ctrl_c_saves_once_and_stops_tensorboard(tmp_path):
         ["make", "--no-print-directory", "train-tb",
          f"ARGS=train.max_steps=4 train.logging_steps=1 {' '.join(PINNED)} train.output_dir={tmp_path} train.run_name=tb"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "SFT_PLAY_FAULTS": "slow_step=2:1"},
+        env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=2"},
     )
-    reader, lines = watch(process, "fault injection (slow_step)", lambda: os.killpg(process.pid, signal.SIGINT))
+    reader, lines = watch(process, "fault injection (hold_step)", lambda: os.killpg(process.pid, signal.SIGINT))
     process.wait(timeout=600)
     reader.join(30)
     output = "".join(lines)
