@@ -63,7 +63,7 @@ data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengt
 setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
 	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)
 
-train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, ~2 min); RESUME=auto continues
+train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, 2-3 min); RESUME=auto continues
 	$(PY) scripts/train_distributed.py --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends

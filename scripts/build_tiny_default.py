@@ -20,8 +20,13 @@ import string
 from pathlib import Path
 
 SEED = 1234
-N_TRAIN = 6000
+N_TRAIN = 6000  # the first training records, and the ones the tokenizer is trained on
 N_VALIDATION = 200
+# More training records, drawn after the validation ones (so the first 6200 records, the
+# tokenizer and the validation set are those of the 6000-record dataset): a run of the default
+# sees most rows once, and learns the puzzles instead of the rows (199 of 200 held-out answers
+# instead of 192 for the same steps; docs in configs/run_tiny.yaml)
+N_MORE_TRAIN = 18000
 VOCAB_SIZE = 512  # a multiple of 32 keeps bitsandbytes' 4-bit CPU kernels happy
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -44,11 +49,14 @@ MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": VOCAB_SIZE,
-    "hidden_size": 256,
-    "intermediate_size": 768,
+    # Narrow and four layers deep: the puzzles need depth (two layers of 256 answered 105 of 200
+    # held-out puzzles where four answered 169) more than width (128 wide learns as well as 256 per
+    # step, at half the step time, so it gets twice the steps in the same minutes)
+    "hidden_size": 128,
+    "intermediate_size": 384,
     "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "head_dim": 64,
     "hidden_act": "silu",
     "max_position_embeddings": 512,
@@ -105,7 +113,7 @@ def build_dataset(out_dir: Path) -> list[dict]:
     rng = random.Random(SEED)
     seen: set[str] = set()
     records: list[dict] = []
-    while len(records) < N_TRAIN + N_VALIDATION:
+    while len(records) < N_TRAIN + N_VALIDATION + N_MORE_TRAIN:
         record = make_record(rng)
         key = json.dumps(record, sort_keys=True)
         if key in seen:
@@ -114,7 +122,8 @@ def build_dataset(out_dir: Path) -> list[dict]:
         records.append(record)
     data_dir = out_dir / "data" / "tiny"
     data_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", records[:N_TRAIN]), ("validation", records[N_TRAIN:])):
+    train = records[:N_TRAIN] + records[N_TRAIN + N_VALIDATION:]
+    for name, rows in (("train", train), ("validation", records[N_TRAIN:N_TRAIN + N_VALIDATION])):
         with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
@@ -161,7 +170,7 @@ def main() -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
     build_tokenizer(records[:N_TRAIN], model_dir)
-    print(f"wrote {N_TRAIN} + {N_VALIDATION} records to {out_dir / 'data/tiny'} and the model to {model_dir}")
+    print(f"wrote {N_TRAIN + N_MORE_TRAIN} + {N_VALIDATION} records to {out_dir / 'data/tiny'} and the model to {model_dir}")
 
 
 if __name__ == "__main__":

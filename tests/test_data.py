@@ -280,7 +280,7 @@ def test_data_stats_script_prints_what_the_planner_uses():
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(result.stdout)
     train = doc["train"]
-    assert train["examples"] == 6000 and train["packed_rows"] > 0
+    assert train["examples"] == 24000 and train["packed_rows"] > 0
     assert train["tokens_p50"] <= train["tokens_p95"] <= train["tokens_max"] <= 256
     assert 0 < train["loss_token_share"] < 1 and train["truncated_share"] == 0
     assert doc["validation"]["examples"] == 200

@@ -78,7 +78,7 @@ def test_make_gpu_info_runs_here():
 def test_make_check_passes_on_the_embedded_default():
     result = make("check")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[PASS] config" in result.stdout and "[PASS] data.path: 6000 records (messages)" in result.stdout
+    assert "[PASS] config" in result.stdout and "[PASS] data.path: 24000 records (messages)" in result.stdout
     assert "0 failed" in result.stdout
 
 

@@ -1,6 +1,7 @@
 """The meta-device trace of a decoder layer: what autograd keeps, with CUDA's kernels and autocast
-put in where the meta device would differ. Shapes: the tiny Llama (h 256, I 768, 4 heads of 64,
-2 key-value heads) and Gemma-2-9B's config (logit soft-capping: eager attention)."""
+put in where the meta device would differ. Shapes: a tiny Llama (h 256, I 768, 4 heads of 64,
+2 key-value heads: the embedded default's shape until it became 128 wide, kept as a fixture so
+that these numbers stay the test's own) and Gemma-2-9B's config (logit soft-capping: eager attention)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from sft_play.planner import trace as tracing
 from sft_play.planner.trace import INPUT, TraceSpec, layer_trace
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs" / "tiny_model")
+TINY = str(REPO / "tests" / "fixtures" / "model_configs" / "tiny-llama-256")
 H, I, HEADS, KV, D = 256, 768, 4, 2, 64
 S = 128
 
