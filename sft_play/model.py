@@ -38,8 +38,8 @@ def cache_dir() -> Path:
 
 
 def quiet_loading() -> None:
-    """Turn off transformers' "Loading weights" progress bar (one tick per tensor: it tells the
-    user nothing; hub downloads keep their own bars)."""
+    """Turn off transformers' "Loading weights" and "Writing model shards" progress bars (they
+    tell the user nothing; hub downloads keep their own bars)."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -100,6 +100,7 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
             "model.name_or_path at real weights (a hub id or a folder with safetensors)"
         )
     logger.info("no weights in %s: initialising them from config.json with seed %d in %s", config_dir, seed, dtype)
+    quiet_loading()  # and its "Writing model shards" bar
     torch.manual_seed(seed)
     save_init_weights(AutoModelForCausalLM.from_config(model_config, dtype=TORCH_DTYPES[dtype]), target)
     return str(target)

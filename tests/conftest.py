@@ -59,6 +59,13 @@ def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = N
     )
 
 
+def printed_answers(stdout: str) -> list[str]:
+    """The trained model's answers, as generate.py prints them (``after:     'answer'``)."""
+    import ast
+
+    return [ast.literal_eval(line.split(":", 1)[1].strip()) for line in stdout.splitlines() if line.startswith("after:")]
+
+
 # What the tests' runs pin, so that a test means the same on every machine: the global batch of 8
 # their splits are written for (make train's recipe uses more rows a step), and fp32, where
 # train.mixed_precision=auto would train in bf16 on a CPU with native bf16 and in fp32 elsewhere.
@@ -78,7 +85,8 @@ def _shared_run(tmp_path_factory, name: str, *overrides: str):
 # what a run writes: (run folder, the finished process).
 @pytest.fixture(scope="session")
 def tiny_lora_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "lora", "train.max_steps=24", "train.logging_steps=4")
+    return _shared_run(tmp_path_factory, "lora", "train.max_steps=24", "train.logging_steps=4",
+                       "train.micro_batch_size=8")  # not the CPU plan's choice, which follows the RAM free
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,10 @@ from sft_play import config as config_module
 from tests.conftest import PINNED
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", *PINNED]
+# Two ranks of 4 rows: the micro-batch pinned, since the CPU plan's own choice follows the RAM free
+# at that moment (the planner's choice is tested against fixed budgets in test_planner.py)
+TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", *PINNED,
+        "train.micro_batch_size=4"]
 # Step 2 plus its save take this long after the stop signal: longer than torchrun's default
 # shutdown timeout (30 s), after which its agent would have killed the processes unsaved
 SLOW_STOP_S = 31

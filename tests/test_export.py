@@ -14,7 +14,7 @@ import torch
 
 from sft_play import export
 from sft_play.errors import UserError
-from tests.conftest import run_script
+from tests.conftest import printed_answers, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -49,18 +49,36 @@ def test_merged_lora_matches_the_adapter_model(runs):
 
 
 def test_merged_qlora_is_the_dequantised_base_plus_adapter(runs):
+    """Each merged linear is the 4-bit base the adapter trained against, de-quantised by
+    bitsandbytes itself, plus scale x B @ A from the saved adapter: a reference built without the
+    merge's code (transformers' own 4-bit load, bitsandbytes' de-quantisation, the adapter file)."""
     merged_dir = export.merge(runs["qlora"])
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import bitsandbytes as bnb
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from sft_play import config as config_module
+    from sft_play.model import weights_location
 
     config = config_module.load(runs["qlora"] / "config.yaml")
-    dequantised = export._base_model(config, "cpu", torch.float32, quantized=True).dequantize()
-    reference = PeftModel.from_pretrained(dequantised, runs["qlora"] / "model").eval()
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
-    torch.testing.assert_close(logits(merged, tokenizer), logits(reference, tokenizer), rtol=1e-3, atol=1e-3)
+    quant = config.quantization
+    four_bit = AutoModelForCausalLM.from_pretrained(weights_location(config), quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant.quant_type, bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=torch.float32), dtype=torch.float32, device_map={"": "cpu"})
+    adapter = load_file(runs["qlora"] / "model" / "adapter_model.safetensors")
+    adapter_config = json.loads((runs["qlora"] / "model" / "adapter_config.json").read_text())
+    scale = adapter_config["lora_alpha"] / adapter_config["r"]
+    merged = dict(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).named_parameters())
+    checked = 0
+    for name, module in four_bit.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        base = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        lora_a = adapter[f"base_model.model.{name}.lora_A.weight"].float()
+        lora_b = adapter[f"base_model.model.{name}.lora_B.weight"].float()
+        torch.testing.assert_close(merged[f"{name}.weight"], base + scale * lora_b @ lora_a, rtol=1e-5, atol=1e-5)
+        checked += 1
+    assert checked == 4 * 7, "every adapted linear of the 4 layers (q, k, v, o, gate, up, down)"
 
 
 def test_merging_a_full_model_says_there_is_nothing_to_merge(runs):
@@ -96,10 +114,13 @@ def test_generate_works_for_merged_and_full_models(runs, which):
     folder = runs["lora"] / "merged" if which == "merged" else runs["full"]
     if which == "merged" and not folder.exists():
         export.merge(runs["lora"])
-    result = run_script("generate.py", "--run", str(folder), "--prompt", "Reverse the letters: a b c",
-                        "--max-new-tokens", "8")
+    prompt = "Reverse the letters: a b c"
+    result = run_script("generate.py", "--run", str(folder), "--prompt", prompt, "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "after:" in result.stdout and "before:" in result.stdout
+    assert "before:" in result.stdout
+    model, tokenizer, _ = export.load_trained(folder, device="cpu")
+    expected = export.generate(model, tokenizer, [{"role": "user", "content": prompt}], 8)
+    assert printed_answers(result.stdout) == [expected], "the script prints this model's greedy answer"
 
 
 def test_chat_answers_each_line_and_keeps_the_history(runs):
@@ -108,3 +129,38 @@ def test_chat_answers_each_line_and_keeps_the_history(runs):
                              capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.count("model> ") == 2
+    model, tokenizer, _ = export.load_trained(runs["lora"], device="cpu")
+    fresh = export.generate(model, tokenizer, [{"role": "user", "content": "Which letter comes after d?"}], 8)
+    assert f"model> {fresh}" in process.stdout, "after /reset the model sees the new question alone"
+
+
+def test_chat_sends_the_whole_conversation_and_reset_forgets_it(monkeypatch, capsys):
+    """What chat.py hands the model each turn: every earlier turn (its own answers included), and
+    after /reset only what follows (the system message stays)."""
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("chat_script", REPO / "scripts" / "chat.py")
+    chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat)
+    seen: list[list[dict]] = []
+
+    def answer(model, tokenizer, history, max_new_tokens):
+        seen.append([dict(m) for m in history])
+        return f"answer {len(seen)}"
+
+    monkeypatch.setattr(export, "load_trained", lambda run: (object(), object(), None))
+    monkeypatch.setattr(export, "generate", answer)
+    monkeypatch.setattr("sft_play.cli.chosen_run", lambda args: "some-run")
+    monkeypatch.setattr(sys, "argv", ["chat.py", "--system", "Be brief."])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n/reset\nthird\n/exit\n"))
+    assert chat.main() == 0
+    system = {"role": "system", "content": "Be brief."}
+    assert seen == [
+        [system, {"role": "user", "content": "first"}],
+        [system, {"role": "user", "content": "first"}, {"role": "assistant", "content": "answer 1"},
+         {"role": "user", "content": "second"}],
+        [system, {"role": "user", "content": "third"}],
+    ]
+    out = capsys.readouterr().out
+    assert "model> answer 1" in out and "model> answer 3" in out

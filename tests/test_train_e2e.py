@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import printed_answers, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +73,20 @@ def test_adapter_reloads_and_changes_the_model(lora_run):
 
 
 def test_generate_script_answers_held_out_prompts(lora_run):
+    from sft_play import export
+
     run_dir, _ = lora_run
     result = run_script("generate.py", "--run", str(run_dir), "--count", "2", "--max-new-tokens", "12")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("prompt:") == 2
-    assert "reference:" in result.stdout and "before:" in result.stdout and "after:" in result.stdout
+    assert "reference:" in result.stdout and "before:" in result.stdout
+    # the answers are the trained model's own to the first two held-out prompts, and the score counts them
+    model, tokenizer, config = export.load_trained(run_dir, device="cpu")
+    prompts = export.held_out_prompts(config, 2)
+    expected = [export.generate(model, tokenizer, p, 12) for p in prompts]
+    assert printed_answers(result.stdout) == expected
+    right = sum(a == p.reference for a, p in zip(expected, prompts))
+    assert f"exact matches after training: {right}/2" in result.stdout
 
 
 def test_full_fine_tuning_runs_and_saves_a_loadable_model(tiny_full_run):
