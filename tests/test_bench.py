@@ -64,3 +64,18 @@ def test_throughput_cpu_path_compares_both_sides(tmp_path):
     assert rows["T"].split("|")[3].strip() == "8"  # the tuned baseline's micro-batch (searched on a GPU)
     ratio = rows["B"].split("|")[8].strip()
     assert ratio.endswith("x") and float(ratio[:-1]) > 0  # B over the best tuned baseline
+
+
+def test_tiny_default_bench_trains_scores_and_reports(tmp_path):
+    """A smoke run of bench/tiny_default.py on the path a CPU without native bf16 takes."""
+    report = tmp_path / "tiny_default.md"
+    result = subprocess.run([sys.executable, "bench/tiny_default.py", "--seeds", "3", "--paths", "without-bf16",
+                             "--steps", "3", "--count", "6", "--out", str(report)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = report.read_text()
+    assert "- hardware: " in text and "(no GPU)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 3 | without-bf16 |")]
+    assert len(rows) == 1, text
+    assert "| no |" in rows[0], "capped at AVX2, auto resolves to fp32"
+    assert "in 3 |" in rows[0] and " of 6 |" in rows[0]
