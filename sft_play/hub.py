@@ -8,8 +8,8 @@ not, the process goes offline (``HF_HUB_OFFLINE``): the cache is read, nothing i
 the error comes at once.
 
 Planning needs a model's ``config.json`` alone. The configs of the models that the example
-run configs name ship with the project under ``configs/hub/<org>/<name>/`` (each folder's
-``SOURCE.md`` says where it came from), so that those plan without a network:
+run configs name ship with the project under ``configs/hub/<org>/<name>/``
+(``configs/hub/README.md`` says where each came from), so that those plan without a network:
 :func:`shipped_config` finds them.
 """
 
