@@ -128,7 +128,7 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     from sft_play import config as config_module
     from sft_play import model, training
     from sft_play.data import collate
-    from sft_play.planner.choose import BatchSplit
+    from sft_play.run import BatchSplit
     from sft_play.run import resolve
 
     on_cuda = torch.cuda.is_available()
@@ -152,9 +152,8 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     ids = torch.randint(3, vocab, (rows, case.seq_len), generator=generator).tolist()
     dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows})
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
-    make = training.trainer_factory(config, run, Path(output_dir), base, model.lora_config(config), tokenizer,
-                                    dataset, None, collator)
-    trainer = make(BatchSplit(micro, 1, 1, micro))
+    make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, dataset, None, collator)
+    trainer = make(run.with_changes(batch=BatchSplit(micro, 1, 1, micro)))
     result: dict = {"ok": True, "context_bytes": int(context)}
     if on_cuda:
         result["weights_bytes"] = int(torch.cuda.memory_allocated())  # the model and its adapters, on the GPU

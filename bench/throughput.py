@@ -213,9 +213,8 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     base = model.load_model(config, run, device="cuda:0" if on_cuda else "cpu")
     collator = collate.make_collator(0, run.collator)
     timer = StepTimer(warmup)
-    make = training.trainer_factory(config, run, Path(output_dir), base, model.lora_config(config), tokenizer,
-                                    packed, None, collator, [timer])
-    trainer = make(split)
+    make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, packed, None, collator, [timer])
+    trainer = make(run.with_changes(batch=split))
     result = _finish(trainer, timer, split.micro_batch_size)
     result.update(accumulation=split.gradient_accumulation_steps, predicted_peak=plan.peak_bytes_per_gpu,
                   predicted_step_seconds=plan.time["seconds_per_step"] if plan.time else None,

@@ -73,7 +73,7 @@ def main() -> int:
         print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "
               f"({args.launcher}, {config.distributed.strategy}, rendezvous {topology.rendezvous()})", flush=True)
     board = None
-    env = launch.child_env(topology, args.gpus, timeouts)
+    env = launch.child_env(topology, args.gpus, timeouts, cpu=args.cpu)
     try:
         if args.tensorboard and args.node_rank == 0:
             launch.interrupt_on_termination()  # until training starts: then the signals are passed on to it

@@ -44,7 +44,7 @@ def main() -> int:
     from sft_play import config as config_module
     from sft_play import hardware, planner
     from sft_play.planner import report
-    from sft_play.planner.shapes import load_model_config
+    from sft_play.architecture import load_model_config
 
     config = config_module.load(args.config, args.overrides)
     try:

@@ -31,15 +31,16 @@ def auto_config(output: Path) -> str:
     from sft_play import hardware
 
     gpus = hardware.detect().gpus
+    # Precision is the run's decision (train.mixed_precision, resolved with the planner); the
+    # training processes pin it over whatever an accelerate config says, so this one says "no"
+    precision = "mixed precision from the run config (train.mixed_precision)"
     if gpus:
-        mixed = "bf16" if all(g.bf16_supported for g in gpus) else "fp16"
-        note = f"for {len(gpus)} GPU(s), mixed precision {mixed}"
+        note = f"for {len(gpus)} GPU(s); {precision}"
     else:
-        mixed = "no"
         note = ("for GPU nodes (no GPU here): make train-distributed starts NUM_GPUS processes per node, default "
-                "every GPU of the node it runs on; mixed precision comes from the run config (train.mixed_precision)")
+                f"every GPU of the node it runs on; {precision}")
     ClusterConfig(
-        compute_environment="LOCAL_MACHINE", distributed_type="MULTI_GPU", mixed_precision=mixed,
+        compute_environment="LOCAL_MACHINE", distributed_type="MULTI_GPU", mixed_precision="no",
         num_processes=max(1, len(gpus)), gpu_ids="all", use_cpu=False, debug=False,
         rdzv_backend="static", same_network=True, main_training_function="main",
     ).to_yaml_file(str(output))

@@ -25,7 +25,7 @@ from sft_play import checkpoints
 
 # A signal that arrives again within this window is the same request delivered twice (a terminal
 # or a cluster signals every process, and the launcher passes it on as well)
-from sft_play.launch import DUPLICATE_SIGNAL_WINDOW_S
+from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S
 
 logger = logging.getLogger(__name__)
 

@@ -105,9 +105,9 @@ def check_precision(config: RunConfig, facts: HardwareInfo) -> Check:
 
 def check_model(config: RunConfig) -> list[Check]:
     """The model's config reads (a hub id: downloaded or cached), and its tokenizer encodes text."""
+    from sft_play.architecture import load_model_config
     from sft_play.errors import UserError
-    from sft_play.model import load_tokenizer
-    from sft_play.planner.shapes import load_model_config
+    from sft_play.model import load_tokenizer  # deferred: imports torch
 
     name = config.model.name_or_path
     try:
@@ -212,13 +212,12 @@ def ensure_disk_room(config: RunConfig, run_dir: Path, shape, run) -> None:
 def disk_check_for(config: RunConfig, facts: HardwareInfo) -> Check:
     """``make check``'s disk line: the exact model shape when its config can be read (a hub id
     while offline cannot), else free space alone."""
-    from sft_play.planner import model_shape
-    from sft_play.run import resolve
+    from sft_play import planner  # deferred: the planner imports torch
 
     try:
-        shape = model_shape(config)
+        shape = planner.model_shape(config)
     except OSError:
         return check_disk(config, None)
-    run = resolve(config, on_cuda=facts.has_gpu, bf16_supported=facts.bf16_supported(facts.has_gpu),
-                  world_size=max(1, len(facts.gpus)), model_facts=shape)
+    # The run as training would resolve it here: the planner's target for this machine
+    run = planner.resolve_for(config, planner.target_for(facts, allow_cpu=True), None, shape)
     return check_disk(config, needed_disk_bytes(config, shape, run))

@@ -20,8 +20,13 @@ from typing import Any
 import torch
 
 from sft_play import config as config_module
+from sft_play import data, hardware
 from sft_play.config import RunConfig
+from sft_play.data.collate import make_collator
 from sft_play.errors import UserError
+from sft_play.model import TORCH_DTYPES, load_tokenizer, quantization_config, quiet_loading, weights_location
+from sft_play.precision import Precision, inference_dtype, resolve_precision
+from sft_play.run import collator_kind
 
 
 def finished_runs(output_dir: str | Path) -> list[Path]:
@@ -60,23 +65,36 @@ def _locate(path: Path) -> tuple[Path, RunConfig | None]:
     return path, (config_module.load(run_config, check_paths=False) if run_config.is_file() else None)
 
 
-def inference_dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def precision_here(config: RunConfig | None, device: str) -> Precision:
+    """The run's precision on the device at hand, by the rule training used
+    (:func:`sft_play.precision.resolve_precision`): a run trained in bf16 on an H100 and merged
+    on a T4 gets fp16 there, as it would have trained there."""
+    on_cuda = device.startswith("cuda")
+    bf16 = hardware.cuda_device_bf16(device) if on_cuda else False  # the CPU infers and de-quantises in fp32
+    if config is None:  # a model folder outside a run: its 16-bit dtype where the GPU has one
+        mixed = "bf16" if bf16 else "fp16" if on_cuda else "no"
+        return Precision(mixed=mixed, weights_dtype="float32")
+    return resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16)
+
+
+def loading_dtype(config: RunConfig | None, device: str) -> torch.dtype:
+    """The dtype a run's model is loaded in on `device` (:func:`sft_play.precision.inference_dtype`)."""
+    return TORCH_DTYPES[inference_dtype(precision_here(config, device), device.startswith("cuda"))]
 
 
 def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: bool) -> Any:
-    """The run's base model as it trained (4-bit for QLoRA when `quantized`, else full precision)."""
+    """The run's base model as it trained (4-bit for QLoRA when `quantized`, with the compute
+    dtype training used on this device; else in `dtype`)."""
     from transformers import AutoModelForCausalLM
-
-    from sft_play.model import quantization_config, weights_location
-    from sft_play.precision import resolve_precision
 
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.model.trust_remote_code,
                               "use_safetensors": True}
     if quantized and config.finetune.method == "qlora":
-        on_cuda = device.startswith("cuda")
-        precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=dtype == torch.bfloat16)
-        kwargs["quantization_config"] = quantization_config(config, precision)
+        kwargs["quantization_config"] = quantization_config(config, precision_here(config, device))
         kwargs["device_map"] = {"": device}
     return AutoModelForCausalLM.from_pretrained(weights_location(config), **kwargs)
 
@@ -89,12 +107,10 @@ def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft_play.model import quiet_loading
-
     quiet_loading()
     model_dir, config = _locate(Path(path))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = inference_dtype(device)
+    device = device or default_device()
+    dtype = loading_dtype(config, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trust = bool(config and config.model.trust_remote_code)
     if (model_dir / "adapter_config.json").is_file():
@@ -127,13 +143,11 @@ class Prompt:
 
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     """The first `count` validation records of the run's data, cut before their first answer."""
-    from sft_play.data import DataStats, load_records
-
     source = config.data.validation_path
     if not source:
         return []
     prompts = []
-    for record in load_records(source, config.data, DataStats())[:count]:
+    for record in data.load_records(source, config.data, data.DataStats())[:count]:
         if "messages" in record:
             messages = record["messages"]
             first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -193,8 +207,6 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from sft_play.model import quiet_loading
-
     quiet_loading()
     model_dir, config = _locate(Path(path))
     if config is None:
@@ -204,8 +216,8 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
                         "nothing to merge; load it as it is")
     run_dir = model_dir.parent
     output = Path(output) if output else run_dir / "merged"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = inference_dtype(device)
+    device = default_device()
+    dtype = loading_dtype(config, device)
     if config.finetune.method == "qlora":
         base = _base_model(config, device, dtype, quantized=True).dequantize()
     else:
@@ -235,19 +247,15 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     """Loss and perplexity on the run's validation data (the tokens that carry loss, as in
     training), plus greedy answers to the first `count` held-out prompts; written to
     ``<run>/eval.json`` and returned."""
-    from sft_play import data
-    from sft_play.data.collate import make_collator
-    from sft_play.model import load_tokenizer
-
     model, tokenizer, config = load_trained(path)
     if config is None:
         raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
     if not config.data.validation_path and not config.data.validation_fraction:
         raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction")
     bundle = data.build(config.data, load_tokenizer(config), seed=config.train.seed)
-    from sft_play.run import collator_kind
-
-    collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, "sdpa"))
+    # Batches for the kernel the model was loaded with here (SDPA by default), not the training
+    # run's: flash-attn may be missing on the machine that evaluates
+    collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, model.config._attn_implementation))
     loss_sum, tokens = 0.0, 0
     rows = bundle.validation
     # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits

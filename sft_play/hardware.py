@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-GIB = 1024**3
+from sft_play.units import GIB
 
 # NVML topology levels, nearest first (nvidia-smi topo -m spells them the same way).
 _TOPOLOGY_NAMES = {0: "internal", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -195,6 +196,19 @@ def native_bf16(flags: set[str] | None, torch_reports_bf16: bool) -> tuple[bool,
     return False, "no AMX, AVX512-BF16 or Arm BF16: bf16 would be emulated"
 
 
+def gpu_computes_bf16(compute_capability: tuple[int, int]) -> bool:
+    """bf16 in the tensor cores: Ampere (8.0) and newer. ``torch.cuda.is_bf16_supported()`` also
+    says yes on older GPUs, where bf16 is emulated."""
+    return compute_capability[0] >= 8
+
+
+def cuda_device_bf16(device: str) -> bool:
+    """Whether the CUDA device `device` (``cuda`` or ``cuda:N``) computes bf16 natively."""
+    import torch
+
+    return gpu_computes_bf16(torch.cuda.get_device_capability(torch.device(device)))
+
+
 def _cpu_and_memory(info: HardwareInfo) -> None:
     info.cpu_physical_cores = psutil.cpu_count(logical=False)
     info.cpu_logical_cores = psutil.cpu_count(logical=True) or 1
@@ -257,7 +271,7 @@ def detect() -> HardwareInfo:
                 total_bytes=int(total),
                 free_bytes=int(free),
                 compute_capability=(p.major, p.minor),
-                bf16_supported=p.major >= 8,
+                bf16_supported=gpu_computes_bf16((p.major, p.minor)),
                 uuid=uuids[i],
                 nvlinks_active=nvlinks,
             )
@@ -297,3 +311,11 @@ def format_report(info: HardwareInfo) -> str:
                      f"{'yes' if info.cpu_bf16 else 'no'} ({info.cpu_bf16_evidence})")
     lines.append(f"Python {info.python_version}, torch {info.torch_version or 'not installed'}, {info.platform}")
     return "\n".join(lines)
+
+
+def sanitized_cuda_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` without architecture suffixes (``9.0a`` -> ``9.0``): DeepSpeed
+    0.19 parses each entry as numbers and fails on ``9.0a`` ("invalid literal for int()")."""
+    if not value:
+        return value
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)

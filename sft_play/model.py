@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
-from sft_play import hub
+from sft_play import adapters, architecture, hub
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
-from sft_play.precision import Precision
+from sft_play.errors import UserError, hub_error
+from sft_play.precision import TORCH_DTYPE_NAMES, Precision, init_weights_dtype
 from sft_play.run import Run
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPE_NAMES}
 
 
 def cache_dir() -> Path:
@@ -48,18 +49,6 @@ def quiet_loading() -> None:
 def has_weights(path: str) -> bool:
     folder = Path(path)
     return any((folder / name).exists() for name in WEIGHT_FILES)
-
-
-def init_dtype(config: RunConfig) -> str:
-    """The dtype random weights for a config-only model are initialised and stored in: the dtype
-    the run stores its weights in (fp32 for full fine-tuning's masters, else the 16-bit dtype).
-    It depends on the config alone, so that every command of a run (train, merge, generate, eval)
-    finds the same weights on any machine."""
-    if config.model.torch_dtype != "auto":
-        return config.model.torch_dtype
-    if config.finetune.method == "full":
-        return "float32"
-    return "float16" if config.train.mixed_precision == "fp16" else "bfloat16"
 
 
 def init_weights_dir(config_dir: str, seed: int, dtype: str = "float32") -> Path:
@@ -83,15 +72,11 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
     import psutil
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft_play.errors import UserError
-
     target = init_weights_dir(config_dir, seed, dtype)
     if has_weights(str(target)):
         return str(target)
     model_config = AutoConfig.from_pretrained(config_dir)
-    from sft_play.planner.shapes import base_shape
-
-    needed = base_shape(model_config).total_params * TORCH_DTYPES[dtype].itemsize
+    needed = architecture.parameter_count(model_config) * TORCH_DTYPES[dtype].itemsize
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
         raise UserError(
@@ -124,7 +109,7 @@ def weights_location(config: RunConfig) -> str:
     """Where the base weights load from: the configured model, or initialised weights for a bare config."""
     path = config.model.name_or_path
     if Path(path).is_dir() and not has_weights(path):
-        return materialise_init_weights(path, config.model.init_seed, init_dtype(config))
+        return materialise_init_weights(path, config.model.init_seed, init_weights_dtype(config))
     return path
 
 
@@ -140,9 +125,6 @@ def load_tokenizer(config: RunConfig) -> Any:
             vocabulary is larger than the model's embeddings.
     """
     from transformers import AutoTokenizer
-
-    from sft_play.errors import UserError, hub_error
-    from sft_play.planner.shapes import load_model_config
 
     source = config.model.tokenizer_name_or_path or config.model.name_or_path
     hub.prepare(source)
@@ -163,8 +145,8 @@ def load_tokenizer(config: RunConfig) -> Any:
             f"'{TOKENIZER_PROBE}' becomes {len(encoded)} token(s) (the folder has no tokenizer files?). Set "
             "model.tokenizer_name_or_path to the model's tokenizer (a hub id, or a folder with tokenizer.json)"
         )
-    text = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
-    vocab = getattr(text.get_text_config() if hasattr(text, "get_text_config") else text, "vocab_size", None)
+    vocab = architecture.vocab_size(architecture.load_model_config(
+        config.model.name_or_path, config.model.revision, config.model.trust_remote_code))
     if vocab and len(tokenizer) > vocab:
         raise UserError(
             f"the tokenizer from '{source}' has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
@@ -190,7 +172,7 @@ def quantization_config(config: RunConfig, precision: Precision) -> Any:
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant.quant_type,
-        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_use_double_quant=quant.double_quant,  # what the run holds as run.double_quant
         bnb_4bit_compute_dtype=TORCH_DTYPES[precision.compute_dtype],
         bnb_4bit_quant_storage=getattr(torch, quant.quant_storage),
     )
@@ -212,8 +194,6 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     if config.model.trust_remote_code:
         logger.warning("model.trust_remote_code is on: running Python code shipped with %s", config.model.name_or_path)
     location = weights_location(config)
-    if run.expandable_segments:
-        use_expandable_segments()
     quant = quantization_config(config, precision)
     kwargs: dict[str, Any] = {
         "dtype": TORCH_DTYPES[precision.weights_dtype],
@@ -225,15 +205,13 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["revision"] = config.model.revision
     if quant is not None:
         kwargs["quantization_config"] = quant
-    if config.distributed.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
-        kwargs["device_map"] = {"": device or ("cuda:0" if torch.cuda.is_available() else "cpu")}
+    if run.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
+        kwargs["device_map"] = {"": device or ("cuda:0" if run.on_cuda else "cpu")}
     hub.prepare(location)
     quiet_loading()
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as exc:
-        from sft_play.errors import hub_error
-
         raise hub_error(location, exc) from None
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
     model.name_or_path = model.config.name_or_path = config.model.name_or_path
@@ -244,28 +222,17 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     return model
 
 
-def use_expandable_segments() -> None:
-    """Switch the CUDA caching allocator to expandable segments (``train.expandable_segments``):
-    segments grow in place instead of new fixed ones being cut, so freed space is not stranded
-    between them. Settable at run time; applies to the segments allocated from now on, which is
-    all of them when called before the weights load."""
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")
-    logger.info("CUDA allocator: expandable segments")
-
-
 def compile_decoder_layers(model: Any) -> int:
     """``torch.compile`` every decoder layer in place (``train.torch_compile``), as torchtune does:
     the layers are identical, so one compiled graph serves them all, and the loss head, the
     checkpointing wrapper and peft's adapters (injected later, inside the layers, before the first
-    call that compiles) stay outside any graph break. Returns how many layers were compiled."""
-    from sft_play.planner.shapes import decoder_layers
+    call that compiles) stay outside any graph break. Returns how many layers were compiled.
 
-    text = model.config.get_text_config()
-    layers = decoder_layers(model, text.num_hidden_layers)
+    Kept rather than accelerate's ``compile_regions``: that returns a new model whose blocks are
+    ``OptimizedModule`` wrappers (parameter names gain ``_orig_mod.``, which peft's targeting and
+    the saved adapter see) and compiles everything else too, the loss head included."""
+    layers = architecture.decoder_layers(model, architecture.num_layers(model.config))
     if layers is None:
-        from sft_play.errors import UserError
-
         raise UserError("train.torch_compile: cannot find the decoder layers of "
                         f"{type(model).__name__}; set train.torch_compile=false")
     for layer in layers:
@@ -274,21 +241,9 @@ def compile_decoder_layers(model: Any) -> int:
     return len(layers)
 
 
-def lora_config(config: RunConfig) -> Any:
-    """peft's ``LoraConfig`` for the run (None for full fine-tuning)."""
-    if config.finetune.method == "full":
+def lora_config(run: Run) -> Any:
+    """peft's ``LoraConfig`` for the run (None for full fine-tuning): the one the planner counts
+    and traces too (:func:`sft_play.adapters.peft_config`)."""
+    if run.lora is None:
         return None
-    from peft import LoraConfig
-
-    lora = config.lora
-    return LoraConfig(
-        task_type="CAUSAL_LM",
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        bias=lora.bias,
-        modules_to_save=lora.modules_to_save or None,
-        base_model_name_or_path=config.model.name_or_path,
-        revision=config.model.revision,
-    )
+    return adapters.peft_config(run.lora, base_model=run.model, revision=run.revision)

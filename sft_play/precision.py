@@ -24,6 +24,8 @@ from sft_play.config import RunConfig
 
 MixedPrecision = Literal["bf16", "fp16", "no"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TORCH_DTYPE_NAMES = tuple(DTYPE_BYTES)
+COMPUTE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Precision:
 
     @property
     def compute_dtype(self) -> str:
-        return {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[self.mixed]
+        return COMPUTE_DTYPE[self.mixed]
 
 
 def auto_mixed_precision(has_gpu: bool, bf16_supported: bool) -> tuple[MixedPrecision, str]:
@@ -75,13 +77,31 @@ def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) ->
         if not has_gpu and mixed == "bf16" and not bf16_supported:
             warning = ("train.mixed_precision=bf16 on a CPU without native bf16: emulated, about 25x slower than "
                        "fp32; train.mixed_precision=auto (or no) trains in fp32 here")
-    dtype = config.model.torch_dtype
-    if dtype == "auto":
-        if config.finetune.method == "full":
-            dtype = "float32"
-        else:
-            dtype = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[mixed]
-    return Precision(mixed=mixed, weights_dtype=dtype, reason=reason, warning=warning)
+    return Precision(mixed=mixed, weights_dtype=_weights_dtype(config, mixed), reason=reason, warning=warning)
+
+
+def _weights_dtype(config: RunConfig, mixed: MixedPrecision) -> str:
+    """The storage dtype of the (base) weights: ``model.torch_dtype``, or for ``auto`` fp32
+    masters for full fine-tuning and the compute dtype for a frozen LoRA/QLoRA base."""
+    if config.model.torch_dtype != "auto":
+        return config.model.torch_dtype
+    return "float32" if config.finetune.method == "full" else COMPUTE_DTYPE[mixed]
+
+
+def init_weights_dtype(config: RunConfig) -> str:
+    """The dtype random weights for a config-only model are initialised and stored in: the
+    weights dtype of the run, with ``auto`` precision read as bf16. It depends on the config
+    alone, not on the machine, so that every command of a run (train, merge, generate, eval)
+    finds the same weights on any machine."""
+    mixed = config.train.mixed_precision
+    return _weights_dtype(config, "fp16" if mixed == "fp16" else "bf16")
+
+
+def inference_dtype(precision: Precision, on_cuda: bool) -> str:
+    """The dtype a trained run is loaded in for merging, generating and evaluating: on a GPU the
+    dtype it computed in (`precision` resolved for the GPU at hand, so fp16 on one without bf16);
+    on the CPU fp32, which is exact and, for inference, as fast as emulated 16-bit."""
+    return precision.compute_dtype if on_cuda else "float32"
 
 
 def resolve_optimizer(config: RunConfig, on_cuda: bool) -> str:

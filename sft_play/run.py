@@ -15,6 +15,11 @@ describe a different run from the one that trains:
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
 | kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
+| the LoRA adapter (:class:`sft_play.adapters.LoraSpec`) | loader, planner counts and trace |
+| micro-batch and accumulation (``batch``: planned, then as trained) | trainer, run folder |
+
+Where the processes train (:func:`placement`: CUDA, or CPU processes) is decided before the
+process group forms, from the environment alone, and the run carries it (``on_cuda``).
 
 :func:`resolve` builds it; nothing here loads weights (the model's ``config.json`` is read for
 what decides the attention kernel).
@@ -25,14 +30,92 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from sft_play import architecture
+from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.precision import Precision, resolve_optimizer, resolve_precision
 
+CPU_ENV = "SFT_PLAY_CPU"  # "1": train in CPU processes even where GPUs are visible (the launchers' CPU=1)
+
 Collator = Literal["padded", "packed_rows", "padding_free"]
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How the global batch is made: ``global = micro x accum x world``."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    requested_global_batch_size: int
+    note: str = ""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def describe(self) -> str:
+        return (
+            f"global {self.global_batch_size} = micro {self.micro_batch_size} x accum "
+            f"{self.gradient_accumulation_steps} x world {self.world_size}"
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"micro_batch_size": self.micro_batch_size, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "world_size": self.world_size, "global_batch_size": self.global_batch_size}
+
+    def halved(self) -> BatchSplit:
+        """Half the micro-batch, twice the accumulation: the same global batch, less memory."""
+        if self.micro_batch_size <= 1:
+            raise ValueError("the micro-batch is already 1")
+        micro = self.micro_batch_size // 2
+        accum = self.gradient_accumulation_steps * self.micro_batch_size // micro
+        return BatchSplit(micro, accum, self.world_size, self.requested_global_batch_size, self.note)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the training processes run, decided before the process group forms."""
+
+    on_cuda: bool
+    deepspeed: bool
+
+    @property
+    def cpu_processes(self) -> bool:
+        """accelerate's ``cpu`` (gloo DDP without CUDA). DeepSpeed brings its own CPU accelerator
+        (``DS_ACCELERATOR=cpu``) and must not be told."""
+        return not self.on_cuda and not self.deepspeed
+
+    @property
+    def deepspeed_on_cpu(self) -> bool:
+        return not self.on_cuda and self.deepspeed
+
+    @property
+    def backend(self) -> str | None:
+        """The process group's backend: gloo for DeepSpeed on CPU (accelerate finds none there),
+        otherwise accelerate's choice (nccl on GPUs, gloo on CPUs)."""
+        return "gloo" if self.deepspeed_on_cpu else None
+
+
+def placement(config: RunConfig) -> Placement:
+    """CUDA when torch sees a GPU and the launcher did not ask for CPU processes (``CPU=1`` sets
+    ``SFT_PLAY_CPU=1`` and hides the GPUs from the training processes, so that accelerate,
+    DeepSpeed and this answer agree)."""
+    import torch
+
+    on_cuda = torch.cuda.is_available() and os.environ.get(CPU_ENV) != "1"
+    return Placement(on_cuda=on_cuda, deepspeed=config.distributed.strategy.startswith("deepspeed"))
+
+
+def allocator_settings(config: RunConfig, where: Placement) -> str | None:
+    """The CUDA caching allocator's settings for ``PYTORCH_CUDA_ALLOC_CONF`` (set before CUDA
+    starts): expandable segments when ``train.expandable_segments`` and on CUDA."""
+    return "expandable_segments:True" if config.train.expandable_segments and where.on_cuda else None
 
 
 @dataclass(frozen=True)
@@ -65,19 +148,28 @@ class Run:
     model: str  # model.name_or_path, with its revision and trust_remote_code
     revision: str | None = None
     trust_remote_code: bool = False
-    lora_rank: int = 0
-    lora_dropout: float = 0.0
-    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora: LoraSpec | None = None  # the adapter (None for full fine-tuning)
     double_quant: bool = True
     compile_layers: bool = False  # torch.compile each decoder layer
     liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
     expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
     reduce_bucket_elements: int | None = None  # DeepSpeed reduce_bucket_size, as the trainer fills it
     allgather_bucket_elements: int | None = None
+    batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
 
     @property
     def deepspeed(self) -> bool:
         return self.strategy.startswith("deepspeed")
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run as JSON-ready data (``run.json`` in the run folder)."""
+        data = dataclasses.asdict(self)
+        data["precision"]["compute_dtype"] = self.precision.compute_dtype
+        return data
 
     def masked(self, micro_batch: int) -> bool:
         """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
@@ -207,31 +299,26 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora_rank=config.lora.r,
-        lora_dropout=config.lora.dropout,
-        lora_targets=targets if isinstance(targets := config.lora.target_modules, str) else tuple(targets),
+        lora=LoraSpec.from_config(config.lora) if method != "full" else None,
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
-        expandable_segments=config.train.expandable_segments and on_cuda,
+        expandable_segments=allocator_settings(config, Placement(on_cuda, False)) is not None,
         reduce_bucket_elements=reduce_bucket,
         allgather_bucket_elements=allgather_bucket,
     )
 
 
 def _model_config(config: RunConfig) -> Any:
-    from sft_play.planner.shapes import load_model_config
-
-    return load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+    return architecture.load_model_config(config.model.name_or_path, config.model.revision,
+                                          config.model.trust_remote_code)
 
 
 def _softcapping(facts: Any) -> bool:
-    if hasattr(facts, "attention_softcapping"):
+    if hasattr(facts, "attention_softcapping"):  # a ModelShape
         return bool(facts.attention_softcapping)
-    text = facts.get_text_config() if hasattr(facts, "get_text_config") else facts
-    return getattr(text, "attn_logit_softcapping", None) is not None
+    return architecture.attention_softcapping(facts)
 
 
 def _hidden_size(facts: Any) -> int:
-    text = facts.get_text_config() if hasattr(facts, "get_text_config") else facts
-    return int(getattr(text, "hidden_size", 0) or 0)
+    return architecture.hidden_size(facts)  # a ModelShape or a transformers config

@@ -4,33 +4,39 @@ callbacks. No training loop lives here: the trainer runs it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_play import checkpoints
+from sft_play import checkpoints, planner
+from sft_play.callbacks import max_over_ranks
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
-from sft_play.planner.choose import BatchSplit
-from sft_play.run import Run
+from sft_play.model import lora_config
+from sft_play.planner import calibrate as calibration
+from sft_play.planner import memory
+from sft_play.planner.predict import recipe_for
+from sft_play.run import BatchSplit, Run
 
 logger = logging.getLogger(__name__)
 
 
-def deepspeed_config(config: RunConfig) -> dict | None:
+def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
     """The DeepSpeed config for a ``deepspeed_*`` strategy: ``distributed.deepspeed_config`` (JSON
     whose ``auto`` values the trainer fills from its arguments, i.e. from the plan and the run
     config: micro-batch, accumulation, clipping, precision, bucket sizes), switched to stage 3
     for ``deepspeed_zero3`` and with optimizer states in CPU memory for
     ``distributed.offload_optimizer``. None for DDP."""
-    strategy = config.distributed.strategy
-    if not strategy.startswith("deepspeed"):
+    strategy = run.strategy
+    if not run.deepspeed:
         return None
     ds = json.loads(Path(config.distributed.deepspeed_config).read_text())
     zero = ds.setdefault("zero_optimization", {})
@@ -39,29 +45,14 @@ def deepspeed_config(config: RunConfig) -> dict | None:
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             zero.setdefault(key, "auto")
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
-    if config.distributed.offload_parameters:
+    if run.offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if config.distributed.offload_optimizer or config.distributed.offload_parameters:
+    if run.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                      "weight_decay": "auto"}}
     return ds
-
-
-def use_cpu_processes(config: RunConfig) -> bool:
-    """Whether processes run on the CPU in accelerate's sense (gloo DDP). Without CUDA, DDP needs
-    it to form a process group; DeepSpeed brings its own CPU accelerator (``DS_ACCELERATOR=cpu``)
-    and must not be told."""
-    import torch
-
-    return not torch.cuda.is_available() and not config.distributed.strategy.startswith("deepspeed")
-
-
-def deepspeed_on_cpu(config: RunConfig) -> bool:
-    import torch
-
-    return not torch.cuda.is_available() and config.distributed.strategy.startswith("deepspeed")
 
 
 def skip_deepspeed_inference_comm() -> None:
@@ -74,34 +65,33 @@ def skip_deepspeed_inference_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def process_group_backend(config: RunConfig) -> str | None:
-    """The backend the entry script forms the process group with: gloo for DeepSpeed on CPU
-    (accelerate finds none there), otherwise accelerate's choice (nccl on GPUs, gloo on CPUs)."""
-    return "gloo" if deepspeed_on_cpu(config) else None
+def pin_mixed_precision(run: Run) -> None:
+    """Say the run's precision to accelerate and transformers through the environment too.
+
+    ``accelerate launch`` exports ``ACCELERATE_MIXED_PRECISION`` from its config file, and
+    transformers' arguments (and accelerate's state) take it whenever ``bf16`` and ``fp16`` are
+    both off: an accelerate config written for bf16 GPUs would turn ``train.mixed_precision=no``
+    into bf16 autocast behind the plan's back."""
+    os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
 
 
-def sft_arguments(
-    config: RunConfig,
-    run: Run,
-    micro_batch_size: int,
-    gradient_accumulation_steps: int,
-    run_dir: Path,
-    has_validation: bool,
-    **overrides: Any,
-) -> Any:
-    """TRL ``SFTConfig`` for the run; every value comes from the run config, the resolved run or
-    the plan (`overrides` replace any of them, e.g. for calibration steps)."""
-    import torch
+def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool, **overrides: Any) -> Any:
+    """TRL ``SFTConfig`` for the run; every value comes from the run config or the resolved run
+    (its ``batch``: the plan's split, or the one calibration or backoff changed it to).
+    `overrides` replace any of them, e.g. for calibration steps."""
     from trl import SFTConfig
 
+    if run.batch is None:
+        raise ValueError("the run has no batch split yet: plan it first (run.with_changes(batch=plan.split))")
+    pin_mixed_precision(run)
     precision = run.precision
     train, data = config.train, config.data
     evaluate = has_validation and train.eval_steps > 0
     settings = dict(
         output_dir=str(run_dir / "checkpoints"),
-        per_device_train_batch_size=micro_batch_size,
-        per_device_eval_batch_size=micro_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        per_device_train_batch_size=run.batch.micro_batch_size,
+        per_device_eval_batch_size=run.batch.micro_batch_size,
+        gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
         learning_rate=train.learning_rate,
         lr_scheduler_type=train.lr_scheduler,
         warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
@@ -112,8 +102,8 @@ def sft_arguments(
         max_steps=train.max_steps,
         bf16=precision.mixed == "bf16",
         fp16=precision.mixed == "fp16",
-        activation_checkpointing=train.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if train.gradient_checkpointing else None,
+        activation_checkpointing=run.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if run.gradient_checkpointing else None,
         logging_steps=train.logging_steps,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
@@ -135,12 +125,12 @@ def sft_arguments(
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
         ddp_find_unused_parameters=False,
         ddp_timeout=max(1, round(config.distributed.timeout_minutes * 60)),
-        dataloader_pin_memory=torch.cuda.is_available(),
-        use_cpu=use_cpu_processes(config),
-        deepspeed=deepspeed_config(config),
-        # DeepSpeed on CPU: keep the process group the entry script formed over gloo (transformers
+        dataloader_pin_memory=run.on_cuda,
+        use_cpu=run.placement.cpu_processes,
+        deepspeed=deepspeed_config(config, run),
+        # DeepSpeed on CPU: keep the process group the training flow formed over gloo (transformers
         # would otherwise re-form it without a backend and see one process)
-        accelerator_config={"use_configured_state": True} if deepspeed_on_cpu(config) else None,
+        accelerator_config={"use_configured_state": True} if run.placement.deepspeed_on_cpu else None,
     )
     return SFTConfig(**{**settings, **overrides})
 
@@ -150,28 +140,26 @@ def trainer_factory(
     run: Run,
     run_dir: Path,
     model: Any,
-    peft_config: Any,
     tokenizer: Any,
     train_dataset: Any,
     eval_dataset: Any | None,
     data_collator: Any = None,
     callbacks: list[TrainerCallback] | None = None,
-) -> Callable[[BatchSplit], Any]:
+) -> Callable[..., Any]:
     """A function that builds the run's TRL ``SFTTrainer`` (over already tokenised, and with
-    packing already packed, data) for a batch split: what :func:`train_with_backoff` calls again
-    with a smaller split. The first trainer wraps the model with the adapter; later ones reuse
-    the wrapped model. The TensorBoard callback is moved behind ours, so that what our callbacks
-    add to a log line (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too."""
+    packing already packed, data) for a run: `run` itself, or the same run with another batch
+    split (``run.with_changes(batch=...)``), which is what :func:`train_with_backoff` and
+    calibration pass. The first trainer wraps the model with the run's adapter
+    (:func:`sft_play.model.lora_config`); later ones reuse the wrapped model. The TensorBoard
+    callback is moved behind ours, so that what our callbacks add to a log line
+    (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too."""
     from transformers.integrations import TensorBoardCallback
     from trl import SFTTrainer
 
-    held = {"model": model, "peft_config": peft_config}
+    held = {"model": model, "peft_config": lora_config(run)}
 
-    def make(split: BatchSplit, **overrides: Any) -> Any:
-        args = sft_arguments(
-            config, run, split.micro_batch_size, split.gradient_accumulation_steps, run_dir,
-            has_validation=eval_dataset is not None, **overrides,
-        )
+    def make(this_run: Run, **overrides: Any) -> Any:
+        args = sft_arguments(config, this_run, run_dir, has_validation=eval_dataset is not None, **overrides)
         trainer = SFTTrainer(
             model=held["model"],
             args=args,
@@ -191,17 +179,17 @@ def trainer_factory(
     return make
 
 
-def measure_peaks(make_trainer: Callable[..., Any], micros: tuple[int, ...] = (1, 2), steps: int = 2) -> dict[int, int]:
+def measure_peaks(make_trainer: Callable[..., Any], run: Run, micros: tuple[int, ...] = (1, 2),
+                  steps: int = 2) -> dict[int, int]:
     """The real peak GPU memory of `steps` training steps at each micro-batch in `micros`
     (``torch.cuda.max_memory_reserved`` plus the CUDA context as the planner counts it, the
     largest over all ranks). Learning rate 0, nothing saved or logged: the model is unchanged."""
     import torch
 
-    from sft_play.callbacks import max_over_ranks
-
     peaks = {}
     for micro in micros:
-        trainer = make_trainer(BatchSplit(micro, 1, 1, micro), max_steps=steps, learning_rate=0.0,
+        trial = run.with_changes(batch=BatchSplit(micro, 1, run.world_size, micro * run.world_size))
+        trainer = make_trainer(trial, max_steps=steps, learning_rate=0.0,
                                save_strategy="no", report_to="none", logging_strategy="no", eval_strategy="no")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -211,27 +199,22 @@ def measure_peaks(make_trainer: Callable[..., Any], micros: tuple[int, ...] = (1
     return peaks
 
 
-def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, target: Any, data_stats: Any,
-              run: Any) -> Any:
+def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, run: Run, shape: Any) -> Any:
     """`plan` re-decided from two measured steps (``planner.calibrate``; GPU only): peaks at
-    micro-batches 1 and 2, fitted as fixed + per-sample, compared with the predictions."""
-    from sft_play import planner
-    from sft_play.planner import calibrate as calibration
-    from sft_play.planner import memory
-    from sft_play.planner.predict import recipe_for
-
+    micro-batches 1 and 2, fitted as fixed + per-sample, compared with the predictions for the
+    same run; the split is then decided by the planner's own rule
+    (:func:`sft_play.planner.choose.decide_split`)."""
     outside = memory.outside_allocator_bytes(recipe_for(run), on_cuda=True)
-    measured = {m: peak + outside for m, peak in measure_peaks(make_trainer).items()}
-    predicted = {m: planner.peak_at(config, target, data_stats, m) for m in measured}
-    return calibration.calibrated_plan(plan, measured, predicted, config.planner.safety_margin_gib,
-                                       config.planner.safety_fraction)
+    measured = {m: peak + outside for m, peak in measure_peaks(make_trainer, run).items()}
+    predicted = {m: planner.peak_at(shape, run, m) for m in measured}
+    return calibration.calibrated_plan(plan, measured, predicted, config.train, config.planner)
 
 
 def train_with_backoff(
-    make_trainer: Callable[[BatchSplit], Any],
-    split: BatchSplit,
+    make_trainer: Callable[..., Any],
+    run: Run,
     resume_from_checkpoint: str | None = None,
-) -> tuple[Any, BatchSplit]:
+) -> tuple[Any, Run]:
     """Train; when a step runs out of memory, halve the micro-batch, double the accumulation and
     continue from where training was.
 
@@ -240,28 +223,31 @@ def train_with_backoff(
     it (the trainer skips the ``step x accumulation`` micro-batches already seen, of the new size,
     so exactly the same samples are skipped).
 
+    Kept rather than accelerate's ``find_executable_batch_size``, which retries the whole
+    function from the start with a smaller batch: that changes the global batch and repeats
+    the steps already taken.
+
     Args:
-        make_trainer: builds a trainer for a batch split.
-        split: the planned split.
+        make_trainer: builds a trainer for a run (:func:`trainer_factory`).
+        run: the resolved run, with the planned batch split.
         resume_from_checkpoint: a checkpoint to start from.
 
     Returns:
-        The trainer that finished, and the split it finished with.
+        The trainer that finished, and the run as it trained (its final batch split).
 
     Raises:
         OutOfMemory: out of memory at micro-batch 1, or with several processes (where one rank
             cannot change its batch alone).
     """
-    import gc
-
     import torch
     from accelerate.utils.memory import should_reduce_batch_size
 
     while True:
-        trainer = make_trainer(split)
+        split = run.batch
+        trainer = make_trainer(run)
         try:
             trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-            return trainer, split
+            return trainer, run
         except RuntimeError as error:
             if not should_reduce_batch_size(error):
                 raise
@@ -288,9 +274,9 @@ def train_with_backoff(
         )
         del trainer
         gc.collect()
-        if torch.cuda.is_available():
+        if run.on_cuda:
             torch.cuda.empty_cache()
-        split = smaller
+        run = run.with_changes(batch=smaller)
 
 
 def weights_fingerprint(model: Any) -> str:

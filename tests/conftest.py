@@ -117,5 +117,6 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
-    return training.trainer_factory(config, run, tmp_path, base, model.lora_config(config), tokenizer,
-                                    bundle.train, None, collator, callbacks)
+    make = training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, collator, callbacks)
+    make.run = run  # the resolved run; tests give it a batch split: make.run.with_changes(batch=...)
+    return make

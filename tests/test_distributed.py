@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from sft_play import checkpoints, launch, training
+from sft_play.launch import supervise
 from sft_play import config as config_module
+from sft_play.run import resolve
 from tests.conftest import PINNED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,10 +297,10 @@ def test_a_stop_signal_is_passed_on_once_however_often_it_arrives(monkeypatch):
     it is a second (passed on as SIGTERM). The forwarder's clock is the test's, so that a busy
     machine cannot stretch the window; the child says when its trap is set and when it got each."""
     clock = [1000.0]
-    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(supervise.time, "monotonic", lambda: clock[0])
     sent = []
     real_killpg = os.killpg
-    monkeypatch.setattr(launch.os, "killpg", lambda pid, signum: (sent.append(signum), real_killpg(pid, signum)))
+    monkeypatch.setattr(supervise.os, "killpg", lambda pid, signum: (sent.append(signum), real_killpg(pid, signum)))
     child = subprocess.Popen(["bash", "-c", 'trap "echo got" TERM; echo ready; while :; do sleep 0.05; done'],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     forwarder = launch.StopForwarder(lambda: [child.pid])
@@ -327,15 +329,18 @@ def test_cuda_arch_suffixes_are_removed_for_deepspeed():
 
 
 def test_deepspeed_config_fills_from_the_run_config():
-    assert training.deepspeed_config(config_module.load(None, check_paths=False)) is None
-    zero2 = training.deepspeed_config(config_module.load(None, ["distributed.strategy=deepspeed_zero2"]))
+    def deepspeed(*overrides: str):
+        config = config_module.load(None, list(overrides), check_paths=False)
+        return training.deepspeed_config(config, resolve(config, on_cuda=True, bf16_supported=True, world_size=2))
+
+    assert deepspeed() is None
+    zero2 = deepspeed("distributed.strategy=deepspeed_zero2")
     assert zero2["zero_optimization"]["stage"] == 2
     assert zero2["train_micro_batch_size_per_gpu"] == "auto" and zero2["gradient_accumulation_steps"] == "auto"
-    offload = training.deepspeed_config(config_module.load(
-        None, ["distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"]))
+    offload = deepspeed("distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true")
     assert offload["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert offload["optimizer"]["params"]["lr"] == "auto"
-    zero3 = training.deepspeed_config(config_module.load(None, ["distributed.strategy=deepspeed_zero3"]))
+    zero3 = deepspeed("distributed.strategy=deepspeed_zero3")
     assert zero3["zero_optimization"]["stage"] == 3
 
 

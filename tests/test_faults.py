@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from sft_play import callbacks, checkpoints, checks, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
-from sft_play.planner.choose import BatchSplit
+from sft_play.run import BatchSplit
 from tests.conftest import PINNED
 from tests.conftest import tiny_trainer_factory as build
 
@@ -87,7 +87,7 @@ def test_sigint_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_path
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest was started in the background
     stop = callbacks.GracefulStop()
     make = build(tmp_path, [callbacks.CheckpointMarker(), stop, Interrupt()])
-    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
     assert stop.received == "SIGINT" and stop.stopped_at == 2 and trainer.state.global_step == 2
     assert checkpoints.is_complete(tmp_path / "checkpoints" / "checkpoint-2")
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
@@ -103,7 +103,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
     guard = callbacks.NonFiniteGuard(patience=2)
     make = build(tmp_path, [callbacks.CheckpointMarker(), guard, Poison()], "train.save_steps=1")
-    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
     assert guard.stopped_at == 3 and guard.bad_steps == 2 and trainer.state.global_step == 4
     kept = checkpoints.checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in kept] == ["checkpoint-1", "checkpoint-2"], "no checkpoint after the NaN"
@@ -127,7 +127,7 @@ def test_nan_guard_leaves_weights_alone_and_does_not_save(tmp_path):
 
     guard = callbacks.NonFiniteGuard(patience=2)
     make = build(tmp_path, [guard, Poison(), Saves()])
-    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
     lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
     assert all(torch.isfinite(p).all() for p in lora), "skipped steps must not write NaN into the adapters"
     assert guard.stopped_at == 3 and checkpoint_steps == []
@@ -338,7 +338,7 @@ def test_the_old_checkpoint_is_deleted_only_after_the_new_one_is_marked(tmp_path
     make = build(tmp_path, [DiesBeforeTheMarker(), callbacks.CheckpointMarker(keep=1)], "train.save_steps=2",
                  "train.save_total_limit=1")
     with pytest.raises(RuntimeError, match="killed"):
-        training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+        training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
     folder = tmp_path / "checkpoints"
     assert checkpoints.is_complete(folder / "checkpoint-2"), "the only complete checkpoint was rotated away"
     assert (folder / "checkpoint-4").is_dir() and not checkpoints.is_complete(folder / "checkpoint-4")

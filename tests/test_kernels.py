@@ -6,6 +6,7 @@ bench/throughput.py's business (--levers), not these tests'."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,13 @@ def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatc
 
 
 def test_the_trainer_gets_liger_from_the_resolved_run():
+    from sft_play.run import BatchSplit
     from sft_play.training import sft_arguments
 
     config = load()
-    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
-    assert sft_arguments(config, run, 2, 1, Path("/tmp/unused"), False).use_liger_kernel is False
-    assert sft_arguments(config, run.with_changes(liger=True), 2, 1, Path("/tmp/unused"), False).use_liger_kernel
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(2, 1, 1, 2))
+    assert sft_arguments(config, run, Path("/tmp/unused"), False).use_liger_kernel is False
+    assert sft_arguments(config, run.with_changes(liger=True), Path("/tmp/unused"), False).use_liger_kernel
 
 
 def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_flash():
@@ -118,13 +120,25 @@ def test_compiled_layers_train_to_the_same_loss():
     torch.testing.assert_close(losses[0][1], losses[1][1], rtol=1e-3, atol=1e-5)
 
 
-def test_expandable_segments_are_set_before_the_weights_load(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    config = load()
-    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(expandable_segments=True)
-    model_module.load_model(config, run, device="cpu")
-    assert calls == ["expandable_segments:True"]
+def test_expandable_segments_are_set_before_cuda_starts(monkeypatch):
+    """PyTorch reads PYTORCH_CUDA_ALLOC_CONF when CUDA starts, which forming the process group
+    does: the setting must be in the environment when PartialState is created, and only on CUDA."""
+    from sft_play import train as train_flow
+    from sft_play.run import Placement
+
+    seen = []
+    monkeypatch.setattr(train_flow, "PartialState", lambda **kwargs: seen.append(
+        (kwargs, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=True, deepspeed=False))
+    assert seen[-1][1] == "max_split_size_mb:512,expandable_segments:True"
+    assert seen[-1][0]["cpu"] is False
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=False, deepspeed=False))
+    assert seen[-1][1] == "" and seen[-1][0]["cpu"] is True  # no CUDA: nothing to set
+    run = resolve(load("train.expandable_segments=true"), on_cuda=True, bf16_supported=True, world_size=1)
+    assert run.expandable_segments  # what the plan's notes read
 
 
 def test_every_lever_the_throughput_bench_measures_is_a_valid_switch(monkeypatch):

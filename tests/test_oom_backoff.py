@@ -11,8 +11,12 @@ from transformers import TrainerCallback
 
 from sft_play import training
 from sft_play.errors import OutOfMemory
-from sft_play.planner.choose import BatchSplit
+from sft_play.run import BatchSplit
 from tests.conftest import tiny_trainer_factory as build
+
+
+def _train(make, split: BatchSplit):
+    return training.train_with_backoff(make, make.run.with_changes(batch=split))
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +37,15 @@ def test_out_of_memory_halves_the_micro_batch_and_continues(tmp_path, caplog):
     injected = InjectOutOfMemory(at_step=2, until=4)
     make = build(tmp_path / "backoff", [injected])
     with caplog.at_level(logging.WARNING, logger="sft_play"):
-        trainer, split = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
+        trainer, trained = _train(make, BatchSplit(8, 1, 1, 8))
     assert injected.raised == 1
-    assert split == BatchSplit(4, 2, 1, 8)  # same global batch
+    assert trained.batch == BatchSplit(4, 2, 1, 8)  # same global batch
     assert trainer.state.global_step == 4
     assert (tmp_path / "backoff" / "checkpoints" / "checkpoint-2").is_dir()
     assert "out of memory at micro-batch 8 (step 3): continuing from step 2 with global 8 = micro 4 x accum 2" in caplog.text
 
     # The same steps as a run that never ran out of memory (the same samples, the same updates)
-    reference, _ = training.train_with_backoff(build(tmp_path / "reference", []), BatchSplit(8, 1, 1, 8))
+    reference, _ = _train(build(tmp_path / "reference", []), BatchSplit(8, 1, 1, 8))
     ours = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     theirs = [e["loss"] for e in reference.state.log_history if "loss" in e]
     assert ours[-2:] == pytest.approx(theirs[-2:], rel=1e-3)
@@ -50,7 +54,7 @@ def test_out_of_memory_halves_the_micro_batch_and_continues(tmp_path, caplog):
 def test_gives_up_with_a_clear_message_at_micro_batch_one(tmp_path):
     make = build(tmp_path, [InjectOutOfMemory(at_step=0)])
     with pytest.raises(OutOfMemory, match="out of memory at micro-batch 1: nothing left to halve"):
-        training.train_with_backoff(make, BatchSplit(2, 4, 1, 8))
+        _train(make, BatchSplit(2, 4, 1, 8))
 
 
 def test_other_errors_are_not_swallowed(tmp_path):
@@ -59,4 +63,4 @@ def test_other_errors_are_not_swallowed(tmp_path):
             raise RuntimeError("something else broke")
 
     with pytest.raises(RuntimeError, match="something else broke"):
-        training.train_with_backoff(build(tmp_path, [Boom()]), BatchSplit(8, 1, 1, 8))
+        _train(build(tmp_path, [Boom()]), BatchSplit(8, 1, 1, 8))

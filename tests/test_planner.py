@@ -338,18 +338,21 @@ def test_plan_exit_status_says_whether_it_fits():
 
 
 def test_calibration_fits_two_measurements_and_replans():
-    from sft_play.planner import calibrate, peak_at
+    from sft_play.planner import calibrate, peak_at, resolve_for
 
     assert calibrate.fit({1: 10 * GIB, 2: 14 * GIB}) == (6 * GIB, 4 * GIB)
     config = plan_config("llama-3.1-8b", "finetune.method=qlora", "train.global_batch_size=64",
                          "data.max_seq_length=2048", "train.gradient_checkpointing=true")
     target = Target(1, 80 * GIB, "1 x H100")
     plan = make_plan(config, target)
-    predicted = {m: peak_at(config, target, None, m) for m in (1, 2)}
+    shape = model_shape(config)
+    predicted = {m: peak_at(shape, resolve_for(config, target, None, shape), m) for m in (1, 2)}
     assert predicted[1] < predicted[2]
     # The GPU turns out to spend 10 GiB fixed and 7 GiB per sequence: 66 GiB of budget fits 9
     measured = {1: 17 * GIB, 2: 24 * GIB}
-    replanned = calibrate.calibrated_plan(plan, measured, predicted, 1.0, 0.05)
+    replanned = calibrate.calibrated_plan(plan, measured, predicted, config.train,
+                                          config.planner.model_copy(update={"safety_margin_gib": 1.0,
+                                                                            "safety_fraction": 0.05}))
     assert replanned.micro_batch_size == 8 and replanned.gradient_accumulation_steps == 8  # exact split of 64
     assert replanned.peak_bytes_per_gpu == 10 * GIB + 8 * 7 * GIB
     assert any("calibrated on this GPU: micro 1: predicted" in note for note in replanned.notes)

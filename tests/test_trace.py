@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sft_play.adapters import LoraSpec
 from sft_play.planner import trace as tracing
 from sft_play.planner.trace import INPUT, TraceSpec, layer_trace
 
@@ -19,7 +20,7 @@ S = 128
 def spec(**changes) -> TraceSpec:
     settings = dict(name_or_path=TINY, revision=None, trust_remote_code=False, method="lora",
                     weights_dtype="bfloat16", adapter_dtype="float32", compute_dtype="bfloat16", attention="sdpa",
-                    masked=False, checkpointing=False, lora_rank=8)
+                    masked=False, checkpointing=False, lora=LoraSpec(8, 16, 0.0, "all-linear"))
     return TraceSpec(**{**settings, **changes})
 
 
@@ -63,7 +64,7 @@ def test_the_run_precision_decides_what_adapters_keep():
 
 def test_dropout_keeps_a_boolean_mask_not_float_noise():
     without = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16")), 1)
-    with_dropout = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16", lora_dropout=True)), 1)
+    with_dropout = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16", lora=LoraSpec(8, 16, 0.1, "all-linear"))), 1)
     adapted_inputs = 3 * H + HEADS * D + 2 * H + I
     extra = with_dropout - without
     # CUDA's dropout: a bf16 output and a 1-byte mask per adapted input; the meta device's own

@@ -9,8 +9,10 @@ predictions for the same micro-batches are reported side by side.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from sft_play.planner.choose import budget_bytes, choose_split
+from sft_play.planner.choose import budget_bytes, decide_split
+from sft_play.units import GIB
 
 
 def fit(measured: dict[int, int]) -> tuple[float, float]:
@@ -26,23 +28,28 @@ def fit(measured: dict[int, int]) -> tuple[float, float]:
     return p1 - per_sample * m1, per_sample
 
 
-def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], margin_gib: float, fraction: float):
+def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], train: Any, settings: Any):
     """`plan` re-decided from measured peaks: the largest micro-batch whose fitted peak fits the
-    budget, the accumulation that keeps the global batch, and notes comparing prediction with
-    measurement."""
+    budget, split by the same rule as the plan (:func:`sft_play.planner.choose.decide_split`,
+    reading the ``train`` section), and notes comparing prediction with measurement.
+
+    Args:
+        train, settings: the run config's ``train`` and ``planner`` sections.
+    """
     fixed, per_sample = fit(measured)
-    budget = budget_bytes(plan.free_bytes_per_gpu, margin_gib, fraction)
+    budget = budget_bytes(plan.free_bytes_per_gpu, settings.safety_margin_gib, settings.safety_fraction)
     per_process = max(1, -(-plan.requested_global_batch_size // plan.world_size))
     fitting = int((budget - fixed) // per_sample) if per_sample else per_process
     fitting = max(0, min(fitting, per_process))
-    split = choose_split(plan.requested_global_batch_size, plan.world_size, max(1, fitting))
+    split = decide_split(plan.requested_global_batch_size, plan.world_size, "auto", train.gradient_accumulation_steps,
+                         fitting)
     peak = int(fixed + per_sample * split.micro_batch_size)
     comparison = ", ".join(
-        f"micro {m}: predicted {predicted[m] / 1024**3:.2f} GiB, measured {measured[m] / 1024**3:.2f} GiB "
+        f"micro {m}: predicted {predicted[m] / GIB:.2f} GiB, measured {measured[m] / GIB:.2f} GiB "
         f"({100 * (predicted[m] - measured[m]) / measured[m]:+.1f}%)" for m in sorted(measured)
     )
     notes = [f"calibrated on this GPU: {comparison}",
-             f"fitted peak = {fixed / 1024**3:.2f} GiB + {per_sample / 1024**3:.3f} GiB per sample"]
+             f"fitted peak = {fixed / GIB:.2f} GiB + {per_sample / GIB:.3f} GiB per sample"]
     return dataclasses.replace(
         plan,
         micro_batch_size=split.micro_batch_size,

@@ -4,38 +4,9 @@ arithmetic on the predictions the other planner modules produce."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class BatchSplit:
-    """How the global batch is made: ``global = micro x accum x world``."""
-
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    world_size: int
-    requested_global_batch_size: int
-    note: str = ""
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
-
-    def describe(self) -> str:
-        return (
-            f"global {self.global_batch_size} = micro {self.micro_batch_size} x accum "
-            f"{self.gradient_accumulation_steps} x world {self.world_size}"
-        )
-
-    def halved(self) -> BatchSplit:
-        """Half the micro-batch, twice the accumulation: the same global batch, less memory."""
-        if self.micro_batch_size <= 1:
-            raise ValueError("the micro-batch is already 1")
-        micro = self.micro_batch_size // 2
-        accum = self.gradient_accumulation_steps * self.micro_batch_size // micro
-        return BatchSplit(micro, accum, self.world_size, self.requested_global_batch_size, self.note)
+from sft_play.run import BatchSplit
+from sft_play.units import GIB
 
 
 def budget_bytes(free_bytes: int, margin_gib: float, fraction: float) -> int:
@@ -128,3 +99,18 @@ def choose_split(global_batch: int, world_size: int, fitting_micro: int) -> Batc
         if 2 * exact >= fitting_micro:
             return BatchSplit(exact, per_process // exact, world_size, global_batch)
     return split_global_batch(global_batch, world_size, fitting_micro)
+
+
+def decide_split(global_batch: int, world_size: int, micro: int | str, accum: int | str, fitting: int) -> BatchSplit:
+    """The split a run trains with, from the ``train`` settings and the largest micro-batch that
+    fits (`fitting`, from the prediction or from calibration's measurements): a fixed
+    micro-batch as configured (with a fixed accumulation, or the one that makes the global
+    batch); a fixed accumulation with the micro-batch that makes the global batch; otherwise the
+    fastest split whose micro-batch fits (:func:`choose_split`)."""
+    fixed_accum = None if accum == "auto" else int(accum)
+    if isinstance(micro, int):
+        return split_global_batch(global_batch, world_size, micro, fixed_accum)
+    if fixed_accum is not None:
+        implied = max(1, round(global_batch / (fixed_accum * world_size)))
+        return split_global_batch(global_batch, world_size, implied, fixed_accum)
+    return choose_split(global_batch, world_size, max(1, fitting))

@@ -15,13 +15,12 @@ from typing import Any
 
 from sft_play.config import RunConfig
 from sft_play.planner import remedies as remedy_catalogue
-from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
+from sft_play.planner.choose import budget_bytes, decide_split, largest_fitting_micro
 from sft_play.planner.predict import REPLAYS, Prediction, predict, static_lower_bound
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
-from sft_play.run import Run, resolve
-
-GIB = 1024**3
+from sft_play.run import BatchSplit, Run, resolve
+from sft_play.units import GIB
 
 
 @dataclass
@@ -145,8 +144,9 @@ def make_plan(
     fitting = largest_fitting_micro(lambda m: bool(predicted(m).fits), per_process,
                                     _crossing(predicted(1), predicted(per_process), budget))
 
+    split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
+                         train.gradient_accumulation_steps, fitting)
     if isinstance(train.micro_batch_size, int):
-        split = split_global_batch(train.global_batch_size, target.world_size, train.micro_batch_size, fixed_accum)
         if not predicted(split.micro_batch_size).fits:
             warnings.append(
                 f"train.micro_batch_size={split.micro_batch_size} is predicted not to fit "
@@ -154,13 +154,10 @@ def make_plan(
                 + (f"; the largest that fits is {fitting}" if fitting else "")
             )
     elif fixed_accum is not None:
-        micro = max(1, round(train.global_batch_size / (fixed_accum * target.world_size)))
-        split = split_global_batch(train.global_batch_size, target.world_size, micro, fixed_accum)
-        if fitting and micro > fitting:
-            warnings.append(f"train.gradient_accumulation_steps={fixed_accum} implies micro-batch {micro}, predicted "
-                            f"not to fit; the largest that fits is {fitting}")
+        if fitting and split.micro_batch_size > fitting:
+            warnings.append(f"train.gradient_accumulation_steps={fixed_accum} implies micro-batch "
+                            f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
     else:
-        split = choose_split(train.global_batch_size, target.world_size, max(1, fitting))
         if fitting:
             notes.append(f"largest micro-batch that fits: {fitting}")
     if split.note:
@@ -233,10 +230,8 @@ def make_plan(
     )
 
 
-def peak_at(config: RunConfig, target: Target, data_stats: Any | None, micro: int) -> int:
+def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
     """The predicted peak of one GPU at micro-batch `micro` (what calibration compares against)."""
-    shape = model_shape(config)
-    run = resolve_for(config, target, data_stats, shape)
     return predict(shape, run, micro).peak_bytes
 
 

@@ -45,8 +45,8 @@ def recipe_for(run: Run) -> memory.Recipe:
         offload_optimizer=run.offload_optimizer,
         offload_parameters=run.offload_parameters,
         double_quant=run.double_quant,
-        lora_dropout=run.lora_dropout > 0,
-        lora_rank=run.lora_rank,
+        lora_dropout=bool(run.lora and run.lora.dropout > 0),
+        lora_rank=run.lora.r if run.lora else 0,
         adapter_bytes=DTYPE_BYTES[run.adapter_dtype],
         reduce_bucket_elements=run.reduce_bucket_elements or 0,
         allgather_bucket_elements=run.allgather_bucket_elements or 0,
@@ -79,9 +79,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         attention=run.attention,
         masked=run.masked(micro_batch),
         checkpointing=run.gradient_checkpointing,
-        lora_rank=run.lora_rank,
-        lora_targets=run.lora_targets,
-        lora_dropout=run.lora_dropout > 0,
+        lora=run.lora,
     )
 
 

@@ -1,10 +1,8 @@
-"""Exact model sizes from a config alone: the model is built on the meta device (no weight
-memory, no download beyond config.json), and its parameters are counted by module kind, for
-full fine-tuning, LoRA (peft applied to the meta model) and QLoRA (the linears bitsandbytes
-would quantise, found with transformers' own rule).
-
-``torch.device("meta")`` is used rather than accelerate's ``init_empty_weights``: with current
-transformers the latter leaves tied embeddings untied and counts them twice.
+"""Exact model sizes from a config alone: the model is built on the meta device
+(:mod:`sft_play.architecture`: no weight memory, no download beyond config.json), and its
+parameters are counted by module kind, for full fine-tuning, LoRA (peft applied to the meta
+model, with the run's own ``LoraConfig``) and QLoRA (the linears bitsandbytes would quantise,
+found with transformers' own rule).
 """
 
 from __future__ import annotations
@@ -17,7 +15,9 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sft_play import hub
+from sft_play.adapters import LoraSpec, peft_config
+from sft_play.architecture import (build_meta_model, config_int, decoder_layers, layer_signature, load_model_config,
+                                   quantized_linears, text_config, with_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -63,42 +63,6 @@ class ModelShape:
                      for v in (getattr(self, f.name) for f in dataclasses.fields(self)))
 
 
-@functools.lru_cache(maxsize=32)
-def load_model_config(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a hub id (config download only, or the local cache) or a local
-    folder (cached: treat it as read-only). A hub id that cannot be read while the project ships
-    its config (:func:`sft_play.hub.shipped_config`) is read from that copy.
-
-    Raises:
-        UserError: the hub id cannot be loaded (network, name or access, said which).
-    """
-    from transformers import AutoConfig
-
-    from sft_play.errors import hub_error
-
-    hub.prepare(name_or_path)
-    try:
-        return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        shipped = hub.shipped_config(name_or_path, revision)
-        if shipped is None:
-            raise hub_error(name_or_path, exc) from None
-    logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
-    return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
-
-
-def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:
-    """The causal LM for `model_config` on the meta device, tied weights tied."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-    model.tie_weights()
-    return model
-
-
 def _kind(name: str, module: Any, output_embeddings: Any) -> str:
     import torch
 
@@ -130,20 +94,6 @@ def count_by_kind(model: Any) -> dict[str, int]:
     return counts
 
 
-def quantized_linears(model: Any) -> list[tuple[str, Any]]:
-    """The linear layers bitsandbytes 4-bit loading would replace (transformers' own skip rule)."""
-    import torch
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and should_convert_module(name, skip)
-    ]
-
-
 def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]]]:
     """Adapter parameters peft adds to `model` for `lora_config`, and the (in, out) of each
     adapted linear of the first decoder layer (what the activation model needs)."""
@@ -168,33 +118,6 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
     return total, in_out
 
 
-def decoder_layers(model: Any, num_layers: int) -> Any | None:
-    """The ModuleList of the `num_layers` decoder layers (the one holding most parameters)."""
-    import torch
-
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
-
-
-def _layer_signature(layer: Any) -> tuple:
-    return tuple((name, type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
-                 for name, m in layer.named_modules())
-
-
-def with_layers(model_config: Any, layers: int) -> Any:
-    """A copy of `model_config` with `layers` decoder layers (per-layer lists cut to match)."""
-    import copy
-
-    shorter = copy.deepcopy(model_config)
-    text = shorter.get_text_config() if hasattr(shorter, "get_text_config") else shorter
-    text.num_hidden_layers = layers
-    for per_layer in ("layer_types", "mlp_only_layers"):
-        value = getattr(text, per_layer, None)
-        if isinstance(value, list) and per_layer == "layer_types":
-            setattr(text, per_layer, value[:layers])
-    return shorter
-
-
 def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_code: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """:func:`lora_counts` for the model `model_config` describes, without wrapping every layer.
 
@@ -204,22 +127,14 @@ def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_cod
     ``n(L) = n(1) + (L - 1) x (n(2) - n(1))``. Different layers fall back to the whole model.
     """
     full = build_meta_model(model_config, trust_remote_code)
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_layers = _attr(text, "num_hidden_layers", "n_layer", "num_layers")
+    text = text_config(model_config)
+    num_layers = config_int(text, "num_hidden_layers", "n_layer", "num_layers")
     layers = decoder_layers(full, num_layers) if num_layers > 2 else None
-    if layers is None or len({_layer_signature(layer) for layer in layers}) != 1:
+    if layers is None or len({layer_signature(layer) for layer in layers}) != 1:
         return lora_counts(full, lora_config)
     one, in_out = lora_counts(build_meta_model(with_layers(model_config, 1), trust_remote_code), lora_config)
     two, _ = lora_counts(build_meta_model(with_layers(model_config, 2), trust_remote_code), lora_config)
     return one + (num_layers - 1) * (two - one), in_out
-
-
-def _attr(config: Any, *names: str, default: int = 0) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    return default
 
 
 def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape:
@@ -228,9 +143,9 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     model = build_meta_model(model_config, trust_remote_code)
     by_kind = count_by_kind(model)
     total = sum(by_kind.values())
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden = _attr(text, "hidden_size", "n_embd", "d_model")
-    heads = _attr(text, "num_attention_heads", "n_head")
+    text = text_config(model_config)
+    hidden = config_int(text, "hidden_size", "n_embd", "d_model")
+    heads = config_int(text, "num_attention_heads", "n_head")
     quantized = blocks = 0
     quantizable = set()
     for _, module in quantized_linears(model):
@@ -238,7 +153,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         quantized += n
         blocks += -(-n // 64)
         quantizable.add(id(module.weight))
-    num_layers = _attr(text, "num_hidden_layers", "n_layer", "num_layers")
+    num_layers = config_int(text, "num_hidden_layers", "n_layer", "num_layers")
     layers = decoder_layers(model, num_layers)
     in_layers = {id(p) for p in layers.parameters()} if layers is not None else set()
     layer_tensors = [(p.numel(), id(p) in quantizable) for p in layers[0].parameters()] if layers is not None else []
@@ -254,11 +169,11 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         quantized_blocks=blocks,
         num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=_attr(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+        intermediate_size=config_int(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
         num_attention_heads=heads,
-        num_key_value_heads=_attr(text, "num_key_value_heads", "num_kv_heads", default=heads),
-        head_dim=_attr(text, "head_dim", default=hidden // max(1, heads)),
-        vocab_size=_attr(text, "vocab_size"),
+        num_key_value_heads=config_int(text, "num_key_value_heads", "num_kv_heads", default=heads),
+        head_dim=config_int(text, "head_dim", default=hidden // max(1, heads)),
+        vocab_size=config_int(text, "vocab_size"),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
         layer_tensors=layer_tensors,
@@ -299,21 +214,17 @@ def model_shape(config: Any) -> ModelShape:
     Args:
         config: a :class:`sft_play.config.RunConfig`.
     """
-    targets = config.lora.target_modules
-    return _model_shape(
-        config.model.name_or_path, config.model.revision, config.model.trust_remote_code, config.finetune.method,
-        config.lora.r, targets if isinstance(targets, str) else tuple(targets), tuple(config.lora.modules_to_save),
-        config.lora.bias,
-    )
+    spec = LoraSpec.from_config(config.lora) if config.finetune.method != "full" else None
+    return shape_for(config.model.name_or_path, config.model.revision, config.model.trust_remote_code,
+                     config.finetune.method, spec)
 
 
-def _model_shape(name_or_path: str, revision: str | None, trust_remote_code: bool, method: str, rank: int,
-                 targets: str | tuple[str, ...], modules_to_save: tuple[str, ...], bias: str) -> ModelShape:
+def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, method: str,
+              lora: LoraSpec | None) -> ModelShape:
     base = _base_shape(name_or_path, revision, trust_remote_code)
-    if method == "full":
+    if method == "full" or lora is None:
         return with_method(base, method)
-    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, rank, targets,
-                                                  modules_to_save, bias))
+    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, lora))
 
 
 # Remedies plan other methods of the same model: the model and each adapter are counted once
@@ -323,10 +234,6 @@ def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool
 
 
 @functools.lru_cache(maxsize=16)
-def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, rank: int,
-                 targets: str | tuple[str, ...], modules_to_save: tuple[str, ...], bias: str):
-    from peft import LoraConfig
-
-    lora = LoraConfig(task_type="CAUSAL_LM", r=rank, target_modules=targets if isinstance(targets, str) else list(targets),
-                      modules_to_save=list(modules_to_save) or None, bias=bias)
-    return lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code), lora, trust_remote_code)
+def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, lora: LoraSpec):
+    return lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code),
+                                  peft_config(lora, initialise=False), trust_remote_code)

@@ -54,6 +54,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from sft_play.adapters import LoraSpec, peft_config
+from sft_play.architecture import build_meta_model, decoder_layers, load_model_config, quantized_linears, with_layers
 from sft_play.run import MASK_FREE_ATTENTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,9 +124,7 @@ class TraceSpec:
     attention: str  # sdpa, flash_attention_2, flex_attention, eager
     masked: bool  # a 4-D attention mask is passed (packed rows or padding without FlashAttention-2)
     checkpointing: bool
-    lora_rank: int = 16
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    lora_dropout: bool = False
+    lora: LoraSpec | None = None  # the run's adapter (None for full fine-tuning)
 
 
 class _Recorder(TorchDispatchMode):
@@ -314,30 +314,22 @@ class _Autocast(TorchFunctionMode):
 @functools.lru_cache(maxsize=8)
 def _one_layer_model(name_or_path: str, revision: str | None, trust_remote_code: bool) -> Any:
     """The model with a single decoder layer, on the meta device."""
-    from sft_play.planner.shapes import build_meta_model, load_model_config, with_layers
-
     return build_meta_model(with_layers(load_model_config(name_or_path, revision, trust_remote_code), 1),
                             trust_remote_code)
 
 
 def _prepared_layer(spec: TraceSpec) -> tuple[Any, Any, Any, torch.dtype]:
     """(decoder layer, final norm, text config, residual dtype) for `spec`, ready to trace."""
-    from sft_play.planner.shapes import decoder_layers
-
     model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code))
     weights = DTYPES[spec.weights_dtype]
     model.to(weights)
     if spec.method == "qlora":
-        from sft_play.planner.shapes import quantized_linears
-
         for _, linear in quantized_linears(model):
             linear.forward = functools.partial(_four_bit_linear, linear)
     if spec.method != "full":
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        targets = spec.lora_targets if isinstance(spec.lora_targets, str) else list(spec.lora_targets)
-        lora = LoraConfig(task_type="CAUSAL_LM", r=spec.lora_rank, target_modules=targets, init_lora_weights=False,
-                          lora_dropout=0.1 if spec.lora_dropout else 0.0)
+        lora = peft_config(spec.lora or LoraSpec(16, 32, 0.0, "all-linear"), initialise=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = get_peft_model(model, lora, low_cpu_mem_usage=True).get_base_model()

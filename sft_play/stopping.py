@@ -1,0 +1,63 @@
+"""What stopping means, for the launcher and the training processes alike: the exit statuses,
+when a repeated signal is the same request, and the command that resumes a stopped run (the
+user's own ``make`` line with ``RESUME=auto``, found by walking up the parent processes).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; resume to finish
+EXIT_USER_ERROR = 2
+# The same stop signal arriving again within this many seconds is a duplicate, not a second request
+DUPLICATE_SIGNAL_WINDOW_S = 2.0
+
+_MAKE = {"make", "gmake"}
+
+_SHELLS = {"sh", "bash", "dash", "zsh"}
+
+
+def user_command() -> list[str]:
+    """The command the user ran to start this training process: the nearest ``make`` above it
+    (reached through the launcher and make's shell only), else the launcher script's command
+    line, else this process's own."""
+    import psutil
+
+    found = [sys.executable, *sys.argv]
+    try:
+        parents = psutil.Process().parents()
+    except psutil.Error:
+        return found
+    for parent in parents:
+        try:
+            command = parent.cmdline()
+        except psutil.Error:
+            break
+        name = Path(command[0]).name if command else ""
+        if name in _MAKE:
+            return command
+        if any(Path(word).name == "launch.py" and Path(word).parent.name == "scripts" for word in command[1:3]):
+            found = command
+        elif not (name in _SHELLS and "-c" in command[1:2]):
+            break
+    return found
+
+
+def resume_command(command: list[str] | None = None) -> str:
+    """`command` (default :func:`user_command`) as a shell line that resumes the run: ``make``
+    commands get ``RESUME=auto``, script command lines ``train.resume_from=auto`` (replacing any
+    resume setting they had)."""
+    command = list(command or user_command())
+    if command and Path(command[0]).name in _MAKE:
+        words = []
+        for word in command:
+            if word.startswith("RESUME="):
+                continue
+            if word.startswith("ARGS="):
+                kept = [w for w in word[len("ARGS="):].split() if not w.startswith("train.resume_from=")]
+                word = "ARGS=" + " ".join(kept)
+            words.append(word)
+        return shlex.join(words + ["RESUME=auto"])
+    return shlex.join([w for w in command if not w.startswith("train.resume_from=")] + ["train.resume_from=auto"])

@@ -1,0 +1,249 @@
+"""What the process that trains runs, top to bottom. Every rank runs :func:`train`, alone
+(``python``), under torchrun, under ``accelerate launch`` and under DeepSpeed:
+
+  config -> placement -> process group -> shared run folder -> tokenizer -> data
+    -> run (every decision, once) -> plan -> run folder -> model -> trainer
+    -> [calibration] -> train (with OOM backoff) -> outcome: stopped, NaN, or saved
+
+The run folder records what was planned (``plan.json``) and what trained (``run.json``: the
+resolved run, with the batch split as planned and as trained after calibration and backoff).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+
+from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
+from sft_play.config import RunConfig
+from sft_play.data import collate
+from sft_play.errors import UserError
+from sft_play.planner import report
+from sft_play.run import Placement, Run, allocator_settings, placement
+from sft_play.stopping import EXIT_INTERRUPTED, resume_command
+
+logger = logging.getLogger("sft_play.train")
+
+
+def train(config: RunConfig, config_path: str) -> int:
+    """Train the run `config` describes; returns the exit status (0, or 75 after a stop that
+    saved). User errors are raised as :class:`sft_play.errors.UserError`."""
+    if config.distributed.strategy.startswith("deepspeed"):
+        if "RANK" not in os.environ:  # DeepSpeed needs a launcher to form its process group
+            raise UserError(
+                f"distributed.strategy={config.distributed.strategy} runs under a launcher: use "
+                f"make train-deepspeed CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train"
+            )
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
+
+    stop = callbacks.GracefulStop()
+    stop.install()  # a stop asked for while loading is kept, not lost
+    # A config-only model folder gets its initial weights written now, before the process group
+    # exists: once it does, transformers writes model files from rank 0 only.
+    model.weights_location(config)
+    where = placement(config)
+    state = start_processes(config, where)
+    output_dir = Path(config.train.output_dir)
+    check_shared_folder(output_dir)
+    facts = hardware.detect()
+
+    tokenizer = model.load_tokenizer(config)
+    with state.main_process_first():
+        bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+
+    # Every decision about the run, once: the planner, the loader, the collator, the trainer
+    # arguments and the disk check all read `run`
+    target = planner.target_for(facts if where.on_cuda else facts.without_gpus(), gpus=state.num_processes,
+                                allow_cpu=True)
+    shape = planner.model_shape(config)
+    run = planner.resolve_for(config, target, bundle.stats, shape)
+    plan = planner.make_plan(config, target, bundle.stats, shape=shape, run=run)
+    if not plan.fits and config.train.micro_batch_size == "auto":
+        raise UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
+    run = run.with_changes(batch=plan.split)
+    planned = plan.split
+
+    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run)
+    if state.is_main_process:
+        (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
+        record_run(run_dir, run, planned)
+    announce(state, run, plan)
+
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
+    base = model.load_model(config, run, device=f"cuda:{state.local_process_index}" if where.on_cuda else "cpu")
+    record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
+    collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
+    guard = callbacks.NonFiniteGuard(
+        config.train.max_bad_steps, watch_gradients=not run.deepspeed and run.precision.mixed != "fp16",
+    )
+    faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
+    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
+    make_trainer = training.trainer_factory(
+        config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
+        [*faults, callbacks.TokenThroughput(), marker, stop, guard],
+    )
+    if config.planner.calibrate and config.train.micro_batch_size == "auto":
+        if where.on_cuda:
+            plan = training.calibrate(plan, make_trainer, config, run, shape)
+            run = run.with_changes(batch=plan.split)
+            if state.is_main_process:
+                logger.info("%s", plan.describe())
+                for line in plan.notes[-2:]:
+                    logger.info("plan: %s", line)
+                (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
+                record_run(run_dir, run, planned)
+        elif state.is_main_process:
+            logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
+    if callbacks.any_rank(stop.received is not None):
+        if state.is_main_process:
+            print(f"\nStopped by {stop.received or 'a signal'} before training started: nothing new to save\n"
+                  f"  resume: {resume_command()}", flush=True)
+        state.wait_for_everyone()
+        return EXIT_INTERRUPTED
+
+    try:
+        trainer, run = training.train_with_backoff(make_trainer, run, resume_checkpoint)
+    except RuntimeError as error:
+        if state.num_processes == 1 or not callbacks.lost_another_rank(error):
+            raise
+        print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
+              f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        return 1
+    state.wait_for_everyone()
+    if state.is_main_process:
+        record_run(run_dir, run, planned)
+    if guard.stopped_at is not None:
+        raise UserError(nan_message(config, guard.stopped_at, run_dir))
+    if stop.received:
+        if state.is_main_process:
+            last = checkpoints.newest_complete(run_dir / "checkpoints")
+            training.write_summary(trainer, run_dir, {"interrupted": stop.received, "batch": run.batch.describe()})
+            print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
+                  + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
+                  + f"\n  resume: {resume_command()}"
+                  + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""),
+                  flush=True)
+        state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
+        return EXIT_INTERRUPTED
+    save(trainer, state, run, run_dir, bundle)
+    return 0
+
+
+def start_processes(config: RunConfig, where: Placement) -> PartialState:
+    """The process group (one process alone forms none), on the devices `where` says; the CUDA
+    allocator's settings go into the environment first, as PyTorch reads them at CUDA's start."""
+    settings = allocator_settings(config, where)
+    if settings:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            part for part in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), settings) if part)
+    if where.deepspeed_on_cpu:
+        training.skip_deepspeed_inference_comm()
+    return PartialState(cpu=where.cpu_processes, backend=where.backend,
+                        timeout=timedelta(minutes=config.distributed.timeout_minutes))
+
+
+def check_shared_folder(output_dir: Path) -> None:
+    """Every node writes its part of each checkpoint into the run folder: it must be one folder.
+    Rank 0 leaves a mark in it, and every rank must see it."""
+    state = PartialState()
+    token = [checkpoints.mark_shared(output_dir) if state.is_main_process else None]
+    broadcast_object_list(token)
+    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(output_dir, token[0]))])
+    if state.is_main_process:
+        checkpoints.unmark_shared(output_dir, token[0])
+    blind = sorted({host for host, seen in sight if not seen})
+    if blind:
+        raise UserError(checkpoints.unshared_message(output_dir, blind))
+
+
+def open_run_folder(config: RunConfig, config_path: str, state: PartialState, shape: Any,
+                    run: Run) -> tuple[Path, str | None]:
+    """Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
+    rank learns the outcome, so that a refusal stops them all instead of leaving some waiting.
+    Returns the folder and the checkpoint to resume from (if any)."""
+    decision: list = [None, None, None, None]
+    if state.is_main_process:
+        try:
+            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, config_path, state.num_processes)
+            checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
+            decision = [name, resume_checkpoint, message, None]
+        except (ValueError, UserError) as exc:
+            decision = [None, None, None, str(exc)]
+    broadcast_object_list(decision)
+    name, resume_checkpoint, message, refusal = decision
+    if refusal:
+        raise UserError(refusal)
+    run_dir = Path(config.train.output_dir) / name
+    if state.is_main_process:
+        if message:
+            logger.info("%s", message)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config.train.run_name = name
+        (run_dir / "config.yaml").write_text(config.to_yaml())
+    return run_dir, resume_checkpoint
+
+
+def record_run(run_dir: Path, run: Run, planned: Any) -> None:
+    """``run.json``: the resolved run as it trains, with the batch split planned and trained."""
+    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict()}
+    (run_dir / "run.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def announce(state: PartialState, run: Run, plan: Any) -> None:
+    """The start-up lines: processes and nodes, the run's decisions and why, the plan."""
+    devices = gather_object([f"rank {state.process_index}: {state.device}"])
+    if not state.is_main_process:
+        return
+    precision = run.precision
+    nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    logger.info(
+        "%d process(es) on %d node(s), %s, mixed precision %s (%s), weights %s, attention %s, optimizer %s",
+        state.num_processes, nodes, state.distributed_type, precision.mixed, precision.reason,
+        precision.weights_dtype, run.attention, run.optimizer,
+    )
+    if precision.warning:
+        logger.warning("%s", precision.warning)
+    logger.info("%s", plan.describe())
+    for line in plan.notes + plan.warnings:
+        logger.info("plan: %s", line)
+    logger.info("devices: %s", "; ".join(devices))
+
+
+def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
+    last = checkpoints.newest_complete(run_dir / "checkpoints")
+    return (
+        f"stopped at step {step}: gradients or loss were NaN or infinite for "
+        f"{config.train.max_bad_steps} steps in a row (their updates were skipped). "
+        + (f"The last good checkpoint is {last} (train.resume_from={last}). " if last else "No checkpoint was kept. ")
+        + "Lower train.learning_rate, keep train.max_grad_norm on, use bf16 rather than fp16, and check the data."
+    )
+
+
+def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any) -> None:
+    """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next."""
+    fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
+    training.save_final_model(trainer, run_dir / "model")
+    if not state.is_main_process:
+        return
+    in_step = len(set(fingerprints)) == 1
+    if run.strategy != "deepspeed_zero3":  # ZeRO-3 ranks hold only their shards
+        logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
+                   "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
+    summary = training.write_summary(
+        trainer, run_dir, {"batch": run.batch.describe(), "data": bundle.stats.to_dict(),
+                           "world_size": state.num_processes, "weights_fingerprints": fingerprints}
+    )
+    print(
+        f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "
+        f"{summary['last_loss']:.3f} in {summary['global_step']} steps\n"
+        f"  next: make generate RUN={run_dir}   |   make tensorboard RUN={run_dir}"
+    )
