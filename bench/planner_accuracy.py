@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from _common import CONFIGS, REPO, run_worker, versions, worker_env  # bench/ is the script's folder
+from sft_play.units import GIB
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sft_play.config import load
+
 logger = logging.getLogger(__name__)
 
 MARKER = "sft_play_complete.json"
@@ -366,8 +368,6 @@ def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[st
             processes or a strategy other than those the checkpoint was written with.
     """
     from datetime import datetime
-
-    from sft_play.config import load
 
     stem = Path(config_path).stem
     fresh = config.train.run_name or f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"

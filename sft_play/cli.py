@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
+from sft_play import config as config_module
 from sft_play.config import ConfigError
 from sft_play.data.formats import InvalidRow, UnknownFormat
 from sft_play.errors import UserError
@@ -41,8 +42,7 @@ def run_parser(description: str) -> argparse.ArgumentParser:
 
 def chosen_run(args: argparse.Namespace):
     """The run folder ``--run`` names, or the newest finished run under the config's output folder."""
-    from sft_play import config as config_module
-    from sft_play import export
+    from sft_play import export  # deferred: imports torch and transformers
 
     output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
     return export.resolve_run(args.run, output_dir)

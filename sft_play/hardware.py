@@ -196,6 +196,15 @@ def native_bf16(flags: set[str] | None, torch_reports_bf16: bool) -> tuple[bool,
     return False, "no AMX, AVX512-BF16 or Arm BF16: bf16 would be emulated"
 
 
+# The GPU a memory size most often means, when hardware is described by its memory alone
+GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100", 141: "H200", 180: "B200"}
+
+
+def gpu_model_for_memory(gib: float) -> str:
+    """The GPU model a memory size most often means (80 GiB: H100)."""
+    return GPU_BY_MEMORY_GIB[min(GPU_BY_MEMORY_GIB, key=lambda size: abs(size - gib))]
+
+
 def gpu_computes_bf16(compute_capability: tuple[int, int]) -> bool:
     """bf16 in the tensor cores: Ampere (8.0) and newer. ``torch.cuda.is_bf16_supported()`` also
     says yes on older GPUs, where bf16 is emulated."""

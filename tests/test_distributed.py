@@ -265,8 +265,11 @@ def test_commands_carry_the_topology():
     assert command[command.index("--master_port") + 1] == "1234" and "--standalone" not in command
     assert command[command.index("--shutdown_timeout") + 1] == "600"
     assert command[command.index("--rdzv_conf") + 1] == "timeout=150"
+    env = launch.child_env(launch.Topology(processes_per_node=2), gpus="0,1", timeouts=timeouts)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in env
+    # CPU processes see no GPU, whatever GPUS selects (tests/test_one_decision.py: CPU=1 beside a GPU)
     env = launch.child_env(launch.Topology(cpu=True, processes_per_node=2), gpus="0,1", timeouts=timeouts)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["DS_ACCELERATOR"] == "cpu"
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"  # what accelerate launch's agent reads
     config = config_module.load(
         None, ["distributed.stop_timeout_minutes=2", "distributed.rendezvous_timeout_minutes=0.5"], check_paths=False)

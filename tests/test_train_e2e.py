@@ -118,10 +118,10 @@ def test_bad_config_exits_2_with_the_problems_and_no_traceback(tmp_path):
 
 def test_random_weights_are_built_in_the_runs_storage_dtype():
     from sft_play import config as config_module
-    from sft_play.model import init_dtype
+    from sft_play.precision import init_weights_dtype
 
     def dtype(*overrides):
-        return init_dtype(config_module.load(None, list(overrides), check_paths=False))
+        return init_weights_dtype(config_module.load(None, list(overrides), check_paths=False))
 
     assert dtype("finetune.method=lora") == dtype("finetune.method=qlora") == "bfloat16"
     assert dtype("finetune.method=full") == "float32"  # full fine-tuning trains fp32 masters

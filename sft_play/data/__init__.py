@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.config import DataConfig
+from sft_play.data import cache
 from sft_play.data.formats import InvalidRow, InvalidRows, detect_format, normalise
 from sft_play.data.sources import iter_sources
 from sft_play.data.tokenize import IGNORE_INDEX, encode_record, resolve_chat_template
@@ -233,8 +234,6 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         InvalidRow: a bad row, with ``data.on_invalid: error``.
         ValueError: no usable example, or a format that cannot be detected.
     """
-    from sft_play.data import cache
-
     key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed) if cfg.cache else None
     cached = cache.load(key) if key else None
     if cached is not None:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import bisect
 import operator
 from dataclasses import dataclass, field
+from sft_play.units import MIB
 
-MIB = 1024**2
 SMALL_SIZE = 1 * MIB  # kSmallSize
 SMALL_SEGMENT = 2 * MIB  # kSmallBuffer
 LARGE_SEGMENT = 20 * MIB  # large_segment_size

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sft_play.planner.shapes import ModelShape
+from sft_play.units import MIB
 
-MIB = 1024**2
-GIB = 1024**3
 
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
 DOUBLE_QUANT_BLOCK = 256  # with double quantisation the absmax constants are quantised in blocks of 256

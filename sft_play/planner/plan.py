@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.config import RunConfig
+from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split, largest_fitting_micro
 from sft_play.planner.predict import REPLAYS, Prediction, predict, static_lower_bound
@@ -235,10 +236,6 @@ def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
     return predict(shape, run, micro).peak_bytes
 
 
-# The GPU a memory size most often means, when hardware is described by its memory alone
-GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100", 141: "H200", 180: "B200"}
-
-
 def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = None,
                allow_cpu: bool = False, gpu_model: str | None = None) -> Target:
     """The hardware to plan for: given (``--gpus``/``--vram-gib``), else detected.
@@ -260,7 +257,7 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         raise ValueError(f"the GPU memory must be positive (got {vram_gib:g} GiB): VRAM_GIB=80 or --vram-gib 80")
     if vram_gib is not None:
         count = gpus or 1
-        model = gpu_model or GPU_BY_MEMORY_GIB.get(min(GPU_BY_MEMORY_GIB, key=lambda size: abs(size - vram_gib)), "")
+        model = gpu_model or gpu_model_for_memory(vram_gib)
         return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given; timed as {model or '?'})",
                       source="--vram-gib", gpu_model=model)
     if hardware.gpus:

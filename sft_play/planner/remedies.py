@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sft_play.config import RunConfig, parse_override
+from sft_play.hardware import gpu_model_for_memory
+from sft_play.precision import resolve_precision
+from sft_play.units import GIB
 
 # What a remedy needs to know about the hardware: how many GPUs (a Target)
 Applies = Callable[[RunConfig, Any], bool]
@@ -83,8 +86,7 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: _full(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused")),
     Remedy("bf16 weights", "train bf16 weights directly, without fp32 masters (half the model state)",
            ("model.torch_dtype=bfloat16",), "train",
-           lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and t.bf16_supported
-           and c.train.mixed_precision in ("auto", "bf16")),
+           lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t)),
     Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
            "train-deepspeed", lambda c, t: _multi_gpu(t) and c.distributed.strategy == "ddp"),
     Remedy("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
@@ -198,6 +200,11 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
     }
 
 
+def _trains_bf16(config: RunConfig, target: Any) -> bool:
+    """Whether the run computes in bf16 on `target`, by the rule training uses."""
+    return resolve_precision(config, has_gpu=target.on_cuda, bf16_supported=target.bf16_supported).mixed == "bf16"
+
+
 # The smallest hardware: GPU memory sizes sold today, and counts up to a large node group
 GPU_SIZES_GIB = (24, 40, 48, 80, 96, 141)
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -207,9 +214,8 @@ def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConf
     """The hardware with the least GPU memory in total (fewer GPUs on a tie) on which `config`
     fits at micro-batch 1, with checkpointing on and, on several GPUs, ZeRO-3 (ZeRO-2 for QLoRA,
     whose 4-bit weights ZeRO-3 cannot shard here); None when nothing up to 64 x 141 GiB does.
-    `fits_on(config, target)` answers for one candidate."""
-    from sft_play.planner.plan import GIB
-
+    `fits_on(config, target)` answers for one candidate, planned as a CUDA GPU of today (bf16,
+    whatever machine the plan is made on)."""
     base = copy.deepcopy(config)
     base.train.gradient_checkpointing = True
     options = sorted(((n * size, n, size) for n in GPU_COUNTS for size in GPU_SIZES_GIB))
@@ -218,7 +224,8 @@ def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConf
         if count > 1:
             candidate.distributed.strategy = "deepspeed_zero2" if config.finetune.method == "qlora" else "deepspeed_zero3"
         hardware = type(target)(**{**asdict(target), "world_size": count, "free_bytes": int(size * GIB),
-                                   "device_name": f"{count} x {size} GiB"})
+                                   "device_name": f"{count} x {size} GiB", "on_cuda": True, "bf16_supported": True,
+                                   "gpu_model": gpu_model_for_memory(size), "source": "candidate"})
         if fits_on(candidate, hardware):
             strategy = f" with {candidate.distributed.strategy}" if count > 1 else ""
             return f"{count} x {size} GiB GPU(s){strategy} and gradient checkpointing"

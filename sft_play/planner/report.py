@@ -6,9 +6,9 @@ import json
 import textwrap
 from pathlib import Path
 
-from sft_play.planner import Plan
-
-GIB = 1024**3
+from sft_play.planner.plan import Plan
+from sft_play.planner.remedies import REMEDIES, command
+from sft_play.units import GIB
 
 # Breakdown terms in the order they are drawn and listed; labels for people.
 TERM_LABELS = {
@@ -87,7 +87,6 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
 def _command(entry: dict, plan: Plan, config_path: str | None, overrides) -> str:
     from types import SimpleNamespace
 
-    from sft_play.planner.remedies import REMEDIES, command
 
     chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
     return command(chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,

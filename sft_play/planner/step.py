@@ -30,8 +30,8 @@ from sft_play.planner import memory
 from sft_play.planner.allocator import CachingAllocator, OutOfMemory
 from sft_play.planner.shapes import ModelShape
 from sft_play.planner.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
+from sft_play.units import MIB
 
-MIB = 1024**2
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace on sm90, taken from the allocator (getChosenWorkspaceSize)
 FUSED_HEAD_TOKENS = 4096  # TRL's chunked log-prob: token rows per tile (trl/kernels/chunked_logprob.py)
 FUSED_HEAD_VOCAB = 32768  # ... vocabulary columns per tile (trl.trainer.utils, _CHUNKED_LOGPROB_CHUNK_SIZE)

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sft_play.planner.predict import recipe_for
 from sft_play.planner.shapes import ModelShape
 from sft_play.run import Run
 
@@ -101,8 +102,6 @@ def efficiency(run: Run) -> tuple[float, str]:
 def gradient_traffic_bytes(shape: ModelShape, run: Run) -> float:
     """Bytes each GPU sends per optimizer step: a ring all-reduce of the gradients (DDP), or a
     reduce-scatter plus the all-gather of the updated parameters (ZeRO), 2 (W - 1) / W of them."""
-    from sft_play.planner.predict import recipe_for
-
     if run.world_size <= 1:
         return 0.0
     grad_bytes = recipe_for(run).trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit

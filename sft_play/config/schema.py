@@ -1,31 +1,16 @@
-"""Run configuration: typed sections, YAML loading, ``key=value`` overrides and validation.
+"""The run config's schema: one typed section per YAML section, their defaults and meanings,
+and the rules between values that the schema alone cannot state (:func:`consistency_problems`).
 
-A run config is a YAML file whose top-level keys are the sections below (``model``,
-``finetune``, ``lora``, ``quantization``, ``data``, ``train``, ``distributed``, ``planner``).
-Every script takes ``--config PATH`` plus any number of ``section.key=value`` overrides with
-the same dotted names.
-
-``load`` validates everything it can without touching weights or the network and reports
-every problem at once (:class:`ConfigError`): unknown keys name the nearest valid key, bad
-values name the allowed values, missing files name the path.
-
-This module imports nothing heavy (no torch, no transformers) so that it stays fast and can be
-used by every script, including ``make check`` before the stack is known to import.
+Imports nothing heavy (no torch, no transformers): every script uses it, ``make check`` too,
+before the stack is known to import.
 """
 
 from __future__ import annotations
 
-import difflib
-import glob
-import importlib.util
-import os
-import re
-import types
-from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 Auto = Literal["auto"]
 
@@ -262,198 +247,8 @@ def valid_keys() -> list[str]:
     return [f"{section}.{key}" for section, cls in SECTIONS.items() for key in cls.model_fields]
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``section.key=value``; the value is read as YAML (``true``, ``4``, ``[a, b]``).
-
-    A mapping may be written the way people type it on a command line, without spaces (which
-    make would split): ``data.columns={prompt:question,completion:answer}`` or
-    ``data.columns=prompt:question,completion:answer``; one entry at a time also works,
-    ``data.columns.prompt=question``.
-    """
-    if "=" not in text:
-        raise ConfigError([f"override {text!r} is not of the form section.key=value"])
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if _is_mapping_key(key):
-        return key, _parse_mapping(raw)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key, value
-
-
-def _is_mapping_key(dotted: str) -> bool:
-    section, _, name = dotted.partition(".")
-    fields = SECTIONS[section].model_fields if section in SECTIONS else {}
-    return name in fields and get_origin(fields[name].annotation) is dict
-
-
-def _parse_mapping(raw: str) -> Any:
-    """``{a:b,c:d}``, ``a:b,c:d`` or YAML flow mapping text as a dict (other text as YAML)."""
-    text = raw.strip()
-    try:
-        value = yaml.safe_load(text) if text else {}
-    except yaml.YAMLError:
-        value = None
-    if isinstance(value, dict) and all(v is not None for v in value.values()):
-        return {str(k): str(v) for k, v in value.items()}
-    inner = text[1:-1] if text.startswith("{") and text.endswith("}") else text
-    mapping: dict[str, str] = {}
-    for entry in filter(None, (part.strip() for part in inner.split(","))):
-        name, separator, target = entry.partition(":")
-        if not separator:
-            name, separator, target = entry.partition("=")
-        if not separator or not name.strip() or not target.strip():
-            return raw  # not a mapping: validation reports it with the form to use
-        mapping[name.strip()] = target.strip()
-    return mapping
-
-
-def _nearest(name: str, candidates: list[str]) -> str | None:
-    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
-def _unknown_key_message(dotted: str) -> str:
-    parts = dotted.split(".")
-    if len(parts) == 1:
-        hint = _nearest(parts[0], list(SECTIONS))
-        valid = ", ".join(SECTIONS)
-        return f"unknown section '{dotted}'" + (f"; did you mean '{hint}'?" if hint else f"; sections are: {valid}")
-    section, leaf = parts[0], parts[-1]
-    keys = valid_keys()
-    same_section = [k for k in keys if k.startswith(section + ".")]
-    # the right leaf in the wrong section (train.method -> finetune.method) beats a near miss
-    hint = next((k for k in keys if k.split(".")[-1] == leaf), None)
-    hint = hint or _nearest(dotted, same_section) or _nearest(dotted, keys)
-    if hint is None:
-        hint = _nearest(leaf, [k.split(".")[-1] for k in keys])
-        hint = next((k for k in keys if k.split(".")[-1] == hint), None) if hint else None
-    return f"unknown key '{dotted}'" + (f"; did you mean '{hint}'?" if hint else "")
-
-
-def _expected_text(annotation: Any) -> str:
-    """Human text for what a field accepts, e.g. "an integer or 'auto'"."""
-    origin = get_origin(annotation)
-    if origin is Literal:
-        choices = get_args(annotation)
-        return repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(repr(a) for a in choices)
-    if origin is Union or origin is types.UnionType:
-        parts = [_expected_text(a) for a in get_args(annotation) if a is not type(None)]
-        text = " or ".join(parts)
-        return text + (" or null" if type(None) in get_args(annotation) else "")
-    if origin is list:
-        return "a list of " + _expected_text(get_args(annotation)[0]) + "s"
-    if origin is dict:
-        return "a mapping, e.g. data.columns.prompt=question (one entry per override) or {prompt:question,completion:answer}"
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
-
-
-def _only_strings(annotation: Any) -> bool:
-    """Whether a field takes nothing but text (str, optional str, or a choice of strings)."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) is Literal:
-        return all(isinstance(a, str) for a in get_args(annotation))
-    if get_origin(annotation) in (Union, types.UnionType):
-        return all(_only_strings(a) for a in args)
-    return annotation is str
-
-
-def _field_annotation(dotted: str) -> Any:
-    section, key = dotted.split(".", 1)
-    return SECTIONS[section].model_fields[key].annotation
-
-
-def _schema_problems(error: ValidationError) -> list[str]:
-    """One message per bad key, merging pydantic's per-union-member errors."""
-    keys = set(valid_keys())
-    by_key: dict[str, list[dict]] = {}
-    for item in error.errors():
-        loc = [str(p) for p in item["loc"]]
-        dotted = ".".join(loc[:2])
-        if item["type"] == "extra_forbidden":
-            by_key.setdefault("!" + ".".join(loc), []).append(item)
-            continue
-        if dotted not in keys:
-            dotted = ".".join(loc[:1])
-        by_key.setdefault(dotted, []).append(item)
-    problems = []
-    for dotted, items in by_key.items():
-        if dotted.startswith("!"):
-            problems.append(_unknown_key_message(dotted[1:]))
-            continue
-        first = items[0]
-        got = first.get("input")
-        if dotted in keys:
-            annotation = _field_annotation(dotted)
-            constraint = next((i for i in items if i["type"] in {"greater_than", "greater_than_equal", "less_than"}), None)
-            if constraint is not None:
-                problems.append(f"{dotted}: got {got!r}; {constraint['msg'].replace('Input should be', 'must be')}")
-            else:
-                problems.append(f"{dotted}: got {got!r}; expected {_expected_text(annotation)}")
-        else:
-            problems.append(f"{dotted}: {first['msg']} (got {got!r})")
-    return problems
-
-
-def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    section, _, key = dotted.partition(".")
-    target = raw.setdefault(section, {})
-    if not isinstance(target, dict):
-        raise ConfigError([f"section '{section}' must be a mapping, got {target!r}"])
-    target[key] = value
-
-
-def _looks_like_local_path(text: str) -> bool:
-    return (
-        text.startswith((".", "/", "~"))
-        or os.path.exists(os.path.expanduser(text))
-        or bool(re.search(r"\.(jsonl?|csv|parquet|arrow|txt)$", text))
-        or any(ch in text for ch in "*?[")
-        or text.count("/") > 1
-    )
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
-
-
-def _path_problems(config: RunConfig) -> list[str]:
-    problems = []
-    model_path = config.model.name_or_path
-    if _looks_like_local_path(model_path):
-        path = Path(model_path).expanduser()
-        if not path.is_dir():
-            problems.append(f"model.name_or_path: folder '{model_path}' does not exist")
-        elif not (path / "config.json").is_file():
-            problems.append(f"model.name_or_path: '{model_path}' has no config.json")
-    elif not _HUB_ID.match(model_path):
-        problems.append(f"model.name_or_path: '{model_path}' is neither a local folder nor a hub id (org/name)")
-    tokenizer = config.model.tokenizer_name_or_path
-    if tokenizer and _looks_like_local_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
-        problems.append(f"model.tokenizer_name_or_path: folder '{tokenizer}' does not exist")
-
-    for key in ("path", "validation_path"):
-        value = getattr(config.data, key)
-        for entry in [value] if isinstance(value, str) else (value or []):
-            if not _looks_like_local_path(entry):
-                continue  # a hub dataset name, resolved when the data loads
-            expanded = os.path.expanduser(entry)
-            if any(ch in entry for ch in "*?["):
-                if not glob.glob(expanded, recursive=True):
-                    problems.append(f"data.{key}: no file matches '{entry}'")
-            elif not os.path.exists(expanded):
-                problems.append(f"data.{key}: file '{entry}' does not exist")
-    template = config.data.chat_template
-    if template and template.endswith((".jinja", ".j2")) and not os.path.isfile(template):
-        problems.append(f"data.chat_template: file '{template}' does not exist")
-    if config.distributed.strategy.startswith("deepspeed") and not os.path.isfile(config.distributed.deepspeed_config):
-        problems.append(f"distributed.deepspeed_config: file '{config.distributed.deepspeed_config}' does not exist")
-    return problems
-
-
-def _consistency_problems(config: RunConfig) -> list[str]:
+def consistency_problems(config: RunConfig) -> list[str]:
+    """Values that are each valid but not together (or not in range), one message each."""
     problems = []
     train, method = config.train, config.finetune.method
     for key in ("micro_batch_size", "gradient_accumulation_steps"):
@@ -462,17 +257,6 @@ def _consistency_problems(config: RunConfig) -> list[str]:
             problems.append(f"train.{key}: got {value}; use a positive number, or auto for the planner's choice")
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(f"train.max_steps: got {train.max_steps}; use a positive number of steps, or -1 for num_epochs")
-    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append("finetune.method: qlora needs bitsandbytes; run `make install` (or pip install bitsandbytes)")
-    if train.optimizer in {"adamw_8bit", "paged_adamw_8bit"} and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(f"train.optimizer: {train.optimizer} needs bitsandbytes; run `make install`")
-    if config.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        problems.append(
-            "model.attn_implementation: flash_attention_2 needs the flash-attn package "
-            "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
-        )
-    if train.liger_kernels and importlib.util.find_spec("liger_kernel") is None:
-        problems.append("train.liger_kernels: needs the liger-kernel package (pip install liger-kernel); or set it false")
     if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
         problems.append(
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "
@@ -506,96 +290,3 @@ def _consistency_problems(config: RunConfig) -> list[str]:
     if config.data.validation_path and config.data.validation_fraction > 0:
         problems.append("data.validation_fraction: set either data.validation_path or data.validation_fraction, not both")
     return problems
-
-
-def _validate_without_bad_keys(raw: dict[str, Any], error: ValidationError) -> RunConfig:
-    """The config with every rejected key reset to its default, so that the remaining checks
-    (paths, consistency) can still run and all problems are reported together."""
-    cleaned = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for item in error.errors():
-        loc = [str(p) for p in item["loc"]]
-        if len(loc) == 1:
-            cleaned.pop(loc[0], None)
-        elif isinstance(cleaned.get(loc[0]), dict):
-            cleaned[loc[0]].pop(loc[1], None)
-    try:
-        return RunConfig.model_validate(cleaned)
-    except ValidationError:
-        return RunConfig()
-
-
-def load(path: str | os.PathLike | None, overrides: list[str] | None = None, check_paths: bool = True) -> RunConfig:
-    """Read a YAML run config, apply ``key=value`` overrides, and validate the result.
-
-    Args:
-        path: YAML file; ``None`` starts from the defaults.
-        overrides: ``section.key=value`` strings applied on top, in order.
-        check_paths: also check that local model and data paths exist.
-
-    Returns:
-        The validated :class:`RunConfig`.
-
-    Raises:
-        ConfigError: listing every problem found (unknown keys, bad values, missing files).
-    """
-    source = str(path) if path else "defaults"
-    raw: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError([f"config file '{path}' does not exist"])
-        try:
-            raw = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"config file '{path}' is not valid YAML: {exc}"], source) from exc
-        if not isinstance(raw, dict):
-            raise ConfigError([f"config file '{path}' must be a mapping of sections, got {type(raw).__name__}"], source)
-
-    problems: list[str] = []
-    for text in overrides or []:
-        try:
-            key, value = parse_override(text)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            continue
-        if key.count(".") == 2 and _is_mapping_key(key.rsplit(".", 1)[0]):  # data.columns.prompt=question
-            key, entry = key.rsplit(".", 1)
-            section, name = key.split(".")
-            current = raw.get(section, {}).get(name) if isinstance(raw.get(section), dict) else None
-            value = {**(current if isinstance(current, dict) else {}), entry: str(value)}
-        if key not in valid_keys():
-            problems.append(_unknown_key_message(key) + f" (in override {text!r})")
-            continue
-        if _only_strings(_field_annotation(key)) and not isinstance(value, str) and value is not None:
-            value = text.split("=", 1)[1].strip()  # train.run_name=off is the name "off", not false
-        _set_dotted(raw, key, value)
-
-    try:
-        config = RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        problems += _schema_problems(exc)
-        config = _validate_without_bad_keys(raw, exc)
-    problems += _consistency_problems(config)
-    if check_paths:
-        problems += _path_problems(config)
-    if problems:
-        raise ConfigError(problems, source)
-    return config
-
-
-def reference_markdown() -> str:
-    """docs/CONFIG.md: every section and key with its default and meaning."""
-    lines = [
-        "# Config reference",
-        "",
-        "Generated from `sft_play/config.py` by `python scripts/config_reference.py`; do not edit by hand.",
-        "Every key can be set in a run YAML or overridden as `section.key=value` on any script or",
-        'make target (`ARGS="section.key=value ..."`).',
-    ]
-    for section, cls in SECTIONS.items():
-        lines += ["", f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| key | default | meaning |", "|---|---|---|"]
-        for key, field in cls.model_fields.items():
-            default = field.default_factory() if field.default_factory else field.default
-            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
-            lines.append(f"| `{section}.{key}` | `{shown}` | {field.description or ''} |")
-    return "\n".join(lines) + "\n"

@@ -1,0 +1,77 @@
+"""What a config needs from the machine it runs on: the local files it names (model folder,
+data, templates, DeepSpeed JSON) and the optional packages its settings need. Checked by
+:func:`sft_play.config.load` unless ``check_paths`` is off (packages: always)."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from sft_play.config.schema import RunConfig
+
+def _looks_like_local_path(text: str) -> bool:
+    return (
+        text.startswith((".", "/", "~"))
+        or os.path.exists(os.path.expanduser(text))
+        or bool(re.search(r"\.(jsonl?|csv|parquet|arrow|txt)$", text))
+        or any(ch in text for ch in "*?[")
+        or text.count("/") > 1
+    )
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def path_problems(config: RunConfig) -> list[str]:
+    problems = []
+    model_path = config.model.name_or_path
+    if _looks_like_local_path(model_path):
+        path = Path(model_path).expanduser()
+        if not path.is_dir():
+            problems.append(f"model.name_or_path: folder '{model_path}' does not exist")
+        elif not (path / "config.json").is_file():
+            problems.append(f"model.name_or_path: '{model_path}' has no config.json")
+    elif not _HUB_ID.match(model_path):
+        problems.append(f"model.name_or_path: '{model_path}' is neither a local folder nor a hub id (org/name)")
+    tokenizer = config.model.tokenizer_name_or_path
+    if tokenizer and _looks_like_local_path(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+        problems.append(f"model.tokenizer_name_or_path: folder '{tokenizer}' does not exist")
+
+    for key in ("path", "validation_path"):
+        value = getattr(config.data, key)
+        for entry in [value] if isinstance(value, str) else (value or []):
+            if not _looks_like_local_path(entry):
+                continue  # a hub dataset name, resolved when the data loads
+            expanded = os.path.expanduser(entry)
+            if any(ch in entry for ch in "*?["):
+                if not glob.glob(expanded, recursive=True):
+                    problems.append(f"data.{key}: no file matches '{entry}'")
+            elif not os.path.exists(expanded):
+                problems.append(f"data.{key}: file '{entry}' does not exist")
+    template = config.data.chat_template
+    if template and template.endswith((".jinja", ".j2")) and not os.path.isfile(template):
+        problems.append(f"data.chat_template: file '{template}' does not exist")
+    if config.distributed.strategy.startswith("deepspeed") and not os.path.isfile(config.distributed.deepspeed_config):
+        problems.append(f"distributed.deepspeed_config: file '{config.distributed.deepspeed_config}' does not exist")
+    return problems
+
+
+def package_problems(config: RunConfig) -> list[str]:
+    """Settings that need a package this environment lacks, with how to install it."""
+    problems = []
+    train, method = config.train, config.finetune.method
+    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("finetune.method: qlora needs bitsandbytes; run `make install` (or pip install bitsandbytes)")
+    if train.optimizer in {"adamw_8bit", "paged_adamw_8bit"} and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"train.optimizer: {train.optimizer} needs bitsandbytes; run `make install`")
+    if config.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        problems.append(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+            "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
+        )
+    if train.liger_kernels and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("train.liger_kernels: needs the liger-kernel package (pip install liger-kernel); or set it false")
+    return problems

@@ -1,0 +1,66 @@
+"""The one-way flow of the package: every import of one of our modules, at the top of a file or
+inside a function, points down this list. A new module takes its place in it."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.conftest import REPO
+
+# Lowest first: a module may import only modules above it in this list
+ORDER = [
+    "units", "errors", "hub", "stopping", "adapters",
+    "config.schema", "config.messages", "config.overrides", "config.environment", "config.reference",
+    "config.loading", "config",
+    "architecture", "hardware", "precision", "run",
+    "data.formats", "data.tokenize", "data.sources", "data.cache", "data.collate", "data",
+    "checkpoints", "callbacks",
+    "planner.allocator", "planner.shapes", "planner.memory", "planner.trace", "planner.step", "planner.predict",
+    "planner.timing", "planner.choose", "planner.calibrate", "planner.disk", "planner.remedies", "planner.plan",
+    "planner", "planner.report",
+    "model", "training", "export", "checks", "cli",
+    "launch.tensorboard", "launch.commands", "launch.supervise", "launch",
+    "train",
+]
+PACKAGE = REPO / "sft_play"
+
+
+def _module(path) -> str:
+    name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    return name.removesuffix(".__init__").removesuffix("__init__")
+
+
+def _imports(path) -> set[str]:
+    """Our modules `path` imports; ``from sft_play.planner import memory`` names the submodule."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sft_play":
+            base = node.module.removeprefix("sft_play").lstrip(".")
+            submodules = [a.name for a in node.names
+                          if (PACKAGE / base.replace(".", "/") / f"{a.name}.py").exists()
+                          or (PACKAGE / base.replace(".", "/") / a.name / "__init__.py").exists()]
+            found |= {f"{base}.{s}".lstrip(".") for s in submodules}
+            if len(submodules) < len(node.names):
+                found.add(base)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("sft_play.") for a in node.names if a.name.startswith("sft_play.")}
+    return found
+
+
+def test_every_module_has_a_place_and_every_import_points_down():
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    modules.pop("", None)
+    assert sorted(set(modules) - set(ORDER)) == [], "new modules: give them their place in ORDER"
+    upward = []
+    for name, path in modules.items():
+        for imported in _imports(path) - {name}:
+            if ORDER.index(imported) > ORDER.index(name):
+                upward.append(f"{name} imports {imported}")
+    assert upward == []
+
+
+def test_byte_units_are_defined_once():
+    defined = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
+               if re.search(r"^[A-Z]IB = 1024", p.read_text(), flags=re.M)]
+    assert defined == ["sft_play/units.py"]
