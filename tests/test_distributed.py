@@ -249,7 +249,7 @@ def test_launch_settings_are_checked():
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
 
 
-def test_commands_carry_the_topology():
+def test_commands_carry_the_topology(monkeypatch):
     topology = launch.Topology(processes_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=1234)
     command = launch.accelerate_command(topology, "c.yaml", ["train.max_steps=3"])
     assert command[command.index("--num_processes") + 1] == "16"
@@ -265,6 +265,7 @@ def test_commands_carry_the_topology():
     assert command[command.index("--master_port") + 1] == "1234" and "--standalone" not in command
     assert command[command.index("--shutdown_timeout") + 1] == "600"
     assert command[command.index("--rdzv_conf") + 1] == "timeout=150"
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # another test's launch may have left it here
     env = launch.child_env(launch.Topology(processes_per_node=2), gpus="0,1", timeouts=timeouts)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in env
     # CPU processes see no GPU, whatever GPUS selects (tests/test_one_decision.py: CPU=1 beside a GPU)

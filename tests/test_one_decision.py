@@ -72,7 +72,8 @@ def test_cpu_processes_beside_a_visible_gpu(monkeypatch):
 
 
 def test_a_gpu_launch_without_cpu_leaves_the_gpus_visible(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("CUDA_VISIBLE_DEVICES", CPU_ENV):  # as a user's shell has them
+        monkeypatch.delenv(name, raising=False)
     topology, _ = launch.resolve_topology(2, None, 1, 0, None, None, cpu=False, visible_gpus=2)
     env = launch.child_env(topology)
     assert "CUDA_VISIBLE_DEVICES" not in env and CPU_ENV not in env

@@ -201,7 +201,11 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
 def mix(parts: list[list[dict[str, Any]]], weights: list[float], seed: int) -> list[dict[str, Any]]:
     """Datasets mixed by weight: the mixture keeps the total number of records, and source i
     contributes ``total x w_i / sum(w)`` of them, drawn without replacement while it has enough
-    and repeated (whole passes, then a random remainder) when its share is larger than it is."""
+    and repeated (whole passes, then a random remainder) when its share is larger than it is.
+
+    Kept rather than ``datasets.interleave_datasets(probabilities=...)``: that draws each example's
+    source at random, so the shares are right only on average and the length depends on the
+    stopping strategy; here each share is an exact count and the total is the sources' total."""
     import random
 
     rng = random.Random(seed)
@@ -269,6 +273,8 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         validation_stats = DataStats()
         validation_records = load_records(cfg.validation_path, cfg, validation_stats)
     elif cfg.validation_fraction > 0:
+        # A seeded split of the records before tokenising, as Dataset.train_test_split would do;
+        # they are still Python dicts here, of chat and prompt/completion shapes mixed
         import random
 
         order = list(range(len(records)))

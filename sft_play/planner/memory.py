@@ -92,7 +92,8 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     full / lora: every parameter in the storage dtype (under DeepSpeed the 16-bit compute dtype,
     its fp32 masters being counted in :func:`master_weights_bytes`), LoRA adapters in theirs.
     qlora: the quantised linears at 4 bits (0.5 byte) plus their constants
-    (:func:`quantization_constants_bytes`), everything else in the 16-bit storage dtype.
+    (:func:`quantization_constants_bytes`), everything else in the run's weights dtype (16-bit
+    with mixed precision, fp32 without: the loader's ``dtype``).
     ZeRO-3 keeps 1/world of them, plus two layers gathered at a time; with the parameters offloaded
     to the CPU, only the gathered layers.
     """

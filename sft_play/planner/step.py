@@ -122,15 +122,15 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
     base_bytes = recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes
     shards = recipe.weight_shards
     if recipe.parameters_on_gpu:
-        for numel in shape.other_tensors:
-            run.new(numel * (2 if recipe.method == "qlora" else base_bytes) / shards, "weights")
+        for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
+            run.new(numel * base_bytes / shards, "weights")
         for _ in range(shape.num_layers):
             for numel, quantizable in shape.layer_tensors:
                 if recipe.method == "qlora" and quantizable:
                     run.new(numel / 2 / shards, "weights")  # packed NF4
                     run.new(_quant_constant_bytes(numel, recipe), "weights")
                 else:
-                    run.new(numel * (2 if recipe.method == "qlora" else base_bytes) / shards, "weights")
+                    run.new(numel * base_bytes / shards, "weights")
     for _ in range(shape.num_layers):
         for numel in _adapter_tensors(shape):
             run.new(numel * recipe.trainable_bytes, "weights")
