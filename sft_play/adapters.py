@@ -19,10 +19,12 @@ class LoraSpec:
     modules_to_save: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, lora: Any) -> LoraSpec:
-        """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`)."""
+    def from_config(cls, lora: Any, moe: bool = False) -> LoraSpec:
+        """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`). On a
+        mixture-of-experts model without dropout: peft cannot apply it to LoRA on fused expert
+        weights (its ``ParamWrapper`` refuses it), and "all-linear" reaches them."""
         targets = lora.target_modules
-        return cls(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+        return cls(r=lora.r, alpha=lora.alpha, dropout=0.0 if moe else lora.dropout,
                    targets=targets if isinstance(targets, str) else tuple(targets), bias=lora.bias,
                    modules_to_save=tuple(lora.modules_to_save or ()))
 

@@ -96,14 +96,72 @@ def layer_signature(layer: Any) -> tuple:
                  for name, m in layer.named_modules())
 
 
-def with_layers(model_config: Any, layers: int) -> Any:
-    """A copy of `model_config` with `layers` decoder layers (per-layer lists cut to match)."""
-    shorter = copy.deepcopy(model_config)
+# Layer types that attend the same way (the window is in the mask or the kernel, not the memory)
+_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global_attention"}
+
+
+def layer_kinds(model_config: Any) -> list[str]:
+    """What each decoder layer is, where a model mixes kinds: its mixer (``layer_types``,
+    Bamba's ``attn_layer_indices``) and, for mixture-of-experts models with dense layers among
+    the sparse ones, ``+dense`` or ``+moe``. Empty when every layer is alike. Each kind is named
+    by the first layer type that has it, so that :func:`with_layers` can build one."""
+    text = text_config(model_config)
+    count = num_layers(model_config)
+    mixers: list[str] = [""] * count
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and len(types) >= count:
+        first: dict[str, str] = {}
+        for i, name in enumerate(types[:count]):
+            group = "attention" if name in _ATTENTION_TYPES else name
+            mixers[i] = first.setdefault(group, name)
+    elif isinstance(getattr(text, "attn_layer_indices", None), list):
+        attending = set(text.attn_layer_indices)
+        mixers = ["attention" if i in attending else "mamba" for i in range(count)]
+    mlps = [_mlp_kind(text, i) for i in range(count)]
+    kinds = [f"{m}+{f}" if m and f else m or f for m, f in zip(mixers, mlps)]
+    return kinds if len(set(kinds)) > 1 else []
+
+
+def _mlp_kind(text: Any, index: int) -> str:
+    """``dense`` or ``moe`` for a layer of a mixture-of-experts model that has both, else ''."""
+    dense_first = getattr(text, "first_k_dense_replace", None)
+    if isinstance(dense_first, int) and dense_first > 0:
+        return "dense" if index < dense_first else "moe"
+    only_mlp = getattr(text, "mlp_only_layers", None)
+    step = getattr(text, "decoder_sparse_step", None)
+    experts = getattr(text, "num_experts", 0) or 0
+    if experts and (only_mlp or (isinstance(step, int) and step > 1)):
+        sparse = index not in (only_mlp or []) and (index + 1) % max(1, step or 1) == 0
+        return "moe" if sparse else "dense"
+    return ""
+
+
+def with_layers(model_config: Any, layers: int, kind: str | None = None) -> Any:
+    """A copy of `model_config` with `layers` decoder layers (per-layer lists cut to match), all
+    of `kind` (one of :func:`layer_kinds`) when given."""
+    try:
+        shorter = copy.deepcopy(model_config)
+    except AttributeError:  # a config with read-only properties (Bamba's layers_block_type)
+        shorter = type(model_config).from_dict(model_config.to_dict())
     text = text_config(shorter)
     text.num_hidden_layers = layers
-    value = getattr(text, "layer_types", None)
-    if isinstance(value, list):
-        text.layer_types = value[:layers]
+    mixer, _, mlp = (kind or "").partition("+")
+    if mlp == "" and mixer in ("dense", "moe"):
+        mixer, mlp = "", mixer
+    if isinstance(getattr(text, "attn_layer_indices", None), list):  # Bamba: layer_types is read from it
+        if mixer:
+            text.attn_layer_indices = list(range(layers)) if mixer in _ATTENTION_TYPES else []
+        else:
+            text.attn_layer_indices = [i for i in text.attn_layer_indices if i < layers]
+    elif isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = [mixer] * layers if mixer else text.layer_types[:layers]
+    if mlp:
+        if isinstance(getattr(text, "first_k_dense_replace", None), int):
+            text.first_k_dense_replace = layers if mlp == "dense" else 0
+        if hasattr(text, "mlp_only_layers"):
+            text.mlp_only_layers = list(range(layers)) if mlp == "dense" else []
+            if isinstance(getattr(text, "decoder_sparse_step", None), int):
+                text.decoder_sparse_step = 1
     return shorter
 
 
@@ -119,6 +177,15 @@ def quantized_linears(model: Any) -> list[tuple[str, Any]]:
         for name, module in model.named_modules()
         if type(module) is torch.nn.Linear and should_convert_module(name, skip)
     ]
+
+
+def experts(model_config: Any) -> tuple[int, int]:
+    """(routed experts per MoE layer, experts each token goes to); (0, 0) for a dense model."""
+    text = text_config(model_config)
+    count = config_int(text, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    if count <= 1:
+        return 0, 0
+    return count, config_int(text, "num_experts_per_tok", "moe_topk", "top_k", default=1)
 
 
 def attention_softcapping(model_config: Any) -> bool:

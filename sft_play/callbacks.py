@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -327,3 +328,56 @@ class TokenThroughput(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(counts)
         self._tokens, self._time = tokens, now
+
+
+class ExpertLoad(TrainerCallback):
+    """How evenly a mixture-of-experts model's routers spread tokens, per MoE layer, logged with
+    the loss (and so in TensorBoard): ``expert_load/layer_<i>`` is the busiest expert's share of
+    the layer's routed tokens over the share a perfectly even router gives it (1.0: even; the
+    number of experts over top-k: every token to the same experts, a collapsed router), and
+    ``expert_load/max`` the largest over layers. Counted on this rank, since the last log line,
+    from the expert indices each experts module receives. Nothing happens for a dense model."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, Any] = {}
+        self._hooks: list = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._remove()
+        if model is None:
+            return
+        experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "num_experts")]
+        for index, module in enumerate(experts):
+            self._hooks.append(module.register_forward_pre_hook(self._counter(index, module.num_experts)))
+
+    def _counter(self, index: int, experts: int):
+        def count(_module, inputs):
+            if len(inputs) < 2 or not hasattr(inputs[1], "flatten"):
+                return
+            routed = torch.bincount(inputs[1].detach().flatten().long(), minlength=experts)[:experts].cpu()
+            self._counts[index] = routed if index not in self._counts else self._counts[index] + routed
+
+        return count
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or not self._counts:
+            return
+        loads = {}
+        for index, counts in sorted(self._counts.items()):
+            total = float(counts.sum())
+            if total:
+                loads[f"expert_load/layer_{index}"] = round(float(counts.max()) * len(counts) / total, 3)
+        if loads:
+            loads["expert_load/max"] = max(loads.values())
+            logs.update(loads)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(loads)
+        self._counts.clear()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._remove()
+
+    def _remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -205,6 +205,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["revision"] = config.model.revision
     if quant is not None:
         kwargs["quantization_config"] = quant
+    if run.experts:
+        kwargs["experts_implementation"] = run.experts
     if run.strategy != "deepspeed_zero3" and (quant is not None or (device or "").startswith("cuda")):
         kwargs["device_map"] = {"": device or ("cuda:0" if run.on_cuda else "cpu")}
     hub.prepare(location)

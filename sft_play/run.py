@@ -156,6 +156,7 @@ class Run:
     reduce_bucket_elements: int | None = None  # DeepSpeed reduce_bucket_size, as the trainer fills it
     allgather_bucket_elements: int | None = None
     batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
+    experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
 
     @property
     def deepspeed(self) -> bool:
@@ -199,6 +200,13 @@ def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, sof
     if on_cuda and precision.compute_dtype != "float32" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "eager" if softcapping else "sdpa"
+
+
+def experts_kernel(on_cuda: bool, precision: Precision) -> str:
+    """How a mixture-of-experts model runs its experts: torch's grouped GEMM on CUDA with bf16
+    weights (transformers casts the tokens to the weights' dtype, and the kernel takes bf16),
+    otherwise transformers' per-expert loop (fp32 masters of a full fine-tune, the CPU)."""
+    return "grouped_mm" if on_cuda and precision.weights_dtype == "bfloat16" else "eager"
 
 
 def collator_kind(packing: bool, attention: str) -> Collator:
@@ -281,6 +289,7 @@ def resolve(
     else:
         adapter = "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
     reduce_bucket, allgather_bucket = deepspeed_buckets(config, hidden)
+    moe = _experts(facts) > 1
     return Run(
         method=method,
         precision=precision,
@@ -299,13 +308,14 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=LoraSpec.from_config(config.lora) if method != "full" else None,
+        lora=LoraSpec.from_config(config.lora, moe) if method != "full" else None,
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
         expandable_segments=allocator_settings(config, Placement(on_cuda, False)) is not None,
         reduce_bucket_elements=reduce_bucket,
         allgather_bucket_elements=allgather_bucket,
+        experts=experts_kernel(on_cuda, precision) if moe else None,
     )
 
 
@@ -318,6 +328,12 @@ def _softcapping(facts: Any) -> bool:
     if hasattr(facts, "attention_softcapping"):  # a ModelShape
         return bool(facts.attention_softcapping)
     return architecture.attention_softcapping(facts)
+
+
+def _experts(facts: Any) -> int:
+    if hasattr(facts, "num_experts"):  # a ModelShape
+        return int(facts.num_experts)
+    return architecture.experts(facts)[0]
 
 
 def _hidden_size(facts: Any) -> int:

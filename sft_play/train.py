@@ -89,7 +89,7 @@ def train(config: RunConfig, config_path: str) -> int:
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
-        [*faults, callbacks.TokenThroughput(), marker, stop, guard],
+        [*faults, callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if where.on_cuda:

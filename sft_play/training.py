@@ -120,6 +120,8 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         # Liger's layer kernels (TRL keeps its own fused, chunked loss head)
         use_liger_kernel=run.liger,
         max_length=data.max_seq_length,
+        # MoE: the load-balancing loss, with the model's own coefficient unless the config says
+        router_aux_loss_coef=train.router_aux_loss_coef,
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
         dataset_num_proc=data.num_proc,
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)

@@ -175,6 +175,11 @@ class TrainConfig(_Section):
     max_bad_steps: int = Field(
         3, gt=0, description="Consecutive steps with NaN/inf gradients or loss before the run stops (their updates are skipped)."
     )
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0,
+        description="Mixture-of-experts models: weight of the routers' load-balancing loss; null: the model's own "
+        "(router_aux_loss_coef in its config.json), 0: off. Per-layer expert load goes to TensorBoard either way.",
+    )
     record_samples: bool = Field(
         False, description="Debug: write a fingerprint of every row each rank trains on to <run>/samples/rank-N.jsonl."
     )

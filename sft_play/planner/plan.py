@@ -17,7 +17,7 @@ from sft_play.config import RunConfig
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split, largest_fitting_micro
-from sft_play.planner.predict import REPLAYS, Prediction, predict, static_lower_bound
+from sft_play.planner.predict import REPLAYS, STAND_INS, Prediction, predict, static_lower_bound
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
@@ -66,6 +66,8 @@ class Plan:
     attention: str
     gradient_checkpointing: bool
     allocated_bytes_per_gpu: int = 0
+    active_params: int = 0  # per token: a mixture-of-experts model's total less the experts a token skips
+    experts: str | None = None  # "8 routed, 2 per token, grouped_mm": the MoE shape and its kernel
     attention_mask: bool = False
     time: dict[str, Any] | None = None
     remedies: list[dict[str, Any]] = field(default_factory=list)
@@ -193,12 +195,28 @@ def make_plan(
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     notes.extend(kernel_notes(config, run))
+    if config.model.name_or_path in STAND_INS:
+        warnings.append(f"the layers of {config.model.name_or_path} could not be traced ({STAND_INS[config.model.name_or_path]}):"
+                        " planned as Llama-shaped layers of its widths, which is not a bound proven for this "
+                        "architecture; training goes ahead with the out-of-memory backoff as the safety net")
+    if run.lora is not None and run.lora.dropout != config.lora.dropout:
+        warnings.append(f"lora.dropout={config.lora.dropout:g} is off for this mixture-of-experts model: peft cannot "
+                        "apply dropout to LoRA on fused expert weights")
+    if shape.num_experts and run.method == "qlora":
+        notes.append(f"QLoRA quantises the linear layers only: the {shape.expert_params:,} parameters of the fused "
+                     f"experts (3-D tensors bitsandbytes does not quantise) stay in {run.precision.weights_dtype}")
+    if shape.num_experts and run.world_size > 1:
+        notes.append("experts are replicated (DDP) or sharded like any weight (ZeRO); expert parallelism is not "
+                     "offered: for a model whose experts do not fit, ZeRO-3 shards them")
     return Plan(
         model=config.model.name_or_path,
         method=config.finetune.method,
         strategy=config.distributed.strategy,
         total_params=shape.total_params,
         trainable_params=shape.trainable_params,
+        active_params=shape.active_params,
+        experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, {run.experts} kernel"
+                 if shape.num_experts else None),
         params_by_kind=shape.params_by_kind,
         micro_batch_size=split.micro_batch_size,
         gradient_accumulation_steps=split.gradient_accumulation_steps,

@@ -10,6 +10,8 @@ limit, as the real allocator would release its cache and retry before running ou
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from sft_play.planner import memory
@@ -103,6 +105,9 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
 
 
 _CACHE: dict = {}
+# Models whose layers the tracer could not follow, and why: they are planned with a stand-in layer
+STAND_INS: dict[str, str] = {}
+_UNTRACEABLE: set[tuple[str, str]] = set()
 REPLAYS = [0]  # allocator replays so far in this process: what planning costs, counted (Plan.replays)
 
 
@@ -135,7 +140,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
 
 def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None):
     REPLAYS[0] += 1
-    trace = layer_trace(trace_spec(run, micro_batch), run.sequence.tokens)
+    trace = traced_layers(trace_spec(run, micro_batch), run.sequence.tokens)
     spec = StepSpec(
         recipe=recipe_for(run),
         micro_batch=micro_batch,
@@ -148,6 +153,22 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         on_cuda=run.on_cuda,
     )
     return replay(shape, trace, spec, capacity)
+
+
+def traced_layers(spec, seq_len: int):
+    """The model's layers traced; where the tracer cannot follow them (an architecture whose ops
+    it does not know), a Llama-shaped layer of the model's widths instead, recorded in
+    :data:`STAND_INS` for the plan to say. Planning never ends a run: training goes ahead, with
+    the out-of-memory backoff as its safety net."""
+    failed = (spec.name_or_path, spec.method)
+    if failed not in _UNTRACEABLE:
+        try:
+            return layer_trace(spec, seq_len)
+        except Exception as error:  # noqa: BLE001 - any failure of the trace falls back
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            STAND_INS[spec.name_or_path] = f"{type(error).__name__}: {reason}"
+            _UNTRACEABLE.add(failed)
+    return layer_trace(dataclasses.replace(spec, stand_in=True), seq_len)
 
 
 def _scaled(at_peak: dict[str, int], total: int) -> dict[str, int]:

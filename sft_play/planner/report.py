@@ -40,7 +40,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
     """The plan as ``make plan`` prints it; `config_path` and the user's `overrides` complete the
     remedies' commands."""
     lines = [
-        f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})",
+        f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})"
+        + (f"; mixture of experts ({plan.experts}): {plan.active_params:,} active per token" if plan.experts else ""),
         "         by kind: " + ", ".join(f"{k} {v:,}" for k, v in plan.params_by_kind.items() if v),
         f"Hardware {plan.device}; {plan.strategy}, world size {plan.world_size}",
         f"Recipe   weights {plan.precision['weights']}, compute {plan.precision['compute']} "

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config
-from sft_play.architecture import (build_meta_model, config_int, decoder_layers, layer_signature, load_model_config,
-                                   quantized_linears, text_config, with_layers)
+from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_signature,
+                                   load_model_config, quantized_linears, text_config, with_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,37 @@ class ModelShape:
     # layer, and the elements of each tensor outside the layers (embeddings, final norm, head)
     layer_tensors: list[tuple[int, bool]] = field(default_factory=list)
     other_tensors: list[int] = field(default_factory=list)
+    # Hybrid models (layers of different kinds): every layer's tensors; empty when all are alike
+    layers_tensors: list[list[tuple[int, bool]]] = field(default_factory=list)
+    # Mixture of experts: routed experts per MoE layer, experts per token, the routed experts'
+    # parameters (all layers); 0 for dense models
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: all but the routed experts it is not sent to."""
+        if not self.num_experts:
+            return self.total_params
+        idle = self.expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.total_params - idle
+
+    def tensors_of_layer(self, index: int) -> list[tuple[int, bool]]:
+        """The parameter tensors of decoder layer `index` as the GPU allocates them."""
+        return self.layers_tensors[index] if self.layers_tensors else self.layer_tensors
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def key(self) -> tuple:
         """A hashable identity of the shape (for caching predictions)."""
-        return tuple(tuple(v.items()) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
-                     for v in (getattr(self, f.name) for f in dataclasses.fields(self)))
+        def frozen(value: Any) -> Any:
+            if isinstance(value, dict):
+                return tuple((k, frozen(v)) for k, v in value.items())
+            return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+        return tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
 def _kind(name: str, module: Any, output_embeddings: Any) -> str:
@@ -156,8 +179,16 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     num_layers = config_int(text, "num_hidden_layers", "n_layer", "num_layers")
     layers = decoder_layers(model, num_layers)
     in_layers = {id(p) for p in layers.parameters()} if layers is not None else set()
-    layer_tensors = [(p.numel(), id(p) in quantizable) for p in layers[0].parameters()] if layers is not None else []
+    every = [[(p.numel(), id(p) in quantizable) for p in layer.parameters()] for layer in layers] if layers is not None else []
+    layer_tensors = every[0] if every else []
     other_tensors = [p.numel() for p in model.parameters() if id(p) not in in_layers]
+    routed, per_token = experts(model_config)
+    seen: set[int] = set()
+    expert_params = 0
+    for name, param in model.named_parameters():
+        if routed and ".experts." in f".{name}" and "shared" not in name and id(param) not in seen:
+            seen.add(id(param))
+            expert_params += param.numel()
     return ModelShape(
         model_type=getattr(model_config, "model_type", "unknown"),
         architecture=type(model).__name__,
@@ -178,6 +209,10 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
         layer_tensors=layer_tensors,
         other_tensors=other_tensors,
+        layers_tensors=every if any(tensors != layer_tensors for tensors in every) else [],
+        num_experts=routed,
+        experts_per_token=per_token,
+        expert_params=expert_params,
     )
 
 
@@ -214,7 +249,10 @@ def model_shape(config: Any) -> ModelShape:
     Args:
         config: a :class:`sft_play.config.RunConfig`.
     """
-    spec = LoraSpec.from_config(config.lora) if config.finetune.method != "full" else None
+    spec = None
+    if config.finetune.method != "full":
+        model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+        spec = LoraSpec.from_config(config.lora, moe=experts(model_config)[0] > 1)
     return shape_for(config.model.name_or_path, config.model.revision, config.model.trust_remote_code,
                      config.finetune.method, spec)
 

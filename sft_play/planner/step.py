@@ -124,18 +124,17 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
     if recipe.parameters_on_gpu:
         for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
             run.new(numel * base_bytes / shards, "weights")
-        for _ in range(shape.num_layers):
-            for numel, quantizable in shape.layer_tensors:
+        for index in range(shape.num_layers):
+            for numel, quantizable in shape.tensors_of_layer(index):
                 if recipe.method == "qlora" and quantizable:
                     run.new(numel / 2 / shards, "weights")  # packed NF4
                     run.new(_quant_constant_bytes(numel, recipe), "weights")
                 else:
                     run.new(numel * base_bytes / shards, "weights")
-    for _ in range(shape.num_layers):
-        for numel in _adapter_tensors(shape):
-            run.new(numel * recipe.trainable_bytes, "weights")
+    for numel in _all_adapter_tensors(shape):
+        run.new(numel * recipe.trainable_bytes, "weights")
     if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 gathers a layer's parameters for its passes
-        layer = sum(n for n, _ in shape.layer_tensors) * base_bytes
+        layer = max(sum(n for n, _ in shape.tensors_of_layer(i)) for i in range(shape.num_layers)) * base_bytes
         run.new(2 * layer, "weights")
     if recipe.deepspeed:
         _chunked(run, memory.master_weights_bytes(shape, recipe), "master_weights")
@@ -163,6 +162,15 @@ def _adapter_tensors(shape: ModelShape) -> list[int]:
     return [n for fan_in, fan_out in shape.lora_in_out for n in (rank * fan_in, rank * fan_out)] if rank else []
 
 
+def _all_adapter_tensors(shape: ModelShape) -> list[int]:
+    """Every trainable tensor of a LoRA/QLoRA run: the adapters of the linears of each layer, and
+    in one more tensor what peft trains beyond them (adapters on fused expert weights, whose
+    factors are not linears; ``modules_to_save`` copies), so that they add up to the exact count."""
+    tensors = _adapter_tensors(shape) * shape.num_layers
+    rest = shape.lora_params - sum(tensors)
+    return tensors + [rest] if rest > 0 else tensors
+
+
 def _lora_rank(shape: ModelShape) -> int:
     per_layer = sum(i + o for i, o in shape.lora_in_out)
     return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
@@ -170,8 +178,8 @@ def _lora_rank(shape: ModelShape) -> int:
 
 def _trainable_tensors(shape: ModelShape, recipe: memory.Recipe) -> list[int]:
     if recipe.method == "full":
-        return [n for n, _ in shape.layer_tensors] * shape.num_layers + list(shape.other_tensors)
-    return _adapter_tensors(shape) * shape.num_layers
+        return [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)] + list(shape.other_tensors)
+    return _all_adapter_tensors(shape)
 
 
 def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
@@ -215,7 +223,8 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     recipe = spec.recipe
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     residual = 2 if recipe.method == "qlora" else (recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes)
-    layer, norm = trace.at(b)
+    _, norm = trace.at(b)
+    layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
     # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
@@ -228,7 +237,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     # Layers forward: the input of layer i is the output of layer i - 1
     previous = embeddings
     outputs = []
-    for i in range(shape.num_layers):
+    for i, layer in enumerate(layers):
         names = {INPUT: previous}
         _play(run, layer, layer.forward, i, names, b, "activations")
         if i > 0:
@@ -242,14 +251,14 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(run, norm, norm.after_forward, "norm", norm_names, b, "activations")
         last_hidden = _name(norm_names, norm.output, "norm")
     # The backbone returns: `inputs_embeds` and the mask go unless kept for backward
-    if not layer.input_kept:
+    if not layers[0].input_kept:
         run.free(embeddings)
     if mask is not None and not spec.checkpointing:
         run.free(mask)
 
     head = _head_forward(run, shape, spec, last_hidden, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
-        _play(run, layer, layer.cache_release, i, names, b, "activations")
+        _play(run, layers[i], layers[i].cache_release, i, names, b, "activations")
 
     # Backward: the head, the final norm, then the layers from the top
     incoming = _head_backward(run, shape, spec, head, residual, grads, keep_grads)
@@ -258,7 +267,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(run, norm, norm.backward, "norm", norm_names, b, "backward_working")
         incoming = _name(norm_names, norm.input_grad, "norm")
     for i in reversed(range(shape.num_layers)):
-        names = outputs[i]
+        names, layer = outputs[i], layers[i]
         names[GRAD_IN] = incoming
         _play(run, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
@@ -278,7 +287,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         else:
             grads.append(embedding)
     run.free(*rotary, mask, *batch)
-    if layer.input_kept:
+    if layers[0].input_kept:
         run.free(embeddings)
     return grads
 

@@ -62,8 +62,10 @@ class StepTime:
 
 
 def flops_per_token(shape: ModelShape, run: Run) -> float:
-    """Training FLOPs per token (the benchmark's definition; module docstring)."""
-    n = shape.total_params
+    """Training FLOPs per token (the benchmark's definition; module docstring), on the parameters
+    a token passes through: a mixture-of-experts model's active ones (its router sends each token
+    to top-k of the experts)."""
+    n = shape.active_params
     if run.method == "full":
         flops = 6.0 * n
         recompute = 2.0 * n

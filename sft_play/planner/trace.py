@@ -55,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from sft_play.adapters import LoraSpec, peft_config
-from sft_play.architecture import build_meta_model, decoder_layers, load_model_config, quantized_linears, with_layers
+from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_kinds,
+                                   load_model_config, quantized_linears, with_layers)
 from sft_play.run import MASK_FREE_ATTENTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,16 +99,28 @@ class ModuleEvents:
 
 @dataclass(frozen=True)
 class LayerTrace:
-    """A decoder layer's and the final norm's allocations at one sequence length: exactly at
+    """The decoder layers' and the final norm's allocations at one sequence length: exactly at
     micro-batch 1, and as functions of the micro-batch from 2 on (at micro-batch 1 some copies
-    do not happen: a tensor with a single row counts as contiguous whatever its strides)."""
+    do not happen: a tensor with a single row counts as contiguous whatever its strides).
 
-    single: tuple[ModuleEvents, ModuleEvents | None]
+    Hybrid models have layers of several kinds (attention, convolution, Mamba, linear
+    attention): each kind is traced once, and ``pattern`` says which kind each layer is."""
+
+    single: tuple[ModuleEvents, ModuleEvents | None]  # (the first layer's kind, final norm)
     batched: tuple[ModuleEvents, ModuleEvents | None]
+    kinds: tuple[tuple[ModuleEvents, ModuleEvents], ...] = ()  # (single, batched) of every kind, in order
+    pattern: tuple[int, ...] = ()  # the kind of each layer; empty: every layer is the first's kind
+    names: tuple[str, ...] = ()  # the kinds' names (layer_types), for the plan's notes
 
     def at(self, micro: int) -> tuple[ModuleEvents, ModuleEvents | None]:
-        """(layer, final norm) events to replay at `micro`."""
+        """(first layer's kind, final norm) events to replay at `micro`."""
         return self.single if micro == 1 else self.batched
+
+    def layers_at(self, micro: int, count: int) -> list[ModuleEvents]:
+        """The events of each of the `count` layers at `micro`."""
+        if not self.pattern:
+            return [self.at(micro)[0]] * count
+        return [self.kinds[kind][0 if micro == 1 else 1] for kind in self.pattern]
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,7 @@ class TraceSpec:
     masked: bool  # a 4-D attention mask is passed (packed rows or padding without FlashAttention-2)
     checkpointing: bool
     lora: LoraSpec | None = None  # the run's adapter (None for full fine-tuning)
+    stand_in: bool = False  # trace a Llama-shaped layer of the model's widths (when its own cannot be traced)
 
 
 class _Recorder(TorchDispatchMode):
@@ -312,15 +326,41 @@ class _Autocast(TorchFunctionMode):
 
 
 @functools.lru_cache(maxsize=8)
-def _one_layer_model(name_or_path: str, revision: str | None, trust_remote_code: bool) -> Any:
-    """The model with a single decoder layer, on the meta device."""
-    return build_meta_model(with_layers(load_model_config(name_or_path, revision, trust_remote_code), 1),
-                            trust_remote_code)
+def _one_layer_model(name_or_path: str, revision: str | None, trust_remote_code: bool, kind: str | None = None,
+                     stand_in: bool = False) -> Any:
+    """The model with a single decoder layer (of `kind`, for hybrid models), on the meta device;
+    with `stand_in`, a Llama-shaped one of the model's widths (:func:`stand_in_config`)."""
+    model_config = load_model_config(name_or_path, revision, trust_remote_code)
+    if stand_in:
+        return build_meta_model(stand_in_config(model_config))
+    return build_meta_model(with_layers(model_config, 1, kind), trust_remote_code)
 
 
-def _prepared_layer(spec: TraceSpec) -> tuple[Any, Any, Any, torch.dtype]:
+def stand_in_config(model_config: Any) -> Any:
+    """A one-layer Llama config with the model's hidden size, heads, head size and vocabulary,
+    and an MLP as wide as what one token passes through in the model's: the intermediate size,
+    or for a mixture of experts top-k experts' widths plus the shared expert's."""
+    from transformers import LlamaConfig
+
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    hidden = config_int(text, "hidden_size", "n_embd", "d_model")
+    heads = config_int(text, "num_attention_heads", "n_head", default=1)
+    width = config_int(text, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+    routed, per_token = experts(model_config)
+    if routed:
+        expert = config_int(text, "moe_intermediate_size", "expert_intermediate_size", default=width)
+        shared = config_int(text, "shared_expert_intermediate_size", default=0)
+        width = per_token * expert + shared
+    return LlamaConfig(hidden_size=hidden, intermediate_size=width, num_hidden_layers=1, num_attention_heads=heads,
+                       num_key_value_heads=config_int(text, "num_key_value_heads", "num_kv_heads", default=heads),
+                       head_dim=config_int(text, "head_dim", default=hidden // max(1, heads)),
+                       vocab_size=config_int(text, "vocab_size", default=32000), tie_word_embeddings=False)
+
+
+def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any, Any, torch.dtype]:
     """(decoder layer, final norm, text config, residual dtype) for `spec`, ready to trace."""
-    model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code))
+    model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code, kind,
+                                           spec.stand_in))
     weights = DTYPES[spec.weights_dtype]
     model.to(weights)
     if spec.method == "qlora":
@@ -341,6 +381,12 @@ def _prepared_layer(spec: TraceSpec) -> tuple[Any, Any, Any, torch.dtype]:
         model.requires_grad_(True)
     model.train()
     text = model.config.get_text_config()
+    # Experts through transformers' grouped path, whose shapes do not depend on the routing: every
+    # token's top-k rows pass through the experts however they are spread (the per-expert loop
+    # keeps the same rows for backward). On the meta device the grouped GEMM is transformers'
+    # own fallback op, which has a shape function (torch's kernel takes bf16 only).
+    if hasattr(text, "_experts_implementation"):
+        text._experts_implementation = "grouped_mm"
     # Flex attention is traced as FlashAttention-2: a fused kernel that keeps q, k, v, the output
     # and the log-sum-exp for backward and no s x s mask (its block mask is O((s/128)^2))
     text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
@@ -500,7 +546,7 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
     cos = torch.empty(b, s, _head_dim(text), dtype=residual, device=device)
     sin = torch.empty_like(cos)
     mask = None
-    if spec.masked and spec.attention not in MASK_FREE_ATTENTION:
+    if spec.masked and spec.attention not in MASK_FREE_ATTENTION and _is_attention_layer(layer):
         # transformers builds a boolean [b, 1, s, s] mask for SDPA, a float one for eager attention
         mask = torch.empty(b, 1, s, s, dtype=torch.bool if spec.attention == "sdpa" else residual, device=device)
     ignore |= {t.untyped_storage()._cdata for t in (leaf, cos, sin, positions, mask) if t is not None}
@@ -524,23 +570,64 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
 
 @functools.lru_cache(maxsize=64)
 def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
-    """The allocations of one decoder layer (and of the final norm) for `spec` at `seq_len`
-    tokens per row, with sizes as functions of the micro-batch (cached)."""
+    """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
+    `seq_len` tokens per row, with sizes as functions of the micro-batch (cached)."""
     _register_flash_trace()
-    with warnings.catch_warnings():
+    model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
+    kinds = [] if spec.stand_in else layer_kinds(model_config)
+    names = tuple(dict.fromkeys(kinds)) if kinds else (None,)
+    traced, norm = [], (None, None)
+    with warnings.catch_warnings(), _meta_compatible():
         warnings.simplefilter("ignore")
-        prepared = _prepared_layer(spec)
-        parts = {}
-        for which in ("layer", "norm") if prepared[1] is not None else ("layer",):
-            one, two = (_trace_module(spec, prepared, b, seq_len, which) for b in (1, 2))
-            try:  # the same operations at 1 and 2 rows: one description for every micro-batch
-                scaled = _module_events(one, two, 1)
-                parts[which] = (scaled, scaled)
-            except ValueError:
-                three = _trace_module(spec, prepared, 3, seq_len, which)
-                parts[which] = (_module_events(one, one, 1), _module_events(two, three, 2))
-    norm = parts.get("norm", (None, None))
-    return LayerTrace((parts["layer"][0], norm[0]), (parts["layer"][1], norm[1]))
+        for position, kind in enumerate(names):
+            prepared = _prepared_layer(spec, kind)
+            for which in ("layer", "norm") if position == 0 and prepared[1] is not None else ("layer",):
+                one, two = (_trace_module(spec, prepared, b, seq_len, which) for b in (1, 2))
+                try:  # the same operations at 1 and 2 rows: one description for every micro-batch
+                    scaled = _module_events(one, two, 1)
+                    events = (scaled, scaled)
+                except ValueError:
+                    three = _trace_module(spec, prepared, 3, seq_len, which)
+                    events = (_module_events(one, one, 1), _module_events(two, three, 2))
+                if which == "layer":
+                    traced.append(events)
+                else:
+                    norm = events
+    pattern = tuple(names.index(kind) for kind in kinds) if len(names) > 1 else ()
+    return LayerTrace((traced[0][0], norm[0]), (traced[0][1], norm[1]), tuple(traced), pattern,
+                      tuple(name for name in names if name))
+
+
+@contextlib.contextmanager
+def _meta_compatible():
+    """What the libraries do on real devices, made to run on the meta device for the trace:
+    ``torch.autocast("meta")`` (peft opens one, disabled, around its fused-expert LoRA fold)
+    becomes the CPU's, which changes nothing on meta tensors; transformers' grouped experts take
+    their fallback op, which has a meta implementation."""
+    from transformers.integrations import moe
+
+    original_init = torch.autocast.__init__
+
+    def init(self, device_type, *args, **kwargs):
+        original_init(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    grouped = getattr(moe, "_can_use_grouped_mm", None)
+    torch.autocast.__init__ = init
+    if grouped is not None:
+        moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        torch.autocast.__init__ = original_init
+        if grouped is not None:
+            moe._can_use_grouped_mm = grouped
+
+
+def _is_attention_layer(layer: Any) -> bool:
+    """Whether a decoder layer attends (and so takes the 4-D mask): it holds a module with
+    ``q_proj`` (or a fused ``qkv_proj``) and no state-space or convolution mixer in its place."""
+    return any(hasattr(module, "q_proj") or hasattr(module, "qkv_proj") or hasattr(module, "c_attn")
+               for module in layer.modules())
 
 
 @functools.cache
