@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 
@@ -86,10 +87,18 @@ def main() -> int:
         if topology is None:
             return launch.run_process(command, env, timeouts)
         os.environ.update(env)  # the launcher runs in this process and starts the training processes
-        return launch.run_launcher(command, topology, timeouts, exclude=lambda: {board.pid} if board else set())
+        status = launch.run_launcher(command, topology, timeouts, exclude=lambda: {board.pid} if board else set())
     finally:
         if board is not None:
             launch.stop(board)
+    if status != 0 and any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        # torchrun's agent (or the rendezvous store of a node that never came) is still blocked in
+        # C++ on its thread: tearing the interpreter down around it aborts the process ("terminate
+        # called without an active exception") after the error was said. Leave with the status.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":
