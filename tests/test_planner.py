@@ -302,10 +302,12 @@ def test_planning_70b_replays_a_handful_of_steps(plan_json):
     doc, _ = plan_json
     # What planning costs is the allocator replays (one trace, then ~0.1-0.15 s per replay of 80
     # layers on 2 cores): the search walks from where the line through micro 1 and micro 8 crosses
-    # the budget instead of trying every micro-batch. The seconds are measured by
-    # bench/planner_accuracy.py (docs/planner_accuracy.md), not here: a shared VM's clock and even
-    # its CPU time vary by half from one run to the next.
-    assert 2 <= doc["replays"] <= 6
+    # the budget instead of trying every micro-batch, and then checks each micro-batch below the one
+    # it found (a micro-batch fits only when every smaller one does: test_planner_monotone.py), so
+    # at most 8 for a per-GPU batch of 8. The seconds are measured by bench/planner_accuracy.py
+    # (docs/planner_accuracy.md), not here: a shared VM's clock and even its CPU time vary by half
+    # from one run to the next.
+    assert 2 <= doc["replays"] <= 8
     assert 0 < doc["plan_cpu_seconds"] and 0 < doc["plan_seconds"]
 
 

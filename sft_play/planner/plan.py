@@ -135,8 +135,9 @@ def make_plan(
         if accumulating is None:
             accumulating = (fixed_accum or 1) > 1 if fixed_accum is not None else micro < per_process
         floor = static_lower_bound(shape, run)
-        if floor > budget:  # the weights and optimizer states alone do not fit: no replay needed
-            prediction = Prediction(micro, floor, floor, {}, False)
+        if floor > budget:  # the weights and optimizer states alone do not fit: the whole step, unconstrained
+            whole = predict(shape, run, micro, None, accumulating)
+            prediction = Prediction(micro, whole.peak_bytes, whole.allocated_bytes, whole.breakdown, False)
         else:
             prediction = predict(shape, run, micro, budget, accumulating)
         tried.setdefault(micro, prediction)
@@ -146,6 +147,9 @@ def make_plan(
     warnings: list[str] = []
     fitting = largest_fitting_micro(lambda m: bool(predicted(m).fits), per_process,
                                     _crossing(predicted(1), predicted(per_process), budget))
+    # The allocator's cache makes predicted peaks swing a few per cent from one micro-batch to the
+    # next: a micro-batch counts as fitting only when every smaller one does too
+    fitting = next((m - 1 for m in range(1, fitting + 1) if not predicted(m).fits), fitting)
 
     split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
@@ -167,7 +171,13 @@ def make_plan(
         notes.append(split.note)
 
     chosen = predicted(split.micro_batch_size, split.gradient_accumulation_steps > 1)
-    fits = bool(chosen.fits)
+    peak, breakdown = chosen.peak_bytes, dict(chosen.breakdown)
+    # The peak reported for micro m holds for every micro-batch up to m (the swing above)
+    smaller = max((predicted(m).peak_bytes for m in range(1, split.micro_batch_size)), default=0)
+    if smaller > peak:
+        breakdown["smaller_micro_batch"] = smaller - peak
+        peak = smaller
+    fits = bool(chosen.fits) and peak <= budget
     # The micro-batches the search predicted, for the table and the picture (no further replays)
     candidates = [
         {"micro_batch_size": m, "peak_bytes": p.peak_bytes, "fits": bool(p.fits), "breakdown": p.breakdown}
@@ -225,12 +235,12 @@ def make_plan(
         requested_global_batch_size=train.global_batch_size,
         sequence_length=run.sequence.tokens,
         sequence_length_source=run.sequence.source,
-        peak_bytes_per_gpu=chosen.peak_bytes,
+        peak_bytes_per_gpu=peak,
         budget_bytes_per_gpu=budget,
         free_bytes_per_gpu=target.free_bytes,
         device=target.device_name,
         fits=fits,
-        breakdown=chosen.breakdown,
+        breakdown=breakdown,
         precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
                    "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
         attention=run.attention,
