@@ -46,7 +46,9 @@ def main() -> int:
     from sft_play.planner import report
     from sft_play.architecture import load_model_config
 
-    config = config_module.load(args.config, args.overrides)
+    # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
+    # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it
+    config = config_module.load(args.config, args.overrides, check_packages=args.vram_gib is None)
     try:
         target = planner.target_for(hardware.detect(), args.gpus, args.vram_gib, gpu_model=args.gpu_model)
     except ValueError as exc:

@@ -190,14 +190,18 @@ class Run:
 MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
 
 
-def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool) -> str:
+def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool,
+                     local: bool = True) -> str:
     """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
     installed and usable (CUDA, 16-bit compute), else PyTorch SDPA, or eager attention for models
-    that cap their attention logits (Gemma-2), which SDPA cannot do."""
+    that cap their attention logits (Gemma-2), which SDPA cannot do. For hardware described
+    rather than this machine's (`local` false) what is installed here says nothing: ``auto``
+    plans the kernel that needs no extra package (SDPA), the larger of the two in memory."""
     choice = config.model.attn_implementation
     if choice != "auto":
         return choice
-    if on_cuda and precision.compute_dtype != "float32" and importlib.util.find_spec("flash_attn") is not None:
+    installed = local and importlib.util.find_spec("flash_attn") is not None
+    if on_cuda and precision.compute_dtype != "float32" and installed:
         return "flash_attention_2"
     return "eager" if softcapping else "sdpa"
 
@@ -264,6 +268,7 @@ def resolve(
     world_size: int,
     data_stats: Any | None = None,
     model_facts: Any | None = None,
+    local: bool = True,
 ) -> Run:
     """Every decision about the run, from the config, the hardware and (when read) the data.
 
@@ -275,12 +280,13 @@ def resolve(
         data_stats: the tokenised data's statistics (:class:`sft_play.data.DataStats`), if read.
         model_facts: the model's shape (:class:`sft_play.planner.shapes.ModelShape`) or its
             transformers config; read from ``config.model`` when not given.
+        local: whether the processes train on this machine (its installed packages count).
     """
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_config(config)
     softcapping = _softcapping(facts)
     hidden = _hidden_size(facts)
-    attention = attention_kernel(config, precision, on_cuda, softcapping)
+    attention = attention_kernel(config, precision, on_cuda, softcapping, local)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype

@@ -393,3 +393,22 @@ def test_time_counts_recomputation_communication_and_the_hardware_rented():
     assert described.gpu_model == "H100"
     assert make_plan(plan_config("qwen2.5-0.5b", *base), described).time is not None
     assert make_plan(plan_config("qwen2.5-0.5b", *base), Target(1, 8 * GIB, "CPU", on_cuda=False)).time is None
+
+
+def test_planning_described_hardware_does_not_depend_on_this_machines_packages():
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    overrides = [f"model.name_or_path={CONFIGS / 'llama-3.1-8b'}", "finetune.method=lora", "data.max_seq_length=4096"]
+    with pytest.raises(config_module.ConfigError, match="flash_attention_2 needs the flash-attn package"):
+        config_module.load(None, [*overrides, "model.attn_implementation=flash_attention_2"])  # training here
+    described = Target(8, 80 * GIB, "8 x 80 GiB", source="--vram-gib")
+    flash = make_plan(config_module.load(None, [*overrides, "model.attn_implementation=flash_attention_2"],
+                                         check_packages=False), described)
+    assert flash.attention == "flash_attention_2" and not flash.attention_mask
+    auto = make_plan(config_module.load(None, overrides), described)
+    assert auto.attention == "sdpa" and any("hardware described" in note for note in auto.notes)
+    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "model.attn_implementation=flash_attention_2",
+                        "--gpus", "1", "--vram-gib", "80", "--no-data")
+    assert result.returncode == 0 and "attention flash_attention_2" in result.stdout, result.stderr[-2000:]

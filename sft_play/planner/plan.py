@@ -99,7 +99,8 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
                 shape: ModelShape | None = None) -> Run:
     """The run `config` makes on `target` (see :func:`sft_play.run.resolve`)."""
     return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
-                   world_size=target.world_size, data_stats=data_stats, model_facts=shape)
+                   world_size=target.world_size, data_stats=data_stats, model_facts=shape,
+                   local=target.source in ("detected", "host memory"))
 
 
 def make_plan(
@@ -205,6 +206,10 @@ def make_plan(
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     notes.extend(kernel_notes(config, run))
+    if config.model.attn_implementation == "auto" and target.source not in ("detected", "host memory") \
+            and run.attention == "sdpa" and run.on_cuda:
+        notes.append("model.attn_implementation=auto on hardware described, not this machine's: planned as SDPA; "
+                     "where flash-attn is installed, plan with model.attn_implementation=flash_attention_2")
     if config.model.name_or_path in STAND_INS:
         warnings.append(f"the layers of {config.model.name_or_path} could not be traced ({STAND_INS[config.model.name_or_path]}):"
                         " planned as Llama-shaped layers of its widths, which is not a bound proven for this "
