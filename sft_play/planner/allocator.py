@@ -125,7 +125,8 @@ class CachingAllocator:
 
     ``reserved`` and ``allocated`` follow ``torch.cuda.memory_reserved``/``memory_allocated``;
     ``peak_reserved``/``peak_allocated`` their maxima. Each live allocation carries a category,
-    and ``at_peak`` holds the live bytes by category when ``reserved`` last reached its peak.
+    ``at_peak`` holds the live bytes by category when ``reserved`` last reached its peak, and
+    ``at_peak_allocated`` when ``allocated`` did (the most the step's tensors ever hold).
     """
 
     capacity: int | None = None
@@ -135,6 +136,7 @@ class CachingAllocator:
     peak_allocated: int = 0
     releases: int = 0  # times the cache was released to satisfy an allocation
     at_peak: dict[str, int] = field(default_factory=dict)
+    at_peak_allocated: dict[str, int] = field(default_factory=dict)
     _pools: tuple[_FreeBlocks, _FreeBlocks] = field(default_factory=lambda: (_FreeBlocks(), _FreeBlocks()))
     _live: dict = field(default_factory=dict)  # handle -> block
     _by_category: dict[str, int] = field(default_factory=dict)
@@ -170,6 +172,7 @@ class CachingAllocator:
         by_category[category] = by_category.get(category, 0) + block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+            self.at_peak_allocated = {k: v for k, v in by_category.items() if v}
         if grew and self.reserved > self.peak_reserved:
             self._record_peak()
 

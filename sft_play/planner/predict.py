@@ -126,12 +126,15 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
             fits = not limited.out_of_memory
             if fits:
                 result = limited
+    # The terms as the GPU holds them at its fullest: the step's tensors by kind when they are the
+    # most (the allocated peak), and what the allocator's cache keeps on top of that
+    # (max_memory_reserved - max_memory_allocated), which is how a GPU reports the same peak
+    breakdown = dict(result.at_peak_allocated)
     if run.on_cuda:
         peak = result.peak_reserved + outside
-        breakdown = dict(result.at_peak)
+        breakdown["allocator_cache"] = result.peak_reserved - result.peak_allocated
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
-        breakdown = _scaled(result.at_peak, result.peak_allocated)
     breakdown["cuda_runtime"] = breakdown.get("cuda_runtime", 0) + outside
     breakdown = {k: v for k, v in breakdown.items() if v}
     breakdown[max(breakdown, key=breakdown.get)] += peak - sum(breakdown.values())  # rounding
@@ -169,9 +172,3 @@ def traced_layers(spec, seq_len: int):
             STAND_INS[spec.name_or_path] = f"{type(error).__name__}: {reason}"
             _UNTRACEABLE.add(failed)
     return layer_trace(dataclasses.replace(spec, stand_in=True), seq_len)
-
-
-def _scaled(at_peak: dict[str, int], total: int) -> dict[str, int]:
-    live = {k: v for k, v in at_peak.items() if k != "allocator_cache"}
-    scale = total / max(1, sum(live.values()))
-    return {k: int(v * scale) for k, v in live.items()}

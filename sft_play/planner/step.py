@@ -47,6 +47,7 @@ class StepMemory:
     at_peak: dict[str, int]
     out_of_memory: bool = False
     cache_releases: int = 0
+    at_peak_allocated: dict[str, int] = field(default_factory=dict)  # live bytes by category at the allocated peak
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     except OutOfMemory:
         oom = True
     return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
-                      allocator.releases)
+                      allocator.releases, dict(allocator.at_peak_allocated))
 
 
 def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
