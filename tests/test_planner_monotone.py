@@ -72,3 +72,26 @@ def test_beyond_the_budget_the_reported_peak_is_the_whole_step_not_the_weights_a
     assert floor > plan.budget_bytes_per_gpu and not plan.fits
     assert plan.peak_bytes_per_gpu > floor  # activations, the head and the allocator on top
     assert plan.breakdown.get("activations (forward)", 0) or plan.breakdown.get("activations", 0)
+
+
+def test_a_bf16_full_fine_tune_keeps_its_head_gradient_in_bf16():
+    from sft_play.planner.predict import recipe_for
+    from sft_play.planner.step import StepSpec, _Replay, _head_backward, _head_forward
+    from sft_play.planner.allocator import CachingAllocator
+
+    def kept_head_gradient(dtype: str) -> int:
+        config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'qwen2.5-0.5b'}",
+                                           "finetune.method=full", f"model.torch_dtype={dtype}",
+                                           "data.max_seq_length=512"], check_paths=False)
+        shape = model_shape(config)
+        run = resolve_for(config, Target(1, 80 * GIB, "1 x H100"), None, shape)
+        spec = StepSpec(recipe=recipe_for(run), micro_batch=1, seq_len=512, checkpointing=False, masked=False)
+        replay = _Replay(CachingAllocator())
+        last = replay.new(512 * shape.hidden_size * 2, "activations")
+        head = _head_forward(replay, shape, spec, last, 2)
+        grads: list = []
+        _head_backward(replay, shape, spec, head, 2, grads, keep_grads=True)
+        return replay.allocator._live[grads[0]].size
+    vocab_by_hidden = 151936 * 896
+    assert kept_head_gradient("bfloat16") >= 2 * vocab_by_hidden and kept_head_gradient("bfloat16") < 3 * vocab_by_hidden
+    assert kept_head_gradient("float32") >= 4 * vocab_by_hidden

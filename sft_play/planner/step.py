@@ -382,7 +382,7 @@ def _tile_casts(run: _Replay, shape: ModelShape, spec: StepSpec, residual: int, 
 def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
                    keep_grads: bool):
     """``ChunkedLogProbFunction.backward``: an fp32 gradient for the selected states, for a trained
-    head an fp32 weight gradient, the tile again, then the states' gradient cast to their dtype;
+    head an fp32 weight gradient (returned in the weights' dtype), the tile again, then the states' gradient cast to their dtype;
     the gradient is scattered back into [b, s - 1, h] and the slice into [b, s, h] (the final
     norm's incoming gradient). Returns that gradient's handle."""
     recipe = spec.recipe
@@ -390,7 +390,11 @@ def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     n = head["n"]
     grad_states = run.new(4 * n * h, "logits_loss")
     if recipe.method == "full":
-        head_grad = run.new(shape.vocab_size * h * 4, "gradients")
+        head_grad = run.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
+        if recipe.trainable_bytes != 4:  # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy
+            kept = run.new(shape.vocab_size * h * recipe.trainable_bytes, "gradients")
+            run.free(head_grad)
+            head_grad = kept
         if keep_grads and not recipe.deepspeed:
             grads.append(head_grad)
         else:  # accumulated into the existing gradient, or reduced by ZeRO
