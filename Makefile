@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/run_tiny.yaml
 ARGS ?=
 RUN ?=
+RUNS ?= runs
 PROMPT ?=
 PIP_ARGS ?=
 NUM_GPUS ?=
@@ -95,6 +96,9 @@ eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (d
 
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
 	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+
+planner-check: $(STAMP) ## The planner's error on your hardware: every run's predicted vs measured peak (RUNS=runs/)
+	$(PY) scripts/planner_check.py --runs $(RUNS) $(ARGS)
 
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)

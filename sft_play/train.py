@@ -23,10 +23,10 @@ from typing import Any
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from sft_play import callbacks, checkpoints, checks, data, hardware, model, planner, training
+from sft_play import callbacks, checkpoints, checks, data, hardware, memory_check, model, planner, training
 from sft_play.config import RunConfig
 from sft_play.data import collate
-from sft_play.errors import UserError
+from sft_play.errors import OutOfMemory, UserError
 from sft_play.planner import report
 from sft_play.run import Placement, Run, allocator_settings, placement
 from sft_play.stopping import EXIT_INTERRUPTED, resume_command
@@ -112,6 +112,11 @@ def train(config: RunConfig, config_path: str) -> int:
 
     try:
         trainer, run = training.train_with_backoff(make_trainer, run, resume_checkpoint)
+    except OutOfMemory:
+        if state.is_main_process:  # the planner's miss, on record (this rank's own measurements)
+            check = memory_check.record(run_dir, plan, run, [memory_check.measure_here(where.on_cuda)], "out_of_memory")
+            logger.error("%s", memory_check.line(check))
+        raise
     except RuntimeError as error:
         if state.num_processes == 1 or not callbacks.lost_another_rank(error):
             raise
@@ -119,8 +124,11 @@ def train(config: RunConfig, config_path: str) -> int:
               f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
         return 1
     state.wait_for_everyone()
+    measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:
         record_run(run_dir, run, planned)
+        outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
+        logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
     if guard.stopped_at is not None:
         raise UserError(nan_message(config, guard.stopped_at, run_dir))
     if stop.received:

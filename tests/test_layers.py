@@ -19,7 +19,7 @@ ORDER = [
     "planner.allocator", "planner.shapes", "planner.memory", "planner.trace", "planner.step", "planner.predict",
     "planner.timing", "planner.choose", "planner.calibrate", "planner.disk", "planner.remedies", "planner.plan",
     "planner", "planner.report",
-    "model", "training", "export", "checks", "cli",
+    "model", "training", "export", "memory_check", "checks", "cli",
     "launch.tensorboard", "launch.commands", "launch.supervise", "launch",
     "train",
 ]
