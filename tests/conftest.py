@@ -73,10 +73,10 @@ def printed_answers(stdout: str) -> list[str]:
 PINNED = ("train.global_batch_size=8", "train.mixed_precision=no")
 
 
-def _shared_run(tmp_path_factory, name: str, *overrides: str):
+def _shared_run(tmp_path_factory, name: str, *overrides: str, env: dict | None = None):
     root = tmp_path_factory.mktemp(f"shared-{name}")
     result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        f"train.run_name={name}", *PINNED, *overrides)
+                        f"train.run_name={name}", *PINNED, *overrides, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return root / name, result
 
@@ -85,8 +85,11 @@ def _shared_run(tmp_path_factory, name: str, *overrides: str):
 # what a run writes: (run folder, the finished process).
 @pytest.fixture(scope="session")
 def tiny_lora_run(tmp_path_factory):
+    # ACCELERATE_MIXED_PRECISION=bf16 is what `accelerate launch` exports from a config that says bf16:
+    # the run still trains as planned, in fp32 (tests/test_one_decision.py)
     return _shared_run(tmp_path_factory, "lora", "train.max_steps=24", "train.logging_steps=4",
-                       "train.micro_batch_size=8")  # not the CPU plan's choice, which follows the RAM free
+                       "train.micro_batch_size=8",  # not the CPU plan's choice, which follows the RAM free
+                       env={"ACCELERATE_MIXED_PRECISION": "bf16"})
 
 
 @pytest.fixture(scope="session")

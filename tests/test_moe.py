@@ -29,8 +29,7 @@ def load(model: str, *overrides: str):
 
 
 @pytest.mark.parametrize("model, method", [(model, "lora") for model in MOE + HYBRID]
-                         + [("tiny-qwen3-moe", "full"), ("tiny-qwen3-moe", "qlora"), ("tiny-lfm2", "full"),
-                            ("tiny-bamba", "qlora")])
+                         + [("tiny-qwen3-moe", "full"), ("tiny-bamba", "qlora")])
 def test_tiny_moe_and_hybrid_models_plan_by_their_own_layers(model, method):
     config = load(model, f"finetune.method={method}")
     plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"))
@@ -65,7 +64,7 @@ PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 8, 2), "qwen3-30b-a3b": (30_532_12
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
-@pytest.mark.parametrize("method, gpus", [("full", 1), ("full", 8), ("lora", 1), ("qlora", 8)])
+@pytest.mark.parametrize("method, gpus", [("full", 1), ("lora", 8), ("qlora", 8)])
 def test_public_moe_shapes_plan_or_say_what_would_fit(model, method, gpus):
     total, routed, per_token = PUBLISHED[model]
     config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / model}",
@@ -97,7 +96,7 @@ def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
     assert any("could not be traced (RuntimeError: an op the tracer does not know)" in w for w in plan.warnings)
 
 
-def _train(root, model: str, method: str, steps: int = 8):
+def _train(root, model: str, method: str, steps: int = 6):
     result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
                         "train.run_name=run", *PINNED, f"finetune.method={method}", f"train.max_steps={steps}",
                         "train.logging_steps=2", "train.learning_rate=5e-3",
@@ -126,7 +125,7 @@ def test_a_tiny_qwen3_moe_trains_with_lora_on_attention_and_experts(moe_lora_run
     adapter = json.loads((moe_lora_run / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights"
     logged = [entry for entry in json.loads((moe_lora_run / "summary.json").read_text())["losses"]]
-    assert logged and summary["global_step"] == 8
+    assert logged and summary["global_step"] == 6
 
 
 def test_the_expert_load_is_logged_per_layer(moe_lora_run):

@@ -12,7 +12,7 @@ import torch
 from sft_play import config as config_module
 from sft_play import export, launch, training
 from sft_play.run import BatchSplit, CPU_ENV, Placement, placement, resolve
-from tests.conftest import PINNED, REPO, run_script
+from tests.conftest import REPO, run_script
 
 
 def load(*overrides: str):
@@ -31,13 +31,10 @@ def test_an_accelerate_config_that_says_bf16_does_not_turn_fp32_into_bf16(monkey
     assert args.mixed_precision == "no"  # what the trainer's accelerator is built with
 
 
-def test_a_real_run_under_an_accelerate_bf16_environment_trains_as_planned(tmp_path):
-    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={tmp_path}",
-                        "train.run_name=pinned", *PINNED, "train.max_steps=1", "train.tensorboard=false",
-                        env={"ACCELERATE_MIXED_PRECISION": "bf16"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "pinned" / "summary.json").read_text())
-    recorded = json.loads((tmp_path / "pinned" / "run.json").read_text())
+def test_a_real_run_under_an_accelerate_bf16_environment_trains_as_planned(tiny_lora_run):
+    run_dir, _ = tiny_lora_run  # trained with ACCELERATE_MIXED_PRECISION=bf16 in its environment (conftest)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    recorded = json.loads((run_dir / "run.json").read_text())
     assert recorded["precision"]["mixed"] == "no"
     assert summary["mixed_precision"] == "no"  # the trainer's accelerator, not the banner
 
