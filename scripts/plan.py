@@ -10,7 +10,7 @@ Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-g
 from __future__ import annotations
 
 
-from sft_play import cli, planner_process
+from sft_play import cli, lean_imports
 
 
 def read_data_stats(config):
@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--no-data", action="store_true", help="do not read the data; assume data.max_seq_length")
     args = parser.parse_args()
     cli.setup_logging(quiet=args.json)
-    planner_process.without_gpu_kernel_packages()
+    lean_imports.without_bitsandbytes()  # planning never runs its kernels
 
     from sft_play import config as config_module
     from sft_play import hardware, planner

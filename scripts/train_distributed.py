@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from sft_play import cli
+from sft_play import cli, lean_imports
 from sft_play import config as config_module
 from sft_play.hardware import sanitized_cuda_arch_list
 
@@ -20,6 +20,8 @@ def main() -> int:
     args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
     cli.setup_logging()
     config = config_module.load(args.config, args.overrides)
+    if not lean_imports.needs_bitsandbytes(config):
+        lean_imports.without_bitsandbytes()  # about 2 s of the start on 2 cores
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before DeepSpeed is imported: it cannot parse "9.0a"
         os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     from sft_play.train import train  # after the environment is right: it imports the libraries

@@ -1,0 +1,26 @@
+"""A process does not import the kernel packages it will not use.
+
+bitsandbytes costs about 2 s of every process's start on 2 cores (on import it registers its CPU
+operators through torch's inductor), and peft imports it whenever it is installed. Only QLoRA and
+the 8-bit optimizers use it; a planning process never does (QLoRA is planned from transformers'
+rule for which linears it would quantise, on meta-device linears). Such processes see it as
+absent: ``importlib.util.find_spec`` answers None, as peft and transformers ask.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def needs_bitsandbytes(config: Any) -> bool:
+    """Whether training `config` (a :class:`sft_play.config.RunConfig`) uses bitsandbytes."""
+    optimizer = config.train.optimizer
+    return config.finetune.method == "qlora" or "8bit" in optimizer or "paged" in optimizer
+
+
+def without_bitsandbytes() -> None:
+    """Make this process see bitsandbytes as absent. Call it before anything imports it (peft,
+    transformers' quantizers); a no-op once it is imported."""
+    if "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
