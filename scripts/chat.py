@@ -16,9 +16,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
-    from sft_play import export
+    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
 
-    run = cli.chosen_run(args)
+    from sft_play import export
     trained, tokenizer, _ = export.load_trained(run)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)

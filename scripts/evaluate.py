@@ -17,9 +17,9 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging()
 
-    from sft_play import export
+    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
 
-    run = cli.chosen_run(args)
+    from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens)
     print(f"Run: {run}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
           f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")

@@ -18,9 +18,9 @@ def main() -> int:
     parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
     args = parser.parse_args()
 
-    from sft_play import export
+    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
 
-    run = cli.chosen_run(args)
+    from sft_play import export
     trained, tokenizer, config = export.load_trained(run)
     if args.prompt:
         prompts = [export.Prompt([{"role": "user", "content": args.prompt}], None, "")]

@@ -16,9 +16,9 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging()
 
-    from sft_play import export
+    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
 
-    run = cli.chosen_run(args)
+    from sft_play import export
     merged = export.merge(run, args.output)
     print(f"Merged model: {merged}\n  load it: AutoModelForCausalLM.from_pretrained('{merged}')\n"
           f"  try it:  make generate RUN={merged}")

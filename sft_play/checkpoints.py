@@ -385,3 +385,32 @@ def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[st
                          + "\nResume with the settings it was written with, or start a new run "
                            "(without RESUME=auto, or with another train.run_name)")
     return run.name, str(checkpoint), message
+
+
+# --- finished runs (what merge, generate, chat and eval read) ---------------------------------
+
+
+def finished_runs(output_dir: str | Path) -> list[Path]:
+    """Run folders with a saved model, oldest first."""
+    root = Path(output_dir)
+    runs = [p for p in root.glob("*") if (p / "model").is_dir() and (p / "config.yaml").is_file()] if root.is_dir() else []
+    return sorted(runs, key=lambda p: (p / "model").stat().st_mtime)
+
+
+def resolve_run(run: str | None, output_dir: str | Path) -> Path:
+    """`run` when given, else the newest finished run under `output_dir`.
+
+    Raises:
+        FileNotFoundError: with what to do, when there is no such run.
+    """
+    if run:
+        path = Path(run)
+        if not path.is_dir() or not ((path / "model").is_dir() or (path / "config.json").is_file()
+                                     or (path / "adapter_config.json").is_file()):
+            raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
+                                    f"see `ls {output_dir}`")
+        return path
+    runs = finished_runs(output_dir)
+    if not runs:
+        raise FileNotFoundError(f"no finished run under '{output_dir}'; train one first with `make train`")
+    return runs[-1]

@@ -1,4 +1,4 @@
-"""Using what a run wrote: find and load it (adapter, merged or full model), generate answers
+"""Using what a run wrote (found by :func:`sft_play.checkpoints.resolve_run`): load it (adapter, merged or full model), generate answers
 (with the base model's beside them), merge an adapter into its base, and evaluate.
 
 A run folder (``train.output_dir/<run name>``) holds ``config.yaml`` and ``model/``; ``make
@@ -27,32 +27,6 @@ from sft_play.errors import UserError
 from sft_play.model import TORCH_DTYPES, load_tokenizer, quantization_config, quiet_loading, weights_location
 from sft_play.precision import Precision, inference_dtype, resolve_precision
 from sft_play.run import collator_kind
-
-
-def finished_runs(output_dir: str | Path) -> list[Path]:
-    """Run folders with a saved model, oldest first."""
-    root = Path(output_dir)
-    runs = [p for p in root.glob("*") if (p / "model").is_dir() and (p / "config.yaml").is_file()] if root.is_dir() else []
-    return sorted(runs, key=lambda p: (p / "model").stat().st_mtime)
-
-
-def resolve_run(run: str | None, output_dir: str | Path) -> Path:
-    """`run` when given, else the newest finished run under `output_dir`.
-
-    Raises:
-        FileNotFoundError: with what to do, when there is no such run.
-    """
-    if run:
-        path = Path(run)
-        if not path.is_dir() or not ((path / "model").is_dir() or (path / "config.json").is_file()
-                                     or (path / "adapter_config.json").is_file()):
-            raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
-                                    f"see `ls {output_dir}`")
-        return path
-    runs = finished_runs(output_dir)
-    if not runs:
-        raise FileNotFoundError(f"no finished run under '{output_dir}'; train one first with `make train`")
-    return runs[-1]
 
 
 def _locate(path: Path) -> tuple[Path, RunConfig | None]:
