@@ -139,7 +139,7 @@ def test_the_expert_load_is_logged_per_layer(moe_lora_run):
     assert all(1.0 <= value <= 8 / 2 for value in loads)  # even .. every token to the same 2 of 8 experts
 
 
-@pytest.mark.parametrize("model, method", [("tiny-mixtral", "full"), ("tiny-bamba", "lora"),
+@pytest.mark.parametrize("model, method", [("tiny-mixtral", "full"), ("tiny-bamba", "lora"), ("tiny-lfm2", "lora"),
                                            ("tiny-qwen3-next", "full")])
 def test_moe_and_hybrid_models_train_from_the_entry_script(tmp_path, model, method):
     _loss_falls(_train(tmp_path, model, method))
