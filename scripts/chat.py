@@ -7,7 +7,7 @@ Usage: python scripts/chat.py [--config PATH] [--run RUN_DIR] [--system TEXT]
 from __future__ import annotations
 
 
-from sft_play import cli
+from sft_play import cli, lean_imports
 
 
 def main() -> int:
@@ -16,7 +16,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
-    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
+    run = cli.chosen_run(args)
+    lean_imports.for_run_folder(run)  # before the model stack is imported
 
     from sft_play import export
     trained, tokenizer, _ = export.load_trained(run)

@@ -7,7 +7,7 @@ Usage: python scripts/evaluate.py [--config PATH] [--run RUN_DIR] [--count N]
 from __future__ import annotations
 
 
-from sft_play import cli
+from sft_play import cli, lean_imports
 
 
 def main() -> int:
@@ -17,7 +17,8 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging()
 
-    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
+    run = cli.chosen_run(args)
+    lean_imports.for_run_folder(run)  # before the model stack is imported
 
     from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens)

@@ -7,7 +7,7 @@ Usage: python scripts/generate.py [--config PATH] [--run RUN_DIR] [--prompt TEXT
 from __future__ import annotations
 
 
-from sft_play import cli
+from sft_play import cli, lean_imports
 
 
 def main() -> int:
@@ -18,7 +18,8 @@ def main() -> int:
     parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
     args = parser.parse_args()
 
-    run = cli.chosen_run(args)  # before importing export: it decides which kernel packages load
+    run = cli.chosen_run(args)
+    lean_imports.for_run_folder(run)  # before the model stack is imported
 
     from sft_play import export
     trained, tokenizer, config = export.load_trained(run)

@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from sft_play import checkpoints, lean_imports
+from sft_play import checkpoints
 from sft_play import config as config_module
 from sft_play.config import ConfigError
 from sft_play.data.formats import InvalidRow, UnknownFormat
@@ -42,19 +42,9 @@ def run_parser(description: str) -> argparse.ArgumentParser:
 
 
 def chosen_run(args: argparse.Namespace):
-    """The run folder ``--run`` names, or the newest finished run under the config's output folder.
-    The process then imports only the kernel packages that run uses (:mod:`sft_play.lean_imports`):
-    call it before importing :mod:`sft_play.export`."""
+    """The run folder ``--run`` names, or the newest finished run under the config's output folder."""
     output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
-    run = checkpoints.resolve_run(args.run, output_dir)
-    saved = next((p / "config.yaml" for p in (run, run.parent) if (p / "config.yaml").is_file()), None)
-    try:
-        needs = saved is None or lean_imports.needs_bitsandbytes(config_module.load(saved, check_paths=False))
-    except ConfigError:
-        needs = True
-    if not needs:
-        lean_imports.without_bitsandbytes()
-    return run
+    return checkpoints.resolve_run(args.run, output_dir)
 
 
 def is_main_process() -> bool:

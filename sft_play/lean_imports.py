@@ -10,13 +10,28 @@ absent: ``importlib.util.find_spec`` answers None, as peft and transformers ask.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
+
+from sft_play import config as config_module
 
 
 def needs_bitsandbytes(config: Any) -> bool:
     """Whether training `config` (a :class:`sft_play.config.RunConfig`) uses bitsandbytes."""
     optimizer = config.train.optimizer
     return config.finetune.method == "qlora" or "8bit" in optimizer or "paged" in optimizer
+
+
+def for_run_folder(run: str | Path) -> None:
+    """Before a command that uses a finished run (merge, generate, chat, eval) imports the model
+    stack: skip bitsandbytes when the run's saved config did not use it."""
+    run = Path(run)
+    saved = next((p / "config.yaml" for p in (run, run.parent) if (p / "config.yaml").is_file()), None)
+    try:
+        if saved is not None and not needs_bitsandbytes(config_module.load(saved, check_paths=False)):
+            without_bitsandbytes()
+    except config_module.ConfigError:
+        return
 
 
 def without_bitsandbytes() -> None:

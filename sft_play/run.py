@@ -112,10 +112,10 @@ def placement(config: RunConfig) -> Placement:
     return Placement(on_cuda=on_cuda, deepspeed=config.distributed.strategy.startswith("deepspeed"))
 
 
-def allocator_settings(config: RunConfig, where: Placement) -> str | None:
+def allocator_settings(config: RunConfig, on_cuda: bool) -> str | None:
     """The CUDA caching allocator's settings for ``PYTORCH_CUDA_ALLOC_CONF`` (set before CUDA
     starts): expandable segments when ``train.expandable_segments`` and on CUDA."""
-    return "expandable_segments:True" if config.train.expandable_segments and where.on_cuda else None
+    return "expandable_segments:True" if config.train.expandable_segments and on_cuda else None
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,7 @@ def resolve(
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
-        expandable_segments=allocator_settings(config, Placement(on_cuda, False)) is not None,
+        expandable_segments=allocator_settings(config, on_cuda) is not None,
         reduce_bucket_elements=reduce_bucket,
         allgather_bucket_elements=allgather_bucket,
         experts=experts_kernel(on_cuda, precision) if moe else None,

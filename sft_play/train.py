@@ -149,7 +149,7 @@ def train(config: RunConfig, config_path: str) -> int:
 def start_processes(config: RunConfig, where: Placement) -> PartialState:
     """The process group (one process alone forms none), on the devices `where` says; the CUDA
     allocator's settings go into the environment first, as PyTorch reads them at CUDA's start."""
-    settings = allocator_settings(config, where)
+    settings = allocator_settings(config, where.on_cuda)
     if settings:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
             part for part in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), settings) if part)
