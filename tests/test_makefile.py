@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -167,3 +168,28 @@ def test_make_tensorboard_stops_tensorboard_on_sigterm(tmp_path):
         assert freed_soon(port), "TensorBoard was left running"
     finally:
         stop_listener(port)
+
+
+def test_a_second_stop_signal_cannot_cut_short_stopping_tensorboard():
+    """make forwards the group's SIGTERM to the script that serves TensorBoard a second time; that
+    copy arrived while the first was stopping TensorBoard and left it serving (CI, port 6006)."""
+    from sft_play import launch
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()  # it ignores SIGTERM: stop() waits, then kills it
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        launch.interrupt_on_termination()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):  # delivered once the child is stopped, not before
+            launch.stop(child, timeout=1.5)
+        assert child.poll() is not None, "the signal cut the stop short"
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # one request is enough
+    finally:
+        timer.cancel()
+        child.kill()
+        child.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

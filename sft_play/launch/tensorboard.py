@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -72,21 +74,49 @@ def start_tensorboard(logdir: str | Path, port: int | None = None) -> tuple[subp
 
 def interrupt_on_termination() -> None:
     """Make SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does, so that the ``finally``
-    blocks that stop TensorBoard (it runs in a session of its own) run on every way to stop us."""
+    blocks that stop TensorBoard (it runs in a session of its own) run on every way to stop us.
+
+    One request is enough: after the first, SIGTERM and SIGHUP are ignored. A terminal or cluster
+    signals the whole process group, and make forwards its own SIGTERM to us again; that second
+    copy must not cut short the stopping the first one started.
+    """
     def interrupt(_signum, _frame):
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, interrupt)
 
 
-def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Stop a process we started (SIGTERM, then SIGKILL)."""
-    if process.poll() is not None:
+@contextmanager
+def signals_deferred(signums=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then deliver the first one received
+    to the handler that was in place before (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    process.terminate()
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in signums}
     try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Stop a process we started (SIGTERM, then SIGKILL). A signal that arrives meanwhile is
+    held until it is stopped: TensorBoard runs in a session of its own, and a stop cut short
+    would leave it serving after we are gone."""
+    with signals_deferred():
+        if process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
