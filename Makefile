@@ -70,7 +70,7 @@ train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA r
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
 	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
-train-distributed: $(STAMP) ## DDP on NUM_GPUS GPUs (default all; GPUS=0,1 picks) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
+train-distributed: $(STAMP) ## DDP (FSDP2 with distributed.strategy=fsdp2) on NUM_GPUS GPUs (default all; GPUS=0,1 picks) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
 	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-distributed-tb: $(STAMP) ## train-distributed with TensorBoard on a free loopback port (URL printed)

@@ -68,7 +68,7 @@ def main() -> int:
             print(message, flush=True)
         if args.launcher == "accelerate":
             command = launch.accelerate_command(topology, args.config, args.overrides, Path(args.accelerate_config),
-                                                timeouts)
+                                                timeouts, sharded=config.distributed.strategy == "fsdp2")
         else:
             command = launch.torchrun_command(topology, args.config, args.overrides, timeouts)
         print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "

@@ -11,7 +11,7 @@ describe a different run from the one that trains:
 | optimizer | trainer arguments, planner, disk check |
 | attention kernel | loader, collator, planner |
 | batch layout and whether attention gets a mask | collator, planner |
-| world size, strategy, offload, DeepSpeed bucket sizes | trainer arguments, planner |
+| world size, strategy, offload, DeepSpeed bucket sizes, FSDP2 resharding | trainer arguments, planner |
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
 | kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
@@ -84,6 +84,13 @@ class Placement:
 
     on_cuda: bool
     deepspeed: bool
+    fsdp: bool = False
+
+    @property
+    def fsdp_on_cpu(self) -> bool:
+        """FSDP2 in CPU processes: accelerate turns FSDP on only for GPU-type processes, so the
+        trainer configures it (:func:`sft_play.training.shard_on_cpu`)."""
+        return not self.on_cuda and self.fsdp
 
     @property
     def cpu_processes(self) -> bool:
@@ -109,7 +116,8 @@ def placement(config: RunConfig) -> Placement:
     import torch
 
     on_cuda = torch.cuda.is_available() and os.environ.get(CPU_ENV) != "1"
-    return Placement(on_cuda=on_cuda, deepspeed=config.distributed.strategy.startswith("deepspeed"))
+    strategy = config.distributed.strategy
+    return Placement(on_cuda=on_cuda, deepspeed=strategy.startswith("deepspeed"), fsdp=strategy == "fsdp2")
 
 
 def allocator_settings(config: RunConfig, on_cuda: bool) -> str | None:
@@ -157,14 +165,25 @@ class Run:
     allgather_bucket_elements: int | None = None
     batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
     experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
+    reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
 
     @property
     def deepspeed(self) -> bool:
         return self.strategy.startswith("deepspeed")
 
     @property
+    def fsdp(self) -> bool:
+        return self.strategy == "fsdp2"
+
+    @property
+    def computes_in_gathered_copies(self) -> bool:
+        """The layers compute on 16-bit copies of the parameters (with mixed precision): DeepSpeed
+        casts the module to the compute dtype, FSDP2 all-gathers in it (its ``param_dtype``)."""
+        return self.deepspeed or self.fsdp
+
+    @property
     def placement(self) -> Placement:
-        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed)
+        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed, fsdp=self.fsdp)
 
     def to_dict(self) -> dict[str, Any]:
         """The run as JSON-ready data (``run.json`` in the run folder)."""
@@ -322,6 +341,7 @@ def resolve(
         reduce_bucket_elements=reduce_bucket,
         allgather_bucket_elements=allgather_bucket,
         experts=experts_kernel(on_cuda, precision) if moe else None,
+        reshard_after_forward=config.distributed.reshard_after_forward,
     )
 
 

@@ -44,6 +44,11 @@ def train(config: RunConfig, config_path: str) -> int:
                 f"make train-deepspeed CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train"
             )
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
+    if config.distributed.strategy == "fsdp2" and "RANK" not in os.environ:  # FSDP shards over a process group
+        raise UserError(
+            f"distributed.strategy=fsdp2 runs under a launcher: use make train-distributed CONFIG={config_path} "
+            "(NUM_GPUS=N; CPU=1 without GPUs), not make train"
+        )
 
     stop = callbacks.GracefulStop()
     stop.install()  # a stop asked for while loading is kept, not lost
@@ -83,7 +88,9 @@ def train(config: RunConfig, config_path: str) -> int:
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
     guard = callbacks.NonFiniteGuard(
-        config.train.max_bad_steps, watch_gradients=not run.deepspeed and run.precision.mixed != "fp16",
+        # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
+        config.train.max_bad_steps,
+        watch_gradients=not (run.deepspeed or run.fsdp) and run.precision.mixed != "fp16",
     )
     faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
@@ -141,8 +148,10 @@ def train(config: RunConfig, config_path: str) -> int:
                   + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""),
                   flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
+        end_processes(state)
         return EXIT_INTERRUPTED
     save(trainer, state, run, run_dir, bundle)
+    end_processes(state)
     return 0
 
 
@@ -157,6 +166,15 @@ def start_processes(config: RunConfig, where: Placement) -> PartialState:
         training.skip_deepspeed_inference_comm()
     return PartialState(cpu=where.cpu_processes, backend=where.backend,
                         timeout=timedelta(minutes=config.distributed.timeout_minutes))
+
+
+def end_processes(state: PartialState) -> None:
+    """Leave the process group together, once everything is saved and said. A process that exits
+    with its group still formed can abort in the teardown of the group's threads ("terminate
+    called without an active exception", SIGABRT after the run had finished: seen on 2 CPU ranks)."""
+    state.wait_for_everyone()
+    if state.use_distributed:
+        state.destroy_process_group()
 
 
 def check_shared_folder(output_dir: Path) -> None:
@@ -243,7 +261,7 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
     if not state.is_main_process:
         return
     in_step = len(set(fingerprints)) == 1
-    if run.strategy != "deepspeed_zero3":  # ZeRO-3 ranks hold only their shards
+    if run.strategy not in ("deepspeed_zero3", "fsdp2"):  # their ranks hold only shards (gathered to compare)
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
     summary = training.write_summary(

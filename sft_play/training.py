@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_play import checkpoints, planner
+from sft_play import architecture, checkpoints, planner
 from sft_play.callbacks import max_over_ranks
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
@@ -75,9 +75,42 @@ def pin_mixed_precision(run: Run) -> None:
     os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
 
 
-def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool, **overrides: Any) -> Any:
+def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
+    """transformers' ``fsdp_config`` for an ``fsdp2`` run: each decoder layer (`layer_classes`,
+    found in the loaded model) one FSDP unit, the root holding the rest; parameters resharded
+    after the forward as the run says; activation checkpointing by FSDP's own wrapper (the same
+    non-reentrant checkpoint per layer as ours, without the extra all-gather that checkpointing
+    outside FSDP costs); sharded checkpoints (``torch.distributed.checkpoint``: every rank
+    writes its own shard); parameters, gradients and optimizer states in CPU memory with
+    ``offload_parameters``."""
+    if not run.fsdp:
+        return None
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": layer_classes,
+        "reshard_after_forward": run.reshard_after_forward,
+        "activation_checkpointing": run.gradient_checkpointing,
+        "cpu_offload": run.offload_parameters,
+        "state_dict_type": "SHARDED_STATE_DICT",
+    }
+
+
+def fsdp_mixed_precision(run: Run) -> dict[str, str] | None:
+    """FSDP2's mixed-precision policy: layers gathered and computed in the run's compute dtype,
+    gradients reduced in fp32 (accelerate's default reduces in bf16, which DDP and ZeRO do not;
+    fp32 keeps FSDP2's loss with theirs)."""
+    if not run.fsdp or run.precision.mixed == "no":
+        return None
+    mixed = run.precision.mixed
+    return {"param_dtype": mixed, "reduce_dtype": "fp32", "output_dtype": mixed}
+
+
+def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
+                  layer_classes: list[str] | None = None, **overrides: Any) -> Any:
     """TRL ``SFTConfig`` for the run; every value comes from the run config or the resolved run
     (its ``batch``: the plan's split, or the one calibration or backoff changed it to).
+    `layer_classes` names the model's decoder layer classes (FSDP2's units).
     `overrides` replace any of them, e.g. for calibration steps."""
     from trl import SFTConfig
 
@@ -102,8 +135,8 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         max_steps=train.max_steps,
         bf16=precision.mixed == "bf16",
         fp16=precision.mixed == "fp16",
-        activation_checkpointing=run.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if run.gradient_checkpointing else None,
+        activation_checkpointing=run.gradient_checkpointing and not run.fsdp,  # FSDP2: its own (fsdp_settings)
+        activation_checkpointing_kwargs={"use_reentrant": False} if run.gradient_checkpointing and not run.fsdp else None,
         logging_steps=train.logging_steps,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
@@ -130,11 +163,48 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         dataloader_pin_memory=run.on_cuda,
         use_cpu=run.placement.cpu_processes,
         deepspeed=deepspeed_config(config, run),
-        # DeepSpeed on CPU: keep the process group the training flow formed over gloo (transformers
-        # would otherwise re-form it without a backend and see one process)
-        accelerator_config={"use_configured_state": True} if run.placement.deepspeed_on_cpu else None,
+        fsdp=True if run.fsdp else None,
+        fsdp_config=fsdp_settings(run, layer_classes or []),
+        accelerator_config=_accelerator_settings(run),
     )
-    return SFTConfig(**{**settings, **overrides})
+    arguments = SFTConfig(**{**settings, **overrides})
+    policy = fsdp_mixed_precision(run)
+    if policy and arguments.fsdp_plugin_args is not None:  # transformers has no argument for it
+        arguments.fsdp_plugin_args["mixed_precision_policy"] = policy
+    return arguments
+
+
+def _accelerator_settings(run: Run) -> dict[str, Any] | None:
+    settings: dict[str, Any] = {}
+    if run.placement.deepspeed_on_cpu or run.placement.fsdp_on_cpu:
+        # keep the process group (and, for FSDP2, the state shard_on_cpu configures) the training
+        # flow set up: transformers would otherwise re-form it and see one process or plain DDP
+        settings["use_configured_state"] = True
+    if run.fsdp:
+        # Reduce-scatter every micro-batch: each rank keeps only its gradient shard. Without it
+        # accelerate skips the sync between micro-batches, and FSDP2 then holds every layer's
+        # unsharded gradient until the step: the whole model's gradients on each GPU.
+        settings["gradient_accumulation_kwargs"] = {"sync_each_batch": True}
+    return settings or None
+
+
+def shard_on_cpu(arguments: Any, run: Run) -> None:
+    """FSDP2 in CPU processes (tests, GPU-less machines): accelerate turns FSDP on only for
+    GPU-type processes (``AcceleratorState``: the FSDP branch sits under the multi-GPU types),
+    while ``fully_shard`` itself runs on CPU tensors over gloo. The shared accelerator state is
+    set up here as accelerate sets it up on GPUs, and the trainer uses it
+    (``use_configured_state``). Nothing is done on GPUs."""
+    if not run.placement.fsdp_on_cpu:
+        return
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(**arguments.fsdp_plugin_args)
+    if run.precision.mixed != "no":
+        plugin.set_mixed_precision(run.precision.mixed)
+    state = Accelerator(cpu=True, mixed_precision=run.precision.mixed).state
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # read by both states
 
 
 def trainer_factory(
@@ -155,13 +225,23 @@ def trainer_factory(
     (:func:`sft_play.model.lora_config`); later ones reuse the wrapped model. The TensorBoard
     callback is moved behind ours, so that what our callbacks add to a log line
     (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too."""
+    from transformers import set_seed
     from transformers.integrations import TensorBoardCallback
     from trl import SFTTrainer
 
     held = {"model": model, "peft_config": lora_config(run)}
+    layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.fsdp else None
+    layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
 
     def make(this_run: Run, **overrides: Any) -> Any:
-        args = sft_arguments(config, this_run, run_dir, has_validation=eval_dataset is not None, **overrides)
+        args = sft_arguments(config, this_run, run_dir, has_validation=eval_dataset is not None,
+                             layer_classes=layer_classes, **overrides)
+        shard_on_cpu(args, this_run)
+        if held["peft_config"] is not None:
+            # The adapter is created inside the trainer, before it seeds: seed it here, alike on
+            # every rank. DDP would copy rank 0's adapter to the others anyway; FSDP2 shards each
+            # rank's own, which must therefore be the same.
+            set_seed(config.train.seed)
         trainer = SFTTrainer(
             model=held["model"],
             args=args,
@@ -284,18 +364,33 @@ def train_with_backoff(
 def weights_fingerprint(model: Any) -> str:
     """A short digest of the trainable parameters' values (per-tensor float64 sums): equal on
     every rank when data-parallel training kept the replicas in step."""
-    sums = [f"{name}:{param.detach().double().sum().item():.12e}"
+    sums = [f"{name}:{_whole(param).detach().double().sum().item():.12e}"
             for name, param in sorted(model.named_parameters()) if param.requires_grad]
     return hashlib.sha1(";".join(sums).encode()).hexdigest()[:16]
+
+
+def _whole(param: Any) -> Any:
+    """A parameter as one tensor: FSDP2's are DTensors holding this rank's shard (gathered here,
+    a collective every rank makes)."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def save_final_model(trainer: Any, model_dir: Path) -> None:
     """Save the trained model (unwrapped: an adapter, or the full model) and the tokenizer.
 
-    The trainer also pickles its arguments beside them; the run's ``config.yaml`` already says
-    everything they would, and only safetensors and plain text belong in a model folder.
+    FSDP2's checkpoints are sharded; the model folder holds whole tensors, gathered from every
+    rank's shard (a collective) and written by the main process, so that merge, generate and
+    eval read it as any other. The trainer also pickles its arguments beside them; the run's
+    ``config.yaml`` already says everything they would, and only safetensors and plain text
+    belong in a model folder.
     """
-    trainer.save_model(str(model_dir))
+    if getattr(trainer, "is_fsdp_enabled", False):
+        state_dict = trainer.accelerator.get_state_dict(trainer.model)  # whole tensors, on the main process
+        if trainer.is_world_process_zero():
+            trainer._save(str(model_dir), state_dict=state_dict)
+        trainer.accelerator.wait_for_everyone()
+    else:
+        trainer.save_model(str(model_dir))
     if trainer.is_world_process_zero():
         (model_dir / "training_args.bin").unlink(missing_ok=True)
 

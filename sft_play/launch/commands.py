@@ -112,14 +112,17 @@ def python_command(config: str, overrides: list[str]) -> list[str]:
 
 
 def accelerate_command(topology: Topology, config: str, overrides: list[str],
-                       accelerate_config: Path = ACCELERATE_DDP_CONFIG, timeouts: Timeouts | None = None) -> list[str]:
+                       accelerate_config: Path = ACCELERATE_DDP_CONFIG, timeouts: Timeouts | None = None,
+                       sharded: bool = False) -> list[str]:
     """DDP under ``accelerate launch``: the given accelerate config, with the topology filled in.
 
     ``--multi_gpu`` is always passed for several processes: this target is DDP, whatever the
     config file says (a config written where there was no GPU says one process, no
     distribution). On CPU it is also what starts several gloo processes (``--cpu`` starts one
     and wants mpirun), with mixed precision off. On one node the rendezvous is torchrun's
-    standalone one (see :func:`run_launcher`).
+    standalone one (see :func:`run_launcher`). A `sharded` (FSDP2) run is started as distributed
+    even with one process: accelerate applies FSDP only to processes its distributed launcher
+    started.
     """
     timeouts = timeouts or Timeouts()
     command = [
@@ -134,7 +137,7 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     else:
         command += ["--main_process_ip", topology.master_addr, "--main_process_port", str(topology.master_port),
                     "--rdzv_conf", f"timeout={_agent_rendezvous_timeout(timeouts)}"]
-    if topology.world_size > 1:
+    if topology.world_size > 1 or sharded:
         command += ["--multi_gpu"]
     if topology.cpu:
         command += ["--mixed_precision", "no"]
