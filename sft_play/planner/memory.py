@@ -25,7 +25,7 @@ DOUBLE_QUANT_BLOCK = 256  # with double quantisation the absmax constants are qu
 CUDA_CONTEXT_BYTES = 512 * MIB
 NCCL_BYTES = 320 * MIB
 
-Strategy = Literal["ddp", "deepspeed_zero2", "deepspeed_zero3"]
+Strategy = Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Recipe:
     world_size: int = 1
     strategy: Strategy = "ddp"
     offload_optimizer: bool = False
-    offload_parameters: bool = False  # ZeRO-3 keeps the parameters in CPU memory
+    offload_parameters: bool = False  # ZeRO-3 keeps the parameters in CPU memory (FSDP2: with gradients and states)
+    reshard_after_forward: bool = True  # FSDP2: a layer's gathered parameters are freed after its forward
     double_quant: bool = True
     lora_dropout: bool = False
     lora_rank: int = 0
@@ -57,11 +58,44 @@ class Recipe:
 
         DDP: the parameter's own dtype (fp32 full fine-tuning, fp32 LoRA adapters, bf16 QLoRA
         adapters). DeepSpeed casts the module to the 16-bit compute dtype and keeps fp32 masters
-        in its optimizer instead.
+        in its optimizer instead. FSDP2 with mixed precision upcasts the trainable parameters to
+        fp32 before sharding them (accelerate's ``fsdp2_prepare_model``; not QLoRA's), and
+        computes on 16-bit gathered copies.
         """
         if self.deepspeed:
             return self.compute_bytes
+        if self.fsdp and self.mixed_precision and self.method != "qlora":
+            return 4
         return self.weight_bytes if self.method == "full" else self.adapter_bytes
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy == "fsdp2"
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes per element of the frozen or full weights as stored on the GPU (or their shards)."""
+        if self.deepspeed:
+            return self.compute_bytes
+        if self.fsdp and self.method == "full":
+            return self.trainable_bytes
+        return self.weight_bytes
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes per element of a layer's parameters while it computes: ZeRO-3 gathers the 16-bit
+        copies it holds; FSDP2 all-gathers in its ``param_dtype`` (the compute dtype with mixed
+        precision, the stored dtype without)."""
+        if self.fsdp and self.mixed_precision:
+            return self.compute_bytes
+        return self.stored_bytes
+
+    @property
+    def layers_gathered(self) -> int:
+        """Decoder layers whose whole parameters are on the GPU at once when they are sharded:
+        the one computing and the one prefetched; FSDP2 without resharding after the forward
+        keeps every layer gathered from its forward to its backward (counted by the caller)."""
+        return 2
 
     @property
     def deepspeed(self) -> bool:
@@ -70,12 +104,18 @@ class Recipe:
     @property
     def shards(self) -> int:
         """How many ways ZeRO splits gradients and optimizer states (1 under DDP)."""
-        return self.world_size if self.deepspeed else 1
+        return self.world_size if self.deepspeed or self.fsdp else 1
 
     @property
     def weight_shards(self) -> int:
-        """How many ways the parameters themselves are split (ZeRO-3 only)."""
-        return self.world_size if self.strategy == "deepspeed_zero3" else 1
+        """How many ways the parameters themselves are split (ZeRO-3 and FSDP2)."""
+        return self.world_size if self.strategy in ("deepspeed_zero3", "fsdp2") else 1
+
+    @property
+    def sharded_gradients(self) -> bool:
+        """Each parameter's gradient leaves the GPU's working set as its layer finishes backward,
+        reduced into this rank's shard (ZeRO's partition, FSDP2's reduce-scatter every micro-batch)."""
+        return self.deepspeed or self.fsdp
 
     @property
     def parameters_on_gpu(self) -> bool:
@@ -94,10 +134,12 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     qlora: the quantised linears at 4 bits (0.5 byte) plus their constants
     (:func:`quantization_constants_bytes`), everything else in the run's weights dtype (16-bit
     with mixed precision, fp32 without: the loader's ``dtype``).
-    ZeRO-3 keeps 1/world of them, plus two layers gathered at a time; with the parameters offloaded
-    to the CPU, only the gathered layers.
+    ZeRO-3 and FSDP2 keep 1/world of them, plus two layers gathered at a time (FSDP2 in its
+    ``param_dtype``; without resharding after the forward, every layer); FSDP2 also gathers the
+    root (embeddings, head, final norm) for the whole step; with the parameters offloaded to the
+    CPU, only the gathered parts.
     """
-    base_bytes = recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes
+    base_bytes = recipe.stored_bytes
     adapters = shape.lora_params * recipe.trainable_bytes
     if recipe.method == "qlora":
         rest = shape.total_params - shape.quantized_params
@@ -105,10 +147,25 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     else:
         stored = shape.total_params * base_bytes
     if recipe.weight_shards > 1 or recipe.offload_parameters:
-        per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
         kept = 0 if recipe.offload_parameters else stored // recipe.weight_shards
-        stored = kept + 2 * per_layer
-    return stored + adapters
+        if recipe.fsdp:
+            layers = shape.num_layers if not recipe.reshard_after_forward else recipe.layers_gathered
+            layer = largest_layer_params(shape)
+            root = shape.total_params - sum(sum(n for n, _ in shape.tensors_of_layer(i))
+                                            for i in range(shape.num_layers)) if shape.layer_tensors else 0
+            stored = kept + (layers * layer + root) * recipe.gathered_bytes
+        else:
+            per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
+            stored = kept + recipe.layers_gathered * per_layer
+    return stored + adapters // (recipe.weight_shards if recipe.fsdp else 1)
+
+
+def largest_layer_params(shape: ModelShape) -> int:
+    """Parameters of the largest decoder layer (exact where the shape lists each layer's tensors;
+    otherwise everything but the embeddings spread evenly over the layers)."""
+    if shape.layer_tensors:
+        return max(sum(n for n, _ in shape.tensors_of_layer(i)) for i in range(shape.num_layers))
+    return (shape.total_params - shape.params_by_kind.get("embeddings", 0)) // max(1, shape.num_layers)
 
 
 def quantization_constants_bytes(shape: ModelShape, recipe: Recipe) -> int:
@@ -124,8 +181,11 @@ def quantization_constants_bytes(shape: ModelShape, recipe: Recipe) -> int:
 
 
 def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
-    """Gradients of the trainable parameters, in their dtype; ZeRO-2/3 keep only this rank's
-    partition (plus the buckets of :func:`zero_buffer_bytes`)."""
+    """Gradients of the trainable parameters, in their dtype; ZeRO-2/3 and FSDP2 keep only this
+    rank's partition (plus the buckets of :func:`zero_buffer_bytes`, :func:`fsdp_buffer_bytes`),
+    FSDP2 with offload in CPU memory."""
+    if recipe.fsdp and recipe.offload_parameters:
+        return 0
     return shape.trainable_params * recipe.trainable_bytes // recipe.shards
 
 
@@ -138,7 +198,7 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
     SGD without momentum: none. Adafactor: factored second moments, about 4 bytes x (rows +
     columns) per matrix, taken as 4 bytes x trainable / h. Offloaded to the CPU: none on the GPU.
     """
-    if recipe.offload_optimizer and recipe.deepspeed:
+    if (recipe.offload_optimizer and recipe.deepspeed) or (recipe.fsdp and recipe.offload_parameters):
         return 0
     n = shape.trainable_params
     state = 4 if recipe.deepspeed else recipe.trainable_bytes
@@ -171,6 +231,8 @@ def optimizer_step_bytes(shape: ModelShape, recipe: Recipe) -> int:
     n = shape.trainable_params // recipe.shards
     if recipe.deepspeed:
         return 0 if recipe.offload_optimizer else 4 * n
+    if recipe.fsdp and recipe.offload_parameters:
+        return 0
     if recipe.optimizer == "adamw_torch":
         return n * recipe.trainable_bytes
     return 0
@@ -184,9 +246,23 @@ def ddp_bucket_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """DDP's reducer keeps flat gradient buckets covering every trainable parameter (a second copy
     of the gradients, since transformers leaves ``gradient_as_bucket_view`` off); one process
     needs none (PyTorch ``DistributedDataParallel``, ``reducer.cpp``)."""
-    if recipe.world_size <= 1 or recipe.deepspeed:
+    if recipe.world_size <= 1 or recipe.sharded_gradients:
         return 0
     return shape.trainable_params * recipe.trainable_bytes
+
+
+def fsdp_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
+    """FSDP2's reduce-scatter of one layer's gradients: the unsharded gradient in the reduce
+    dtype (fp32: :func:`sft_play.training.fsdp_mixed_precision`) while the 16-bit one it came
+    from is freed, plus the shard it produces; the all-gather input (the layer's shard in the
+    ``param_dtype``). PyTorch ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``."""
+    if not recipe.fsdp:
+        return 0
+    layer = largest_layer_params(shape)
+    trainable_layer = layer if recipe.method == "full" else shape.lora_params // max(1, shape.num_layers)
+    reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
+    world = max(1, recipe.world_size)
+    return trainable_layer * reduce_bytes * (world + 1) // world + layer * recipe.gathered_bytes // world
 
 
 def zero_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:

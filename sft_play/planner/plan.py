@@ -200,7 +200,8 @@ def make_plan(
     rows = getattr(data_stats, "packed_rows", None) or getattr(data_stats, "examples", None)
     step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
-                             total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size))
+                             total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
+                             split.gradient_accumulation_steps)
     masked = run.masked(split.micro_batch_size)
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "

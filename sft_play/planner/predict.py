@@ -46,6 +46,7 @@ def recipe_for(run: Run) -> memory.Recipe:
         strategy=run.strategy,  # type: ignore[arg-type]
         offload_optimizer=run.offload_optimizer,
         offload_parameters=run.offload_parameters,
+        reshard_after_forward=run.reshard_after_forward,
         double_quant=run.double_quant,
         lora_dropout=bool(run.lora and run.lora.dropout > 0),
         lora_rank=run.lora.r if run.lora else 0,
@@ -62,13 +63,15 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
     recipe = recipe_for(run)
     return (memory.weights_bytes(shape, recipe) + memory.optimizer_state_bytes(shape, recipe)
             + memory.master_weights_bytes(shape, recipe) + memory.ddp_bucket_bytes(shape, recipe)
-            + memory.zero_buffer_bytes(shape, recipe) + memory.outside_allocator_bytes(recipe, run.on_cuda))
+            + memory.zero_buffer_bytes(shape, recipe) + memory.fsdp_buffer_bytes(shape, recipe)
+            + (memory.gradient_bytes(shape, recipe) if recipe.fsdp else 0)
+            + memory.outside_allocator_bytes(recipe, run.on_cuda))
 
 
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
     precision = run.precision
     residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
-    if run.deepspeed:  # DeepSpeed casts the module to the 16-bit compute dtype
+    if run.computes_in_gathered_copies:  # DeepSpeed casts the module to the compute dtype, FSDP2 gathers in it
         residual = precision.compute_dtype
     return TraceSpec(
         name_or_path=run.model,
@@ -76,7 +79,8 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         trust_remote_code=run.trust_remote_code,
         method=run.method,
         weights_dtype=residual,
-        adapter_dtype=precision.compute_dtype if run.deepspeed and run.method != "full" else run.adapter_dtype,
+        adapter_dtype=(precision.compute_dtype if run.computes_in_gathered_copies and run.method != "full"
+                       else run.adapter_dtype),
         compute_dtype=precision.compute_dtype if precision.mixed != "no" else None,
         attention=run.attention,
         masked=run.masked(micro_batch),

@@ -95,6 +95,10 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("ZeRO-3", "shard the parameters too (DeepSpeed stage 3)", ("distributed.strategy=deepspeed_zero3",),
            "train-deepspeed",
            lambda c, t: _multi_gpu(t) and c.distributed.strategy != "deepspeed_zero3" and c.finetune.method != "qlora"),
+    Remedy("FSDP2", "shard parameters, gradients and optimizer states with PyTorch's FSDP2 (no DeepSpeed)",
+           ("distributed.strategy=fsdp2",), "train-distributed",
+           lambda c, t: _multi_gpu(t) and c.distributed.strategy != "fsdp2" and c.finetune.method != "qlora"
+           and not (c.finetune.method == "lora" and "lm_head" in (c.lora.modules_to_save or []))),
     Remedy("parameter offload", "ZeRO-3 with parameters and optimizer states in CPU memory (much slower; "
            "needs CPU memory for them)",
            ("distributed.strategy=deepspeed_zero3", "distributed.offload_optimizer=true",
@@ -115,9 +119,8 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
             overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The make command that runs the changed config: the make target the remedies need, the
     GPUs, the config file and the user's own overrides followed by the remedies' (which win)."""
-    make_target = "train"
-    if any(r.make_target == "train-deepspeed" for r in remedies):
-        make_target = "train-deepspeed"
+    launching = [r.make_target for r in remedies if r.make_target != "train"]
+    make_target = launching[-1] if launching else "train"  # the last strategy set is the one that runs
     world = target.world_size
     for remedy in remedies:
         world *= remedy.gpu_factor

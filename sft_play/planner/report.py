@@ -18,6 +18,7 @@ TERM_LABELS = {
     "master_weights": "fp32 master weights",
     "ddp_buckets": "DDP gradient buckets",
     "zero_buffers": "ZeRO bucket buffers",
+    "fsdp_buffers": "FSDP2 reduce-scatter and all-gather buffers",
     "cuda_runtime": "CUDA context + cuBLAS",
     "inputs": "batch, mask, rotary tables",
     "activations": "activations (forward)",

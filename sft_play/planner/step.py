@@ -120,7 +120,7 @@ def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) 
 
 def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
     """Parameters as loaded, adapters, and the buffers distributed training allocates up front."""
-    base_bytes = recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes
+    base_bytes = recipe.stored_bytes
     shards = recipe.weight_shards
     if recipe.parameters_on_gpu:
         for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
@@ -132,11 +132,22 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
                     run.new(_quant_constant_bytes(numel, recipe), "weights")
                 else:
                     run.new(numel * base_bytes / shards, "weights")
+    adapter_shards = shards if recipe.fsdp else 1
     for numel in _all_adapter_tensors(shape):
-        run.new(numel * recipe.trainable_bytes, "weights")
-    if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 gathers a layer's parameters for its passes
-        layer = max(sum(n for n, _ in shape.tensors_of_layer(i)) for i in range(shape.num_layers)) * base_bytes
-        run.new(2 * layer, "weights")
+        run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
+    if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
+        layer = memory.largest_layer_params(shape)
+        gathered = recipe.layers_gathered
+        if recipe.fsdp and not recipe.reshard_after_forward:
+            gathered = shape.num_layers  # each kept from its forward to its backward
+        for _ in range(gathered):
+            run.new(layer * recipe.gathered_bytes, "weights")
+        if recipe.fsdp:  # the root (embeddings, head, final norm), gathered for the whole step
+            for numel in shape.other_tensors:
+                run.new(numel * recipe.gathered_bytes, "weights")
+    if recipe.fsdp:
+        _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's shard
+        _chunked(run, memory.fsdp_buffer_bytes(shape, recipe), "fsdp_buffers")
     if recipe.deepspeed:
         _chunked(run, memory.master_weights_bytes(shape, recipe), "master_weights")
         _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's averaged partition
@@ -200,8 +211,9 @@ def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) ->
 
 
 def _held_gradients(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> list:
-    """The gradients earlier micro-batches of the step left (ZeRO keeps only its partition)."""
-    if recipe.deepspeed:
+    """The gradients earlier micro-batches of the step left (ZeRO and FSDP2 keep only their
+    shard, already counted)."""
+    if recipe.sharded_gradients:
         return []
     return [run.new(numel * recipe.trainable_bytes, "gradients") for numel in _trainable_tensors(shape, recipe)]
 
@@ -223,7 +235,8 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     optimizer step's ``zero_grad``)."""
     recipe = spec.recipe
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
-    residual = 2 if recipe.method == "qlora" else (recipe.compute_bytes if recipe.deepspeed else recipe.weight_bytes)
+    residual = 2 if recipe.method == "qlora" else (
+        recipe.compute_bytes if recipe.deepspeed else recipe.gathered_bytes if recipe.fsdp else recipe.weight_bytes)
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
@@ -273,23 +286,29 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(run, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
         parameter_grads = [_name(names, g, i) for g in layer.persistent]
-        if recipe.deepspeed or not keep_grads:
-            # ZeRO copies them into its reduction bucket; a later micro-batch adds them into the
-            # gradients of the first: either way they go as the layer finishes
+        if recipe.sharded_gradients or not keep_grads:
+            # ZeRO copies them into its reduction bucket, FSDP2 reduce-scatters them into its
+            # shard; a later micro-batch adds them into the gradients of the first: either way
+            # they go as the layer finishes
             run.free(*parameter_grads)
         else:
             grads += parameter_grads
     run.free(incoming)
     if recipe.method == "full" and not recipe.deepspeed:
-        # The embedding's dense gradient; tied to the head's, it is added into it (a transient)
-        embedding = run.new(shape.vocab_size * h * recipe.trainable_bytes, "gradients")
-        if shape.tie_word_embeddings:
+        # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
+        # FSDP2 reduce-scatters it as the root's backward ends (a transient in its param_dtype)
+        embedding = run.new(shape.vocab_size * h * (recipe.gathered_bytes if recipe.fsdp else recipe.trainable_bytes),
+                            "gradients")
+        if shape.tie_word_embeddings or recipe.fsdp:
             run.free(embedding)
         else:
             grads.append(embedding)
     run.free(*rotary, mask, *batch)
     if layers[0].input_kept:
         run.free(embeddings)
+    if recipe.fsdp:  # the root's gradients (the head's) are reduce-scattered as backward ends
+        run.free(*grads)
+        return []
     return grads
 
 
@@ -367,7 +386,9 @@ def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, 
 
 def _tile_casts(run: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
     h, c = shape.hidden_size, spec.recipe.compute_bytes
-    weight_bytes = spec.recipe.weight_bytes if spec.recipe.method == "full" and not spec.recipe.deepspeed else 2
+    recipe = spec.recipe
+    weight_bytes = recipe.gathered_bytes if recipe.fsdp else (
+        recipe.weight_bytes if recipe.method == "full" and not recipe.deepspeed else 2)
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
         chunk = run.new(rows * h * c, "logits_loss") if residual != c else None
@@ -391,8 +412,11 @@ def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     grad_states = run.new(4 * n * h, "logits_loss")
     if recipe.method == "full":
         head_grad = run.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
-        if recipe.trainable_bytes != 4:  # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy
-            kept = run.new(shape.vocab_size * h * recipe.trainable_bytes, "gradients")
+        # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
+        # FSDP2 the weight is the gathered copy, in its param_dtype)
+        grad_bytes = recipe.gathered_bytes if recipe.fsdp else recipe.trainable_bytes
+        if grad_bytes != 4:
+            kept = run.new(shape.vocab_size * h * grad_bytes, "gradients")
             run.free(head_grad)
             head_grad = kept
         if keep_grads and not recipe.deepspeed:

@@ -101,17 +101,29 @@ def efficiency(run: Run) -> tuple[float, str]:
     return mfu, text
 
 
-def gradient_traffic_bytes(shape: ModelShape, run: Run) -> float:
+def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) -> float:
     """Bytes each GPU sends per optimizer step: a ring all-reduce of the gradients (DDP), or a
-    reduce-scatter plus the all-gather of the updated parameters (ZeRO), 2 (W - 1) / W of them."""
+    reduce-scatter plus the all-gather of the updated parameters (ZeRO), 2 (W - 1) / W of them.
+    FSDP2, for every micro-batch (it reduce-scatters each one: ``sync_each_batch``): the
+    parameters all-gathered for the forward and again for the backward (once with
+    ``reshard_after_forward`` off) in its ``param_dtype``, and the gradients reduce-scattered in
+    fp32, (W - 1) / W of each."""
     if run.world_size <= 1:
         return 0.0
-    grad_bytes = recipe_for(run).trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
-    return 2.0 * (run.world_size - 1) / run.world_size * shape.trainable_params * grad_bytes
+    recipe = recipe_for(run)
+    share = (run.world_size - 1) / run.world_size
+    if run.fsdp:
+        gathers = 2 if run.reshard_after_forward else 1
+        reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
+        per_micro = (gathers * shape.total_params * recipe.gathered_bytes
+                     + shape.trainable_params * reduce_bytes)
+        return share * per_micro * max(1, micro_batches)
+    grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
+    return 2.0 * share * shape.trainable_params * grad_bytes
 
 
 def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name: str, interconnect: str,
-                 gpus_per_node: int, total_steps: int | None) -> StepTime | None:
+                 gpus_per_node: int, total_steps: int | None, micro_batches: int = 1) -> StepTime | None:
     """The step time of `run` on the named GPU (None when its peak is unknown, e.g. on a CPU).
 
     Args:
@@ -122,6 +134,7 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
         interconnect: "nvlink" or "pcie" within a node.
         gpus_per_node: GPUs per node (more processes than that cross the network).
         total_steps: optimizer steps of the run, if known.
+        micro_batches: forward/backward passes per optimizer step (FSDP2 communicates in each).
     """
     peak = peak_flops(device_name)
     if peak is None or not run.on_cuda:
@@ -129,7 +142,7 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     mfu, source = efficiency(run)
     compute = tokens_per_step * flops_per_token(shape, run) / (run.world_size * peak * mfu)
     link = "network" if run.world_size > gpus_per_node else interconnect
-    traffic = gradient_traffic_bytes(shape, run)
+    traffic = gradient_traffic_bytes(shape, run, micro_batches)
     # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
     communication = traffic / BANDWIDTH[link] * (0.25 if run.world_size > 1 else 0.0)
     seconds = compute + communication
