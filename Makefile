@@ -4,7 +4,11 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# `exec`: the script replaces the shell make runs it in. Make only puts a shell in between when a
+# line has shell characters (ARGS="lora.modules_to_save=[embed_tokens]"); a stop signal to the
+# process group then killed that shell at once, make ended without waiting for training to save,
+# and training went on saving behind the prompt. With exec, make waits for the script itself.
+PY := exec $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/run_tiny.yaml
 ARGS ?=

@@ -31,9 +31,11 @@ def auto_config(output: Path) -> str:
     from sft_play import hardware
 
     gpus = hardware.detect().gpus
-    # Precision is the run's decision (train.mixed_precision, resolved with the planner); the
-    # training processes pin it over whatever an accelerate config says, so this one says "no"
-    precision = "mixed precision from the run config (train.mixed_precision)"
+    # Precision and sharding are the run's decisions (train.mixed_precision, resolved with the
+    # planner; distributed.strategy: ddp or fsdp2); the training processes pin them over whatever
+    # an accelerate config says, so this one says "no" and MULTI_GPU
+    precision = ("mixed precision from the run config (train.mixed_precision), and the sharding too "
+                 "(distributed.strategy: ddp, or fsdp2 for FSDP2)")
     if gpus:
         note = f"for {len(gpus)} GPU(s); {precision}"
     else:

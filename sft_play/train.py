@@ -232,8 +232,9 @@ def announce(state: PartialState, run: Run, plan: Any) -> None:
     precision = run.precision
     nodes = state.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
     logger.info(
-        "%d process(es) on %d node(s), %s, mixed precision %s (%s), weights %s, attention %s, optimizer %s",
-        state.num_processes, nodes, state.distributed_type, precision.mixed, precision.reason,
+        "%d process(es) on %d node(s), %s, strategy %s, mixed precision %s (%s), weights %s, attention %s, "
+        "optimizer %s",
+        state.num_processes, nodes, state.distributed_type, run.strategy, precision.mixed, precision.reason,
         precision.weights_dtype, run.attention, run.optimizer,
     )
     if precision.warning:

@@ -66,13 +66,17 @@ def skip_deepspeed_inference_comm() -> None:
 
 
 def pin_mixed_precision(run: Run) -> None:
-    """Say the run's precision to accelerate and transformers through the environment too.
+    """Say the run's precision (and whether it shards with FSDP) to accelerate and transformers
+    through the environment too.
 
     ``accelerate launch`` exports ``ACCELERATE_MIXED_PRECISION`` from its config file, and
     transformers' arguments (and accelerate's state) take it whenever ``bf16`` and ``fp16`` are
     both off: an accelerate config written for bf16 GPUs would turn ``train.mixed_precision=no``
     into bf16 autocast behind the plan's back."""
     os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
+    # The same for FSDP: an accelerate config file that says FSDP exports ACCELERATE_USE_FSDP,
+    # which turns FSDP on for a ddp run; an fsdp2 run passes its own plugin (fsdp_settings)
+    os.environ["ACCELERATE_USE_FSDP"] = "true" if run.fsdp else "false"
 
 
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
@@ -165,7 +169,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         deepspeed=deepspeed_config(config, run),
         fsdp=True if run.fsdp else None,
         fsdp_config=fsdp_settings(run, layer_classes or []),
-        accelerator_config=_accelerator_settings(run),
+        accelerator_config=accelerator_settings(run),
     )
     arguments = SFTConfig(**{**settings, **overrides})
     policy = fsdp_mixed_precision(run)
@@ -174,7 +178,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
     return arguments
 
 
-def _accelerator_settings(run: Run) -> dict[str, Any] | None:
+def accelerator_settings(run: Run) -> dict[str, Any] | None:
     settings: dict[str, Any] = {}
     if run.placement.deepspeed_on_cpu or run.placement.fsdp_on_cpu:
         # keep the process group (and, for FSDP2, the state shard_on_cpu configures) the training

@@ -28,7 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Two ranks of 4 rows: the micro-batch pinned, since the CPU plan's own choice follows the RAM free
 # at that moment (the planner's choice is tested against fixed budgets in test_planner.py)
 TINY = ["train.max_steps=4", "train.logging_steps=1", "train.record_samples=true", "train.save_steps=2", *PINNED,
-        "train.micro_batch_size=4"]
+        "train.micro_batch_size=4",
+        # a trained copy of lm_head is refused under FSDP2 (see test_fsdp2.py); DDP and ZeRO train the same
+        "lora.modules_to_save=[embed_tokens]"]
+FSDP2 = ("distributed.strategy=fsdp2",)
 # Step 2 plus its save take this long after the stop signal: longer than torchrun's default
 # shutdown timeout (30 s), after which its agent would have killed the processes unsaved
 SLOW_STOP_S = 31
@@ -62,10 +65,10 @@ class StoppedRun:
     """A make target started in its own process group and sent SIGTERM, to the whole group as a
     terminal or a cluster does, once step 2 is under way (made slow on purpose: ``slow_step``)."""
 
-    def __init__(self, target: str, run_dir: Path) -> None:
+    def __init__(self, target: str, run_dir: Path, extra: tuple[str, ...] = ()) -> None:
         self.target, self.run_dir = target, run_dir
         self.command = ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2",
-                        f"ARGS={' '.join(TINY)} train.output_dir={run_dir.parent} train.run_name={run_dir.name}"]
+                        f"ARGS={' '.join([*TINY, *extra])} train.output_dir={run_dir.parent} train.run_name={run_dir.name}"]
         self.process = subprocess.Popen(
             self.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "SFT_PLAY_FAULTS": f"slow_step=2:{SLOW_STOP_S}"},
@@ -96,19 +99,21 @@ class StoppedRun:
 
 @pytest.fixture(scope="module")
 def stopped_runs(tmp_path_factory):
-    """DDP and ZeRO-2 runs stopped by SIGTERM during a slow step, started first so that they
-    sleep through the uninterrupted runs below."""
+    """DDP, ZeRO-2 and FSDP2 runs stopped by SIGTERM during a slow step, started first so that
+    they sleep through the uninterrupted runs below."""
     root = tmp_path_factory.mktemp("stopped")
     runs = {"ddp": StoppedRun("train-distributed", root / "ddp"),
-            "zero2": StoppedRun("train-deepspeed", root / "zero2")}
+            "zero2": StoppedRun("train-deepspeed", root / "zero2"),
+            "fsdp2": StoppedRun("train-distributed", root / "fsdp2", FSDP2)}
     yield runs
     for run in runs.values():
         run.kill()
 
 
-def _uninterrupted(tmp_path_factory, target: str, name: str):
+def _uninterrupted(tmp_path_factory, target: str, name: str, extra: tuple[str, ...] = ()):
     root = tmp_path_factory.mktemp(name)
-    result = make(target, "CPU=1", "NUM_GPUS=2", f"ARGS={' '.join(TINY)} train.output_dir={root} train.run_name={name}")
+    result = make(target, "CPU=1", "NUM_GPUS=2",
+                  f"ARGS={' '.join([*TINY, *extra])} train.output_dir={root} train.run_name={name}")
     return root / name, result.stdout + result.stderr, result.returncode
 
 
@@ -120,6 +125,11 @@ def ddp_run(tmp_path_factory, stopped_runs):
 @pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory, stopped_runs):
     return _uninterrupted(tmp_path_factory, "train-deepspeed", "zero2")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory, stopped_runs):
+    return _uninterrupted(tmp_path_factory, "train-distributed", "fsdp2", FSDP2)
 
 
 @pytest.mark.slow
@@ -143,6 +153,29 @@ def test_make_train_deepspeed_runs_zero2_on_two_cpu_processes(zero2_run):
     check_two_rank_run(run_dir, output)
     saved = config_module.load(run_dir / "config.yaml")
     assert saved.distributed.strategy == "deepspeed_zero2"
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_trains_like_ddp_on_disjoint_rows_and_saves_shards(fsdp2_run, ddp_run):
+    run_dir, output, status = fsdp2_run
+    assert status == 0, output[-5000:]
+    assert "(accelerate, fsdp2, rendezvous standalone" in output and "strategy fsdp2" in output
+    ours = json.loads((run_dir / "summary.json").read_text())
+    theirs = json.loads((ddp_run[0] / "summary.json").read_text())
+    assert ours["world_size"] == 2 and ours["global_step"] == 4
+    assert [step for step, _ in ours["losses"]] == [step for step, _ in theirs["losses"]]
+    for (_, mine), (_, reference) in zip(ours["losses"], theirs["losses"]):
+        assert mine == pytest.approx(reference, rel=1e-4)
+    assert not rows_seen(run_dir, 0) & rows_seen(run_dir, 1), "the ranks saw the same rows"
+    for step in (2, 4):
+        checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
+        assert checkpoints.is_complete(checkpoint, verify=True)
+        assert checkpoints.written_by(checkpoint) == (2, "fsdp2")
+        shards = sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
+        assert len(shards) == 2, "each rank writes its own shard"
+    # the model folder holds whole tensors, which the export commands read like any other
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file()
+    assert len(set(ours["weights_fingerprints"])) == 1
 
 
 @pytest.mark.slow
@@ -171,7 +204,10 @@ def test_a_node_that_never_comes_is_waited_for_then_ends_with_one_error():
 
 
 @pytest.mark.slow
-def test_sigterm_under_both_launchers_saves_every_rank_and_resumes_to_the_same_loss(stopped_runs, ddp_run, zero2_run):
+def test_sigterm_under_every_strategy_saves_every_rank_and_resumes_to_the_same_loss(stopped_runs, ddp_run, zero2_run,
+                                                                                    fsdp2_run):
+    strategies = {"ddp": "ddp", "zero2": "deepspeed_zero2", "fsdp2": "fsdp2"}
+    references = {"ddp": ddp_run, "zero2": zero2_run, "fsdp2": fsdp2_run}
     resumes = {}
     for name, run in stopped_runs.items():
         output = run.output()
@@ -184,14 +220,15 @@ def test_sigterm_under_both_launchers_saves_every_rank_and_resumes_to_the_same_l
         assert "Stopped by SIGTERM at step 2; checkpoint saved" in output
         checkpoint = run.run_dir / "checkpoints" / "checkpoint-2"
         assert checkpoints.is_complete(checkpoint, verify=True)
-        assert checkpoints.written_by(checkpoint) == (2, "ddp" if name == "ddp" else "deepspeed_zero2")
+        assert checkpoints.written_by(checkpoint) == (2, strategies[name])
         assert not checkpoints.missing_rank_files(checkpoint, 2)
         assert not (run.run_dir / "model").exists()
         resume = re.search(r"^  resume: (.+)$", output, re.M).group(1)
         assert shlex.split(resume) == run.command + ["RESUME=auto"], "the command that ran, plus RESUME=auto"
         resumes[name] = subprocess.Popen(shlex.split(resume), cwd=REPO, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True)
-    for (name, process), (reference, _, _) in zip(resumes.items(), (ddp_run, zero2_run)):
+    for name, process in resumes.items():
+        reference = references[name][0]
         output = process.communicate(timeout=600)[0]
         assert process.returncode == 0, output[-5000:]
         run_dir = stopped_runs[name].run_dir

@@ -1,0 +1,223 @@
+"""FSDP2 (``distributed.strategy=fsdp2``): checked, planned, launched and trained like DDP and
+ZeRO. The processes are real: two CPU ranks over gloo (accelerate applies FSDP only to GPU-type
+processes; :func:`sft_play.training.shard_on_cpu` sets its state up on CPU processes the way it
+does on GPUs, and ``fully_shard`` itself runs on CPU tensors). The SIGTERM and resume test is in
+test_distributed.py, beside DDP's and ZeRO-2's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+
+import pytest
+
+from sft_play import launch, training
+from sft_play import config as config_module
+from sft_play.errors import UserError
+from sft_play.planner import memory
+from sft_play.planner.plan import Target, make_plan
+from sft_play.planner.predict import recipe_for
+from sft_play.planner.shapes import model_shape
+from sft_play.planner.timing import gradient_traffic_bytes
+from sft_play.run import BatchSplit, resolve
+from sft_play.units import GIB
+from tests.conftest import REPO
+from tests.test_distributed import TINY
+
+CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
+
+
+def load(*overrides: str):
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", list(overrides), check_paths=False)
+
+
+def problems(*overrides: str) -> str:
+    with pytest.raises(config_module.ConfigError) as raised:
+        load(*overrides)
+    return str(raised.value)
+
+
+# --- the config says what FSDP2 cannot do ------------------------------------------------------
+
+
+def test_fsdp2_settings_that_cannot_work_are_refused_with_the_way_out():
+    text = problems("distributed.strategy=fsdp2", "distributed.offload_optimizer=true")
+    assert "offloads parameters, gradients and optimizer states together" in text
+    assert "distributed.offload_parameters=true" in text
+    # run_tiny trains copies of embed_tokens and lm_head: TRL's head reads lm_head outside its forward
+    text = problems("distributed.strategy=fsdp2")
+    assert "lora.modules_to_save" in text and "remove lm_head" in text
+    text = problems("distributed.strategy=fsdp2", "finetune.method=qlora", "lora.modules_to_save=[]")
+    assert "QLoRA under FSDP2" in text and "quant_storage=bfloat16" in text
+    assert "offloaded by ZeRO-3 or FSDP2" in problems("distributed.offload_parameters=true")
+    # what does work
+    load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]", "distributed.offload_parameters=true")
+    load("distributed.strategy=fsdp2", "finetune.method=full", "distributed.reshard_after_forward=false")
+
+
+def test_make_train_without_a_launcher_says_which_target_runs_fsdp2(monkeypatch):
+    from sft_play.train import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    config = load("distributed.strategy=fsdp2", "finetune.method=full")
+    with pytest.raises(UserError, match="make train-distributed CONFIG=configs/run_tiny.yaml"):
+        train(config, "configs/run_tiny.yaml")
+
+
+def test_one_sharded_process_is_still_started_as_distributed():
+    topology, _ = launch.resolve_topology(1, None, 1, 0, None, None, True, 0)
+    assert "--multi_gpu" in launch.accelerate_command(topology, "c.yaml", [], sharded=True)
+    assert "--multi_gpu" not in launch.accelerate_command(topology, "c.yaml", [])
+
+
+# --- the trainer's arguments come from the run -------------------------------------------------
+
+
+@pytest.fixture
+def process_state():
+    """This process's accelerate state, as the training flow forms it before the arguments
+    (CPU processes keep it: ``use_configured_state``); reset afterwards."""
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    PartialState(cpu=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def arguments(tmp_path, *overrides: str, on_cuda: bool = False, bf16: bool = False):
+    config = load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]", *overrides)
+    run = resolve(config, on_cuda=on_cuda, bf16_supported=bf16, world_size=2).with_changes(
+        batch=BatchSplit(2, 2, 2, 8))
+    return run, training.sft_arguments(config, run, tmp_path, False, layer_classes=["LlamaDecoderLayer"])
+
+
+def test_fsdp2_arguments_follow_the_run(tmp_path, process_state):
+    run, args = arguments(tmp_path, "train.gradient_checkpointing=true", "train.mixed_precision=no")
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is True
+    assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+    assert plugin["state_dict_type"] == "SHARDED_STATE_DICT"  # every rank writes its own shard
+    # FSDP's own checkpoint wrapper, not transformers' (which would all-gather once more)
+    assert plugin["activation_checkpointing"] is True and not args.activation_checkpointing
+    assert "mixed_precision_policy" not in plugin  # fp32: nothing to cast
+    # each micro-batch reduce-scattered, so only this rank's gradient shard is held
+    assert args.accelerator_config.gradient_accumulation_kwargs["sync_each_batch"] is True
+    assert training.accelerator_settings(run)["use_configured_state"]  # CPU processes: shard_on_cpu's state
+    assert run.placement.fsdp_on_cpu and run.placement.cpu_processes
+
+
+def test_fsdp2_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(tmp_path, process_state):
+    run, args = arguments(tmp_path, "train.mixed_precision=bf16", "distributed.reshard_after_forward=false", bf16=True)
+    assert run.precision.mixed == "bf16"
+    assert args.fsdp_plugin_args["mixed_precision_policy"] == {
+        "param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "bf16"}
+    assert args.fsdp_plugin_args["reshard_after_forward"] is False
+    # on GPUs accelerate forms the state itself
+    config = load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]")
+    gpu = resolve(config, on_cuda=True, bf16_supported=True, world_size=8)
+    assert not gpu.placement.fsdp_on_cpu and "use_configured_state" not in training.accelerator_settings(gpu)
+    assert training.fsdp_mixed_precision(gpu)["param_dtype"] == "bf16"
+
+
+# --- planned: what each GPU holds, what it sends, and the remedy -------------------------------
+
+
+def full_14b(*overrides: str):
+    return config_module.load(None, [f"model.name_or_path={CONFIGS / 'qwen2.5-14b'}", "finetune.method=full",
+                                     "train.global_batch_size=64", "data.max_seq_length=2048", *overrides],
+                              check_paths=False)
+
+
+def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
+    config = full_14b("distributed.strategy=fsdp2")
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    recipe = recipe_for(run)
+    n = shape.trainable_params
+    assert recipe.trainable_bytes == 4  # accelerate upcasts the trainable parameters to fp32 before sharding
+    assert memory.gradient_bytes(shape, recipe) == n * 4 // 8
+    assert memory.optimizer_state_bytes(shape, recipe) == n * 8 // 8
+    assert memory.master_weights_bytes(shape, recipe) == 0  # the fp32 shards are the masters
+    assert memory.ddp_bucket_bytes(shape, recipe) == 0 and memory.zero_buffer_bytes(shape, recipe) == 0
+    layer = memory.largest_layer_params(shape)
+    root = shape.total_params - shape.num_layers * layer
+    assert memory.weights_bytes(shape, recipe) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
+    kept = dataclasses.replace(recipe, reshard_after_forward=False)
+    assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + root) * 2
+    offloaded = dataclasses.replace(recipe, offload_parameters=True)
+    assert memory.weights_bytes(shape, offloaded) == (2 * layer + root) * 2
+    assert memory.gradient_bytes(shape, offloaded) == memory.optimizer_state_bytes(shape, offloaded) == 0
+    assert 0 < memory.fsdp_buffer_bytes(shape, recipe) < layer * 8
+
+
+def test_fsdp2_communicates_every_micro_batch():
+    config = full_14b("distributed.strategy=fsdp2")
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    one = gradient_traffic_bytes(shape, run, 1)
+    # all-gathers for forward and backward in bf16, the reduce-scatter in fp32, 7/8 of each
+    assert one == pytest.approx(7 / 8 * (2 * 2 * shape.total_params + 4 * shape.trainable_params))
+    assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(4 * one)
+    once = gradient_traffic_bytes(shape, run.with_changes(reshard_after_forward=False), 1)
+    assert once == pytest.approx(7 / 8 * (2 * shape.total_params + 4 * shape.trainable_params))
+
+
+def test_a_14b_full_fine_tune_on_8_gpus_is_offered_fsdp2_and_zero3_with_their_commands():
+    plan = make_plan(full_14b(), Target(8, 80 * GIB, "8 x H100"))
+    assert not plan.fits  # DDP replicates 14.8 B fp32 parameters with their states
+    remedies = {r["name"]: r for r in plan.remedies}
+    fsdp, zero3 = remedies["FSDP2"], remedies["ZeRO-3"]
+    assert fsdp["fits"] and zero3["fits"], remedies
+    assert fsdp["command"].startswith("make train-distributed NUM_GPUS=8")
+    assert fsdp["command"].endswith('distributed.strategy=fsdp2"')
+    assert zero3["command"].startswith("make train-deepspeed NUM_GPUS=8")
+    # the same model state per GPU (2 bytes of sharded state per parameter each way: 16 / 8),
+    # within what gathering layers and buffers add
+    assert abs(fsdp["peak_bytes"] - zero3["peak_bytes"]) < 0.1 * zero3["peak_bytes"]
+    assert fsdp["peak_bytes"] < plan.peak_bytes_per_gpu / 4
+
+
+# --- trained by real processes ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    """Full fine-tuning, two steps, under DDP and under FSDP2 (same data, same seed), started
+    together: most of each is process start-up, which overlaps."""
+    full = ("finetune.method=full", "train.max_steps=2", "train.save_steps=0")
+    started = {}
+    for name in ("ddp", "fsdp2"):
+        root = tmp_path_factory.mktemp(f"full-{name}")
+        arguments = " ".join([*TINY, *full, f"distributed.strategy={name}", f"train.output_dir={root}",
+                              f"train.run_name={name}"])
+        log = root / "output.log"  # a file, not a pipe: a pipe read later would block its writer mid-run
+        with open(log, "w") as sink:
+            started[name] = (root / name, log, subprocess.Popen(
+                ["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", f"ARGS={arguments}"],
+                cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True))
+    runs = {}
+    for name, (run_dir, log, process) in started.items():
+        process.wait(timeout=600)
+        runs[name] = (run_dir, log.read_text(), process.returncode)
+    return runs
+
+
+def test_fsdp2_full_fine_tuning_matches_ddp_and_saves_whole_weights(full_runs):
+    for name, (run_dir, output, status) in full_runs.items():
+        assert status == 0, f"{name}: {output[-5000:]}"
+    ddp, fsdp = (json.loads((full_runs[n][0] / "summary.json").read_text()) for n in ("ddp", "fsdp2"))
+    assert len(fsdp["losses"]) == len(ddp["losses"]) == 2
+    for (_, mine), (_, reference) in zip(fsdp["losses"], ddp["losses"]):
+        assert mine == pytest.approx(reference, rel=1e-5)
+    from safetensors import safe_open
+
+    with safe_open(str(full_runs["fsdp2"][0] / "model" / "model.safetensors"), "pt") as whole, \
+            safe_open(str(full_runs["ddp"][0] / "model" / "model.safetensors"), "pt") as reference:
+        assert set(whole.keys()) == set(reference.keys())
+        name = "model.embed_tokens.weight"
+        assert whole.get_tensor(name).shape == reference.get_tensor(name).shape  # not a shard
+        assert float((whole.get_tensor(name) - reference.get_tensor(name)).abs().max()) < 1e-4
+    assert os.path.getsize(full_runs["fsdp2"][0] / "model" / "model.safetensors") > 1_000_000
