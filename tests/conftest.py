@@ -92,10 +92,14 @@ def tiny_lora_run(tmp_path_factory):
                        env={"ACCELERATE_MIXED_PRECISION": "bf16"})
 
 
+# The shared full fine-tuning run's settings (with PINNED): test_fsdp2 trains them under FSDP2 too
+TINY_FULL = ("finetune.method=full", "train.max_steps=3", "train.logging_steps=1", "train.learning_rate=1e-3",
+             "planner.calibrate=true")
+
+
 @pytest.fixture(scope="session")
 def tiny_full_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "full", "finetune.method=full", "train.max_steps=3", "train.logging_steps=1",
-                       "train.learning_rate=1e-3", "planner.calibrate=true")
+    return _shared_run(tmp_path_factory, "full", *TINY_FULL)
 
 
 @pytest.fixture(scope="session")

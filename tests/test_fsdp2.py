@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 
 import pytest
@@ -23,8 +22,7 @@ from sft_play.planner.shapes import model_shape
 from sft_play.planner.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
 from sft_play.units import GIB
-from tests.conftest import REPO
-from tests.test_distributed import TINY
+from tests.conftest import PINNED, REPO, TINY_FULL
 
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
 
@@ -184,40 +182,33 @@ def test_a_14b_full_fine_tune_on_8_gpus_is_offered_fsdp2_and_zero3_with_their_co
 # --- trained by real processes ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def full_runs(tmp_path_factory):
-    """Full fine-tuning, two steps, under DDP and under FSDP2 (same data, same seed), started
-    together: most of each is process start-up, which overlaps."""
-    full = ("finetune.method=full", "train.max_steps=2", "train.save_steps=0")
-    started = {}
-    for name in ("ddp", "fsdp2"):
-        root = tmp_path_factory.mktemp(f"full-{name}")
-        arguments = " ".join([*TINY, *full, f"distributed.strategy={name}", f"train.output_dir={root}",
-                              f"train.run_name={name}"])
-        log = root / "output.log"  # a file, not a pipe: a pipe read later would block its writer mid-run
-        with open(log, "w") as sink:
-            started[name] = (root / name, log, subprocess.Popen(
-                ["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", f"ARGS={arguments}"],
-                cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True))
-    runs = {}
-    for name, (run_dir, log, process) in started.items():
-        process.wait(timeout=600)
-        runs[name] = (run_dir, log.read_text(), process.returncode)
-    return runs
+def fsdp2_full_run(tmp_path_factory):
+    """The shared full fine-tuning run's settings (tiny_full_run: one process, micro-batch 8),
+    under FSDP2 on two ranks of 4 rows: the same 8 rows in each step, the same seed."""
+    root = tmp_path_factory.mktemp("fsdp2-full")
+    arguments = " ".join([*PINNED, *TINY_FULL, "train.micro_batch_size=4", "distributed.strategy=fsdp2",
+                          f"train.output_dir={root}", "train.run_name=full"])
+    result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
+                             f"ARGS={arguments}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return root / "full", result.stdout + result.stderr, result.returncode
 
 
-def test_fsdp2_full_fine_tuning_matches_ddp_and_saves_whole_weights(full_runs):
-    for name, (run_dir, output, status) in full_runs.items():
-        assert status == 0, f"{name}: {output[-5000:]}"
-    ddp, fsdp = (json.loads((full_runs[n][0] / "summary.json").read_text()) for n in ("ddp", "fsdp2"))
-    assert len(fsdp["losses"]) == len(ddp["losses"]) == 2
-    for (_, mine), (_, reference) in zip(fsdp["losses"], ddp["losses"]):
-        assert mine == pytest.approx(reference, rel=1e-5)
+def test_fsdp2_full_fine_tuning_matches_one_process_and_saves_whole_weights(fsdp2_full_run, tiny_full_run):
+    """DDP on two ranks gives one process's losses for the same global batch (the DDP runs of
+    test_distributed check DDP itself); FSDP2 must too."""
+    run_dir, output, status = fsdp2_full_run
+    assert status == 0, output[-5000:]
+    reference_dir = tiny_full_run[0]
+    ours, theirs = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference_dir))
+    assert ours["batch"] == "global 8 = micro 4 x accum 1 x world 2"
+    assert len(ours["losses"]) == len(theirs["losses"]) == 3
+    for (_, mine), (_, reference) in zip(ours["losses"], theirs["losses"]):
+        assert mine == pytest.approx(reference, rel=1e-4)
     from safetensors import safe_open
 
-    with safe_open(str(full_runs["fsdp2"][0] / "model" / "model.safetensors"), "pt") as whole, \
-            safe_open(str(full_runs["ddp"][0] / "model" / "model.safetensors"), "pt") as reference:
+    with safe_open(str(run_dir / "model" / "model.safetensors"), "pt") as whole, \
+            safe_open(str(reference_dir / "model" / "model.safetensors"), "pt") as reference:
         assert set(whole.keys()) == set(reference.keys())
         name = "model.embed_tokens.weight"
         assert whole.get_tensor(name).shape == reference.get_tensor(name).shape  # not a shard
-        assert float((whole.get_tensor(name) - reference.get_tensor(name)).abs().max()) < 1e-4
-    assert os.path.getsize(full_runs["fsdp2"][0] / "model" / "model.safetensors") > 1_000_000
+        assert float((whole.get_tensor(name) - reference.get_tensor(name)).abs().max()) < 1e-3
