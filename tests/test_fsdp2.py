@@ -67,8 +67,9 @@ def test_make_train_without_a_launcher_says_which_target_runs_fsdp2(monkeypatch)
 
 def test_one_sharded_process_is_still_started_as_distributed():
     topology, _ = launch.resolve_topology(1, None, 1, 0, None, None, True, 0)
-    assert "--multi_gpu" in launch.accelerate_command(topology, "c.yaml", [], sharded=True)
-    assert "--multi_gpu" not in launch.accelerate_command(topology, "c.yaml", [])
+    sharded = launch.accelerate_command(topology, "c.yaml", [], sharded=True)
+    assert "--use_fsdp" in sharded and "--multi_gpu" not in sharded  # accelerate refuses --multi_gpu for one
+    assert "--use_fsdp" not in launch.accelerate_command(topology, "c.yaml", [])
 
 
 # --- the trainer's arguments come from the run -------------------------------------------------

@@ -120,9 +120,11 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     config file says (a config written where there was no GPU says one process, no
     distribution). On CPU it is also what starts several gloo processes (``--cpu`` starts one
     and wants mpirun), with mixed precision off. On one node the rendezvous is torchrun's
-    standalone one (see :func:`run_launcher`). A `sharded` (FSDP2) run is started as distributed
-    even with one process: accelerate applies FSDP only to processes its distributed launcher
-    started.
+    standalone one (see :func:`run_launcher`). A `sharded` (FSDP2) run is started with
+    ``--use_fsdp``, which takes the distributed launcher for any number of processes (one
+    included, where ``--multi_gpu`` is refused): accelerate applies FSDP only to processes its
+    distributed launcher started. The FSDP settings themselves come from the run (the trainer's
+    plugin), not from these flags.
     """
     timeouts = timeouts or Timeouts()
     command = [
@@ -137,7 +139,9 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     else:
         command += ["--main_process_ip", topology.master_addr, "--main_process_port", str(topology.master_port),
                     "--rdzv_conf", f"timeout={_agent_rendezvous_timeout(timeouts)}"]
-    if topology.world_size > 1 or sharded:
+    if sharded:
+        command += ["--use_fsdp", "--fsdp_version", "2"]
+    elif topology.world_size > 1:
         command += ["--multi_gpu"]
     if topology.cpu:
         command += ["--mixed_precision", "no"]

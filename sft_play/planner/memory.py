@@ -150,14 +150,22 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
         kept = 0 if recipe.offload_parameters else stored // recipe.weight_shards
         if recipe.fsdp:
             layers = shape.num_layers if not recipe.reshard_after_forward else recipe.layers_gathered
-            layer = largest_layer_params(shape)
             root = shape.total_params - sum(sum(n for n, _ in shape.tensors_of_layer(i))
                                             for i in range(shape.num_layers)) if shape.layer_tensors else 0
-            stored = kept + (layers * layer + root) * recipe.gathered_bytes
+            stored = kept + layers * gathered_layer_bytes(shape, recipe) + root * recipe.gathered_bytes
         else:
             per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
             stored = kept + recipe.layers_gathered * per_layer
     return stored + adapters // (recipe.weight_shards if recipe.fsdp else 1)
+
+
+def gathered_layer_bytes(shape: ModelShape, recipe: Recipe) -> int:
+    """The largest decoder layer as FSDP2 all-gathers it: in its ``param_dtype``, QLoRA's packed
+    4-bit weights as they are stored (half a byte per weight, in a float storage dtype)."""
+    if recipe.method == "qlora" and shape.layer_tensors:
+        return max(sum(n // 2 if quantized else n * recipe.gathered_bytes for n, quantized in shape.tensors_of_layer(i))
+                   for i in range(shape.num_layers))
+    return largest_layer_params(shape) * recipe.gathered_bytes
 
 
 def largest_layer_params(shape: ModelShape) -> int:

@@ -140,8 +140,9 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
         gathered = recipe.layers_gathered
         if recipe.fsdp and not recipe.reshard_after_forward:
             gathered = shape.num_layers  # each kept from its forward to its backward
+        layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.fsdp else layer * recipe.gathered_bytes
         for _ in range(gathered):
-            run.new(layer * recipe.gathered_bytes, "weights")
+            run.new(layer_bytes, "weights")
         if recipe.fsdp:  # the root (embeddings, head, final norm), gathered for the whole step
             for numel in shape.other_tensors:
                 run.new(numel * recipe.gathered_bytes, "weights")
