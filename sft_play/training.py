@@ -416,6 +416,7 @@ def write_summary(trainer: Any, run_dir: Path, extra: dict[str, Any]) -> dict[st
         "train_runtime_s": final.get("train_runtime"),
         "tokens_seen": trainer.state.num_input_tokens_seen,
         "mixed_precision": str(trainer.accelerator.mixed_precision),  # what autocast really ran
+        "distributed_type": str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1],  # and how it shared the work
         **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

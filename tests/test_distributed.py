@@ -163,6 +163,7 @@ def test_fsdp2_lora_trains_like_ddp_on_disjoint_rows_and_saves_shards(fsdp2_run,
     ours = json.loads((run_dir / "summary.json").read_text())
     theirs = json.loads((ddp_run[0] / "summary.json").read_text())
     assert ours["world_size"] == 2 and ours["global_step"] == 4
+    assert ours["distributed_type"] == "FSDP" and theirs["distributed_type"] == "MULTI_CPU"  # as the trainers ran
     assert [step for step, _ in ours["losses"]] == [step for step, _ in theirs["losses"]]
     for (_, mine), (_, reference) in zip(ours["losses"], theirs["losses"]):
         assert mine == pytest.approx(reference, rel=1e-4)

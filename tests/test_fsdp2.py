@@ -202,6 +202,7 @@ def test_fsdp2_full_fine_tuning_matches_one_process_and_saves_whole_weights(fsdp
     reference_dir = tiny_full_run[0]
     ours, theirs = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference_dir))
     assert ours["batch"] == "global 8 = micro 4 x accum 1 x world 2"
+    assert ours["distributed_type"] == "FSDP"  # what the trainer's accelerator really ran
     assert len(ours["losses"]) == len(theirs["losses"]) == 3
     for (_, mine), (_, reference) in zip(ours["losses"], theirs["losses"]):
         assert mine == pytest.approx(reference, rel=1e-4)
