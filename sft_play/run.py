@@ -85,6 +85,7 @@ class Placement:
     on_cuda: bool
     deepspeed: bool
     fsdp: bool = False
+    fsdp_offload: bool = False  # FSDP2 keeps parameters, gradients and states in CPU memory
 
     @property
     def fsdp_on_cpu(self) -> bool:
@@ -104,9 +105,15 @@ class Placement:
 
     @property
     def backend(self) -> str | None:
-        """The process group's backend: gloo for DeepSpeed on CPU (accelerate finds none there),
-        otherwise accelerate's choice (nccl on GPUs, gloo on CPUs)."""
-        return "gloo" if self.deepspeed_on_cpu else None
+        """The process group's backend: gloo for DeepSpeed on CPU (accelerate finds none there);
+        NCCL with gloo beside it for FSDP2 offloading to the CPU on GPUs (its offloaded gradients
+        are CPU tensors, whose norm for clipping is all-reduced over gloo); otherwise
+        accelerate's choice (nccl on GPUs, gloo on CPUs)."""
+        if self.deepspeed_on_cpu:
+            return "gloo"
+        if self.on_cuda and self.fsdp and self.fsdp_offload:
+            return "cuda:nccl,cpu:gloo"
+        return None
 
 
 def placement(config: RunConfig) -> Placement:
@@ -117,7 +124,8 @@ def placement(config: RunConfig) -> Placement:
 
     on_cuda = torch.cuda.is_available() and os.environ.get(CPU_ENV) != "1"
     strategy = config.distributed.strategy
-    return Placement(on_cuda=on_cuda, deepspeed=strategy.startswith("deepspeed"), fsdp=strategy == "fsdp2")
+    return Placement(on_cuda=on_cuda, deepspeed=strategy.startswith("deepspeed"), fsdp=strategy == "fsdp2",
+                     fsdp_offload=strategy == "fsdp2" and config.distributed.offload_parameters)
 
 
 def allocator_settings(config: RunConfig, on_cuda: bool) -> str | None:
@@ -176,6 +184,14 @@ class Run:
         return self.strategy == "fsdp2"
 
     @property
+    def fsdp_checkpointing(self) -> bool:
+        """Activation checkpointing by FSDP's own wrapper (accelerate's: it does not preserve the
+        random state, so a recomputed dropout would draw other masks than the forward did);
+        with LoRA dropout on, transformers' non-reentrant checkpointing, which preserves it, at
+        the cost of one more all-gather per layer in backward."""
+        return self.fsdp and self.gradient_checkpointing and not (self.lora is not None and self.lora.dropout > 0)
+
+    @property
     def computes_in_gathered_copies(self) -> bool:
         """The layers compute on 16-bit copies of the parameters (with mixed precision): DeepSpeed
         casts the module to the compute dtype, FSDP2 all-gathers in it (its ``param_dtype``)."""
@@ -183,7 +199,8 @@ class Run:
 
     @property
     def placement(self) -> Placement:
-        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed, fsdp=self.fsdp)
+        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed, fsdp=self.fsdp,
+                         fsdp_offload=self.fsdp and self.offload_parameters)
 
     def to_dict(self) -> dict[str, Any]:
         """The run as JSON-ready data (``run.json`` in the run folder)."""

@@ -99,7 +99,11 @@ def train(config: RunConfig, config_path: str) -> int:
         [*faults, callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
-        if where.on_cuda:
+        if run.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
+            if state.is_main_process:
+                logger.warning("planner.calibrate is not done under FSDP2 (it shards the model in place); "
+                               "planning analytically")
+        elif where.on_cuda:
             plan = training.calibrate(plan, make_trainer, config, run, shape)
             run = run.with_changes(batch=plan.split)
             if state.is_main_process:
@@ -258,11 +262,11 @@ def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
 def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any) -> None:
     """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next."""
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
-    training.save_final_model(trainer, run_dir / "model")
+    training.save_final_model(trainer, run_dir / "model", run.precision.weights_dtype)
     if not state.is_main_process:
         return
     in_step = len(set(fingerprints)) == 1
-    if run.strategy not in ("deepspeed_zero3", "fsdp2"):  # their ranks hold only shards (gathered to compare)
+    if run.strategy not in ("deepspeed_zero3", "fsdp2"):  # their ranks hold different shards
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
     summary = training.write_summary(

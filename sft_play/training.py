@@ -82,9 +82,10 @@ def pin_mixed_precision(run: Run) -> None:
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
     """transformers' ``fsdp_config`` for an ``fsdp2`` run: each decoder layer (`layer_classes`,
     found in the loaded model) one FSDP unit, the root holding the rest; parameters resharded
-    after the forward as the run says; activation checkpointing by FSDP's own wrapper (the same
-    non-reentrant checkpoint per layer as ours, without the extra all-gather that checkpointing
-    outside FSDP costs); sharded checkpoints (``torch.distributed.checkpoint``: every rank
+    after the forward as the run says; activation checkpointing by FSDP's own wrapper where the
+    run says (:attr:`Run.fsdp_checkpointing`: a checkpoint per layer without the extra
+    all-gather that checkpointing outside FSDP costs, but without the random state either);
+    sharded checkpoints (``torch.distributed.checkpoint``: every rank
     writes its own shard); parameters, gradients and optimizer states in CPU memory with
     ``offload_parameters``."""
     if not run.fsdp:
@@ -94,20 +95,25 @@ def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "transformer_layer_cls_to_wrap": layer_classes,
         "reshard_after_forward": run.reshard_after_forward,
-        "activation_checkpointing": run.gradient_checkpointing,
+        "activation_checkpointing": run.fsdp_checkpointing,
         "cpu_offload": run.offload_parameters,
         "state_dict_type": "SHARDED_STATE_DICT",
     }
 
 
-def fsdp_mixed_precision(run: Run) -> dict[str, str] | None:
+def fsdp_mixed_precision(run: Run, quant_storage: str | None = None) -> dict[str, Any] | None:
     """FSDP2's mixed-precision policy: layers gathered and computed in the run's compute dtype,
     gradients reduced in fp32 (accelerate's default reduces in bf16, which DDP and ZeRO do not;
-    fp32 keeps FSDP2's loss with theirs)."""
+    fp32 keeps FSDP2's loss with theirs). QLoRA gathers in the packed weights' storage dtype
+    (`quant_storage`): FSDP2 casts what it gathers to ``param_dtype`` by value, which would
+    destroy packed 4-bit weights stored in another dtype."""
     if not run.fsdp or run.precision.mixed == "no":
         return None
-    mixed = run.precision.mixed
-    return {"param_dtype": mixed, "reduce_dtype": "fp32", "output_dtype": mixed}
+    import torch
+
+    compute = getattr(torch, run.precision.compute_dtype)
+    gathered = getattr(torch, quant_storage) if run.method == "qlora" and quant_storage else compute
+    return {"param_dtype": gathered, "reduce_dtype": torch.float32, "output_dtype": compute}
 
 
 def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
@@ -139,8 +145,10 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         max_steps=train.max_steps,
         bf16=precision.mixed == "bf16",
         fp16=precision.mixed == "fp16",
-        activation_checkpointing=run.gradient_checkpointing and not run.fsdp,  # FSDP2: its own (fsdp_settings)
-        activation_checkpointing_kwargs={"use_reentrant": False} if run.gradient_checkpointing and not run.fsdp else None,
+        # FSDP2 checkpoints with its own wrapper where the run says (fsdp_settings)
+        activation_checkpointing=run.gradient_checkpointing and not run.fsdp_checkpointing,
+        activation_checkpointing_kwargs=({"use_reentrant": False}
+                                         if run.gradient_checkpointing and not run.fsdp_checkpointing else None),
         logging_steps=train.logging_steps,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
@@ -172,7 +180,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         accelerator_config=accelerator_settings(run),
     )
     arguments = SFTConfig(**{**settings, **overrides})
-    policy = fsdp_mixed_precision(run)
+    policy = fsdp_mixed_precision(run, config.quantization.quant_storage)
     if policy and arguments.fsdp_plugin_args is not None:  # transformers has no argument for it
         arguments.fsdp_plugin_args["mixed_precision_policy"] = policy
     return arguments
@@ -342,7 +350,9 @@ def train_with_backoff(
                     "out of memory at micro-batch 1: nothing left to halve. `make plan` lists what would fit "
                     "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)"
                 ) from error
-            if trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False):
+            # several processes, or a model DeepSpeed or FSDP2 has wrapped in place: restart instead
+            if (trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False)
+                    or getattr(trainer, "is_fsdp_enabled", False)):
                 raise OutOfMemory(
                     f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
                     f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
@@ -366,37 +376,64 @@ def train_with_backoff(
 
 
 def weights_fingerprint(model: Any) -> str:
-    """A short digest of the trainable parameters' values (per-tensor float64 sums): equal on
-    every rank when data-parallel training kept the replicas in step."""
-    sums = [f"{name}:{_whole(param).detach().double().sum().item():.12e}"
+    """A short digest of the trainable parameters' values (per-tensor float64 sums) as this rank
+    holds them: equal on every rank when data-parallel training kept the replicas in step; under
+    FSDP2, of this rank's shards (equal between runs that trained the same way)."""
+    sums = [f"{name}:{_local(param).detach().double().sum().item():.12e}"
             for name, param in sorted(model.named_parameters()) if param.requires_grad]
     return hashlib.sha1(";".join(sums).encode()).hexdigest()[:16]
 
 
-def _whole(param: Any) -> Any:
-    """A parameter as one tensor: FSDP2's are DTensors holding this rank's shard (gathered here,
-    a collective every rank makes)."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
+def _local(param: Any) -> Any:
+    """This rank's part of a parameter: FSDP2's are DTensors holding a shard."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
-def save_final_model(trainer: Any, model_dir: Path) -> None:
+def save_final_model(trainer: Any, model_dir: Path, weights_dtype: str | None = None) -> None:
     """Save the trained model (unwrapped: an adapter, or the full model) and the tokenizer.
 
     FSDP2's checkpoints are sharded; the model folder holds whole tensors, gathered from every
-    rank's shard (a collective) and written by the main process, so that merge, generate and
-    eval read it as any other. The trainer also pickles its arguments beside them; the run's
-    ``config.yaml`` already says everything they would, and only safetensors and plain text
-    belong in a model folder.
+    rank's shard (collectives) and written by the main process, so that merge, generate and
+    eval read it as any other: an adapter's trainable tensors only (not the frozen base, which
+    would all land in the main process's memory), or the full model in `weights_dtype` (FSDP2
+    trains fp32 copies of 16-bit weights; the folder keeps the dtype the run loaded, as DDP's
+    does). The trainer also pickles its arguments beside them; the run's ``config.yaml``
+    already says everything they would, and only safetensors and plain text belong in a model
+    folder.
     """
     if getattr(trainer, "is_fsdp_enabled", False):
-        state_dict = trainer.accelerator.get_state_dict(trainer.model)  # whole tensors, on the main process
-        if trainer.is_world_process_zero():
-            trainer._save(str(model_dir), state_dict=state_dict)
-        trainer.accelerator.wait_for_everyone()
+        _save_sharded(trainer, model_dir, weights_dtype)
     else:
         trainer.save_model(str(model_dir))
     if trainer.is_world_process_zero():
         (model_dir / "training_args.bin").unlink(missing_ok=True)
+
+
+def _save_sharded(trainer: Any, model_dir: Path, weights_dtype: str | None) -> None:
+    import torch
+
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(unwrapped, "peft_config"):  # an adapter: gather what trained, tensor by tensor
+        state_dict = {}
+        for name, param in trainer.model.named_parameters():
+            if param.requires_grad:
+                whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+                if trainer.is_world_process_zero():
+                    state_dict[name] = whole.detach().cpu()
+    else:
+        state_dict = trainer.accelerator.get_state_dict(trainer.model)  # whole tensors, in CPU memory
+        dtype = getattr(torch, weights_dtype) if weights_dtype else None
+        if dtype is not None and state_dict:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if trainer.is_world_process_zero():
+        trainer._save(str(model_dir), state_dict=state_dict)
+        config_file = model_dir / "config.json"
+        if weights_dtype and not hasattr(unwrapped, "peft_config") and config_file.is_file():
+            # save_pretrained writes the dtype of the fp32 parameters FSDP2 trained, not the tensors' own
+            saved = json.loads(config_file.read_text())
+            saved["dtype"] = weights_dtype
+            config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    trainer.accelerator.wait_for_everyone()
 
 
 def loss_history(trainer: Any) -> list[tuple[int, float]]:

@@ -95,7 +95,8 @@ def arguments(tmp_path, *overrides: str, on_cuda: bool = False, bf16: bool = Fal
 
 
 def test_fsdp2_arguments_follow_the_run(tmp_path, process_state):
-    run, args = arguments(tmp_path, "train.gradient_checkpointing=true", "train.mixed_precision=no")
+    run, args = arguments(tmp_path, "train.gradient_checkpointing=true", "train.mixed_precision=no",
+                          "lora.dropout=0")
     plugin = args.fsdp_plugin_args
     assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is True
     assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
@@ -109,17 +110,41 @@ def test_fsdp2_arguments_follow_the_run(tmp_path, process_state):
     assert run.placement.fsdp_on_cpu and run.placement.cpu_processes
 
 
+def test_dropout_keeps_transformers_checkpointing_which_preserves_the_random_state(tmp_path, process_state):
+    # accelerate's FSDP checkpoint wrapper does not preserve the random state: a recomputed
+    # dropout would draw other masks than the forward did
+    run, args = arguments(tmp_path, "train.gradient_checkpointing=true", "train.mixed_precision=no",
+                          "lora.dropout=0.05")
+    assert not run.fsdp_checkpointing
+    assert args.activation_checkpointing and args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.fsdp_plugin_args["activation_checkpointing"] is False
+
+
 def test_fsdp2_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(tmp_path, process_state):
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
     run, args = arguments(tmp_path, "train.mixed_precision=bf16", "distributed.reshard_after_forward=false", bf16=True)
     assert run.precision.mixed == "bf16"
-    assert args.fsdp_plugin_args["mixed_precision_policy"] == {
-        "param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "bf16"}
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)  # as the trainer builds it
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32,
+                                                                              torch.bfloat16)
     assert args.fsdp_plugin_args["reshard_after_forward"] is False
+    # QLoRA gathers in the packed weights' storage dtype: a cast by value would destroy them
+    qlora = resolve(load("distributed.strategy=fsdp2", "lora.modules_to_save=[]", "finetune.method=qlora",
+                         "quantization.quant_storage=float32", "train.mixed_precision=bf16"),
+                    on_cuda=True, bf16_supported=True, world_size=2)
+    assert training.fsdp_mixed_precision(qlora, "float32")["param_dtype"] == torch.float32
     # on GPUs accelerate forms the state itself
     config = load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]")
     gpu = resolve(config, on_cuda=True, bf16_supported=True, world_size=8)
     assert not gpu.placement.fsdp_on_cpu and "use_configured_state" not in training.accelerator_settings(gpu)
-    assert training.fsdp_mixed_precision(gpu)["param_dtype"] == "bf16"
+    assert gpu.placement.backend is None  # accelerate's NCCL
+    offloaded = resolve(load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]",
+                             "distributed.offload_parameters=true"), on_cuda=True, bf16_supported=True, world_size=8)
+    # offloaded gradients are CPU tensors: clipping's all-reduce of their norm needs gloo beside NCCL
+    assert offloaded.placement.backend == "cuda:nccl,cpu:gloo"
 
 
 # --- planned: what each GPU holds, what it sends, and the remedy -------------------------------
@@ -143,7 +168,10 @@ def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
     assert memory.master_weights_bytes(shape, recipe) == 0  # the fp32 shards are the masters
     assert memory.ddp_bucket_bytes(shape, recipe) == 0 and memory.zero_buffer_bytes(shape, recipe) == 0
     layer = memory.largest_layer_params(shape)
-    root = shape.total_params - shape.num_layers * layer
+    # gathered for the step: the head and the final norm (the untied embedding is a unit of its own,
+    # gathered around its passes only)
+    root = shape.params_by_kind["lm_head"] + shape.hidden_size
+    assert sum(memory.fsdp_step_gathered_tensors(shape)) == root
     assert memory.weights_bytes(shape, recipe) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
     kept = dataclasses.replace(recipe, reshard_after_forward=False)
     assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + root) * 2

@@ -150,13 +150,27 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
         kept = 0 if recipe.offload_parameters else stored // recipe.weight_shards
         if recipe.fsdp:
             layers = shape.num_layers if not recipe.reshard_after_forward else recipe.layers_gathered
-            root = shape.total_params - sum(sum(n for n, _ in shape.tensors_of_layer(i))
-                                            for i in range(shape.num_layers)) if shape.layer_tensors else 0
+            if recipe.method == "qlora" and not recipe.offload_parameters:  # the constants are not sharded
+                constants = quantization_constants_bytes(shape, recipe)
+                kept = (stored - constants) // recipe.weight_shards + constants
+            root = sum(fsdp_step_gathered_tensors(shape))
             stored = kept + layers * gathered_layer_bytes(shape, recipe) + root * recipe.gathered_bytes
         else:
             per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
             stored = kept + recipe.layers_gathered * per_layer
     return stored + adapters // (recipe.weight_shards if recipe.fsdp else 1)
+
+
+def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
+    """What FSDP2 keeps gathered for the whole step besides the layers (accelerate's units,
+    ``fsdp2_prepare_model``): the final norm and the head, one unit not resharded after the
+    forward (with a tied embedding, the embedding in it). An untied input embedding is a unit
+    of its own, gathered around its own passes only."""
+    rest = list(shape.other_tensors)
+    embeddings = shape.params_by_kind.get("embeddings", 0)
+    if not shape.tie_word_embeddings and embeddings in rest:
+        rest.remove(embeddings)
+    return rest
 
 
 def gathered_layer_bytes(shape: ModelShape, recipe: Recipe) -> int:

@@ -143,8 +143,8 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
         layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.fsdp else layer * recipe.gathered_bytes
         for _ in range(gathered):
             run.new(layer_bytes, "weights")
-        if recipe.fsdp:  # the root (embeddings, head, final norm), gathered for the whole step
-            for numel in shape.other_tensors:
+        if recipe.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
+            for numel in memory.fsdp_step_gathered_tensors(shape):
                 run.new(numel * recipe.gathered_bytes, "weights")
     if recipe.fsdp:
         _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's shard
@@ -244,7 +244,9 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
 
     # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
     batch = [run.new(8 * b * s, "inputs") for _ in range(3)]
+    gathered_embedding = _gather_embedding(run, shape, recipe)
     embeddings = run.new(b * s * h * residual, "activations")
+    run.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
     # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) mask
     rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
     mask = run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs") if spec.masked else None
@@ -297,9 +299,12 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     run.free(incoming)
     if recipe.method == "full" and not recipe.deepspeed:
         # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
-        # FSDP2 reduce-scatters it as the root's backward ends (a transient in its param_dtype)
+        # FSDP2 gathers an untied embedding again for its backward and reduce-scatters the
+        # gradient (transients in its param_dtype)
+        gathered_embedding = _gather_embedding(run, shape, recipe)
         embedding = run.new(shape.vocab_size * h * (recipe.gathered_bytes if recipe.fsdp else recipe.trainable_bytes),
                             "gradients")
+        run.free(gathered_embedding)
         if shape.tie_word_embeddings or recipe.fsdp:
             run.free(embedding)
         else:
@@ -311,6 +316,14 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         run.free(*grads)
         return []
     return grads
+
+
+def _gather_embedding(run: _Replay, shape: ModelShape, recipe: memory.Recipe):
+    """FSDP2 (accelerate's units): an untied input embedding is a unit of its own, gathered
+    around its own passes only. None otherwise."""
+    if not recipe.fsdp or shape.tie_word_embeddings:
+        return None
+    return run.new(shape.params_by_kind.get("embeddings", 0) * recipe.gathered_bytes, "weights")
 
 
 def _name(names: dict, event_id: int, layer):

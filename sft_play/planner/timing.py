@@ -115,8 +115,10 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
     if run.fsdp:
         gathers = 2 if run.reshard_after_forward else 1
         reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
-        per_micro = (gathers * shape.total_params * recipe.gathered_bytes
-                     + shape.trainable_params * reduce_bytes)
+        gathered = shape.total_params * recipe.gathered_bytes
+        if run.method == "qlora":  # the packed 4-bit weights gather as stored
+            gathered = shape.quantized_params // 2 + (shape.total_params - shape.quantized_params) * recipe.gathered_bytes
+        per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
         return share * per_micro * max(1, micro_batches)
     grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
     return 2.0 * share * shape.trainable_params * grad_bytes
