@@ -96,8 +96,25 @@ def run(main: Callable[[], int | None]) -> None:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        leave(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(status or 0)
+        leave(130)
+    leave(status or 0)
+
+
+def leave(status: int) -> None:
+    """Exit with `status`. A process that formed a process group leaves without tearing the
+    interpreter down: the group's C++ threads then abort the process ("terminate called without
+    an active exception", SIGABRT after a run had finished and saved) or, with the group
+    destroyed first, DDP's reducer waits forever joining them (both seen on 2 CPU ranks). By
+    then everything is saved and said: the output is flushed, and the run ends here."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(status)
+    sys.exit(status)

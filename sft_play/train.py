@@ -173,12 +173,9 @@ def start_processes(config: RunConfig, where: Placement) -> PartialState:
 
 
 def end_processes(state: PartialState) -> None:
-    """Leave the process group together, once everything is saved and said. A process that exits
-    with its group still formed can abort in the teardown of the group's threads ("terminate
-    called without an active exception", SIGABRT after the run had finished: seen on 2 CPU ranks)."""
+    """Every rank ends together, once everything is saved and said (the entry script then
+    leaves without tearing the process group down: :func:`sft_play.cli.leave`)."""
     state.wait_for_everyone()
-    if state.use_distributed:
-        state.destroy_process_group()
 
 
 def check_shared_folder(output_dir: Path) -> None:
