@@ -11,6 +11,9 @@ from pathlib import Path
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; resume to finish
 EXIT_USER_ERROR = 2
+# A rank that lost contact with another (which stopped, or whose node failed): a consequence,
+# so the launcher names another failed rank as the cause when there is one
+EXIT_LOST_PEER = 3
 # The same stop signal arriving again within this many seconds is a duplicate, not a second request
 DUPLICATE_SIGNAL_WINDOW_S = 2.0
 

@@ -29,7 +29,7 @@ from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.planner import report
 from sft_play.run import Placement, Run, allocator_settings, placement
-from sft_play.stopping import EXIT_INTERRUPTED, resume_command
+from sft_play.stopping import EXIT_INTERRUPTED, EXIT_LOST_PEER, resume_command
 
 logger = logging.getLogger("sft_play.train")
 
@@ -133,7 +133,7 @@ def train(config: RunConfig, config_path: str) -> int:
             raise
         print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
               f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_LOST_PEER
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:

@@ -334,6 +334,19 @@ def test_the_users_command_is_found_through_make_and_its_shell(tmp_path):
     assert alone.stdout.strip() == repr([sys.executable, "-c"])
 
 
+def test_the_rank_that_failed_is_named_not_the_one_that_lost_contact_with_it(tmp_path):
+    """A rank that lost contact (exit 3) can leave before the launcher has seen the rank that
+    died: the message names the dead one first all the same."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {0: ProcessFailure(0, 100, 3, str(tmp_path / "none")),
+                1: ProcessFailure(1, 101, -signal.SIGKILL, str(tmp_path / "none"))}
+    failures[0].timestamp, failures[1].timestamp = 10, 11  # rank 0 seen leaving first
+    status, message = supervise._failure_status(ChildFailedError("train", failures), supervise.StopForwarder(lambda: []))
+    assert status == 1 and message.startswith("training failed: rank 1 killed by SIGKILL first, then rank 0 exit "
+                                              "status 3"), message
+
+
 def test_a_stop_signal_is_passed_on_once_however_often_it_arrives(monkeypatch):
     """Three deliveries of one SIGTERM within the duplicate window are one request; a SIGHUP after
     it is a second (passed on as SIGTERM). The forwarder's clock is the test's, so that a busy

@@ -27,9 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from sft_play.launch.commands import Timeouts, Topology
-from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, EXIT_INTERRUPTED, EXIT_USER_ERROR
+from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, EXIT_INTERRUPTED, EXIT_LOST_PEER, EXIT_USER_ERROR
 
 
 class StopForwarder:
@@ -184,6 +185,16 @@ def _run_in_thread(command: list[str], stop: StopForwarder) -> tuple[threading.T
 _STOPPED_AT_START = "stopped by {} while starting, before training: nothing new to save"
 
 
+def _cause(error: Any, codes: dict[int, int]) -> int:
+    """The rank whose failure the others followed: the earliest failure among the ranks that did
+    not merely lose contact with another (:data:`EXIT_LOST_PEER`). A rank that lost contact may
+    exit before the launcher has seen the one that died; their order of exit says nothing."""
+    causes = {rank: failure for rank, failure in error.failures.items() if codes[rank] != EXIT_LOST_PEER}
+    if not causes:
+        return error.get_first_failure()[0]
+    return min(causes, key=lambda rank: (causes[rank].timestamp, rank))
+
+
 def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str | None]:
     """(exit status, error message or None) for the launcher thread's exception."""
     from torch.distributed import DistError
@@ -202,7 +213,7 @@ def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str
             code = codes[rank]
             return f"rank {rank} " + (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}")
 
-        first, _ = error.get_first_failure()
+        first = _cause(error, codes)
         others = "".join(f", then {said(rank)}" for rank in sorted(codes) if rank != first)
         resume = "RESUME=auto continues from the newest complete checkpoint"
         if stop.first and stop.requests > 1:
