@@ -152,10 +152,9 @@ def train(config: RunConfig, config_path: str) -> int:
                   + (f"\n  (or continue exactly this checkpoint: train.resume_from={last})" if last else ""),
                   flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
-        end_processes(state)
         return EXIT_INTERRUPTED
     save(trainer, state, run, run_dir, bundle)
-    end_processes(state)
+    state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
     return 0
 
 
@@ -170,12 +169,6 @@ def start_processes(config: RunConfig, where: Placement) -> PartialState:
         training.skip_deepspeed_inference_comm()
     return PartialState(cpu=where.cpu_processes, backend=where.backend,
                         timeout=timedelta(minutes=config.distributed.timeout_minutes))
-
-
-def end_processes(state: PartialState) -> None:
-    """Every rank ends together, once everything is saved and said (the entry script then
-    leaves without tearing the process group down: :func:`sft_play.cli.leave`)."""
-    state.wait_for_everyone()
 
 
 def check_shared_folder(output_dir: Path) -> None:

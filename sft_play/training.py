@@ -81,12 +81,13 @@ def pin_mixed_precision(run: Run) -> None:
 
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
     """transformers' ``fsdp_config`` for an ``fsdp2`` run: each decoder layer (`layer_classes`,
-    found in the loaded model) one FSDP unit, the root holding the rest; parameters resharded
+    found in the loaded model) one FSDP unit (accelerate adds its own units for an untied
+    embedding and for the final norm with the head; the root holds the rest); parameters resharded
     after the forward as the run says; activation checkpointing by FSDP's own wrapper where the
     run says (:attr:`Run.fsdp_checkpointing`: a checkpoint per layer without the extra
     all-gather that checkpointing outside FSDP costs, but without the random state either);
-    sharded checkpoints (``torch.distributed.checkpoint``: every rank
-    writes its own shard); parameters, gradients and optimizer states in CPU memory with
+    sharded checkpoints (``torch.distributed.checkpoint``: every rank writes its own shard);
+    parameters, gradients and optimizer states in CPU memory with
     ``offload_parameters``."""
     if not run.fsdp:
         return None

@@ -25,6 +25,10 @@ DOUBLE_QUANT_BLOCK = 256  # with double quantisation the absmax constants are qu
 CUDA_CONTEXT_BYTES = 512 * MIB
 NCCL_BYTES = 320 * MIB
 
+# Decoder layers whose whole parameters are on a GPU at once when they are sharded (ZeRO-3,
+# FSDP2): the one computing and the one prefetched
+LAYERS_IN_FLIGHT = 2
+
 Strategy = Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"]
 
 
@@ -91,17 +95,6 @@ class Recipe:
         return self.stored_bytes
 
     @property
-    def layers_gathered(self) -> int:
-        """Decoder layers whose whole parameters are on the GPU at once when they are sharded:
-        the one computing and the one prefetched; FSDP2 without resharding after the forward
-        keeps every layer gathered from its forward to its backward (counted by the caller)."""
-        return 2
-
-    @property
-    def deepspeed(self) -> bool:
-        return self.strategy.startswith("deepspeed")
-
-    @property
     def shards(self) -> int:
         """How many ways ZeRO splits gradients and optimizer states (1 under DDP)."""
         return self.world_size if self.deepspeed or self.fsdp else 1
@@ -135,9 +128,9 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     (:func:`quantization_constants_bytes`), everything else in the run's weights dtype (16-bit
     with mixed precision, fp32 without: the loader's ``dtype``).
     ZeRO-3 and FSDP2 keep 1/world of them, plus two layers gathered at a time (FSDP2 in its
-    ``param_dtype``; without resharding after the forward, every layer); FSDP2 also gathers the
-    root (embeddings, head, final norm) for the whole step; with the parameters offloaded to the
-    CPU, only the gathered parts.
+    ``param_dtype``; without resharding after the forward, every layer); FSDP2 also keeps the head
+    and final norm gathered for the whole step (:func:`fsdp_step_gathered_tensors`); with the
+    parameters offloaded to the CPU, only the gathered parts.
     """
     base_bytes = recipe.stored_bytes
     adapters = shape.lora_params * recipe.trainable_bytes
@@ -149,7 +142,7 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     if recipe.weight_shards > 1 or recipe.offload_parameters:
         kept = 0 if recipe.offload_parameters else stored // recipe.weight_shards
         if recipe.fsdp:
-            layers = shape.num_layers if not recipe.reshard_after_forward else recipe.layers_gathered
+            layers = shape.num_layers if not recipe.reshard_after_forward else LAYERS_IN_FLIGHT
             if recipe.method == "qlora" and not recipe.offload_parameters:  # the constants are not sharded
                 constants = quantization_constants_bytes(shape, recipe)
                 kept = (stored - constants) // recipe.weight_shards + constants
@@ -157,7 +150,7 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
             stored = kept + layers * gathered_layer_bytes(shape, recipe) + root * recipe.gathered_bytes
         else:
             per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
-            stored = kept + recipe.layers_gathered * per_layer
+            stored = kept + LAYERS_IN_FLIGHT * per_layer
     return stored + adapters // (recipe.weight_shards if recipe.fsdp else 1)
 
 

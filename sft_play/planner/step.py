@@ -137,7 +137,7 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
         run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
     if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
         layer = memory.largest_layer_params(shape)
-        gathered = recipe.layers_gathered
+        gathered = memory.LAYERS_IN_FLIGHT
         if recipe.fsdp and not recipe.reshard_after_forward:
             gathered = shape.num_layers  # each kept from its forward to its backward
         layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.fsdp else layer * recipe.gathered_bytes
@@ -312,7 +312,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     run.free(*rotary, mask, *batch)
     if layers[0].input_kept:
         run.free(embeddings)
-    if recipe.fsdp:  # the root's gradients (the head's) are reduce-scattered as backward ends
+    if recipe.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
         run.free(*grads)
         return []
     return grads
