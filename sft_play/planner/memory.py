@@ -95,6 +95,10 @@ class Recipe:
         return self.stored_bytes
 
     @property
+    def deepspeed(self) -> bool:
+        return self.strategy.startswith("deepspeed")
+
+    @property
     def shards(self) -> int:
         """How many ways ZeRO splits gradients and optimizer states (1 under DDP)."""
         return self.world_size if self.deepspeed or self.fsdp else 1
