@@ -40,7 +40,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-planner bench-throughput bench-tiny clean
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-throughput bench-tiny clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -106,6 +106,9 @@ planner-check: $(STAMP) ## The planner's error on your hardware: every run's pre
 
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)
+
+bench-gpu: $(STAMP) ## GPU truth in one lease: speed, memory, time; every figure kept as it comes, a second call goes on (CPU: a smoke run); writes docs/gpu_lease.md
+	$(PY) bench/lease.py $(ARGS)
 
 bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
 	$(PY) bench/planner_accuracy.py $(ARGS)

@@ -42,6 +42,31 @@ def run_worker(script: str | Path, spec: dict, timeout: int) -> dict:
     return {"ok": False, "error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
+def lean(method: str | None = None) -> None:
+    """Skip bitsandbytes in this process unless it trains QLoRA (sft_play.lean_imports: peft
+    imports it whenever installed, about 1-2 s of a process's start; planning never needs it).
+    Call it before anything imports peft."""
+    from sft_play import lean_imports
+
+    if method != "qlora":
+        lean_imports.without_bitsandbytes()
+
+
+def process_gpu_bytes() -> int:
+    """What NVML says this process holds on its (first visible) GPU: the CUDA context and
+    everything beside torch's allocator, plus what the allocator has reserved; the device's
+    used memory where NVML does not list processes."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+    pid = os.getpid()
+    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if process.pid == pid:
+            return int(process.usedGpuMemory or 0)
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+
 def versions() -> str:
     import accelerate
     import peft

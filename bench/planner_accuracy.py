@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
 from sft_play.units import GIB
 
 
@@ -139,7 +139,7 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     if on_cuda:
         torch.cuda.init()
         torch.empty(1, device="cuda")
-        context = _process_gpu_bytes() - torch.cuda.memory_reserved()
+        context = process_gpu_bytes() - torch.cuda.memory_reserved()
     run = resolve(config, on_cuda=on_cuda, bf16_supported=on_cuda and torch.cuda.is_bf16_supported(), world_size=1,
                   data_stats=_stats(case, micro))
     from transformers import AutoTokenizer
@@ -173,18 +173,6 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
 
         result["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - host_baseline)
     return result
-
-
-def _process_gpu_bytes() -> int:
-    import pynvml
-
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
-    pid = os.getpid()
-    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-        if process.pid == pid:
-            return int(process.usedGpuMemory or 0)
-    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
 
 
 def measure(case: Case, micro: int, timeout: int) -> dict:
@@ -253,8 +241,10 @@ def main() -> int:
     if args.worker:
         spec = json.loads(args.worker)
         case = Case(**{**spec["case"], "micro_batches": tuple(spec["case"]["micro_batches"])})
+        lean(case.method)
         print(json.dumps(_worker(case, spec["micro"], spec["output_dir"])))
         return 0
+    lean()  # the measurements run in workers; planning never needs bitsandbytes
     if args.from_rows:
         docs = [json.loads(Path(path).read_text()) for path in args.from_rows]
         rows = [row for doc in docs for row in doc["rows"]]

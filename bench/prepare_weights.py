@@ -8,7 +8,7 @@ is spent measuring. The values differ from the CPU-built ones (a GPU's random nu
 the CPU's); what the benches measure (memory, speed, a loss falling from random) does not
 depend on them.
 
-Usage: python bench/prepare_weights.py MODEL:DTYPE [MODEL:DTYPE ...]
+Usage: python bench/prepare_weights.py MODEL:DTYPE [MODEL:DTYPE ...]  (MODEL: a fixture name or a config folder)
   e.g. python bench/prepare_weights.py llama-3.1-8b:bfloat16 qwen2.5-0.5b:float32
 """
 
@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from _common import CONFIGS  # bench/ is the script's folder
 
 
 def prepare(name: str, dtype: str, seed: int = 0) -> str:
+    """Build `name`'s weights (a folder of tests/fixtures/model_configs, or any config folder)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sft_play.model import TORCH_DTYPES, has_weights, init_weights_dir, save_init_weights
 
-    config_dir = CONFIGS / name
+    config_dir = CONFIGS / name if (CONFIGS / name).is_dir() else Path(name)
     target = init_weights_dir(str(config_dir), seed, dtype)
     if has_weights(str(target)):
         return f"{name} {dtype}: already in {target}"

@@ -7,8 +7,8 @@ masked out of the loss):
   A  TRL's SFTTrainer with its defaults for the method (LoRA/QLoRA through its peft_config /
      quantization_config), micro-batch 4, no packing, the same sequence cap;
   T  TRL tuned as a competent user would: bf16, its BFD packing with padding-free rows, fused
-     AdamW, FlashAttention-2 where installed, the largest micro-batch that trains (found by
-     trying, each try a fresh process); T+liger the same at T's micro-batch with TRL's
+     AdamW, FlashAttention-2 where installed, at its fastest micro-batch (one process tries them
+     in increasing order, doubling until one runs out of memory); T+liger the same at T's micro-batch with TRL's
      Liger kernels where liger-kernel is installed;
   B  SFT-Play: its planner's micro-batch, packing with per-example position ids, its collator
      and precision recipe, through the same functions the training entry uses;
@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, run_worker, versions  # bench/ is the script's folder
+from _common import CONFIGS, REPO, lean, process_gpu_bytes, run_worker, versions  # bench/ is the script's folder
 from transformers import TrainerCallback
 
 # Dense bf16 peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
@@ -122,8 +122,8 @@ def _dataset(case: Case, vocab: int, count: int):
 def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: str = "", micro: int = 4) -> dict:
     """A: TRL's SFTTrainer as a user would write it with its defaults; with `tuned` ("tuned" or
     "liger"), as a competent user tunes it: bf16, TRL's own packing (BFD, padding-free rows),
-    fused AdamW, FlashAttention-2 where installed, the given micro-batch (the largest that
-    trains), and for "liger" TRL's Liger kernels."""
+    fused AdamW, FlashAttention-2 where installed, the given micro-batch (one try of run_tuned_search),
+    and for "liger" TRL's Liger kernels."""
     import torch
     from peft import LoraConfig
     from transformers import AutoConfig, BitsAndBytesConfig
@@ -180,8 +180,9 @@ LEVERS = {
 }
 
 
-def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: str = "") -> dict:
-    """B: SFT-Play's own path, planned; with `lever`, one kernel switch on (LEVERS)."""
+def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: str = "", global_batch: int = 64) -> dict:
+    """B: SFT-Play's own path, planned for `global_batch` rows a step; with `lever`, one kernel
+    switch on (LEVERS)."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
     from trl.data_utils import pack_dataset
@@ -194,7 +195,7 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     on_cuda = torch.cuda.is_available()
     config = config_module.load(None, [
         f"model.name_or_path={case.model}", f"finetune.method={case.method}", f"data.max_seq_length={case.seq_cap}",
-        "train.micro_batch_size=auto", "train.global_batch_size=64", f"train.max_steps={warmup + steps}",
+        "train.micro_batch_size=auto", f"train.global_batch_size={global_batch}", f"train.max_steps={warmup + steps}",
         "train.logging_steps=1", "train.tensorboard=false", f"train.output_dir={output_dir}", "lora.r=16",
         "lora.dropout=0", f"train.learning_rate={2e-4 if case.method != 'full' else 2e-5}",
         *LEVERS.get(lever, []),
@@ -217,6 +218,7 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     trainer = make(run.with_changes(batch=split))
     result = _finish(trainer, timer, split.micro_batch_size)
     result.update(accumulation=split.gradient_accumulation_steps, predicted_peak=plan.peak_bytes_per_gpu,
+                  global_batch=split.global_batch_size,
                   predicted_step_seconds=plan.time["seconds_per_step"] if plan.time else None,
                   measured_step_seconds=timer.seconds / max(1, steps))
     return result
@@ -225,13 +227,61 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
 def _finish(trainer, timer, micro: int) -> dict:
     import torch
 
-    if torch.cuda.is_available():
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return {"tokens_per_second": timer.tokens / timer.seconds if timer.seconds else 0.0, "tokens": timer.tokens,
-            "seconds": timer.seconds, "peak_bytes": peak, "micro_batch": micro,
-            "last_loss": sum(timer.losses[-5:]) / max(1, len(timer.losses[-5:]))}
+    result = {"tokens_per_second": timer.tokens / timer.seconds if timer.seconds else 0.0, "tokens": timer.tokens,
+              "seconds": timer.seconds, "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
+              "micro_batch": micro, "last_loss": sum(timer.losses[-5:]) / max(1, len(timer.losses[-5:])),
+              "steps": len(timer.losses)}
+    if on_cuda:  # what the planner predicts: the allocator's peak reservation plus what lives outside it
+        result["reserved_bytes"] = torch.cuda.max_memory_reserved() + max(
+            0, process_gpu_bytes() - torch.cuda.memory_reserved())
+    return result
+
+
+def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start: int, tuned: str = "tuned",
+                     emit=None) -> dict:
+    """T in one process: micro-batches in increasing order, doubling from `start`, each try on
+    freshly loaded weights with its own warm-up and timed steps, until one runs out of memory
+    (when `start` itself does not fit, halving down to the first that does); T is the fastest
+    try. One process saves the imports and the start of a process per try, and measures the same
+    thing: each try's model, optimizer and cache are freed (``empty_cache``) before the next.
+    Without a GPU nothing runs out of memory: one try at `start`. `emit` sees each try's result."""
+    import gc
+
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    tries: list[dict] = []
+
+    def attempt(micro: int) -> dict:
+        try:
+            result = run_baseline(case, steps, warmup, os.path.join(output_dir, f"micro{micro}"), tuned=tuned,
+                                  micro=micro)
+        except torch.OutOfMemoryError:
+            result = {"ok": False, "error": "out of memory", "micro_batch": micro}
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+        tries.append(result)
+        if emit:
+            emit(result)
+        return result
+
+    micro = max(1, start)
+    if attempt(micro).get("ok", True) is False:  # the start does not fit: halve to the first that does
+        while micro > 1 and attempt(micro := micro // 2).get("ok", True) is False:
+            pass
+    elif on_cuda:
+        while micro < 1024 and attempt(micro := micro * 2).get("ok", True) is not False:
+            pass
+    good = [t for t in tries if t.get("ok", True) is not False]
+    best = max(good, key=lambda t: t["tokens_per_second"]) if good else {"ok": False, "error": "no micro-batch trains"}
+    summary = [{"micro_batch": t.get("micro_batch"), "tokens_per_second": t.get("tokens_per_second"),
+                "peak_bytes": t.get("peak_bytes"), "error": t.get("error")} for t in tries]
+    return {**best, "searched": on_cuda, "tries": summary}
 
 
 def measure(side: str, case: Case, steps: int, warmup: int, timeout: int, **extra) -> dict:
@@ -240,32 +290,10 @@ def measure(side: str, case: Case, steps: int, warmup: int, timeout: int, **extr
         return run_worker(__file__, spec, timeout)
 
 
-def measure_tuned(case: Case, steps: int, warmup: int, timeout: int, on_cuda: bool, tuned: str = "tuned",
-                  start: int = 2) -> dict:
-    """The tuned baseline at the largest micro-batch that trains: doubling from `start` (side
-    B's micro-batch, when known) until a run fails, then bisecting until the bounds are within an
-    eighth of each other (each try a fresh process; a micro-batch an eighth larger changes little
-    once the GPU is busy); on the CPU at micro-batch 8."""
-    if not on_cuda:
-        return {**measure("T", case, steps, warmup, timeout, tuned=tuned, micro=8), "searched": False}
-
-    def trains(micro: int) -> bool:
-        result = measure("T", case, 2, 1, timeout, tuned=tuned, micro=micro)
-        return result.get("ok", True) and "error" not in result
-
-    best, low, high, micro = None, 0, None, max(1, start)
-    while high is None and micro <= 512:
-        if trains(micro):
-            low, micro = micro, micro * 2
-        else:
-            high = micro
-    high = high or micro
-    while high - low > max(1, low // 8):
-        middle = (low + high) // 2
-        low, high = (middle, high) if trains(middle) else (low, middle)
-    if low:
-        best = measure("T", case, steps, warmup, timeout, tuned=tuned, micro=low)
-    return {**(best or {"ok": False, "error": "no micro-batch trains"}), "searched": True}
+def measure_tuned(case: Case, steps: int, warmup: int, timeout: int, tuned: str = "tuned", start: int = 2) -> dict:
+    """The tuned baseline at its fastest micro-batch, searched in one process (run_tuned_search),
+    starting from `start` (half side B's micro-batch, when known)."""
+    return measure("T-search", case, steps, warmup, timeout, tuned=tuned, start=start)
 
 
 def flops_per_token(case: Case) -> float:
@@ -307,13 +335,18 @@ def main() -> int:
     if args.worker:
         spec = json.loads(args.worker)
         case = Case(**spec["case"])
+        lean(case.method)
         if spec["side"] == "B":
             result = run_sft_play(case, spec["steps"], spec["warmup"], spec["dir"], spec.get("lever", ""))
+        elif spec["side"] == "T-search":
+            result = run_tuned_search(case, spec["steps"], spec["warmup"], spec["dir"], spec["start"],
+                                      tuned=spec.get("tuned", "tuned"))
         else:
             result = run_baseline(case, spec["steps"], spec["warmup"], spec["dir"], tuned=spec.get("tuned", ""),
                                   micro=spec.get("micro", 4))
         print(json.dumps(result))
         return 0
+    lean()  # the sides run in workers; this process only plans and reports
     if args.from_rows:
         docs = [json.loads(Path(path).read_text()) for path in args.from_rows]
         rows = [(Case(**case), sides, flops) for doc in docs for case, sides, flops in doc["rows"]]
@@ -350,9 +383,9 @@ def main() -> int:
             sides["A"] = measure("A", case, steps, warmup, args.timeout)
         if "B" in args.sides:
             sides["B"] = measure("B", case, steps, warmup, args.timeout)
-        if "T" in args.sides:  # the search starts from B's micro-batch: fewer tries
-            start = sides.get("B", {}).get("micro_batch") or 2
-            sides["T"] = measure_tuned(case, steps, warmup, args.timeout, on_cuda, start=start)
+        if "T" in args.sides:  # the search starts from half B's micro-batch: fewer tries
+            start = max(1, (sides.get("B", {}).get("micro_batch") or 4) // 2) if on_cuda else 8
+            sides["T"] = measure_tuned(case, steps, warmup, args.timeout, start=start)
             if liger:  # at T's micro-batch: Liger's kernels only lower the memory a micro-batch takes
                 sides["T+liger"] = measure("T", case, steps, warmup, args.timeout, tuned="liger",
                                            micro=sides["T"].get("micro_batch") or start)
@@ -389,8 +422,8 @@ def render(rows, device, peak, on_cuda, steps, warmup, seconds, commands=None, v
         (f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s" if steps else
          f"- warm-up and timed steps per side as each command says; wall time {seconds:.0f} s"),
         "- A: TRL SFTTrainer with its defaults for the method, micro-batch 4, no packing; T: TRL tuned (bf16, its BFD",
-        "  packing with padding-free rows, fused AdamW, FlashAttention-2 where installed, the largest micro-batch that",
-        "  trains, found by trying); T+liger: T with TRL's Liger kernels at T's micro-batch (when installed);",
+        "  packing with padding-free rows, fused AdamW, FlashAttention-2 where installed, its fastest micro-batch:",
+        "  one process tries them doubling from half B's until one runs out of memory); T+liger: T with TRL's Liger kernels at T's micro-batch (when installed);",
         "  B: SFT-Play, planned, packed; B+lever: B with one kernel switch on (flex attention, compiled layers, Liger",
         "  kernels, expandable segments). Tokens are real (non-pad) tokens. MFU: model FLOPs per token (6N full,",
         "  4N + 6N_lora adapters) x tokens/s over the GPU's dense bf16 peak",

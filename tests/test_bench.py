@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,64 @@ def test_tiny_default_bench_trains_scores_and_reports(tmp_path):
     assert len(rows) == 1, text
     assert "| no |" in rows[0], "capped at AVX2, auto resolves to fp32"
     assert "in 3 |" in rows[0] and " of 6 |" in rows[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(tmp_path):
+    import collections
+
+    state, report = tmp_path / "rows.jsonl", tmp_path / "lease.md"
+    command = [sys.executable, "bench/lease.py", "--state", str(state), "--output", str(report)]
+    first = subprocess.run(command + ["--max-tasks", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    text = report.read_text()
+    assert "No GPU figure exists in this report" in text and "- device: CPU" in text
+    assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
+    assert "2 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rows = [json.loads(line) for line in state.read_text().splitlines()]
+    results = collections.Counter(row["task"] for row in rows if row["kind"] in {"A", "B", "T", "P"})
+    assert sorted(results) == ["A tiny-lora", "B tiny-lora", "P tiny_model lora 128 ckpt off micro 4", "T tiny-lora"]
+    assert set(results.values()) == {1}, "the second call went on; it did not measure again"
+    assert all(row["result"].get("ok", True) for row in rows if row["kind"] in {"A", "B", "T", "P"}), rows
+    assert [row["kind"] for row in rows].count("call") == 2 and any(row["kind"] == "T-try" for row in rows)
+    text = report.read_text()
+    assert "Nothing: every task of both phases has its row." in text
+    assert "| tiny-lora | A |" in text and "| B over T |" in text
+    shape = next(line for line in text.splitlines() if line.startswith("| tiny_model lora 128"))
+    assert "%" in shape, shape  # predicted against measured
+    timing = next(line for line in text.splitlines() if line.startswith("| B tiny-lora |"))
+    assert "n/a (no GPU to time)" in timing
+    # rows of another device are not mixed into this one's
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"kind": "call", "device": "NVIDIA H100 80GB HBM3", "on_cuda": True}) + "\n")
+    refused = subprocess.run([sys.executable, "bench/lease.py", "--state", str(other), "--output", str(report)],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "measured on NVIDIA H100 80GB HBM3" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import lease
+
+    tasks = [{"key": "B x"}, {"key": "T x"}, {"key": "P y"}]
+    rows = [{"task": "B x", "kind": "B", "result": {"ok": False, "error": "out of memory"}},
+            {"task": "T x", "kind": "T-try", "result": {"micro_batch": 4}}, {"task": "T x", "kind": "cut"}]
+    assert [task["key"] for task in lease.pending(tasks, rows)] == ["T x", "P y"]
+    path = tmp_path / "rows.jsonl"
+    lease.append_row(path, rows[0])
+    path.write_text(path.read_text() + '{"task": "T x", "ki')  # the lease ended mid-line
+    assert [row["task"] for row in lease.read_rows(path)] == ["B x"]
+    shape = lease.Shape.parse("gemma-2-9b,method=lora,seq=4096,ckpt=off,micro=3,layers=12")
+    assert (shape.model, shape.seq_len, shape.checkpointing, shape.micro, shape.layers) == ("gemma-2-9b", 4096, False,
+                                                                                             3, 12)
+    with pytest.raises(ValueError, match="neither a folder"):
+        lease.Shape.parse("no-such-model")
+    with pytest.raises(ValueError, match="batch=4"):
+        lease.Shape.parse("gemma-2-9b,batch=4")
+    cut = lease.cut_layers(REPO / "tests" / "fixtures" / "model_configs" / "qwen3-30b-a3b", 6)
+    config = json.loads((cut / "config.json").read_text())
+    assert config["num_hidden_layers"] == 6 and all(len(v) == 6 for v in config.values() if isinstance(v, list)
+                                                    and len(v) > 1)

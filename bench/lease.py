@@ -1,0 +1,554 @@
+"""GPU truth in one lease: speed, memory and time on whatever GPU is at hand, in one command.
+
+GPU time is short and pre-emptible (for this project as for users on rented or spot machines), so
+`make bench-gpu` spends it where it tells, most telling first, and writes every figure to its
+rows (--state, one JSON line each) the moment it exists, and the report (--output) after every
+row. A call that ends or is cut short keeps every finished row; the next call with the same
+--state skips what its rows hold and goes on.
+
+Tasks, each in a fresh process (a clean allocator; an out-of-memory error cannot poison the next):
+
+  W  random weights for the next task's model, built on the GPU (bench/prepare_weights.py) and
+     removed after the last task of the call that needs them (--keep-weights keeps them)
+  B  SFT-Play on a case of bench/throughput.py: the planner's micro-batch, packed rows; tokens/s,
+     MFU, peak memory, the loss of the last steps, and the planner's predicted peak and seconds
+     per step beside the measured
+  T  TRL tuned (bench/throughput.py): ONE process tries micro-batches in increasing order,
+     doubling from half B's until one runs out of memory, each try on freshly loaded weights
+     with its own warm-up; every try is a row, T is the fastest
+  A  TRL with its defaults (bench/throughput.py)
+  P  the planner's predicted against measured peak for one shape (bench/planner_accuracy.py's
+     worker: 3 steps of rows exactly the sequence length long, torch's peak reservation plus
+     what NVML sees outside it)
+
+Phase 1 (the first report; sized for 8 minutes on one H100): B and T for Qwen2.5-0.5B full and
+Llama-3.1-8B LoRA, then P for six shapes of five families, two of them never measured before
+(Gemma-2 and Qwen3-MoE, cut to fewer layers so that a lease can build their weights). Phase 2
+(the next call): QLoRA and 8k-token LoRA, TRL's defaults, B with each kernel lever, more shapes.
+--shape adds any config folder as a P task, first in phase 1. Without a GPU the same code runs a
+tiny shape on the CPU (phase 1: B, T, P; phase 2: A) and the report says no GPU figure exists.
+
+Usage: python bench/lease.py [--minutes 8] [--phase 1|all] [--state docs/gpu_lease.jsonl]
+                             [--output docs/gpu_lease.md] [--max-tasks N] [--keep-weights]
+                             [--shape FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N] ...]
+On the lent GPU machine (see docs/PLANNER.md, "Measuring on a GPU"): a second call continues
+from the rows of the first when they travel with it:
+  cp docs/gpu_lease.jsonl $OUT/ 2>/dev/null; python bench/lease.py --state $OUT/gpu_lease.jsonl --output $OUT/gpu_lease.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from _common import CONFIGS, REPO, lean, run_worker, versions, worker_env  # bench/ is the script's folder
+
+GIB = 1024**3
+MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A P task: one model shape, method and workload at one micro-batch."""
+
+    model: str  # a fixture name (tests/fixtures/model_configs) or a config folder
+    method: str = "lora"
+    seq_len: int = 2048
+    checkpointing: bool = True
+    micro: int = 2
+    layers: int | None = None  # keep only the first N decoder layers (a shape a short lease can build)
+
+    @property
+    def label(self) -> str:
+        cut = f" ({self.layers} layers)" if self.layers else ""
+        return f"{Path(self.model).name}{cut} {self.method} {self.seq_len} ckpt {'on' if self.checkpointing else 'off'}" \
+               f" micro {self.micro}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N]``"""
+        folder, *fields = text.split(",")
+        values: dict = {"model": folder}
+        for field in fields:
+            key, _, value = field.partition("=")
+            key = {"seq": "seq_len", "ckpt": "checkpointing"}.get(key.strip(), key.strip())
+            if key not in {"method", "seq_len", "checkpointing", "micro", "layers"} or not value:
+                raise ValueError(f"--shape {text}: '{field}' is not one of method=, seq=, ckpt=, micro=, layers=")
+            values[key] = (value.lower() in {"on", "true", "1", "yes"} if key == "checkpointing" else
+                           value if key == "method" else int(value))
+        if values.get("method", "lora") not in {"full", "lora", "qlora"}:
+            raise ValueError(f"--shape {text}: method must be full, lora or qlora")
+        if not (CONFIGS / folder).is_dir() and not (Path(folder) / "config.json").is_file():
+            raise ValueError(f"--shape {text}: '{folder}' is neither a folder with a config.json nor a fixture of "
+                             f"{CONFIGS.relative_to(REPO)}")
+        return cls(**values)
+
+
+def gpu_plan() -> list[dict]:
+    """Every GPU task in the order it runs: phase 1 is the first report."""
+    from throughput import GPU_CASES, LEVERS
+
+    cases = {case.name: case for case in GPU_CASES}
+    main = [(cases["qwen2.5-0.5b-full"], 32), (cases["llama-3.1-8b-lora"], 16)]
+    tasks = []
+    for case, global_batch in main:
+        tasks += [throughput_task("B", case, 1, global_batch), throughput_task("T", case, 1, global_batch)]
+    tasks += [shape_task(shape, 1) for shape in (
+        Shape("gemma-2-9b", "lora", 2048, True, 4, layers=12),  # never measured: soft-capped logits, big vocabulary
+        Shape("qwen3-30b-a3b", "lora", 2048, True, 4, layers=6),  # never measured: routed experts
+        Shape("llama-3.2-3b", "full", 2048, True, 4),  # full fine-tuning with checkpointing (issue 22's swing)
+        Shape("qwen2.5-0.5b", "full", 2048, True, 8),
+        Shape("llama-3.1-8b", "lora", 4096, True, 2),
+        Shape("mistral-7b-v0.1", "qlora", 2048, True, 4),
+    )]
+    for case, global_batch in [(cases["llama-3.1-8b-qlora"], 16), (cases["llama-3.1-8b-lora-8k"], 8)]:
+        tasks += [throughput_task("B", case, 2, global_batch), throughput_task("T", case, 2, global_batch)]
+    for case, global_batch in main:
+        tasks.append(throughput_task("A", case, 2, global_batch))
+        tasks += [throughput_task("B", case, 2, global_batch, lever=lever) for lever in LEVERS]
+    tasks += [shape_task(shape, 2) for shape in (
+        Shape("qwen2.5-14b", "lora", 2048, True, 2),
+        Shape("llama-3.2-3b", "lora", 2048, False, 4),
+        Shape("qwen2.5-0.5b", "qlora", 4096, True, 16),
+        Shape("tiny-mixtral", "full", 2048, False, 8),
+    )]
+    return tasks
+
+
+def cpu_plan() -> list[dict]:
+    """The same tasks on a tiny shape, so that the command cannot rot without a GPU."""
+    from throughput import CPU_CASES
+
+    case = CPU_CASES[0]
+    return [throughput_task("B", case, 1, 8), throughput_task("T", case, 1, 8),
+            shape_task(Shape(str(REPO / "configs" / "tiny_model"), "lora", 128, False, 4), 1),
+            throughput_task("A", case, 2, 8)]
+
+
+def throughput_task(kind: str, case, phase: int, global_batch: int, lever: str = "") -> dict:
+    key = f"{kind}{'+' + lever if lever else ''} {case.name}"
+    return {"key": key, "kind": kind, "phase": phase, "case": asdict(case), "global_batch": global_batch,
+            "lever": lever}
+
+
+def shape_task(shape: Shape, phase: int) -> dict:
+    return {"key": f"P {shape.label}", "kind": "P", "phase": phase, "shape": asdict(shape)}
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+DONE_KINDS = {"A", "B", "T", "P"}  # a task whose row of its own kind exists is done (failed ones too)
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by the end of a lease: the task runs again
+                continue
+    return rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps({**row, "at": round(time.time(), 1)}) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def pending(tasks: list[dict], rows: list[dict]) -> list[dict]:
+    """The tasks whose result is not in the rows yet (a task cut short by a lease's end runs again)."""
+    done = {row["task"] for row in rows if row.get("kind") in DONE_KINDS and "task" in row}
+    return [task for task in tasks if task["key"] not in done]
+
+
+# --- weights --------------------------------------------------------------------------------------
+
+def model_folder(task: dict) -> str:
+    """The config folder a task trains (a layer cut is written once into the cache, from the fixture)."""
+    if task["kind"] != "P":
+        return task["case"]["model"]
+    shape = Shape(**task["shape"])
+    folder = CONFIGS / shape.model if (CONFIGS / shape.model).is_dir() else Path(shape.model)
+    return str(cut_layers(folder, shape.layers) if shape.layers else folder)
+
+
+def cut_layers(folder: Path, layers: int) -> Path:
+    """A copy of `folder`'s config.json that keeps only the first `layers` decoder layers (lists
+    with one entry per layer cut to match)."""
+    from sft_play.model import cache_dir
+
+    config = json.loads((folder / "config.json").read_text())
+    for section in [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else []):
+        if "num_hidden_layers" not in section:
+            continue
+        total = section["num_hidden_layers"]
+        section["num_hidden_layers"] = min(layers, total)
+        for key, value in list(section.items()):
+            if isinstance(value, list) and len(value) == total:
+                section[key] = value[:layers]
+        if isinstance(section.get("mlp_only_layers"), list):
+            section["mlp_only_layers"] = [i for i in section["mlp_only_layers"] if i < layers]
+    target = cache_dir() / "lease_configs" / f"{folder.name}-{layers}-layers"
+    target.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    if not (target / "config.json").exists() or (target / "config.json").read_text() != text:
+        (target / "config.json").write_text(text)
+    return target
+
+
+def weights_for(task: dict) -> tuple[str, str, Path]:
+    """(config folder, dtype, the folder SFT-Play loads its random weights from)."""
+    from sft_play import config as config_module
+    from sft_play.model import init_weights_dir
+    from sft_play.precision import init_weights_dtype
+
+    folder = model_folder(task)
+    method = task["case"]["method"] if task["kind"] != "P" else task["shape"]["method"]
+    config = config_module.load(None, [f"model.name_or_path={folder}", f"finetune.method={method}"],
+                                check_paths=False)
+    dtype = init_weights_dtype(config)
+    return folder, dtype, init_weights_dir(folder, config.model.init_seed, dtype)
+
+
+def build_weights(folder: str, dtype: str, timeout: int) -> str:
+    """bench/prepare_weights.py in a fresh process (its CUDA context leaves with it): what it said."""
+    import subprocess
+
+    try:
+        result = subprocess.run([sys.executable, str(REPO / "bench" / "prepare_weights.py"), f"{folder}:{dtype}"],
+                                capture_output=True, text=True, timeout=timeout, env=worker_env())
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    said = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["no output"])[-1]
+    return said if result.returncode == 0 else f"failed: {said[:300]}"
+
+
+# --- workers ------------------------------------------------------------------------------------
+
+def settings(on_cuda: bool) -> dict:
+    """Warm-up and timed steps: on a GPU enough for a stable rate, no more (each try of T's
+    search has its own warm-up: the compile and the allocator's first growth happen there)."""
+    return ({"warmup": 2, "steps": 6, "try_warmup": 1, "try_steps": 3} if on_cuda else
+            {"warmup": 1, "steps": 2, "try_warmup": 1, "try_steps": 2})
+
+
+def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
+    """In the worker process: run one task, append its rows, render the report."""
+    import throughput
+
+    steps = settings(on_cuda)
+    kind = task["kind"]
+    with tempfile.TemporaryDirectory() as workdir:
+        if kind == "B":
+            case = throughput.Case(**task["case"])
+            result = throughput.run_sft_play(case, steps["steps"], steps["warmup"], workdir, task.get("lever", ""),
+                                             global_batch=task["global_batch"])
+        elif kind == "A":
+            case = throughput.Case(**task["case"])
+            result = throughput.run_baseline(case, steps["steps"], steps["warmup"], workdir)
+        elif kind == "T":
+            case = throughput.Case(**task["case"])
+            start = task.get("start") or 8
+
+            def emit(attempt: dict) -> None:  # each try lands in the rows at once
+                append_row(state, {"task": task["key"], "kind": "T-try", "result": attempt})
+                render_to(state, output)
+
+            result = throughput.run_tuned_search(case, steps["try_steps"], steps["try_warmup"], workdir, start,
+                                                 emit=emit)
+        else:
+            result = measure_shape(Shape(**task["shape"]), model_folder(task), workdir)
+    append_row(state, {"task": task["key"], "kind": kind, "result": result})
+    render_to(state, output)
+    return {"ok": True}
+
+
+def measure_shape(shape: Shape, folder: str, workdir: str) -> dict:
+    import planner_accuracy
+    from sft_play import hardware
+    from sft_play.planner import Target, target_for
+
+    case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
+    facts = hardware.detect()
+    target = target_for(facts, gpus=1, allow_cpu=True)
+    if facts.gpus:  # plan against the whole device: the measurement is of one process alone on it
+        target = Target(1, facts.gpus[0].total_bytes, facts.gpus[0].name)
+    predicted, _ = planner_accuracy.predict(case, shape.micro, target)
+    measured = planner_accuracy._worker(case, shape.micro, workdir)
+    return {"ok": measured.get("ok", False), "predicted": predicted, "measured": measured}
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+def render_to(state: Path, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(output.name + ".tmp")
+    staging.write_text(render(read_rows(state), state))
+    staging.replace(output)
+
+
+def _gib(value) -> str:
+    return f"{value / GIB:.2f}" if value else "n/a"
+
+
+def render(rows: list[dict], state: Path) -> str:
+    import throughput
+
+    calls = [row for row in rows if row.get("kind") == "call"]
+    device = calls[0]["device"] if calls else "unknown"
+    on_cuda = bool(calls and calls[0].get("on_cuda"))
+    peak = throughput.peak_flops(device) if on_cuda else None
+    ends = {row.get("call"): row for row in rows if row.get("kind") == "call-end"}
+    lines = ["# GPU truth in one lease", ""]
+    if not on_cuda:
+        lines += ["**No GPU figure exists in this report.** It was produced on a machine without a GPU, by the CPU path",
+                  "(a tiny shape through the same code), which shows that the command, its rows and its resumption work,",
+                  "not how fast or how well planned SFT-Play is on a GPU. Run `make bench-gpu` on one (an H100 is the",
+                  "reference).", ""]
+    lines += [f"- device: {device}" + (f"; dense bf16 peak for MFU: {peak / 1e12:.0f} TFLOP/s" if peak else ""),
+              f"- versions: {calls[0]['versions'] if calls else versions()}", f"- rows: `{_shown(state)}`"]
+    for number, call in enumerate(calls, 1):
+        end = ends.get(call.get("call"))
+        took = f"{end['seconds']:.0f} s, {end['done']} task(s)" + (", cut by its deadline" if end.get("cut") else "") \
+            if end else "did not finish (cut short)"
+        lines.append(f"- call {number}: `{call['command']}` ({took})")
+    lines += ["- each task a fresh process; T: one process tries micro-batches in increasing order (doubling from half",
+              "  B's until one runs out of memory), each try on freshly loaded weights with its own warm-up; T is the",
+              "  fastest try. Tokens are real (non-pad) tokens; MFU: model FLOPs per token (6N full, 4N + 6N_lora",
+              "  adapters) x tokens/s over the GPU's dense bf16 peak", ""]
+    results = {row["task"]: row["result"] for row in rows if row.get("kind") in DONE_KINDS and "task" in row}
+    flops = {}
+
+    def mfu(key: str, case: dict, tps: float) -> str:
+        if not peak:
+            return "n/a"
+        if key not in flops:
+            flops[key] = throughput.flops_per_token(throughput.Case(**case))
+        return f"{100 * flops[key] * tps / peak:.1f}%"
+
+    tasks = {row["task"]: row.get("spec", {}) for row in rows if row.get("kind") == "start"}
+    speed = [(key, tasks.get(key, {}), result) for key, result in results.items() if key[0] in "ABT"]
+    if speed:
+        lines += ["## Throughput", "", "| case | side | micro x accumulation | tokens/s | peak GiB | MFU | loss (last steps) "
+                  "| B over T |", "|---|---|---|---|---|---|---|---|"]
+        for key, spec, result in speed:
+            side, name = key.split(" ", 1)
+            if result.get("ok") is False:
+                lines.append(f"| {name} | {side} | - | failed: {result.get('error')} | | | | |")
+                continue
+            tps = result.get("tokens_per_second", 0.0)
+            tuned = results.get(f"T {name}", {})
+            ratio = f"{tps / tuned['tokens_per_second']:.2f}x" if side.startswith("B") and tuned.get(
+                "tokens_per_second") else ""
+            batch = f"{result.get('micro_batch')} x {result.get('accumulation', 1)}"
+            lines.append(f"| {name} | {side} | {batch} | {tps:,.0f} | {_gib(result.get('peak_bytes'))} | "
+                         f"{mfu(name, spec.get('case', {}), tps) if spec.get('case') else 'n/a'} | "
+                         f"{result.get('last_loss', float('nan')):.3f} | {ratio} |")
+        tries = [(row["task"], row["result"]) for row in rows if row.get("kind") == "T-try"]
+        if tries:
+            lines += ["", "T's search, try by try (`micro`: tokens/s, peak GiB):", ""]
+            by_task: dict[str, list[str]] = {}
+            for key, attempt in tries:
+                shown = (f"{attempt.get('micro_batch')}: {attempt.get('error')}" if attempt.get("ok") is False else
+                         f"{attempt.get('micro_batch')}: {attempt.get('tokens_per_second', 0):,.0f}, "
+                         f"{_gib(attempt.get('peak_bytes'))}")
+                by_task.setdefault(key, []).append(shown)
+            lines += [f"- {key}: " + "; ".join(shown) for key, shown in by_task.items()]
+        lines.append("")
+    timed = [(key, result) for key, result in results.items() if key.startswith("B") and result.get("ok") is not False]
+    if timed:
+        lines += ["## Time and memory the planner predicted for side B", "",
+                  "| case | s/step: predicted / measured | error | peak GiB: predicted / measured | error |",
+                  "|---|---|---|---|---|"]
+        for key, result in timed:
+            predicted, measured = result.get("predicted_step_seconds"), result.get("measured_step_seconds")
+            timing = (f"{predicted:.3f} / {measured:.3f} | {100 * (predicted - measured) / measured:+.1f}%"
+                      if predicted and measured else f"n/a / {measured or 0:.3f} | n/a (no GPU to time)")
+            p_peak, m_peak = result.get("predicted_peak"), result.get("reserved_bytes")
+            memory = (f"{_gib(p_peak)} / {_gib(m_peak)} | {100 * (p_peak - m_peak) / m_peak:+.1f}%" if p_peak and m_peak
+                      else f"{_gib(p_peak)} / n/a | n/a")
+            lines.append(f"| {key} | {timing} | {memory} |")
+        lines.append("")
+    shapes = [(key, result) for key, result in results.items() if key.startswith("P ")]
+    if shapes:
+        lines += ["## The planner's peak on shapes", "",
+                  "| shape | peak GiB: predicted / measured | error | live GiB: predicted / measured | "
+                  "cache GiB: predicted / measured |", "|---|---|---|---|---|"]
+        errors = []
+        for key, result in shapes:
+            predicted, measured = result.get("predicted", {}), result.get("measured", {})
+            if not measured.get("ok"):
+                lines.append(f"| {key[2:]} | {_gib(predicted.get('peak_bytes'))} / ({measured.get('error') or result.get('error')}) | | | |")
+                continue
+            error = (predicted["peak_bytes"] - measured["peak_bytes"]) / measured["peak_bytes"]
+            errors.append(abs(error))
+            lines.append(f"| {key[2:]} | {_gib(predicted['peak_bytes'])} / {_gib(measured['peak_bytes'])} | "
+                         f"{100 * error:+.1f}% | {_gib(predicted.get('allocated_bytes'))} / "
+                         f"{_gib(measured.get('allocated_bytes'))} | {_gib(predicted.get('allocator_cache_bytes'))} / "
+                         f"{_gib(measured.get('allocator_cache_bytes'))} |")
+        if errors and on_cuda:
+            lines += ["", f"Peak: median absolute error {100 * statistics.median(errors):.1f}%, max "
+                          f"{100 * max(errors):.1f}% over {len(errors)} shape(s)."]
+        elif errors:
+            lines += ["", "(CPU: the measured peak is the process's peak RSS above its RSS after imports; it checks the "
+                          "plumbing, not the planner.)"]
+        lines.append("")
+    built = [row for row in rows if row.get("kind") == "W"]
+    if built:
+        lines += ["## Setup", ""] + [f"- weights of {Path(row['model']).name} ({row['dtype']}): {row['message']}"
+                                     for row in built] + [""]
+    cut = [row["task"] for row in rows if row.get("kind") == "cut" and row["task"] not in results]
+    plan = [task["key"] for task in (gpu_plan() if on_cuda else cpu_plan())]
+    left = [key for key in plan if key not in results]
+    lines += ["## Not measured yet", ""]
+    if left:
+        lines += [f"{len(left)} task(s) left for the next call with the same rows: " + ", ".join(left) + "."]
+        if cut:
+            lines += ["", "Cut short by a call's deadline (they run again): " + ", ".join(dict.fromkeys(cut)) + "."]
+    else:
+        lines += ["Nothing: every task of both phases has its row."]
+    return "\n".join(lines) + "\n"
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def device_name(on_cuda: bool) -> str:
+    """The GPU's name without creating a CUDA context here (the workers measure alone on it)."""
+    if not on_cuda:
+        return f"CPU ({os.cpu_count()} cores), no GPU"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no NVML: torch names it (and creates a context in this process)
+        import torch
+
+        return torch.cuda.get_device_name(0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no task after this many minutes, cut the one running (default 8 on a GPU)")
+    parser.add_argument("--phase", choices=["1", "all"], default="all",
+                        help="1: only the first report's tasks; all (default): phase 2 after them while time is left")
+    parser.add_argument("--state", default=str(REPO / "docs" / "gpu_lease.jsonl"), help="the rows (JSON lines)")
+    parser.add_argument("--output", default=str(REPO / "docs" / "gpu_lease.md"), help="the report")
+    parser.add_argument("--shape", action="append", default=[], metavar="SPEC",
+                        help="also measure the planner on a config folder: FOLDER[,method=lora][,seq=2048][,ckpt=on]"
+                             "[,micro=2][,layers=N] (first in phase 1; repeatable)")
+    parser.add_argument("--max-tasks", type=int, default=None, help="run at most this many tasks in this call")
+    parser.add_argument("--keep-weights", action="store_true", help="keep the weights this call builds")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker)
+        task = spec["task"]
+        lean(task["case"]["method"] if "case" in task else task["shape"]["method"])
+        print(json.dumps(run_task(spec["task"], Path(spec["state"]), Path(spec["output"]), spec["on_cuda"])))
+        return 0
+    try:
+        shapes = [Shape.parse(text) for text in args.shape]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    lean()  # every measurement runs in a worker of its own
+
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    state, output = Path(args.state), Path(args.output)
+    device = device_name(on_cuda)
+    rows = read_rows(state)
+    measured_on = {row["device"] for row in rows if row.get("kind") == "call"}
+    if measured_on and measured_on != {device}:
+        print(f"error: the rows in {state} were measured on {', '.join(sorted(measured_on))}, this is {device}; "
+              "give this device its own --state (and --output)", file=sys.stderr)
+        return 2
+    minutes = args.minutes if args.minutes is not None else (8.0 if on_cuda else None)
+    started = time.time()
+    deadline = started + 60 * minutes if minutes else None
+    plan = [shape_task(shape, 1) for shape in shapes] + (gpu_plan() if on_cuda else cpu_plan())
+    todo = [task for task in pending(plan, rows) if args.phase == "all" or task["phase"] == 1]
+    if args.max_tasks is not None:
+        todo = todo[:args.max_tasks]
+    call = f"{int(started)}-{os.getpid()}"
+    command = "make bench-gpu" + (f' ARGS="{" ".join(sys.argv[1:])}"' if len(sys.argv) > 1 else "")
+    append_row(state, {"kind": "call", "call": call, "device": device, "on_cuda": on_cuda, "versions": versions(),
+                       "command": command, "minutes": minutes})
+    render_to(state, output)
+    print(f"{device}: {len(todo)} task(s) to run; rows -> {state}, report -> {output}", flush=True)
+    built: list[Path] = []
+    done, cut = 0, False
+    for index, task in enumerate(todo):
+        left = deadline - time.time() if deadline else None
+        if left is not None and left < MIN_SECONDS_LEFT:
+            cut = True
+            break
+        if task["kind"] == "T":  # the search starts from half B's micro-batch (found by B, in the rows)
+            b_row = next((row["result"] for row in read_rows(state) if row.get("task") == f"B {task['key'][2:]}"
+                          and row.get("kind") == "B"), {})
+            task = {**task, "start": max(1, (b_row.get("micro_batch") or 8) // 2) if on_cuda else 8}
+        if on_cuda:
+            folder, dtype, target = weights_for(task)
+            if not target.exists():
+                began = time.time()
+                message = build_weights(folder, dtype, int(left or 1800))
+                append_row(state, {"kind": "W", "model": folder, "dtype": dtype, "seconds": time.time() - began,
+                                   "message": message})
+                if target.exists():
+                    built.append(target)
+                left = deadline - time.time() if deadline else None
+        append_row(state, {"kind": "start", "task": task["key"], "spec": task})
+        print(f"[{time.time() - started:5.0f} s] {task['key']}", flush=True)
+        spec = {"task": task, "state": str(state), "output": str(output), "on_cuda": on_cuda}
+        result = run_worker(__file__, spec, timeout=int(left) if left is not None else 3600)
+        rows = read_rows(state)
+        if task["key"] in {row.get("task") for row in rows if row.get("kind") in DONE_KINDS}:
+            done += 1
+        elif result.get("error") == "timeout" and deadline and time.time() >= deadline - 1:
+            append_row(state, {"kind": "cut", "task": task["key"]})
+            cut = True
+        else:  # the worker died before its row: the failure is the row
+            append_row(state, {"task": task["key"], "kind": task["kind"],
+                               "result": {"ok": False, "error": result.get("error", "no result")}})
+            done += 1
+        render_to(state, output)
+        if built and not args.keep_weights:  # disk: weights no later task of this call needs go
+            needed = {weights_for(later)[2] for later in todo[index + 1:]} if on_cuda else set()
+            for folder in [path for path in built if path not in needed]:
+                shutil.rmtree(folder, ignore_errors=True)
+                built.remove(folder)
+    append_row(state, {"kind": "call-end", "call": call, "seconds": time.time() - started, "done": done, "cut": cut})
+    render_to(state, output)
+    left = len(pending(plan, read_rows(state)))
+    print(f"{done} task(s) measured in {time.time() - started:.0f} s; {left} left; report: {output}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
