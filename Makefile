@@ -40,7 +40,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-throughput bench-tiny clean
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-tiny clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -112,9 +112,6 @@ bench-gpu: $(STAMP) ## GPU truth in one lease: speed, memory, time; every figure
 
 bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
 	$(PY) bench/planner_accuracy.py $(ARGS)
-
-bench-throughput: $(STAMP) ## Tokens/s, memory and MFU of SFT-Play against plain TRL on this GPU (CPU: a smoke run); writes docs/benchmarks.md
-	$(PY) bench/throughput.py $(ARGS)
 
 bench-tiny: $(STAMP) ## make train's time and held-out answers per seed and CPU precision path (~15 min on 2 cores); writes docs/tiny_default.md
 	$(PY) bench/tiny_default.py $(ARGS)

@@ -102,18 +102,25 @@ def gpu_plan() -> list[dict]:
     for case, global_batch in main:
         tasks += [throughput_task("B", case, 1, global_batch), throughput_task("T", case, 1, global_batch)]
     tasks += [shape_task(shape, 1) for shape in (
-        Shape("gemma-2-9b", "lora", 2048, True, 4, layers=12),  # never measured: soft-capped logits, big vocabulary
-        Shape("qwen3-30b-a3b", "lora", 2048, True, 4, layers=6),  # never measured: routed experts
+        Shape("gemma-2-9b", "lora", 2048, True, 8, layers=12),  # never measured: soft-capped logits, big vocabulary
+        Shape("qwen3-30b-a3b", "lora", 2048, True, 8, layers=6),  # never measured: routed experts
         Shape("llama-3.2-3b", "full", 2048, True, 4),  # full fine-tuning with checkpointing (issue 22's swing)
-        Shape("qwen2.5-0.5b", "full", 2048, True, 8),
+        Shape("qwen2.5-0.5b", "full", 2048, True, 16),
         Shape("llama-3.1-8b", "lora", 4096, True, 2),
         Shape("mistral-7b-v0.1", "qlora", 2048, True, 4),
     )]
-    for case, global_batch in [(cases["llama-3.1-8b-qlora"], 16), (cases["llama-3.1-8b-lora-8k"], 8)]:
+    others = [(cases["llama-3.1-8b-qlora"], 16), (cases["llama-3.1-8b-lora-8k"], 8)]
+    for case, global_batch in others:
         tasks += [throughput_task("B", case, 2, global_batch), throughput_task("T", case, 2, global_batch)]
-    for case, global_batch in main:
+    import importlib.util
+
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    for case, global_batch in main + others:
         tasks.append(throughput_task("A", case, 2, global_batch))
-        tasks += [throughput_task("B", case, 2, global_batch, lever=lever) for lever in LEVERS]
+        if liger:  # at T's micro-batch: Liger's kernels only lower the memory a micro-batch takes
+            tasks.append(throughput_task("T", case, 2, global_batch, lever="liger"))
+        tasks += [throughput_task("B", case, 2, global_batch, lever=lever) for lever in LEVERS
+                  if lever != "liger" or liger]
     tasks += [shape_task(shape, 2) for shape in (
         Shape("qwen2.5-14b", "lora", 2048, True, 2),
         Shape("llama-3.2-3b", "lora", 2048, False, 4),
@@ -261,6 +268,10 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
         elif kind == "A":
             case = throughput.Case(**task["case"])
             result = throughput.run_baseline(case, steps["steps"], steps["warmup"], workdir)
+        elif kind == "T" and task.get("lever") == "liger":
+            case = throughput.Case(**task["case"])
+            result = throughput.run_baseline(case, steps["steps"], steps["warmup"], workdir, tuned="liger",
+                                             micro=task.get("micro") or 4)
         elif kind == "T":
             case = throughput.Case(**task["case"])
             start = task.get("start") or 8
@@ -327,10 +338,14 @@ def render(rows: list[dict], state: Path) -> str:
         took = f"{end['seconds']:.0f} s, {end['done']} task(s)" + (", cut by its deadline" if end.get("cut") else "") \
             if end else "did not finish (cut short)"
         lines.append(f"- call {number}: `{call['command']}` ({took})")
-    lines += ["- each task a fresh process; T: one process tries micro-batches in increasing order (doubling from half",
+    lines += ["- sides (bench/throughput.py): A, TRL's SFTTrainer with its defaults (micro-batch 4, no packing); T, TRL",
+              "  tuned (bf16, its BFD packing with padding-free rows, fused AdamW, FlashAttention-2 where installed);",
+              "  T+liger, T with TRL's Liger kernels at T's micro-batch; B, SFT-Play planned and packed; B+lever, B with",
+              "  one kernel switch on (flex attention, compiled layers, Liger kernels, expandable segments)",
+              "- each task a fresh process; T: one process tries micro-batches in increasing order (doubling from half",
               "  B's until one runs out of memory), each try on freshly loaded weights with its own warm-up; T is the",
               "  fastest try. Tokens are real (non-pad) tokens; MFU: model FLOPs per token (6N full, 4N + 6N_lora",
-              "  adapters) x tokens/s over the GPU's dense bf16 peak", ""]
+              "  adapters) x tokens/s over the GPU's dense bf16 peak; B over T: over the faster of T and T+liger", ""]
     results = {row["task"]: row["result"] for row in rows if row.get("kind") in DONE_KINDS and "task" in row}
     flops = {}
 
@@ -352,9 +367,9 @@ def render(rows: list[dict], state: Path) -> str:
                 lines.append(f"| {name} | {side} | - | failed: {result.get('error')} | | | | |")
                 continue
             tps = result.get("tokens_per_second", 0.0)
-            tuned = results.get(f"T {name}", {})
-            ratio = f"{tps / tuned['tokens_per_second']:.2f}x" if side.startswith("B") and tuned.get(
-                "tokens_per_second") else ""
+            tuned = max((results.get(f"{t} {name}", {}).get("tokens_per_second") or 0 for t in ("T", "T+liger")
+                         if results.get(f"{t} {name}", {}).get("ok", True) is not False), default=0)
+            ratio = f"{tps / tuned:.2f}x" if side.startswith("B") and tuned else ""
             batch = f"{result.get('micro_batch')} x {result.get('accumulation', 1)}"
             lines.append(f"| {name} | {side} | {batch} | {tps:,.0f} | {_gib(result.get('peak_bytes'))} | "
                          f"{mfu(name, spec.get('case', {}), tps) if spec.get('case') else 'n/a'} | "
@@ -408,6 +423,9 @@ def render(rows: list[dict], state: Path) -> str:
             lines += ["", "(CPU: the measured peak is the process's peak RSS above its RSS after imports; it checks the "
                           "plumbing, not the planner.)"]
         lines.append("")
+    lines += ["Targets (issue 25, one H100): B >= 1.3x the best tuned TRL baseline on every row, with matching losses;",
+              "MFU >= 45 % for 8B LoRA and >= 40 % for 0.5B full; predicted seconds per step within 15 % of measured;",
+              "the planner's peak within its measured error (docs/PLANNER.md, section 6).", ""]
     built = [row for row in rows if row.get("kind") == "W"]
     if built:
         lines += ["## Setup", ""] + [f"- weights of {Path(row['model']).name} ({row['dtype']}): {row['message']}"
@@ -434,20 +452,22 @@ def _shown(path: Path) -> str:
 
 # --- the command ----------------------------------------------------------------------------------
 
-def device_name(on_cuda: bool) -> str:
-    """The GPU's name without creating a CUDA context here (the workers measure alone on it)."""
-    if not on_cuda:
-        return f"CPU ({os.cpu_count()} cores), no GPU"
+def detect_device() -> tuple[bool, str]:
+    """(whether the tasks run on a GPU, its name), without creating a CUDA context here (the
+    workers measure alone on it); NVML first, so that a machine without a GPU answers at once."""
+    cpu = f"CPU ({os.cpu_count()} cores), no GPU"
     try:
         import pynvml
 
         pynvml.nvmlInit()
         name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 - no NVML: torch names it (and creates a context in this process)
-        import torch
+    except Exception:  # noqa: BLE001 - no NVML, no driver or no GPU
+        return False, cpu
+    import torch
 
-        return torch.cuda.get_device_name(0)
+    if not torch.cuda.is_available():  # a GPU this torch cannot use: the CPU path
+        return False, cpu
+    return True, name.decode() if isinstance(name, bytes) else str(name)
 
 
 def main() -> int:
@@ -478,11 +498,8 @@ def main() -> int:
         return 2
     lean()  # every measurement runs in a worker of its own
 
-    import torch
-
-    on_cuda = torch.cuda.is_available()
+    on_cuda, device = detect_device()
     state, output = Path(args.state), Path(args.output)
-    device = device_name(on_cuda)
     rows = read_rows(state)
     measured_on = {row["device"] for row in rows if row.get("kind") == "call"}
     if measured_on and measured_on != {device}:
@@ -509,10 +526,11 @@ def main() -> int:
         if left is not None and left < MIN_SECONDS_LEFT:
             cut = True
             break
-        if task["kind"] == "T":  # the search starts from half B's micro-batch (found by B, in the rows)
-            b_row = next((row["result"] for row in read_rows(state) if row.get("task") == f"B {task['key'][2:]}"
-                          and row.get("kind") == "B"), {})
-            task = {**task, "start": max(1, (b_row.get("micro_batch") or 8) // 2) if on_cuda else 8}
+        if task["kind"] == "T":  # the search starts from half B's micro-batch; T+liger runs at T's
+            name = task["case"]["name"]
+            found = {row["task"]: row["result"] for row in read_rows(state) if row.get("kind") in {"B", "T"}}
+            task = {**task, "start": max(1, (found.get(f"B {name}", {}).get("micro_batch") or 8) // 2) if on_cuda
+                    else 8, "micro": found.get(f"T {name}", {}).get("micro_batch")}
         if on_cuda:
             folder, dtype, target = weights_for(task)
             if not target.exists():

@@ -1,48 +1,39 @@
-"""Training throughput: SFT-Play against the baseline a user would otherwise write.
+"""Training throughput's sides: SFT-Play against the baseline a user would otherwise write.
 
-For each shape, on one device, with random weights built from a public model config (no
+For each shape (a Case), on one device, with random weights built from a public model config (no
 downloads) and a synthetic chat-like dataset of varied lengths (log-normal, a prompt share
 masked out of the loss):
 
   A  TRL's SFTTrainer with its defaults for the method (LoRA/QLoRA through its peft_config /
-     quantization_config), micro-batch 4, no packing, the same sequence cap;
+     quantization_config), micro-batch 4, no packing, the same sequence cap (run_baseline);
   T  TRL tuned as a competent user would: bf16, its BFD packing with padding-free rows, fused
-     AdamW, FlashAttention-2 where installed, at its fastest micro-batch (one process tries them
-     in increasing order, doubling until one runs out of memory); T+liger the same at T's micro-batch with TRL's
-     Liger kernels where liger-kernel is installed;
+     AdamW, FlashAttention-2 where installed, at its fastest micro-batch: one process tries them
+     in increasing order, doubling until one runs out of memory (run_tuned_search); T+liger the
+     same at T's micro-batch with TRL's Liger kernels where liger-kernel is installed;
   B  SFT-Play: its planner's micro-batch, packing with per-example position ids, its collator
-     and precision recipe, through the same functions the training entry uses;
-  B+lever  B with one kernel switch on (--levers; by default on a GPU every one that can run
-     there): flex (model.attn_implementation=flex_attention), compile (train.torch_compile),
-     liger (train.liger_kernels, where liger-kernel is installed), expandable
-     (train.expandable_segments). What pays becomes a default; the report is where that is read.
+     and precision recipe, through the same functions the training entry uses (run_sft_play);
+  B+lever  B with one kernel switch on (LEVERS): flex (model.attn_implementation=flex_attention),
+     compile (train.torch_compile), liger (train.liger_kernels, where liger-kernel is
+     installed), expandable (train.expandable_segments). What pays becomes a default.
 
-Each side runs in its own process; after warm-up steps, a fixed number of steps is timed. The
-report gives real (non-pad) tokens per second, peak memory, MFU (model FLOPs per token x
-tokens/s over the GPU's dense bf16 peak: 6N for full fine-tuning, 4N + 6N_lora for adapters,
-whose frozen base needs no weight gradients), B/A, and the mean loss of the last timed steps
-of each (speed must not come from training on less), B over the best tuned baseline, and the
-planner's predicted seconds per step beside the measured. It writes docs/benchmarks.md.
+After warm-up steps a fixed number of steps is timed: real (non-pad) tokens per second, peak
+memory, the mean loss of the last timed steps (speed must not come from training on less), and
+for B the planner's predicted peak and seconds per step. MFU: model FLOPs per token
+(flops_per_token: 6N full, 4N + 6N_lora for adapters, whose frozen base needs no weight
+gradients) x tokens/s over the GPU's dense bf16 peak (peak_flops).
 
-Without a GPU the CPU path runs a tiny shape with the same code, so the script cannot rot;
-the report says which rows await a GPU.
-
-Usage: python bench/throughput.py [--cases ...] [--levers flex compile liger expandable] [--steps 20] [--warmup 5]
-                                  [--output docs/benchmarks.md]
+`make bench-gpu` (bench/lease.py) runs these sides, each in a fresh process, most telling first,
+and writes the report (docs/gpu_lease.md); without a GPU the same code runs a tiny shape.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, lean, process_gpu_bytes, run_worker, versions  # bench/ is the script's folder
+from _common import CONFIGS, REPO, process_gpu_bytes  # bench/ is the script's folder
 from transformers import TrainerCallback
 
 # Dense bf16 peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
@@ -284,18 +275,6 @@ def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start
     return {**best, "searched": on_cuda, "tries": summary}
 
 
-def measure(side: str, case: Case, steps: int, warmup: int, timeout: int, **extra) -> dict:
-    with tempfile.TemporaryDirectory() as output_dir:
-        spec = {"side": side, "case": asdict(case), "steps": steps, "warmup": warmup, "dir": output_dir, **extra}
-        return run_worker(__file__, spec, timeout)
-
-
-def measure_tuned(case: Case, steps: int, warmup: int, timeout: int, tuned: str = "tuned", start: int = 2) -> dict:
-    """The tuned baseline at its fastest micro-batch, searched in one process (run_tuned_search),
-    starting from `start` (half side B's micro-batch, when known)."""
-    return measure("T-search", case, steps, warmup, timeout, tuned=tuned, start=start)
-
-
 def flops_per_token(case: Case) -> float:
     from sft_play import config as config_module
     from sft_play.planner import model_shape
@@ -313,146 +292,3 @@ def peak_flops(device_name: str) -> float | None:
         if name in device_name:
             return flops
     return None
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="*", help="case names (default: the GPU cases on a GPU, else the CPU case)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on a GPU, 4 on the CPU)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5 / 1)")
-    parser.add_argument("--output", default=str(REPO / "docs" / "benchmarks.md"))
-    parser.add_argument("--levers", nargs="*", choices=sorted(LEVERS), default=None,
-                        help="B rows with one kernel switch on (default: every one that runs here on a GPU, none on "
-                             "the CPU)")
-    parser.add_argument("--sides", nargs="*", choices=["A", "T", "B"], default=["A", "T", "B"],
-                        help="which sides to run (levers ride on B)")
-    parser.add_argument("--rows", help="also write the raw rows as JSON here, after every case")
-    parser.add_argument("--from-rows", nargs="*", help="render the report from rows JSON files written by --rows "
-                                                       "(several partial runs into one report); runs nothing")
-    parser.add_argument("--timeout", type=int, default=1200)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        spec = json.loads(args.worker)
-        case = Case(**spec["case"])
-        lean(case.method)
-        if spec["side"] == "B":
-            result = run_sft_play(case, spec["steps"], spec["warmup"], spec["dir"], spec.get("lever", ""))
-        elif spec["side"] == "T-search":
-            result = run_tuned_search(case, spec["steps"], spec["warmup"], spec["dir"], spec["start"],
-                                      tuned=spec.get("tuned", "tuned"))
-        else:
-            result = run_baseline(case, spec["steps"], spec["warmup"], spec["dir"], tuned=spec.get("tuned", ""),
-                                  micro=spec.get("micro", 4))
-        print(json.dumps(result))
-        return 0
-    lean()  # the sides run in workers; this process only plans and reports
-    if args.from_rows:
-        docs = [json.loads(Path(path).read_text()) for path in args.from_rows]
-        rows = [(Case(**case), sides, flops) for doc in docs for case, sides, flops in doc["rows"]]
-        meta = docs[0]
-        same = len({(doc["steps"], doc["warmup"]) for doc in docs}) == 1
-        commands = [doc["command"] + ("" if same else f" ({doc['warmup']} warm-up, {doc['steps']} timed steps)")
-                    for doc in docs]
-        Path(args.output).write_text(render(rows, meta["device"], meta["peak"], meta["on_cuda"],
-                                            meta["steps"] if same else None, meta["warmup"] if same else None,
-                                            sum(doc["seconds"] for doc in docs), commands=commands,
-                                            versions_line=meta["versions"]))
-        print(f"wrote {args.output}")
-        return 0
-
-    import torch
-
-    on_cuda = torch.cuda.is_available()
-    known = {c.name: c for c in GPU_CASES + CPU_CASES}
-    cases = [known[n] for n in args.cases] if args.cases else (GPU_CASES if on_cuda else CPU_CASES)
-    steps = args.steps or (20 if on_cuda else 4)
-    warmup = args.warmup if args.warmup is not None else (5 if on_cuda else 1)
-    device = torch.cuda.get_device_name(0) if on_cuda else f"CPU ({os.cpu_count()} cores)"
-    peak = peak_flops(device) if on_cuda else None
-    rows = []
-    started = time.time()
-    import importlib.util
-
-    liger = importlib.util.find_spec("liger_kernel") is not None and on_cuda
-    levers = args.levers if args.levers is not None else (
-        [lever for lever in LEVERS if lever != "liger" or liger] if on_cuda else [])
-    for case in cases:
-        sides = {}
-        if "A" in args.sides:
-            sides["A"] = measure("A", case, steps, warmup, args.timeout)
-        if "B" in args.sides:
-            sides["B"] = measure("B", case, steps, warmup, args.timeout)
-        if "T" in args.sides:  # the search starts from half B's micro-batch: fewer tries
-            start = max(1, (sides.get("B", {}).get("micro_batch") or 4) // 2) if on_cuda else 8
-            sides["T"] = measure_tuned(case, steps, warmup, args.timeout, start=start)
-            if liger:  # at T's micro-batch: Liger's kernels only lower the memory a micro-batch takes
-                sides["T+liger"] = measure("T", case, steps, warmup, args.timeout, tuned="liger",
-                                           micro=sides["T"].get("micro_batch") or start)
-        for lever in levers if "B" in args.sides else []:
-            sides[f"B+{lever}"] = measure("B", case, steps, warmup, args.timeout, lever=lever)
-        rows.append((case, sides, flops_per_token(case)))
-        print(f"{case.name}: " + ", ".join(f"{k} {v.get('tokens_per_second', 0):.0f} tok/s" for k, v in sides.items()),
-              flush=True)
-        if args.rows:  # after every case: a run cut short keeps what it measured
-            command = "python bench/throughput.py " + " ".join(sys.argv[1:])
-            Path(args.rows).write_text(json.dumps({
-                "device": device, "peak": peak, "on_cuda": on_cuda, "steps": steps, "warmup": warmup,
-                "seconds": time.time() - started, "command": command, "versions": versions(),
-                "rows": [(asdict(c), s, f) for c, s, f in rows]}, indent=1) + "\n")
-    Path(args.output).write_text(render(rows, device, peak, on_cuda, steps, warmup, time.time() - started))
-    print(f"wrote {args.output}")
-    return 0
-
-
-def render(rows, device, peak, on_cuda, steps, warmup, seconds, commands=None, versions_line=None) -> str:
-    commands = commands or ["python bench/throughput.py " + " ".join(sys.argv[1:])]
-    lines = ["# Throughput benchmark", ""]
-    if not on_cuda:
-        lines += [
-            "**These rows await a GPU:** " + ", ".join(c.name for c in GPU_CASES) + ". This report was produced on a",
-            "machine without one, by the CPU path (a tiny shape, the same code), which shows the benchmark runs, not",
-            "how fast SFT-Play is on a GPU. Run the command below on one (an H100 is the reference).",
-            "",
-        ]
-    lines += [
-        f"- device: {device}" + (f"; dense bf16 peak used for MFU: {peak / 1e12:.0f} TFLOP/s" if peak else ""),
-        f"- versions: {versions_line or versions()}",
-        *[f"- command: `{command.strip()}`" for command in commands],
-        (f"- {warmup} warm-up step(s), {steps} timed step(s) per side; wall time {seconds:.0f} s" if steps else
-         f"- warm-up and timed steps per side as each command says; wall time {seconds:.0f} s"),
-        "- A: TRL SFTTrainer with its defaults for the method, micro-batch 4, no packing; T: TRL tuned (bf16, its BFD",
-        "  packing with padding-free rows, fused AdamW, FlashAttention-2 where installed, its fastest micro-batch:",
-        "  one process tries them doubling from half B's until one runs out of memory); T+liger: T with TRL's Liger kernels at T's micro-batch (when installed);",
-        "  B: SFT-Play, planned, packed; B+lever: B with one kernel switch on (flex attention, compiled layers, Liger",
-        "  kernels, expandable segments). Tokens are real (non-pad) tokens. MFU: model FLOPs per token (6N full,",
-        "  4N + 6N_lora adapters) x tokens/s over the GPU's dense bf16 peak",
-        "",
-        "| case | side | micro | tokens/s | peak GiB | MFU | loss (last steps) | B over best tuned | s/step: predicted / measured |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for case, sides, flops in rows:
-        tuned = [v.get("tokens_per_second", 0) for k, v in sides.items() if k.startswith("T") and "error" not in v]
-        best = max(tuned) if tuned else 0
-        for side, result in sides.items():
-            if "error" in result or result.get("ok") is False:
-                lines.append(f"| {case.name} | {side} | - | failed: {result.get('error')} | | | | | |")
-                continue
-            tps = result["tokens_per_second"]
-            mfu = f"{100 * flops * tps / peak:.1f}%" if peak else "n/a"
-            memory = f"{result['peak_bytes'] / 1024**3:.1f}" if result.get("peak_bytes") else "n/a"
-            ours = side.startswith("B")
-            shown_ratio = f"{tps / best:.2f}x" if ours and best else ""
-            predicted = result.get("predicted_step_seconds")
-            timing = (f"{predicted:.3f} / {result['measured_step_seconds']:.3f}" if predicted
-                      else ("n/a (no GPU peak)" if ours else ""))
-            lines.append(f"| {case.name} | {side} | {result['micro_batch']} | {tps:,.0f} | {memory} | {mfu} | "
-                         f"{result['last_loss']:.3f} | {shown_ratio} | {timing} |")
-    lines += ["", "Targets (issue 14, H100): B >= 1.3x the best tuned TRL baseline on every row with matching losses;",
-              "MFU >= 45% for 8B LoRA and >= 40% for 0.5B full; predicted step time within 15%; no OOM at the planned",
-              "batch."]
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
