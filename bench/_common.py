@@ -39,7 +39,8 @@ def run_worker(script: str | Path, spec: dict, timeout: int) -> dict:
                 continue
     if "out of memory" in result.stderr.lower():
         return {"ok": False, "error": "out of memory"}
-    return {"ok": False, "error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    said = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"ok": False, "error": f"exit status {result.returncode}: {said}"}
 
 
 def lean(method: str | None = None) -> None:

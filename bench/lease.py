@@ -171,8 +171,9 @@ def read_rows(path: Path) -> list[dict]:
 
 def append_row(path: Path, row: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(json.dumps({**row, "at": round(time.time(), 1)}) + "\n")
+    torn = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+    with path.open("a") as handle:  # a line cut by a lease's end stays alone; this row starts its own
+        handle.write(("\n" if torn else "") + json.dumps({**row, "at": round(time.time(), 1)}) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -281,7 +282,7 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
                 render_to(state, output)
 
             result = throughput.run_tuned_search(case, steps["try_steps"], steps["try_warmup"], workdir, start,
-                                                 emit=emit)
+                                                 emit=emit, deadline=task.get("deadline"))
         else:
             result = measure_shape(Shape(**task["shape"]), model_folder(task), workdir)
     append_row(state, {"task": task["key"], "kind": kind, "result": result})
@@ -300,7 +301,12 @@ def measure_shape(shape: Shape, folder: str, workdir: str) -> dict:
     if facts.gpus:  # plan against the whole device: the measurement is of one process alone on it
         target = Target(1, facts.gpus[0].total_bytes, facts.gpus[0].name)
     predicted, _ = planner_accuracy.predict(case, shape.micro, target)
-    measured = planner_accuracy._worker(case, shape.micro, workdir)
+    try:
+        measured = planner_accuracy._worker(case, shape.micro, workdir)
+    except Exception as exc:  # noqa: BLE001 - out of memory above all: the row keeps the prediction
+        from throughput import out_of_memory
+
+        measured = {"ok": False, "error": out_of_memory(exc) or f"{type(exc).__name__}: {exc}"[:300]}
     return {"ok": measured.get("ok", False), "predicted": predicted, "measured": measured}
 
 
@@ -309,7 +315,12 @@ def measure_shape(shape: Shape, folder: str, workdir: str) -> dict:
 def render_to(state: Path, output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(output.name + ".tmp")
-    staging.write_text(render(read_rows(state), state))
+    try:
+        text = render(read_rows(state), state)
+    except Exception as exc:  # noqa: BLE001 - a report that cannot be drawn must not end the lease: the rows stay
+        text = (f"# GPU truth in one lease\n\nThe report could not be rendered ({type(exc).__name__}: {exc}); every "
+                f"figure is in its rows, `{state}`.\n")
+    staging.write_text(text)
     staging.replace(output)
 
 
@@ -349,19 +360,20 @@ def render(rows: list[dict], state: Path) -> str:
     results = {row["task"]: row["result"] for row in rows if row.get("kind") in DONE_KINDS and "task" in row}
     flops = {}
 
-    def mfu(key: str, case: dict, tps: float) -> str:
-        if not peak:
-            return "n/a"
-        if key not in flops:
-            flops[key] = throughput.flops_per_token(throughput.Case(**case))
-        return f"{100 * flops[key] * tps / peak:.1f}%"
+    known = {case.name: case for case in throughput.GPU_CASES + throughput.CPU_CASES}
 
-    tasks = {row["task"]: row.get("spec", {}) for row in rows if row.get("kind") == "start"}
-    speed = [(key, tasks.get(key, {}), result) for key, result in results.items() if key[0] in "ABT"]
+    def mfu(name: str, tps: float) -> str:
+        if not peak or name not in known:
+            return "n/a"
+        if name not in flops:
+            flops[name] = throughput.flops_per_token(known[name])
+        return f"{100 * flops[name] * tps / peak:.1f}%"
+
+    speed = [(key, result) for key, result in results.items() if key[0] in "ABT"]
     if speed:
         lines += ["## Throughput", "", "| case | side | micro x accumulation | tokens/s | peak GiB | MFU | loss (last steps) "
                   "| B over T |", "|---|---|---|---|---|---|---|---|"]
-        for key, spec, result in speed:
+        for key, result in speed:
             side, name = key.split(" ", 1)
             if result.get("ok") is False:
                 lines.append(f"| {name} | {side} | - | failed: {result.get('error')} | | | | |")
@@ -370,9 +382,10 @@ def render(rows: list[dict], state: Path) -> str:
             tuned = max((results.get(f"{t} {name}", {}).get("tokens_per_second") or 0 for t in ("T", "T+liger")
                          if results.get(f"{t} {name}", {}).get("ok", True) is not False), default=0)
             ratio = f"{tps / tuned:.2f}x" if side.startswith("B") and tuned else ""
-            batch = f"{result.get('micro_batch')} x {result.get('accumulation', 1)}"
+            batch = f"{result.get('micro_batch')} x {result.get('accumulation', 1)}" + (
+                " (search stopped by the deadline)" if result.get("stopped") else "")
             lines.append(f"| {name} | {side} | {batch} | {tps:,.0f} | {_gib(result.get('peak_bytes'))} | "
-                         f"{mfu(name, spec.get('case', {}), tps) if spec.get('case') else 'n/a'} | "
+                         f"{mfu(name, tps)} | "
                          f"{result.get('last_loss', float('nan')):.3f} | {ratio} |")
         tries = [(row["task"], row["result"]) for row in rows if row.get("kind") == "T-try"]
         if tries:
@@ -407,7 +420,7 @@ def render(rows: list[dict], state: Path) -> str:
         errors = []
         for key, result in shapes:
             predicted, measured = result.get("predicted", {}), result.get("measured", {})
-            if not measured.get("ok"):
+            if not measured.get("ok") or not measured.get("peak_bytes") or measured["peak_bytes"] <= 0:
                 lines.append(f"| {key[2:]} | {_gib(predicted.get('peak_bytes'))} / ({measured.get('error') or result.get('error')}) | | | |")
                 continue
             error = (predicted["peak_bytes"] - measured["peak_bytes"]) / measured["peak_bytes"]
@@ -538,12 +551,21 @@ def main() -> int:
                 message = build_weights(folder, dtype, int(left or 1800))
                 append_row(state, {"kind": "W", "model": folder, "dtype": dtype, "seconds": time.time() - began,
                                    "message": message})
-                if target.exists():
-                    built.append(target)
+                if not target.exists():  # timed out or failed: no half-written copy stays on the disk, and the
+                    for staging in target.parent.glob(f".{target.name}-*"):  # task waits for the next call
+                        shutil.rmtree(staging, ignore_errors=True)  # (a worker would build them on the CPU)
+                    append_row(state, {"kind": "cut", "task": task["key"], "why": f"weights: {message}"})
+                    render_to(state, output)
+                    continue
+                built.append(target)
                 left = deadline - time.time() if deadline else None
+                if left is not None and left < MIN_SECONDS_LEFT:
+                    cut = True
+                    break
         append_row(state, {"kind": "start", "task": task["key"], "spec": task})
         print(f"[{time.time() - started:5.0f} s] {task['key']}", flush=True)
-        spec = {"task": task, "state": str(state), "output": str(output), "on_cuda": on_cuda}
+        spec = {"task": {**task, "deadline": deadline}, "state": str(state), "output": str(output),
+                "on_cuda": on_cuda}
         result = run_worker(__file__, spec, timeout=int(left) if left is not None else 3600)
         rows = read_rows(state)
         if task["key"] in {row.get("task") for row in rows if row.get("kind") in DONE_KINDS}:

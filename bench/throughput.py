@@ -156,7 +156,9 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")  # pad id only; data is tokenised
     tokenizer.pad_token_id = 0
-    trainer = SFTTrainer(model=weights, args=args, train_dataset=_dataset(case, vocab, micro * (warmup + steps) * 2),
+    # Sized as B's: packing folds about seq_cap / mean_tokens examples into a row, and every timed step must be full
+    count = micro * (warmup + steps) * max(1, case.seq_cap // case.mean_tokens) * 2
+    trainer = SFTTrainer(model=weights, args=args, train_dataset=_dataset(case, vocab, count),
                          processing_class=tokenizer, peft_config=peft_config, quantization_config=quantization,
                          callbacks=[timer])
     return _finish(trainer, timer, micro)
@@ -207,9 +209,15 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     timer = StepTimer(warmup)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, packed, None, collator, [timer])
     trainer = make(run.with_changes(batch=split))
-    result = _finish(trainer, timer, split.micro_batch_size)
-    result.update(accumulation=split.gradient_accumulation_steps, predicted_peak=plan.peak_bytes_per_gpu,
-                  global_batch=split.global_batch_size,
+    predicted = {  # the plan's peak covers every smaller micro-batch too; the measurement is of this one
+        "predicted_peak": plan.peak_bytes_per_gpu - plan.breakdown.get("smaller_micro_batch", 0),
+        "predicted_peak_plan": plan.peak_bytes_per_gpu}
+    try:
+        result = _finish(trainer, timer, split.micro_batch_size)
+    except Exception as exc:  # noqa: BLE001 - out of memory above all: the row keeps what was predicted
+        return {"ok": False, "error": out_of_memory(exc) or f"{type(exc).__name__}: {exc}"[:300],
+                "micro_batch": split.micro_batch_size, **predicted}
+    result.update(accumulation=split.gradient_accumulation_steps, **predicted, global_batch=split.global_batch_size,
                   predicted_step_seconds=plan.time["seconds_per_step"] if plan.time else None,
                   measured_step_seconds=timer.seconds / max(1, steps))
     return result
@@ -219,76 +227,99 @@ def _finish(trainer, timer, micro: int) -> dict:
     import torch
 
     on_cuda = torch.cuda.is_available()
+    outside = 0
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
+        outside = outside_allocator_bytes()
     trainer.train()
     result = {"tokens_per_second": timer.tokens / timer.seconds if timer.seconds else 0.0, "tokens": timer.tokens,
               "seconds": timer.seconds, "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
               "micro_batch": micro, "last_loss": sum(timer.losses[-5:]) / max(1, len(timer.losses[-5:])),
               "steps": len(timer.losses)}
     if on_cuda:  # what the planner predicts: the allocator's peak reservation plus what lives outside it
-        result["reserved_bytes"] = torch.cuda.max_memory_reserved() + max(
-            0, process_gpu_bytes() - torch.cuda.memory_reserved())
+        outside = max(outside, outside_allocator_bytes())  # kernels load lazily during the first steps
+        result["reserved_bytes"] = torch.cuda.max_memory_reserved() + outside if outside else None
     return result
 
 
+def outside_allocator_bytes() -> int:
+    """What NVML sees this process hold beside torch's allocator (the CUDA context, kernels,
+    cuBLAS's workspace); 0 where NVML cannot say (then no comparable peak is reported)."""
+    import torch
+
+    try:
+        return max(0, process_gpu_bytes() - torch.cuda.memory_reserved())
+    except Exception:  # noqa: BLE001 - NVML unsupported, a device given by UUID or MIG id
+        return 0
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """'out of memory' for every form a GPU's runs out in (torch's allocator, cuBLAS, a raw CUDA
+    allocation), else None."""
+    import torch
+
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text:
+        return "out of memory"
+    return None
+
+
 def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start: int, tuned: str = "tuned",
-                     emit=None) -> dict:
+                     emit=None, deadline: float | None = None) -> dict:
     """T in one process: micro-batches in increasing order, doubling from `start`, each try on
     freshly loaded weights with its own warm-up and timed steps, until one runs out of memory
     (when `start` itself does not fit, halving down to the first that does); T is the fastest
     try. One process saves the imports and the start of a process per try, and measures the same
     thing: each try's model, optimizer and cache are freed (``empty_cache``) before the next.
-    Without a GPU nothing runs out of memory: one try at `start`. `emit` sees each try's result."""
+    Without a GPU nothing runs out of memory: one try at `start`. `emit` sees each try's result.
+    With a `deadline` (time.time()), no try starts that the last one's pace says cannot end in
+    time: the search stops with the tries it has (``"stopped": "deadline"``)."""
     import gc
 
     import torch
 
     on_cuda = torch.cuda.is_available()
     tries: list[dict] = []
+    stopped = ""
 
     def attempt(micro: int) -> dict:
+        began = time.time()
         try:
             result = run_baseline(case, steps, warmup, os.path.join(output_dir, f"micro{micro}"), tuned=tuned,
                                   micro=micro)
-        except torch.OutOfMemoryError:
-            result = {"ok": False, "error": "out of memory", "micro_batch": micro}
+        except Exception as exc:  # noqa: BLE001 - out of memory ends the doubling; anything else is said
+            result = {"ok": False, "micro_batch": micro,
+                      "error": out_of_memory(exc) or f"{type(exc).__name__}: {exc}"[:300]}
+        result["try_seconds"] = time.time() - began
         gc.collect()
         if on_cuda:
             torch.cuda.empty_cache()
+            result["allocated_after"] = torch.cuda.memory_allocated()  # 0 when the try freed everything
         tries.append(result)
         if emit:
             emit(result)
         return result
 
+    def time_for(micro: int) -> bool:
+        nonlocal stopped
+        if deadline is None or not tries:
+            return True
+        needed = 2.5 * tries[-1]["try_seconds"] * (2 if micro > (tries[-1].get("micro_batch") or 0) else 1)
+        if time.time() + needed > deadline:
+            stopped = "deadline"
+        return not stopped
+
     micro = max(1, start)
-    if attempt(micro).get("ok", True) is False:  # the start does not fit: halve to the first that does
-        while micro > 1 and attempt(micro := micro // 2).get("ok", True) is False:
+    first = attempt(micro)
+    if first.get("ok", True) is False:  # the start does not fit: halve to the first that does
+        while micro > 1 and time_for(micro // 2) and attempt(micro := micro // 2).get("ok", True) is False:
             pass
     elif on_cuda:
-        while micro < 1024 and attempt(micro := micro * 2).get("ok", True) is not False:
+        while micro < 1024 and time_for(micro * 2) and attempt(micro := micro * 2).get("ok", True) is not False:
             pass
     good = [t for t in tries if t.get("ok", True) is not False]
-    best = max(good, key=lambda t: t["tokens_per_second"]) if good else {"ok": False, "error": "no micro-batch trains"}
+    best = max(good, key=lambda t: t["tokens_per_second"]) if good else {
+        "ok": False, "error": tries[-1].get("error") if tries else "no micro-batch trains"}
     summary = [{"micro_batch": t.get("micro_batch"), "tokens_per_second": t.get("tokens_per_second"),
                 "peak_bytes": t.get("peak_bytes"), "error": t.get("error")} for t in tries]
-    return {**best, "searched": on_cuda, "tries": summary}
-
-
-def flops_per_token(case: Case) -> float:
-    from sft_play import config as config_module
-    from sft_play.planner import model_shape
-
-    config = config_module.load(None, [f"model.name_or_path={case.model}", f"finetune.method={case.method}",
-                                       "lora.r=16"], check_paths=False)
-    shape = model_shape(config)
-    if case.method == "full":
-        return 6.0 * shape.total_params
-    return 4.0 * shape.total_params + 6.0 * shape.lora_params
-
-
-def peak_flops(device_name: str) -> float | None:
-    for name, flops in PEAK_BF16.items():
-        if name in device_name:
-            return flops
-    return None
+    return {**best, "searched": on_cuda, "tries": summary, **({"stopped": stopped} if stopped else {})}

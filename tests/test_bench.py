@@ -131,3 +131,45 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
     config = json.loads((cut / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and all(len(v) == 6 for v in config.values() if isinstance(v, list)
                                                     and len(v) > 1)
+
+
+def test_the_tuned_search_doubles_until_memory_runs_out_in_any_form_and_keeps_the_best(monkeypatch):
+    sys.path.insert(0, str(REPO / "bench"))
+    import throughput
+
+    seen = []
+
+    def fake_baseline(case, steps, warmup, output_dir, tuned="", micro=4):
+        seen.append(micro)
+        if micro >= 32:  # cuBLAS runs out as a RuntimeError, not torch.OutOfMemoryError
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return {"tokens_per_second": {4: 100.0, 8: 180.0, 16: 170.0}[micro], "micro_batch": micro}
+
+    monkeypatch.setattr(throughput, "run_baseline", fake_baseline)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    case = throughput.CPU_CASES[0]
+    result = throughput.run_tuned_search(case, 2, 1, "/tmp/unused", start=4)
+    assert seen == [4, 8, 16, 32] and result["micro_batch"] == 8 and result["tokens_per_second"] == 180.0
+    assert result["tries"][-1]["error"] == "out of memory"
+    seen.clear()  # the start does not fit: halving to the first that does
+    result = throughput.run_tuned_search(case, 2, 1, "/tmp/unused", start=64)
+    assert seen == [64, 32, 16] and result["micro_batch"] == 16
+    seen.clear()  # another error after a good try ends the search with what it has, said in the tries
+
+    def broken(case, steps, warmup, output_dir, tuned="", micro=4):
+        seen.append(micro)
+        if micro > 4:
+            raise ValueError("a bug")
+        return {"tokens_per_second": 50.0, "micro_batch": micro}
+
+    monkeypatch.setattr(throughput, "run_baseline", broken)
+    result = throughput.run_tuned_search(case, 2, 1, "/tmp/unused", start=4)
+    assert seen == [4, 8] and result["micro_batch"] == 4 and result["tries"][1]["error"] == "ValueError: a bug"
+    seen.clear()  # a deadline the last try's pace cannot meet starts no further try
+    monkeypatch.setattr(throughput, "run_baseline", fake_baseline)
+    import time
+
+    result = throughput.run_tuned_search(case, 2, 1, "/tmp/unused", start=4, deadline=time.time() - 1)
+    assert seen == [4] and result["stopped"] == "deadline" and result["micro_batch"] == 4
