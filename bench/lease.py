@@ -341,7 +341,8 @@ def render(rows: list[dict], state: Path) -> str:
         lines += ["**No GPU figure exists in this report.** It was produced on a machine without a GPU, by the CPU path",
                   "(a tiny shape through the same code), which shows that the command, its rows and its resumption work,",
                   "not how fast or how well planned SFT-Play is on a GPU. Run `make bench-gpu` on one (an H100 is the",
-                  "reference).", ""]
+                  "reference).", "", "These rows await a GPU: " + ", ".join(task["key"] for task in gpu_plan()) + ".",
+                  ""]
     lines += [f"- device: {device}" + (f"; dense bf16 peak for MFU: {peak / 1e12:.0f} TFLOP/s" if peak else ""),
               f"- versions: {calls[0]['versions'] if calls else versions()}", f"- rows: `{_shown(state)}`"]
     for number, call in enumerate(calls, 1):

@@ -76,6 +76,7 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(tmp_pat
     assert first.returncode == 0, first.stderr[-3000:]
     text = report.read_text()
     assert "No GPU figure exists in this report" in text and "- device: CPU" in text
+    assert "These rows await a GPU: B qwen2.5-0.5b-full, T qwen2.5-0.5b-full, B llama-3.1-8b-lora" in text
     assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
     assert "2 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
