@@ -219,13 +219,16 @@ def cut_layers(folder: Path, layers: int) -> Path:
     return target
 
 
-def weights_for(task: dict) -> tuple[str, str, Path]:
-    """(config folder, dtype, the folder SFT-Play loads its random weights from)."""
+def weights_for(task: dict) -> tuple[str, str, Path | None]:
+    """(config folder, dtype, the folder SFT-Play loads its random weights from; None when the
+    folder has weights of its own, which the workers load as they are)."""
     from sft_play import config as config_module
-    from sft_play.model import init_weights_dir
+    from sft_play.model import has_weights, init_weights_dir
     from sft_play.precision import init_weights_dtype
 
     folder = model_folder(task)
+    if has_weights(folder):
+        return folder, "", None
     method = task["case"]["method"] if task["kind"] != "P" else task["shape"]["method"]
     config = config_module.load(None, [f"model.name_or_path={folder}", f"finetune.method={method}"],
                                 check_paths=False)
@@ -547,7 +550,7 @@ def main() -> int:
                     else 8, "micro": found.get(f"T {name}", {}).get("micro_batch")}
         if on_cuda:
             folder, dtype, target = weights_for(task)
-            if not target.exists():
+            if target is not None and not target.exists():
                 began = time.time()
                 message = build_weights(folder, dtype, int(left or 1800))
                 append_row(state, {"kind": "W", "model": folder, "dtype": dtype, "seconds": time.time() - began,

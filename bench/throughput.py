@@ -323,3 +323,22 @@ def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start
     summary = [{"micro_batch": t.get("micro_batch"), "tokens_per_second": t.get("tokens_per_second"),
                 "peak_bytes": t.get("peak_bytes"), "error": t.get("error")} for t in tries]
     return {**best, "searched": on_cuda, "tries": summary, **({"stopped": stopped} if stopped else {})}
+
+
+def flops_per_token(case: Case) -> float:
+    from sft_play import config as config_module
+    from sft_play.planner import model_shape
+
+    config = config_module.load(None, [f"model.name_or_path={case.model}", f"finetune.method={case.method}",
+                                       "lora.r=16"], check_paths=False)
+    shape = model_shape(config)
+    if case.method == "full":
+        return 6.0 * shape.total_params
+    return 4.0 * shape.total_params + 6.0 * shape.lora_params
+
+
+def peak_flops(device_name: str) -> float | None:
+    for name, flops in PEAK_BF16.items():
+        if name in device_name:
+            return flops
+    return None

@@ -174,3 +174,35 @@ def test_the_tuned_search_doubles_until_memory_runs_out_in_any_form_and_keeps_th
 
     result = throughput.run_tuned_search(case, 2, 1, "/tmp/unused", start=4, deadline=time.time() - 1)
     assert seen == [4] and result["stopped"] == "deadline" and result["micro_batch"] == 4
+
+
+def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import lease
+
+    gib = 1024**3
+    rows = [
+        {"kind": "call", "call": "1", "device": "NVIDIA H100 80GB HBM3", "on_cuda": True, "versions": "v",
+         "command": "make bench-gpu"},
+        {"task": "B qwen2.5-0.5b-full", "kind": "B", "result": {
+            "tokens_per_second": 60000.0, "micro_batch": 16, "accumulation": 2, "peak_bytes": 50 * gib,
+            "last_loss": 9.5, "predicted_peak": 55 * gib, "reserved_bytes": 54 * gib, "predicted_step_seconds": 1.1,
+            "measured_step_seconds": 1.0}},
+        {"task": "T qwen2.5-0.5b-full", "kind": "T-try", "result": {"ok": False, "micro_batch": 32,
+                                                                    "error": "out of memory"}},
+        {"task": "T qwen2.5-0.5b-full", "kind": "T", "result": {
+            "tokens_per_second": 40000.0, "micro_batch": 16, "peak_bytes": 60 * gib, "last_loss": 9.6}},
+        {"task": "P llama-3.2-3b full 2048 ckpt on micro 4", "kind": "P", "result": {
+            "ok": True, "predicted": {"peak_bytes": 51 * gib, "allocated_bytes": 48 * gib},
+            "measured": {"ok": True, "peak_bytes": 50 * gib, "allocated_bytes": 47 * gib}}},
+        {"task": "B llama-3.1-8b-lora", "kind": "B", "result": {"ok": False, "error": "out of memory",
+                                                                  "predicted_peak": 70 * gib}},
+    ]
+    text = lease.render(rows, tmp_path / "rows.jsonl")
+    assert "could not be rendered" not in text and "No GPU figure" not in text
+    b = next(line for line in text.splitlines() if line.startswith("| qwen2.5-0.5b-full | B |")).split("|")
+    assert b[3].strip() == "16 x 2" and b[6].strip().endswith("%") and b[8].strip() == "1.50x"
+    assert "| B qwen2.5-0.5b-full | 1.100 / 1.000 | +10.0% | 55.00 / 54.00 | +1.9% |" in text
+    assert "| llama-3.2-3b full 2048 ckpt on micro 4 | 51.00 / 50.00 | +2.0% |" in text
+    assert "Peak: median absolute error 2.0%" in text and "32: out of memory" in text
+    assert "| llama-3.1-8b-lora | B | - | failed: out of memory |" in text
