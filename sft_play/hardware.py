@@ -10,6 +10,7 @@ to CUDA devices by UUID, so that asking does not create a CUDA context on every 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import re
@@ -71,6 +72,10 @@ class HardwareInfo:
     python_version: str = ""
     torch_version: str | None = None
     platform: str = ""
+    # What one training process held on these GPUs outside PyTorch's allocator (CUDA context,
+    # kernels, libraries; NCCL's buffers with several processes), measured on this machine with
+    # this driver and torch: {"one_process": bytes, "several_processes": bytes}, each where measured
+    outside_allocator: dict[str, int] = field(default_factory=dict)
 
     @property
     def has_gpu(self) -> bool:
@@ -285,7 +290,108 @@ def detect() -> HardwareInfo:
                 nvlinks_active=nvlinks,
             )
         )
+    info.outside_allocator = remembered_outside_allocator(info)
     return info
+
+
+# What lives outside PyTorch's allocator on a GPU is the runtime's (the CUDA context with its
+# lazily loaded kernels, cuBLAS and cuDNN handles, NCCL's communicator buffers), different for
+# every GPU, driver and CUDA build: it is measured, not assumed, wherever a GPU is present. A
+# training run measures it at its end (NVML's figure for the process less the allocator's
+# reservation); ``make gpu-info`` measures it once when no run has. Kept per GPU model, driver,
+# CUDA runtime and torch, in $SFT_PLAY_CACHE/cuda_runtime.json.
+RUNTIME_RECORD = "cuda_runtime.json"
+
+
+def _runtime_record_path() -> Path:
+    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play")) / RUNTIME_RECORD
+
+
+def runtime_key(info: HardwareInfo) -> str | None:
+    """The GPU, driver, CUDA runtime and torch a measurement of the runtime's memory holds for
+    (None without a GPU)."""
+    if not info.gpus:
+        return None
+    return (f"{info.gpus[0].name} | driver {info.driver_version or '?'} | CUDA {info.cuda_runtime_version or '?'} | "
+            f"torch {info.torch_version or '?'}")
+
+
+def _read_runtime_record() -> dict[str, Any]:
+    try:
+        record = json.loads(_runtime_record_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def remembered_outside_allocator(info: HardwareInfo) -> dict[str, int]:
+    """What this machine's GPUs were measured to hold outside the allocator, by process count
+    (``one_process``, ``several_processes``); empty where nothing was measured yet."""
+    entry = _read_runtime_record().get(runtime_key(info) or "", {})
+    return {k: int(v) for k, v in entry.items() if k in ("one_process", "several_processes") and isinstance(v, int) and v > 0}
+
+
+def remember_outside_allocator(info: HardwareInfo, processes: int, measured_bytes: int) -> None:
+    """Keep a measurement of what a process held outside the allocator (the largest seen for this
+    GPU, driver and build: kernels load lazily, so a longer run can only have loaded more).
+    Never fails a run: a cache that cannot be written is skipped."""
+    key = runtime_key(info)
+    if key is None or measured_bytes <= 0:
+        return
+    kind = "several_processes" if processes > 1 else "one_process"
+    path = _runtime_record_path()
+    try:
+        record = _read_runtime_record()
+        entry = record.setdefault(key, {})
+        if measured_bytes <= entry.get(kind, 0):
+            return
+        entry[kind] = int(measured_bytes)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        os.replace(temporary, path)  # atomic: ranks of one node may write at once
+    except OSError:
+        return
+
+
+def process_gpu_bytes(device_index: int = 0) -> int | None:
+    """What NVML says this process holds on CUDA device `device_index` (None where NVML cannot
+    say: no driver, a container without process accounting, a device named by UUID or MIG id)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        physical = int(visible.split(",")[device_index]) if visible and visible.split(",")[0].isdigit() else device_index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid():
+                return int(process.usedGpuMemory or 0)
+    except Exception:  # noqa: BLE001 - NVML missing or unreadable
+        return None
+    return None
+
+
+def measure_outside_allocator(device_index: int = 0) -> int | None:
+    """Measure, in this process, what one training process holds on a GPU outside PyTorch's
+    allocator: create the CUDA context, load the kernels a training step uses first (a cuBLAS
+    matmul and its backward, softmax, SDPA) in the GPU's 16-bit dtype, and take NVML's figure for
+    the process less the allocator's reservation. None where NVML cannot say."""
+    import torch
+
+    device = torch.device("cuda", device_index)
+    dtype = torch.bfloat16 if gpu_computes_bf16(torch.cuda.get_device_capability(device)) else torch.float16
+    weight = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(4, 2, 128, 64, device=device, dtype=dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).flatten(2) @ weight
+    out.float().softmax(-1).sum().backward()
+    torch.cuda.synchronize(device)
+    del weight, x, out
+    torch.cuda.empty_cache()
+    process = process_gpu_bytes(device_index)
+    if process is None:
+        return None
+    return max(0, process - torch.cuda.memory_reserved(device))
 
 
 def format_report(info: HardwareInfo) -> str:
@@ -306,6 +412,10 @@ def format_report(info: HardwareInfo) -> str:
         )
         if info.links:
             lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
+        if info.outside_allocator:
+            lines.append("  outside PyTorch's allocator, per training process (measured here; the planner uses it): "
+                         + ", ".join(f"{v / GIB:.2f} GiB with {k.replace('_', ' ')}"
+                                     for k, v in sorted(info.outside_allocator.items())))
     else:
         reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"
         lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan needs the hardware described: NUM_GPUS=8 VRAM_GIB=80.")

@@ -17,12 +17,12 @@ them as a table, the planner's error on the user's own hardware.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 from pathlib import Path
 from typing import Any
 
+from sft_play import hardware
 from sft_play.units import GIB
 
 RECORD = "memory_check.json"
@@ -37,27 +37,11 @@ def measure_here(on_cuda: bool, device_index: int = 0) -> dict[str, int]:
         reserved_now = torch.cuda.memory_reserved(device_index)
         measured.update(max_memory_reserved=torch.cuda.max_memory_reserved(device_index),
                         max_memory_allocated=torch.cuda.max_memory_allocated(device_index))
-        process = _nvml_process_bytes(device_index)
+        process = hardware.process_gpu_bytes(device_index)
         if process is not None:
             measured["nvml_process_bytes"] = process
             measured["outside_allocator_bytes"] = max(0, process - reserved_now)
     return measured
-
-
-def _nvml_process_bytes(device_index: int) -> int | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        physical = int(visible.split(",")[device_index]) if visible and visible.split(",")[0].isdigit() else device_index
-        handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == os.getpid():
-                return int(process.usedGpuMemory or 0)
-    except Exception:  # noqa: BLE001 - NVML missing or unreadable: the allocator's figures remain
-        return None
-    return None
 
 
 def comparable_peak(measured: dict[str, int]) -> int | None:
@@ -89,6 +73,14 @@ def record(run_dir: Path, plan: Any, run: Any, ranks: list[dict[str, int]], outc
     }
     (run_dir / RECORD).write_text(json.dumps(document, indent=2) + "\n")
     return document
+
+
+def remember_runtime(facts: Any, ranks: list[dict[str, int]]) -> None:
+    """Keep what the ranks held outside the allocator (the largest of them) as this machine's
+    measurement (:func:`sft_play.hardware.remember_outside_allocator`), for the next plans."""
+    outside = [rank["outside_allocator_bytes"] for rank in ranks if rank.get("outside_allocator_bytes")]
+    if outside:
+        hardware.remember_outside_allocator(facts, len(ranks), max(outside))
 
 
 def line(document: dict[str, Any]) -> str:

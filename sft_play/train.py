@@ -140,6 +140,8 @@ def train(config: RunConfig, config_path: str) -> int:
         record_run(run_dir, run, planned)
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
+        if where.on_cuda:  # what lives outside the allocator here, for the next plans on this machine
+            memory_check.remember_runtime(facts, measured)
     if guard.stopped_at is not None:
         raise UserError(nan_message(config, guard.stopped_at, run_dir))
     if stop.received:

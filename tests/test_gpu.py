@@ -41,3 +41,18 @@ def test_qlora_trains_on_the_gpu(tmp_path):
     result = run_script("generate.py", "--run", str(run_dir), "--count", "2", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("after:") == 2
+
+
+def test_a_run_measures_what_lives_outside_the_allocator_and_the_next_plan_uses_it(tmp_path, monkeypatch):
+    from sft_play import hardware
+
+    measured = hardware.measure_outside_allocator(0)
+    assert measured is None or 100 * 2**20 < measured < 4 * 2**30  # None where NVML cannot see processes
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    run_dir, _ = train(tmp_path, "measured", "train.mixed_precision=auto")
+    check = json.loads((run_dir / "memory_check.json").read_text())
+    if "outside_allocator_bytes" in check["ranks"][0]:
+        remembered = hardware.detect().outside_allocator
+        assert remembered["one_process"] == check["ranks"][0]["outside_allocator_bytes"]
+        planned = run_script("plan.py", "--config", "configs/run_tiny.yaml", "--json", env={"SFT_PLAY_CACHE": str(tmp_path / "cache")})
+        assert "measured on these GPUs" in planned.stdout

@@ -19,9 +19,12 @@ from sft_play.units import MIB
 
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weights
 DOUBLE_QUANT_BLOCK = 256  # with double quantisation the absmax constants are quantised in blocks of 256
-# Outside PyTorch's allocator, per process: the CUDA context with lazily loaded kernels (CUDA 12/13
-# on Hopper; the H100 rows of tests/fixtures/h100_measurements.json agree with it), and NCCL's
-# communicator buffers with more than one process
+# Outside PyTorch's allocator, per process, where nothing was measured on the GPUs that train
+# (a run measures it at its end and make gpu-info once: hardware.outside_allocator, which wins):
+# the CUDA context with its lazily loaded kernels, as measured on an H100 80GB HBM3 with CUDA 13 and
+# torch 2.11 (NVML's figure for a training process less its reservation, 500-530 MiB over the
+# rows of tests/fixtures/h100_measurements.json), and NCCL's communicator buffers with more than
+# one process, an estimate never measured here (docs/PLANNER.md, section 4, says how it was made)
 CUDA_CONTEXT_BYTES = 512 * MIB
 NCCL_BYTES = 320 * MIB
 
@@ -170,12 +173,20 @@ def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
     return rest
 
 
+def fsdp_gathered_bytes(params: int, quantized: int, recipe: Recipe) -> int:
+    """Bytes FSDP2 all-gathers for `params` parameters of which `quantized` are QLoRA's packed
+    4-bit weights: those as they are stored (half a byte per weight, in a float storage dtype),
+    the rest in its ``param_dtype``."""
+    quantized = quantized if recipe.method == "qlora" else 0
+    return quantized // 2 + (params - quantized) * recipe.gathered_bytes
+
+
 def gathered_layer_bytes(shape: ModelShape, recipe: Recipe) -> int:
-    """The largest decoder layer as FSDP2 all-gathers it: in its ``param_dtype``, QLoRA's packed
-    4-bit weights as they are stored (half a byte per weight, in a float storage dtype)."""
+    """The largest decoder layer as FSDP2 all-gathers it (:func:`fsdp_gathered_bytes`)."""
     if recipe.method == "qlora" and shape.layer_tensors:
-        return max(sum(n // 2 if quantized else n * recipe.gathered_bytes for n, quantized in shape.tensors_of_layer(i))
-                   for i in range(shape.num_layers))
+        return max(fsdp_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
+                                       recipe)
+                   for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
     return largest_layer_params(shape) * recipe.gathered_bytes
 
 
@@ -297,8 +308,11 @@ def zero_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
     return 2 * (2 * reduce_bucket) + 2 * allgather_bucket
 
 
-def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True) -> int:
-    """What a process holds outside PyTorch's allocator: the CUDA context, NCCL's buffers."""
+def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True, measured: int | None = None) -> int:
+    """What a process holds outside PyTorch's allocator: the CUDA context, NCCL's buffers; what
+    was `measured` on the GPUs that train when there is a measurement (for this world size)."""
     if not on_cuda:
         return 0
+    if measured is not None:
+        return measured
     return CUDA_CONTEXT_BYTES + (NCCL_BYTES if recipe.world_size > 1 else 0)

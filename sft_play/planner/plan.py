@@ -15,13 +15,14 @@ from typing import Any
 
 from sft_play.config import RunConfig
 from sft_play.hardware import gpu_model_for_memory
+from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split, largest_fitting_micro
-from sft_play.planner.predict import REPLAYS, STAND_INS, Prediction, predict, static_lower_bound
+from sft_play.planner.predict import REPLAYS, STAND_INS, Prediction, predict, recipe_for, static_lower_bound
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
-from sft_play.units import GIB
+from sft_play.units import GIB, MIB
 
 
 @dataclass
@@ -37,6 +38,10 @@ class Target:
     gpu_model: str = ""  # the GPU's name, for its peak FLOP/s (the time prediction)
     interconnect: str = "nvlink"  # between the GPUs of a node: nvlink or pcie
     gpus_per_node: int = 8
+    # What a process holds outside PyTorch's allocator, measured on these GPUs (None: not
+    # measured; the planner's constants), and where the figure comes from
+    outside_allocator_bytes: int | None = None
+    outside_allocator_source: str = ""
 
 
 @dataclass
@@ -100,7 +105,8 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
     """The run `config` makes on `target` (see :func:`sft_play.run.resolve`)."""
     return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
                    world_size=target.world_size, data_stats=data_stats, model_facts=shape,
-                   local=target.source in ("detected", "host memory"))
+                   local=target.source in ("detected", "host memory"),
+                   outside_allocator_bytes=target.outside_allocator_bytes)
 
 
 def make_plan(
@@ -207,6 +213,10 @@ def make_plan(
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     notes.extend(kernel_notes(config, run))
+    if target.on_cuda and target.source == "detected":
+        outside = memory.outside_allocator_bytes(recipe_for(run), True, run.outside_allocator_bytes)
+        notes.append(f"outside PyTorch's allocator: {outside / GIB:.2f} GiB per process, "
+                     f"{target.outside_allocator_source}")
     if config.model.attn_implementation == "auto" and target.source not in ("detected", "host memory") \
             and run.attention == "sdpa" and run.on_cuda:
         notes.append("model.attn_implementation=auto on hardware described, not this machine's: planned as SDPA; "
@@ -300,9 +310,11 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         smallest = min(local, key=lambda g: g.free_bytes)
         note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"
         linked = all(g.nvlinks_active for g in local) if len(local) > 1 else True
+        outside, source = measured_outside_allocator(hardware.outside_allocator, count)
         return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
                       bf16_supported=all(g.bf16_supported for g in local), gpu_model=gpu_model or smallest.name,
-                      interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus))
+                      interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus),
+                      outside_allocator_bytes=outside, outside_allocator_source=source)
     if allow_cpu:
         count = gpus or 1
         # Processes on one host share its memory
@@ -310,6 +322,22 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
                       bf16_supported=hardware.cpu_bf16, on_cuda=False, source="host memory")
     raise ValueError("no CUDA GPU on this machine: say what to plan for with NUM_GPUS=N VRAM_GIB=G "
                      "(e.g. make plan NUM_GPUS=8 VRAM_GIB=80; scripts/plan.py takes --gpus 8 --vram-gib 80)")
+
+
+def measured_outside_allocator(measured: dict[str, int], processes: int) -> tuple[int | None, str]:
+    """What a process of a run of `processes` holds outside the allocator, from what was measured
+    on these GPUs (:attr:`sft_play.hardware.HardwareInfo.outside_allocator`), and what the figure
+    is: a run of several processes measured it with NCCL's buffers; a one-process measurement
+    takes NCCL's estimate on top. (None, why) where nothing was measured."""
+    if processes > 1 and "several_processes" in measured:
+        return measured["several_processes"], "measured on these GPUs by a run of several processes"
+    if "one_process" in measured:
+        nccl = memory.NCCL_BYTES if processes > 1 else 0
+        return measured["one_process"] + nccl, ("measured on these GPUs" + (
+            f", plus NCCL's buffers ({nccl / MIB:.0f} MiB, an estimate)" if nccl else ""))
+    return None, ("not measured on these GPUs yet (a finished run or make gpu-info measures it): the CUDA context "
+                  f"as on an H100 ({memory.CUDA_CONTEXT_BYTES / MIB:.0f} MiB)"
+                  + (f" plus NCCL's buffers ({memory.NCCL_BYTES / MIB:.0f} MiB, an estimate)" if processes > 1 else ""))
 
 
 def kernel_notes(config: RunConfig, run: Run) -> list[str]:

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sft_play.planner import memory
 from sft_play.planner.predict import recipe_for
 from sft_play.planner.shapes import ModelShape
 from sft_play.run import Run
@@ -115,9 +116,7 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
     if run.fsdp:
         gathers = 2 if run.reshard_after_forward else 1
         reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
-        gathered = shape.total_params * recipe.gathered_bytes
-        if run.method == "qlora":  # the packed 4-bit weights gather as stored
-            gathered = shape.quantized_params // 2 + (shape.total_params - shape.quantized_params) * recipe.gathered_bytes
+        gathered = memory.fsdp_gathered_bytes(shape.total_params, shape.quantized_params, recipe)
         per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
         return share * per_micro * max(1, micro_batches)
     grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
