@@ -21,10 +21,11 @@ NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax constant per 64 weig
 DOUBLE_QUANT_BLOCK = 256  # with double quantisation the absmax constants are quantised in blocks of 256
 # Outside PyTorch's allocator, per process, where nothing was measured on the GPUs that train
 # (a run measures it at its end and make gpu-info once: hardware.outside_allocator, which wins):
-# the CUDA context with its lazily loaded kernels, as measured on an H100 80GB HBM3 with CUDA 13 and
-# torch 2.11 (NVML's figure for a training process less its reservation, 500-530 MiB over the
-# rows of tests/fixtures/h100_measurements.json), and NCCL's communicator buffers with more than
-# one process, an estimate never measured here (docs/PLANNER.md, section 4, says how it was made)
+# the CUDA context with its lazily loaded kernels, set by hand for an H100 80GB HBM3 with CUDA 13
+# and torch 2.11 (no figure of it was recorded; the rows of tests/fixtures/h100_measurements.json,
+# whose measured peaks include it, agree with it, and +-100 MiB moves their worst error 2-7
+# points), and NCCL's communicator buffers with more than one process, an estimate never measured
+# here (docs/PLANNER.md, section 4, says how both were made)
 CUDA_CONTEXT_BYTES = 512 * MIB
 NCCL_BYTES = 320 * MIB
 
