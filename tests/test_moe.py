@@ -15,7 +15,9 @@ import torch
 from sft_play import config as config_module
 from sft_play.architecture import build_meta_model, load_model_config
 from sft_play.planner import Target, make_plan, resolve_for
-from tests.conftest import FIXTURES, PINNED, REPO, run_script
+from tests.conftest import FIXTURES, PINNED, REPO, run_script, run_scripts_together
+from tests.test_distributed import TINY as TWO_RANKS
+from tests.test_distributed import check_two_rank_run
 
 GIB = 1024**3
 MOE = ("tiny-qwen3-moe", "tiny-mixtral")
@@ -96,20 +98,40 @@ def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
     assert any("could not be traced (RuntimeError: an op the tracer does not know)" in w for w in plan.warnings)
 
 
-def _train(root, model: str, method: str, steps: int = 6):
-    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        "train.run_name=run", *PINNED, f"finetune.method={method}", f"train.max_steps={steps}",
-                        "train.logging_steps=2", "train.learning_rate=5e-3",
-                        f"model.name_or_path={FIXTURES / 'model_configs' / model}",
-                        "model.tokenizer_name_or_path=configs/tiny_model")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    return root / "run"
+def _train_args(root, model: str, method: str, steps: int = 6) -> tuple:
+    return ("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
+            "train.run_name=run", *PINNED, f"finetune.method={method}", f"train.max_steps={steps}",
+            "train.logging_steps=2", "train.learning_rate=5e-3", f"model.name_or_path={FIXTURES / 'model_configs' / model}",
+            "model.tokenizer_name_or_path=configs/tiny_model")
+
+
+# The training processes of this module, started together (tests/conftest.run_scripts_together):
+# a Qwen3-MoE LoRA run that several tests read, each family from the entry script, and a
+# Qwen3-MoE under DDP on 2 CPU processes
+ENTRY_RUNS = [("tiny-qwen3-moe", "lora"), ("tiny-mixtral", "full"), ("tiny-bamba", "lora"), ("tiny-lfm2", "lora"),
+              ("tiny-qwen3-next", "full")]
 
 
 @pytest.fixture(scope="module")
-def moe_lora_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("moe-lora"), "tiny-qwen3-moe", "lora")
+def moe_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-runs")
+    commands = [_train_args(root / f"{model}-{method}", model, method) for model, method in ENTRY_RUNS]
+    commands.append(("launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2", "--config",
+                     "configs/run_tiny.yaml", f"train.output_dir={root / 'ddp'}", "train.run_name=run", *TWO_RANKS,
+                     "finetune.method=lora", f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-qwen3-moe'}",
+                     "model.tokenizer_name_or_path=configs/tiny_model"))
+    results = run_scripts_together(*commands)
+    runs = {}
+    for (model, method), result in zip(ENTRY_RUNS + [("ddp", "lora")], results):
+        assert result.returncode == 0, f"{model} {method}:\n" + result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        runs[model, method] = (root / f"{model}-{method}" / "run" if model != "ddp" else root / "ddp" / "run", result)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def moe_lora_run(moe_runs):
+    return moe_runs["tiny-qwen3-moe", "lora"][0]
 
 
 def _loss_falls(run_dir) -> dict:
@@ -140,8 +162,19 @@ def test_the_expert_load_is_logged_per_layer(moe_lora_run):
 
 @pytest.mark.parametrize("model, method", [("tiny-mixtral", "full"), ("tiny-bamba", "lora"), ("tiny-lfm2", "lora"),
                                            ("tiny-qwen3-next", "full")])
-def test_moe_and_hybrid_models_train_from_the_entry_script(tmp_path, model, method):
-    _loss_falls(_train(tmp_path, model, method))
+def test_moe_and_hybrid_models_train_from_the_entry_script(moe_runs, model, method):
+    _loss_falls(moe_runs[model, method][0])
+
+
+def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_runs):
+    run_dir, result = moe_runs["ddp", "lora"]
+    output = result.stdout + result.stderr
+    assert "2 process(es) on 1 node(s), DistributedType.MULTI_CPU" in output
+    check_two_rank_run(run_dir, output)  # identical weights, disjoint rows, checkpoints, one report
+    recorded = json.loads((run_dir / "run.json").read_text())
+    assert recorded["experts"] == "eager" and recorded["world_size"] == 2
+    adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
+    assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
 
 
 def test_an_moe_adapter_merges_into_the_fused_experts(moe_lora_run):
