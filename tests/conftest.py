@@ -60,7 +60,7 @@ def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = N
 
 
 def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Run several of scripts/ at once, each ``(script, *args)`` or ``(script, *args, {env})``,
+    """Run several of scripts/ (or ``bench/x.py``) at once, each ``(script, *args)`` or ``(script, *args, {env})``,
     and return their finished processes in order, output captured as text.
 
     Independent processes of a test module overlap their start-up (about 4 s of single-threaded
@@ -77,7 +77,8 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
         env = command[-1] if isinstance(command[-1], dict) else {}
         script, *args = command[:-1] if env else command
         out, err = (open(folder / f"{i}.{kind}", "w+") for kind in ("out", "err"))
-        process = subprocess.Popen([sys.executable, str(REPO / "scripts" / script), *args], cwd=REPO, stdout=out,
+        path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
+        process = subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=out,
                                    stderr=err, text=True, env={**os.environ, "OMP_NUM_THREADS": threads, **env})
         started.append((process, [sys.executable, script, *args], out, err))
     finished = []

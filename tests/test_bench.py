@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import run_scripts_together
+
 import pytest
 import torch
 
@@ -14,11 +16,27 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    """The benches' CPU paths, started together (conftest.run_scripts_together): the planner's
+    accuracy, the embedded default's, and the first call of the one-lease command."""
+    root = tmp_path_factory.mktemp("benches")
+    commands = {
+        "planner": ("bench/planner_accuracy.py", "--timing-runs", "1", "--output", str(root / "planner_accuracy.md")),
+        "tiny": ("bench/tiny_default.py", "--seeds", "3", "--paths", "without-bf16", "--steps", "3", "--count", "6",
+                 "--out", str(root / "tiny_default.md")),
+    }
+    if not torch.cuda.is_available():  # the lease's CPU path
+        commands["lease"] = ("bench/lease.py", "--state", str(root / "rows.jsonl"), "--output", str(root / "lease.md"),
+                             "--max-tasks", "2")
+    results = run_scripts_together(*commands.values())
+    return root, dict(zip(commands, results))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
-def test_planner_accuracy_cpu_path_writes_a_report(tmp_path):
-    report = tmp_path / "planner_accuracy.md"
-    result = subprocess.run([sys.executable, "bench/planner_accuracy.py", "--timing-runs", "1", "--output", str(report)],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_planner_accuracy_cpu_path_writes_a_report(bench_runs):
+    root, results = bench_runs
+    report, result = root / "planner_accuracy.md", results["planner"]
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert "No GPU figure exists in this report" in text
@@ -51,12 +69,10 @@ def test_a_worker_that_fails_after_the_trainer_logged_is_a_failed_row(tmp_path):
     assert run_worker(worker, {}, timeout=60) == {"ok": True, "tokens": 3}
 
 
-def test_tiny_default_bench_trains_scores_and_reports(tmp_path):
+def test_tiny_default_bench_trains_scores_and_reports(bench_runs):
     """A smoke run of bench/tiny_default.py on the path a CPU without native bf16 takes."""
-    report = tmp_path / "tiny_default.md"
-    result = subprocess.run([sys.executable, "bench/tiny_default.py", "--seeds", "3", "--paths", "without-bf16",
-                             "--steps", "3", "--count", "6", "--out", str(report)],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    root, results = bench_runs
+    report, result = root / "tiny_default.md", results["tiny"]
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert "- hardware: " in text and "(no GPU)" in text
@@ -67,12 +83,13 @@ def test_tiny_default_bench_trains_scores_and_reports(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
-def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(tmp_path):
+def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(bench_runs, tmp_path):
     import collections
 
-    state, report = tmp_path / "rows.jsonl", tmp_path / "lease.md"
+    root, results = bench_runs
+    state, report = root / "rows.jsonl", root / "lease.md"
     command = [sys.executable, "bench/lease.py", "--state", str(state), "--output", str(report)]
-    first = subprocess.run(command + ["--max-tasks", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    first = results["lease"]
     assert first.returncode == 0, first.stderr[-3000:]
     text = report.read_text()
     assert "No GPU figure exists in this report" in text and "- device: CPU" in text
