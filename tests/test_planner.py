@@ -12,7 +12,7 @@ from sft_play import config as config_module
 from sft_play.planner import Target, make_plan, memory, model_shape, target_for
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.shapes import ModelShape
-from tests.conftest import run_script
+from tests.conftest import run_scripts_together
 
 GIB = 1024**3
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model_configs"
@@ -271,17 +271,34 @@ def test_cpu_target_plans_host_memory_without_cuda_runtime():
 # --- the interface ---------------------------------------------------------------------------
 
 
+# make plan as a user runs it: these processes start together (conftest.run_scripts_together)
+PLAN_COMMANDS = {
+    "70b": ("plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
+            "finetune.method=qlora", "lora.modules_to_save=[]", "train.micro_batch_size=auto",
+            "train.global_batch_size=64", "train.gradient_checkpointing=true", "data.max_seq_length=4096", "--gpus", "8",
+            "--vram-gib", "80", "--json", "--plot"),  # the picture's path is added
+    "no gpu": ("plan.py", "--config", "configs/run_tiny.yaml", "--no-data"),
+    "real data": ("plan.py", "--config", "configs/run_tiny.yaml", "data.packing=false", "--gpus", "1", "--vram-gib", "24",
+                  "--json"),
+    "does not fit": ("plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
+                     "finetune.method=full", "--gpus", "1", "--vram-gib", "80", "--no-data"),
+    "flash described": ("plan.py", "--config", "configs/run_tiny.yaml", "model.attn_implementation=flash_attention_2",
+                        "--gpus", "1", "--vram-gib", "80", "--no-data"),
+}
+
+
 @pytest.fixture(scope="module")
-def plan_json(tmp_path_factory):
+def plans(tmp_path_factory):
     image = tmp_path_factory.mktemp("plot") / "plan.png"
-    result = run_script(
-        "plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
-        "finetune.method=qlora", "lora.modules_to_save=[]", "train.micro_batch_size=auto", "train.global_batch_size=64",
-        "train.gradient_checkpointing=true", "data.max_seq_length=4096", "--gpus", "8", "--vram-gib", "80",
-        "--json", "--plot", str(image),
-    )
+    commands = {**PLAN_COMMANDS, "70b": (*PLAN_COMMANDS["70b"], str(image))}
+    return {"image": image, **dict(zip(commands, run_scripts_together(*commands.values())))}
+
+
+@pytest.fixture(scope="module")
+def plan_json(plans):
+    result = plans["70b"]
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout), image
+    return json.loads(result.stdout), plans["image"]
 
 
 def test_plan_json_contract(plan_json):
@@ -317,24 +334,22 @@ def test_plot_is_written(plan_json):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
-def test_plan_without_gpu_needs_the_hardware_described():
-    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "--no-data")
+def test_plan_without_gpu_needs_the_hardware_described(plans):
+    result = plans["no gpu"]
     assert result.returncode == 2
     assert "NUM_GPUS=N VRAM_GIB=G" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_plan_uses_the_real_data_when_it_can():
-    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "data.packing=false", "--gpus", "1",
-                        "--vram-gib", "24", "--json")
+def test_plan_uses_the_real_data_when_it_can(plans):
+    result = plans["real data"]
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(result.stdout)
     assert doc["sequence_length"] == 62  # the longest tiny example, not data.max_seq_length (256)
     assert "longest example" in doc["sequence_length_source"]
 
 
-def test_plan_exit_status_says_whether_it_fits():
-    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
-                        "finetune.method=full", "--gpus", "1", "--vram-gib", "80", "--no-data")
+def test_plan_exit_status_says_whether_it_fits(plans):
+    result = plans["does not fit"]
     assert result.returncode == 3
     assert "DOES NOT FIT" in result.stdout and "Remedies" in result.stdout
 
@@ -395,7 +410,7 @@ def test_time_counts_recomputation_communication_and_the_hardware_rented():
     assert make_plan(plan_config("qwen2.5-0.5b", *base), Target(1, 8 * GIB, "CPU", on_cuda=False)).time is None
 
 
-def test_planning_described_hardware_does_not_depend_on_this_machines_packages():
+def test_planning_described_hardware_does_not_depend_on_this_machines_packages(plans):
     import importlib.util
 
     if importlib.util.find_spec("flash_attn") is not None:
@@ -409,6 +424,5 @@ def test_planning_described_hardware_does_not_depend_on_this_machines_packages()
     assert flash.attention == "flash_attention_2" and not flash.attention_mask
     auto = make_plan(config_module.load(None, overrides), described)
     assert auto.attention == "sdpa" and any("hardware described" in note for note in auto.notes)
-    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "model.attn_implementation=flash_attention_2",
-                        "--gpus", "1", "--vram-gib", "80", "--no-data")
+    result = plans["flash described"]
     assert result.returncode == 0 and "attention flash_attention_2" in result.stdout, result.stderr[-2000:]
