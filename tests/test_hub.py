@@ -8,16 +8,30 @@ import json
 import pytest
 
 from sft_play import hub
-from tests.conftest import REPO, run_script
+from tests.conftest import REPO, run_scripts_together
 
 # A hub that refuses connections at once (nothing listens on port 9): the network is "down"
 UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "",
                "HF_DATASETS_OFFLINE": ""}
 
 
-@pytest.mark.parametrize("config", ["configs/run_distributed.yaml", "configs/run_gemma27b_distributed.yaml"])
-def test_the_example_configs_plan_without_a_network(config):
-    result = run_script("plan.py", "--config", config, "--gpus", "4", "--vram-gib", "80", "--json", env=UNREACHABLE)
+EXAMPLES = ["configs/run_distributed.yaml", "configs/run_gemma27b_distributed.yaml"]
+
+
+@pytest.fixture(scope="module")
+def offline_plans():
+    """make plan with the hub unreachable: each example config, and a hub id nothing caches
+    (the processes start together: conftest.run_scripts_together)."""
+    commands = [("plan.py", "--config", config, "--gpus", "4", "--vram-gib", "80", "--json", UNREACHABLE)
+                for config in EXAMPLES]
+    commands.append(("plan.py", "--config", "configs/run_tiny.yaml", "model.name_or_path=nobody/not-cached",
+                     "--gpus", "1", "--vram-gib", "80", UNREACHABLE))
+    return dict(zip([*EXAMPLES, "not cached"], run_scripts_together(*commands)))
+
+
+@pytest.mark.parametrize("config", EXAMPLES)
+def test_the_example_configs_plan_without_a_network(offline_plans, config):
+    result = offline_plans[config]
     assert result.returncode in (0, 3), result.stderr[-3000:]
     assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
     plan = json.loads(result.stdout)
@@ -39,9 +53,8 @@ def test_every_example_configs_hub_model_ships_its_config():
     assert hub.shipped_config("nobody/nothing") is None
 
 
-def test_a_hub_id_that_cannot_be_read_is_one_error_without_retries(tmp_path):
-    result = run_script("plan.py", "--config", "configs/run_tiny.yaml", "model.name_or_path=nobody/not-cached",
-                        "--gpus", "1", "--vram-gib", "80", env=UNREACHABLE)
+def test_a_hub_id_that_cannot_be_read_is_one_error_without_retries(offline_plans):
+    result = offline_plans["not cached"]
     assert result.returncode == 2
     assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
     assert "the hub cannot be reached" in result.stderr and "nobody/not-cached" in result.stderr
