@@ -75,7 +75,7 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
     started = []
     for i, command in enumerate(commands):
         env = command[-1] if isinstance(command[-1], dict) else {}
-        script, *args = command[:-1] if env else command
+        script, *args = command[:-1] if isinstance(command[-1], dict) else command
         out, err = (open(folder / f"{i}.{kind}", "w+") for kind in ("out", "err"))
         path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
         process = subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=out,
@@ -108,38 +108,48 @@ def printed_answers(stdout: str) -> list[str]:
 PINNED = ("train.global_batch_size=8", "train.mixed_precision=no")
 
 
-def _shared_run(tmp_path_factory, name: str, *overrides: str, env: dict | None = None):
-    root = tmp_path_factory.mktemp(f"shared-{name}")
-    result = run_script("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                        f"train.run_name={name}", *PINNED, *overrides, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return root / name, result
-
-
 # Real runs of the embedded default through the entry script, shared by the tests that look at
-# what a run writes: (run folder, the finished process).
-@pytest.fixture(scope="session")
-def tiny_lora_run(tmp_path_factory):
+# what a run writes: (run folder, the finished process). The three start together on first use
+# (run_scripts_together).
+SHARED_RUNS = {
     # ACCELERATE_MIXED_PRECISION=bf16 is what `accelerate launch` exports from a config that says bf16:
     # the run still trains as planned, in fp32 (tests/test_one_decision.py)
-    return _shared_run(tmp_path_factory, "lora", "train.max_steps=24", "train.logging_steps=4",
-                       "train.micro_batch_size=8",  # not the CPU plan's choice, which follows the RAM free
-                       env={"ACCELERATE_MIXED_PRECISION": "bf16"})
-
-
-# The shared full fine-tuning run's settings (with PINNED): test_fsdp2 trains them under FSDP2 too
-TINY_FULL = ("finetune.method=full", "train.max_steps=3", "train.logging_steps=1", "train.learning_rate=1e-3",
-             "planner.calibrate=true")
-
-
-@pytest.fixture(scope="session")
-def tiny_full_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "full", *TINY_FULL)
+    "lora": (("train.max_steps=24", "train.logging_steps=4",
+              "train.micro_batch_size=8"),  # not the CPU plan's choice, which follows the RAM free
+             {"ACCELERATE_MIXED_PRECISION": "bf16"}),
+    # the shared full fine-tuning run's settings (with PINNED): test_fsdp2 trains them under FSDP2 too
+    "full": (("finetune.method=full", "train.max_steps=3", "train.logging_steps=1", "train.learning_rate=1e-3",
+              "planner.calibrate=true"), {}),
+    "qlora": (("finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1"), {}),
+}
+TINY_FULL = SHARED_RUNS["full"][0]
 
 
 @pytest.fixture(scope="session")
-def tiny_qlora_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "qlora", "finetune.method=qlora", "train.max_steps=3", "train.logging_steps=1")
+def shared_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared")
+    commands = [("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
+                 f"train.run_name={name}", *PINNED, *overrides, env) for name, (overrides, env) in SHARED_RUNS.items()]
+    runs = {}
+    for name, result in zip(SHARED_RUNS, run_scripts_together(*commands)):
+        assert result.returncode == 0, f"{name}:\n" + result.stdout[-3000:] + result.stderr[-5000:]
+        runs[name] = (root / name, result)
+    return runs
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(shared_runs):
+    return shared_runs["lora"]
+
+
+@pytest.fixture(scope="session")
+def tiny_full_run(shared_runs):
+    return shared_runs["full"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qlora_run(shared_runs):
+    return shared_runs["qlora"]
 
 
 def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):

@@ -14,7 +14,7 @@ import torch
 
 from sft_play import export
 from sft_play.errors import UserError
-from tests.conftest import printed_answers, run_script
+from tests.conftest import printed_answers, run_scripts_together
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -86,8 +86,25 @@ def test_merging_a_full_model_says_there_is_nothing_to_merge(runs):
         export.merge(runs["full"])
 
 
-def test_eval_writes_loss_perplexity_and_generations(runs):
-    result = run_script("evaluate.py", "--run", str(runs["lora"]), "--count", "2", "--max-new-tokens", "12")
+PROMPT = "Reverse the letters: a b c"
+
+
+@pytest.fixture(scope="module")
+def commands(runs):
+    """make eval on the LoRA run, and make generate on its merged model and on the full run,
+    started together (conftest.run_scripts_together)."""
+    merged = runs["lora"] / "merged"
+    if not merged.exists():
+        export.merge(runs["lora"])
+    results = run_scripts_together(
+        ("evaluate.py", "--run", str(runs["lora"]), "--count", "2", "--max-new-tokens", "12"),
+        *[("generate.py", "--run", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8")
+          for folder in (merged, runs["full"])])
+    return dict(zip(["eval", "merged", "full"], results))
+
+
+def test_eval_writes_loss_perplexity_and_generations(runs, commands):
+    result = commands["eval"]
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((runs["lora"] / "eval.json").read_text())
     assert 0 < saved["loss"] < 10 and saved["perplexity"] == pytest.approx(2.718281828 ** saved["loss"], rel=1e-6)
@@ -110,12 +127,9 @@ def test_eval_writes_loss_perplexity_and_generations(runs):
 
 
 @pytest.mark.parametrize("which", ["merged", "full"])
-def test_generate_works_for_merged_and_full_models(runs, which):
+def test_generate_works_for_merged_and_full_models(runs, commands, which):
     folder = runs["lora"] / "merged" if which == "merged" else runs["full"]
-    if which == "merged" and not folder.exists():
-        export.merge(runs["lora"])
-    prompt = "Reverse the letters: a b c"
-    result = run_script("generate.py", "--run", str(folder), "--prompt", prompt, "--max-new-tokens", "8")
+    prompt, result = PROMPT, commands[which]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "before:" in result.stdout
     model, tokenizer, _ = export.load_trained(folder, device="cpu")
