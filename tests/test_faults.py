@@ -44,8 +44,11 @@ def run_to_end(*overrides: str) -> str:
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
     common = ["train.max_steps=4", "train.logging_steps=1", f"train.output_dir={tmp_path}", *PINNED]
-    reference = train_process(*common, "train.run_name=reference")  # alongside, never interrupted
-    process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "hold_step=2"})
+    # two processes at once, each on one of the cores (OpenMP threads of both spinning on the
+    # same cores made this test several times slower: conftest.run_scripts_together)
+    alongside = {"OMP_NUM_THREADS": "1"}
+    reference = train_process(*common, "train.run_name=reference", env=alongside)  # never interrupted
+    process = train_process(*common, "train.run_name=interrupted", env={"SFT_PLAY_FAULTS": "hold_step=2", **alongside})
     seen: list[str] = []
 
     def read():
