@@ -8,7 +8,8 @@ any GPU, and say why. An index of the package:
   step.py       training steps replayed through the allocator
   memory.py     the state a GPU holds whatever the batch, term by term
   predict.py    the peak of one GPU at a micro-batch (trace + replay + what lies outside)
-  choose.py     budget, micro-batch, accumulation
+  choose.py     budget, micro-batch, accumulation (arithmetic)
+  search.py     which micro-batches fit the budget (monotone), and the peak reported
   plan.py       make_plan: the plan, its candidates, and the hardware it is for
   remedies.py   what to change when nothing fits, and the smallest hardware that would do
   calibrate.py  the same plan from measured peaks (GPU only)

@@ -1,10 +1,12 @@
 """Planning a run: the hardware it is for, the micro-batch and accumulation it takes, why, and
 what to change when it does not fit.
 
-:func:`make_plan` resolves the run (:mod:`sft_play.run`), predicts the peak of one GPU for
-candidate micro-batches (:mod:`sft_play.planner.predict`), keeps the largest that fits the
-budget (:mod:`sft_play.planner.choose`), and when none does, plans the remedies
-(:mod:`sft_play.planner.remedies`).
+:func:`make_plan` reads top to bottom: it resolves the run (:mod:`sft_play.run`), searches the
+micro-batches that fit one GPU's budget (:mod:`sft_play.planner.search`, over the predictions of
+:mod:`sft_play.planner.predict`), decides the split (:mod:`sft_play.planner.choose`), plans the
+remedies when nothing fits (:mod:`sft_play.planner.remedies`), predicts the time
+(:mod:`sft_play.planner.timing`), and says what the plan means (:func:`split_notes`,
+:func:`run_notes`). :mod:`sft_play.planner.report` renders it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from sft_play.config import RunConfig
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
-from sft_play.planner.choose import budget_bytes, decide_split, largest_fitting_micro
-from sft_play.planner.predict import REPLAYS, STAND_INS, Prediction, predict, recipe_for, static_lower_bound
+from sft_play.planner.choose import budget_bytes, decide_split
+from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
+from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
@@ -117,7 +120,8 @@ def make_plan(
     with_remedies: bool = True,
     run: Run | None = None,
 ) -> Plan:
-    """Plan `config` on `target`.
+    """Plan `config` on `target`: the fit search, the split, the remedies when nothing fits, the
+    time, and what the plan says about them, in that order.
 
     Args:
         config: the run config (micro-batch and accumulation may be ``auto`` or fixed).
@@ -132,83 +136,119 @@ def make_plan(
     shape = shape or model_shape(config)
     run = run or resolve_for(config, target, data_stats, shape)
     train = config.train
-    budget = budget_bytes(target.free_bytes, config.planner.safety_margin_gib, config.planner.safety_fraction)
-    per_process = max(1, -(-train.global_batch_size // target.world_size))
-    fixed_accum = None if train.gradient_accumulation_steps == "auto" else train.gradient_accumulation_steps
 
-    tried: dict[int, Prediction] = {}
-
-    def predicted(micro: int, accumulating: bool | None = None) -> Prediction:
-        if accumulating is None:
-            accumulating = (fixed_accum or 1) > 1 if fixed_accum is not None else micro < per_process
-        floor = static_lower_bound(shape, run)
-        if floor > budget:  # the weights and optimizer states alone do not fit: the whole step, unconstrained
-            whole = predict(shape, run, micro, None, accumulating)
-            prediction = Prediction(micro, whole.peak_bytes, whole.allocated_bytes, whole.breakdown, False)
-        else:
-            prediction = predict(shape, run, micro, budget, accumulating)
-        tried.setdefault(micro, prediction)
-        return prediction
-
-    notes: list[str] = []
-    warnings: list[str] = []
-    fitting = largest_fitting_micro(lambda m: bool(predicted(m).fits), per_process,
-                                    _crossing(predicted(1), predicted(per_process), budget))
-    # The allocator's cache makes predicted peaks swing a few per cent from one micro-batch to the
-    # next: a micro-batch counts as fitting only when every smaller one does too
-    fitting = next((m - 1 for m in range(1, fitting + 1) if not predicted(m).fits), fitting)
-
+    search = FitSearch(shape, run, budget_bytes(target.free_bytes, config.planner.safety_margin_gib,
+                                                config.planner.safety_fraction),
+                       per_process=max(1, -(-train.global_batch_size // target.world_size)),
+                       fixed_accum=None if train.gradient_accumulation_steps == "auto"
+                       else train.gradient_accumulation_steps)
+    fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
-    if isinstance(train.micro_batch_size, int):
-        if not predicted(split.micro_batch_size).fits:
-            warnings.append(
-                f"train.micro_batch_size={split.micro_batch_size} is predicted not to fit "
-                f"({predicted(split.micro_batch_size).peak_bytes / GIB:.1f} GiB of {budget / GIB:.1f} GiB)"
-                + (f"; the largest that fits is {fitting}" if fitting else "")
-            )
-    elif fixed_accum is not None:
-        if fitting and split.micro_batch_size > fitting:
-            warnings.append(f"train.gradient_accumulation_steps={fixed_accum} implies micro-batch "
-                            f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
-    else:
-        if fitting:
-            notes.append(f"largest micro-batch that fits: {fitting}")
-    if split.note:
-        notes.append(split.note)
+    notes, warnings = split_notes(config, search, split, fitting)
+    chosen, peak, breakdown = search.reported(split)
+    fits = bool(chosen.fits) and peak <= search.budget
 
-    chosen = predicted(split.micro_batch_size, split.gradient_accumulation_steps > 1)
-    peak, breakdown = chosen.peak_bytes, dict(chosen.breakdown)
-    # The peak reported for micro m holds for every micro-batch up to m (the swing above)
-    smaller = max((predicted(m).peak_bytes for m in range(1, split.micro_batch_size)), default=0)
-    if smaller > peak:
-        breakdown["smaller_micro_batch"] = smaller - peak
-        peak = smaller
-    fits = bool(chosen.fits) and peak <= budget
-    # The micro-batches the search predicted, for the table and the picture (no further replays)
-    candidates = [
-        {"micro_batch_size": m, "peak_bytes": p.peak_bytes, "fits": bool(p.fits), "breakdown": p.breakdown}
-        for m, p in sorted(tried.items())
-    ]
     remedies: list[dict[str, Any]] = []
     smallest = None
     if not fits and with_remedies:
-        def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
-            return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
-
-        remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
-        if not any(r["fits"] for r in remedies):
-            smallest = remedy_catalogue.smallest_hardware(
-                config, target, lambda c, t: make_plan(c, t, data_stats, None, with_remedies=False).fits)
-            notes.append(f"nothing fits on {target.device_name}: "
-                         + (f"the smallest hardware that would is {smallest}" if smallest else
-                            "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
+        remedies, smallest, note = remedies_for(config, target, data_stats)
+        if note:
+            notes.append(note)
     rows = getattr(data_stats, "packed_rows", None) or getattr(data_stats, "examples", None)
     step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
                              split.gradient_accumulation_steps)
     masked = run.masked(split.micro_batch_size)
+    run_notes(config, run, target, shape, masked, notes, warnings)
+    return Plan(
+        model=config.model.name_or_path,
+        method=config.finetune.method,
+        strategy=config.distributed.strategy,
+        total_params=shape.total_params,
+        trainable_params=shape.trainable_params,
+        active_params=shape.active_params,
+        experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, {run.experts} kernel"
+                 if shape.num_experts else None),
+        params_by_kind=shape.params_by_kind,
+        micro_batch_size=split.micro_batch_size,
+        gradient_accumulation_steps=split.gradient_accumulation_steps,
+        world_size=target.world_size,
+        global_batch_size=split.global_batch_size,
+        requested_global_batch_size=train.global_batch_size,
+        sequence_length=run.sequence.tokens,
+        sequence_length_source=run.sequence.source,
+        peak_bytes_per_gpu=peak,
+        budget_bytes_per_gpu=search.budget,
+        free_bytes_per_gpu=target.free_bytes,
+        device=target.device_name,
+        fits=fits,
+        breakdown=breakdown,
+        precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
+                   "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
+        attention=run.attention,
+        gradient_checkpointing=run.gradient_checkpointing,
+        allocated_bytes_per_gpu=chosen.allocated_bytes,
+        attention_mask=masked,
+        time=step_time.to_dict() if step_time else None,
+        remedies=remedies,
+        smallest_hardware=smallest,
+        candidates=search.candidates(),
+        notes=notes,
+        warnings=warnings,
+        plan_seconds=round(time.perf_counter() - started, 4),
+        plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
+        replays=REPLAYS[0] - replays_before,
+    )
+
+
+def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting: int) -> tuple[list[str], list[str]]:
+    """What the plan says about the split: a fixed micro-batch or accumulation predicted not to
+    fit (warnings), the largest micro-batch that fits, and how the global batch changed (notes)."""
+    train = config.train
+    notes: list[str] = []
+    warnings: list[str] = []
+    if isinstance(train.micro_batch_size, int):
+        predicted = search.predicted(split.micro_batch_size)
+        if not predicted.fits:
+            warnings.append(
+                f"train.micro_batch_size={split.micro_batch_size} is predicted not to fit "
+                f"({predicted.peak_bytes / GIB:.1f} GiB of {search.budget / GIB:.1f} GiB)"
+                + (f"; the largest that fits is {fitting}" if fitting else "")
+            )
+    elif search.fixed_accum is not None:
+        if fitting and split.micro_batch_size > fitting:
+            warnings.append(f"train.gradient_accumulation_steps={search.fixed_accum} implies micro-batch "
+                            f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
+    elif fitting:
+        notes.append(f"largest micro-batch that fits: {fitting}")
+    if split.note:
+        notes.append(split.note)
+    return notes, warnings
+
+
+def remedies_for(config: RunConfig, target: Target,
+                 data_stats: Any | None) -> tuple[list[dict[str, Any]], str | None, str | None]:
+    """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
+    when none fits either, the smallest hardware that would, with the note that says so."""
+    def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
+        return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
+
+    remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
+    if any(r["fits"] for r in remedies):
+        return remedies, None, None
+    smallest = remedy_catalogue.smallest_hardware(config, target, lambda c, t: plan_without_remedies(c, t).fits)
+    return remedies, smallest, (f"nothing fits on {target.device_name}: "
+                                + (f"the smallest hardware that would is {smallest}" if smallest else
+                                   "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
+
+
+def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, masked: bool,
+              notes: list[str], warnings: list[str]) -> None:
+    """What the plan says about the run it planned: the attention kernel and its mask, the kernel
+    switches, what lives outside the allocator, a layer planned by a stand-in, and what a
+    mixture-of-experts model changes (added to `notes` and `warnings`)."""
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
@@ -234,45 +274,6 @@ def make_plan(
     if shape.num_experts and run.world_size > 1:
         notes.append("experts are replicated (DDP) or sharded like any weight (ZeRO); expert parallelism is not "
                      "offered: for a model whose experts do not fit, ZeRO-3 shards them")
-    return Plan(
-        model=config.model.name_or_path,
-        method=config.finetune.method,
-        strategy=config.distributed.strategy,
-        total_params=shape.total_params,
-        trainable_params=shape.trainable_params,
-        active_params=shape.active_params,
-        experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, {run.experts} kernel"
-                 if shape.num_experts else None),
-        params_by_kind=shape.params_by_kind,
-        micro_batch_size=split.micro_batch_size,
-        gradient_accumulation_steps=split.gradient_accumulation_steps,
-        world_size=target.world_size,
-        global_batch_size=split.global_batch_size,
-        requested_global_batch_size=train.global_batch_size,
-        sequence_length=run.sequence.tokens,
-        sequence_length_source=run.sequence.source,
-        peak_bytes_per_gpu=peak,
-        budget_bytes_per_gpu=budget,
-        free_bytes_per_gpu=target.free_bytes,
-        device=target.device_name,
-        fits=fits,
-        breakdown=breakdown,
-        precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
-                   "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
-        attention=run.attention,
-        gradient_checkpointing=run.gradient_checkpointing,
-        allocated_bytes_per_gpu=chosen.allocated_bytes,
-        attention_mask=masked,
-        time=step_time.to_dict() if step_time else None,
-        remedies=remedies,
-        smallest_hardware=smallest,
-        candidates=candidates,
-        notes=notes,
-        warnings=warnings,
-        plan_seconds=round(time.perf_counter() - started, 4),
-        plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
-        replays=REPLAYS[0] - replays_before,
-    )
 
 
 def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
@@ -357,11 +358,3 @@ def kernel_notes(config: RunConfig, run: Run) -> list[str]:
         notes.append("flex attention: planned as a fused kernel without a mask, like FlashAttention-2 (not yet "
                      "measured)")
     return notes
-
-
-def _crossing(first: Prediction, last: Prediction, budget: int) -> int | None:
-    """Where the straight line through two predictions reaches the budget."""
-    if last.micro_batch <= first.micro_batch or last.peak_bytes <= first.peak_bytes:
-        return None
-    per_sample = (last.peak_bytes - first.peak_bytes) / (last.micro_batch - first.micro_batch)
-    return first.micro_batch + int((budget - first.peak_bytes) // per_sample)
