@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from sft_play import checkpoints
 from sft_play import config as config_module
 from sft_play.architecture import build_meta_model, load_model_config
 from sft_play.planner import Target, make_plan, resolve_for
@@ -106,26 +108,33 @@ def _train_args(root, model: str, method: str, steps: int = 6) -> tuple:
 
 
 # The training processes of this module, started together (tests/conftest.run_scripts_together):
-# a Qwen3-MoE LoRA run that several tests read, each family from the entry script, and a
-# Qwen3-MoE under DDP on 2 CPU processes
+# a Qwen3-MoE LoRA run that several tests read, and each family from the entry script...
 ENTRY_RUNS = [("tiny-qwen3-moe", "lora"), ("tiny-mixtral", "full"), ("tiny-bamba", "lora"), ("tiny-lfm2", "lora"),
               ("tiny-qwen3-next", "full")]
+
+
+# ... and a Qwen3-MoE on 2 CPU processes: LoRA under DDP, full fine-tuning under FSDP2
+DISTRIBUTED_RUNS = [("ddp", "accelerate", "lora"), ("fsdp2", "accelerate", "full")]
 
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-runs")
     commands = [_train_args(root / f"{model}-{method}", model, method) for model, method in ENTRY_RUNS]
-    commands.append(("launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2", "--config",
-                     "configs/run_tiny.yaml", f"train.output_dir={root / 'ddp'}", "train.run_name=run", *TWO_RANKS,
-                     "finetune.method=lora", f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-qwen3-moe'}",
-                     "model.tokenizer_name_or_path=configs/tiny_model"))
+    for strategy, launcher, method in DISTRIBUTED_RUNS:
+        commands.append(("launch.py", "--launcher", launcher, "--cpu", "--num-gpus", "2", "--config",
+                         "configs/run_tiny.yaml", f"train.output_dir={root / strategy}", "train.run_name=run", *TWO_RANKS,
+                         f"finetune.method={method}", f"distributed.strategy={strategy}",
+                         f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-qwen3-moe'}",
+                         "model.tokenizer_name_or_path=configs/tiny_model"))
     results = run_scripts_together(*commands)
     runs = {}
-    for (model, method), result in zip(ENTRY_RUNS + [("ddp", "lora")], results):
+    for (model, method), result in zip(ENTRY_RUNS + [(strategy, method) for strategy, _, method in DISTRIBUTED_RUNS],
+                                       results):
         assert result.returncode == 0, f"{model} {method}:\n" + result.stderr[-3000:]
         assert "Traceback" not in result.stderr
-        runs[model, method] = (root / f"{model}-{method}" / "run" if model != "ddp" else root / "ddp" / "run", result)
+        folder = root / f"{model}-{method}" if (model, method) in ENTRY_RUNS else root / model
+        runs[model, method] = (folder / "run", result)
     return runs
 
 
@@ -175,6 +184,33 @@ def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_run
     assert recorded["experts"] == "eager" and recorded["world_size"] == 2
     adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
+
+
+def test_an_moe_model_is_fully_fine_tuned_under_fsdp2_and_saved_whole(moe_runs):
+    run_dir, result = moe_runs["fsdp2", "full"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 4 and summary["distributed_type"] == "FSDP"
+    assert summary["last_loss"] < summary["first_loss"]
+    assert checkpoints.written_by(run_dir / "checkpoints" / "checkpoint-4") == (2, "fsdp2")
+    # whole tensors, written as transformers saves an MoE (one tensor per expert, as on the hub):
+    # every expert of every layer, none of them a shard
+    saved = load_file(run_dir / "model" / "model.safetensors")
+    config = json.loads((run_dir / "model" / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        for expert in range(config["num_local_experts"]):
+            up = saved[f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"]
+            assert tuple(up.shape) == (config["moe_intermediate_size"], config["hidden_size"])
+
+
+def test_an_moe_run_folder_generates_and_evaluates(moe_lora_run):
+    generated, evaluated = run_scripts_together(
+        ("generate.py", "--run", str(moe_lora_run), "--max-new-tokens", "6"),
+        ("evaluate.py", "--run", str(moe_lora_run), "--count", "2", "--max-new-tokens", "6"))
+    assert generated.returncode == 0 and "Traceback" not in generated.stderr, generated.stderr[-3000:]
+    assert "after:" in generated.stdout
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    saved = json.loads((moe_lora_run / "eval.json").read_text())
+    assert saved["loss"] > 0 and len(saved["generations"]) == 2
 
 
 def test_an_moe_adapter_merges_into_the_fused_experts(moe_lora_run):
