@@ -4,7 +4,9 @@ instructions, whether it computes bf16 natively) and RAM.
 ``detect()`` is the one source of hardware facts for ``make gpu-info``, ``make check`` and the
 planner. It only reads facts; decisions live elsewhere. GPU indices are the ones CUDA uses in
 this process (they honour ``CUDA_VISIBLE_DEVICES``); free memory is read through NVML, matched
-to CUDA devices by UUID, so that asking does not create a CUDA context on every GPU.
+to CUDA devices by UUID, so that asking does not create a CUDA context on every GPU. (Only
+``measure_outside_allocator``, which ``make gpu-info`` runs once per GPU model and driver, creates
+one, on the first GPU.)
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class HardwareInfo:
     platform: str = ""
     # What one training process held on these GPUs outside PyTorch's allocator (CUDA context,
     # kernels, libraries; NCCL's buffers with several processes), measured on this machine with
-    # this driver and torch: {"one_process": bytes, "several_processes": bytes}, each where measured
+    # this driver and torch: bytes by the number of processes of the run that measured it ("1",
+    # "8") and by make gpu-info's probe ("probe"), each where measured (remembered_outside_allocator)
     outside_allocator: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -298,9 +301,11 @@ def detect() -> HardwareInfo:
 # lazily loaded kernels, cuBLAS and cuDNN handles, NCCL's communicator buffers), different for
 # every GPU, driver and CUDA build: it is measured, not assumed, wherever a GPU is present. A
 # training run measures it at its end (NVML's figure for the process less the allocator's
-# reservation); ``make gpu-info`` measures it once when no run has. Kept per GPU model, driver,
-# CUDA runtime and torch, in $SFT_PLAY_CACHE/cuda_runtime.json.
+# reservation), by its number of processes; ``make gpu-info`` probes it once when no run has
+# ("probe": a first step's kernels, fewer than a whole run loads). Kept per GPU model, driver,
+# CUDA runtime and torch, in $SFT_PLAY_CACHE/cuda_runtime.json (delete it to measure afresh).
 RUNTIME_RECORD = "cuda_runtime.json"
+PROBE = "probe"
 
 
 def _runtime_record_path() -> Path:
@@ -325,32 +330,38 @@ def _read_runtime_record() -> dict[str, Any]:
 
 
 def remembered_outside_allocator(info: HardwareInfo) -> dict[str, int]:
-    """What this machine's GPUs were measured to hold outside the allocator, by process count
-    (``one_process``, ``several_processes``); empty where nothing was measured yet."""
-    entry = _read_runtime_record().get(runtime_key(info) or "", {})
-    return {k: int(v) for k, v in entry.items() if k in ("one_process", "several_processes") and isinstance(v, int) and v > 0}
+    """What a process was measured to hold outside the allocator on this machine's GPUs: by the
+    number of processes of the run that measured it ("1", "2", "8", ...) and by make gpu-info's
+    probe ("probe"); empty where nothing was measured. An unreadable record counts as none."""
+    entry = _read_runtime_record().get(runtime_key(info) or "")
+    if not isinstance(entry, dict):
+        return {}
+    return {k: v for k, v in entry.items()
+            if (k == PROBE or k.isdigit()) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
-def remember_outside_allocator(info: HardwareInfo, processes: int, measured_bytes: int) -> None:
-    """Keep a measurement of what a process held outside the allocator (the largest seen for this
-    GPU, driver and build: kernels load lazily, so a longer run can only have loaded more).
-    Never fails a run: a cache that cannot be written is skipped."""
+def remember_outside_allocator(info: HardwareInfo, kind: str, measured_bytes: int) -> None:
+    """Keep a measurement of what a process held outside the allocator, `kind` being the number
+    of processes of the run that measured it (or :data:`PROBE`); the largest seen for this GPU,
+    driver and build is kept (kernels load lazily, so a longer run can only have loaded more).
+    Never fails a run: a record that cannot be read or written is rewritten or skipped. Only one
+    process of a run writes; two runs ending at once may keep only one of their figures."""
     key = runtime_key(info)
     if key is None or measured_bytes <= 0:
         return
-    kind = "several_processes" if processes > 1 else "one_process"
     path = _runtime_record_path()
     try:
         record = _read_runtime_record()
-        entry = record.setdefault(key, {})
-        if measured_bytes <= entry.get(kind, 0):
+        entry = record.get(key) if isinstance(record.get(key), dict) else {}
+        known = remembered_outside_allocator(info).get(kind, 0)
+        if measured_bytes <= known:
             return
-        entry[kind] = int(measured_bytes)
+        record[key] = {**{k: v for k, v in entry.items() if isinstance(v, int)}, kind: int(measured_bytes)}
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
         temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(temporary, path)  # atomic: ranks of one node may write at once
-    except OSError:
+        os.replace(temporary, path)  # readers see the old record or the new one, never half of one
+    except (OSError, TypeError, ValueError):
         return
 
 
@@ -414,7 +425,8 @@ def format_report(info: HardwareInfo) -> str:
             lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
         if info.outside_allocator:
             lines.append("  outside PyTorch's allocator, per training process (measured here; the planner uses it): "
-                         + ", ".join(f"{v / GIB:.2f} GiB with {k.replace('_', ' ')}"
+                         + ", ".join(f"{v / GIB:.2f} GiB " + ("(make gpu-info's probe)" if k == PROBE else
+                                                              f"(a run of {k} process(es))")
                                      for k, v in sorted(info.outside_allocator.items())))
     else:
         reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"

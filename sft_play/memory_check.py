@@ -75,12 +75,14 @@ def record(run_dir: Path, plan: Any, run: Any, ranks: list[dict[str, int]], outc
     return document
 
 
-def remember_runtime(facts: Any, ranks: list[dict[str, int]]) -> None:
+def remember_runtime(facts: Any, run: Any, ranks: list[dict[str, int]]) -> None:
     """Keep what the ranks held outside the allocator (the largest of them) as this machine's
-    measurement (:func:`sft_play.hardware.remember_outside_allocator`), for the next plans."""
+    measurement for runs of as many processes (:func:`sft_play.hardware.remember_outside_allocator`),
+    for the next plans. Not after a paged optimizer's run: its states live in managed memory,
+    which NVML may count beside the context."""
     outside = [rank["outside_allocator_bytes"] for rank in ranks if rank.get("outside_allocator_bytes")]
-    if outside:
-        hardware.remember_outside_allocator(facts, len(ranks), max(outside))
+    if outside and "paged" not in run.optimizer:
+        hardware.remember_outside_allocator(facts, str(len(ranks)), max(outside))
 
 
 def line(document: dict[str, Any]) -> str:

@@ -174,9 +174,10 @@ class Run:
     batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
     experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
     reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
-    # What a process holds on its GPU outside PyTorch's allocator, as measured on the GPUs that
-    # train (hardware.HardwareInfo.outside_allocator); None: the planner's constants
-    outside_allocator_bytes: int | None = None
+    # What was measured on the GPUs that train outside PyTorch's allocator, as pairs of
+    # (processes of the measuring run, or "probe"; bytes): hardware.HardwareInfo.outside_allocator.
+    # Empty: nothing measured (the planner's constants); planner.memory.outside_allocator decides
+    outside_allocator_measured: tuple[tuple[str, int], ...] = ()
 
     @property
     def deepspeed(self) -> bool:
@@ -308,7 +309,7 @@ def resolve(
     data_stats: Any | None = None,
     model_facts: Any | None = None,
     local: bool = True,
-    outside_allocator_bytes: int | None = None,
+    outside_allocator_measured: dict[str, int] | None = None,
 ) -> Run:
     """Every decision about the run, from the config, the hardware and (when read) the data.
 
@@ -321,8 +322,8 @@ def resolve(
         model_facts: the model's shape (:class:`sft_play.planner.shapes.ModelShape`) or its
             transformers config; read from ``config.model`` when not given.
         local: whether the processes train on this machine (its installed packages count).
-        outside_allocator_bytes: what a process was measured to hold on these GPUs outside
-            PyTorch's allocator (None: not measured; the planner's constants stand in).
+        outside_allocator_measured: what processes were measured to hold on these GPUs outside
+            PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
     """
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_config(config)
@@ -365,7 +366,7 @@ def resolve(
         allgather_bucket_elements=allgather_bucket,
         experts=experts_kernel(on_cuda, precision) if moe else None,
         reshard_after_forward=config.distributed.reshard_after_forward,
-        outside_allocator_bytes=outside_allocator_bytes if on_cuda else None,
+        outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
     )
 
 

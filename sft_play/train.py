@@ -11,6 +11,7 @@ resolved run, with the batch split as planned and as trained after calibration a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ def train(config: RunConfig, config_path: str) -> int:
     state = start_processes(config, where)
     output_dir = Path(config.train.output_dir)
     check_shared_folder(output_dir)
-    facts = hardware.detect()
+    facts = shared_hardware(state, where)
 
     tokenizer = model.load_tokenizer(config)
     with state.main_process_first():
@@ -140,8 +141,6 @@ def train(config: RunConfig, config_path: str) -> int:
         record_run(run_dir, run, planned)
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
-        if where.on_cuda:  # what lives outside the allocator here, for the next plans on this machine
-            memory_check.remember_runtime(facts, measured)
     if guard.stopped_at is not None:
         raise UserError(nan_message(config, guard.stopped_at, run_dir))
     if stop.received:
@@ -156,8 +155,30 @@ def train(config: RunConfig, config_path: str) -> int:
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
     save(trainer, state, run, run_dir, bundle)
+    if state.is_main_process and where.on_cuda:  # what lives outside the allocator here, for the next plans
+        memory_check.remember_runtime(facts, run, measured)
     state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
     return 0
+
+
+def shared_hardware(state: PartialState, where: Placement) -> hardware.HardwareInfo:
+    """The hardware every rank plans for, the same on all: rank 0's facts (its measurements of
+    what lives outside the allocator among them), with the least free memory any rank saw on its
+    GPUs (ranks read at different moments, and other nodes hold other GPUs: plans made from
+    different figures could choose different splits, and ranks of different accumulation would
+    wait for each other's gradients forever)."""
+    facts = hardware.detect()
+    if state.num_processes == 1:
+        return facts
+    own = facts.gpus if where.on_cuda else []
+    seen = gather_object([min((g.free_bytes for g in own), default=None)])
+    shared = [facts]
+    broadcast_object_list(shared)
+    facts = shared[0]
+    least = min((free for free in seen if free is not None), default=None)
+    if least is not None:
+        facts.gpus = [dataclasses.replace(g, free_bytes=min(g.free_bytes, least)) for g in facts.gpus]
+    return facts
 
 
 def start_processes(config: RunConfig, where: Placement) -> PartialState:

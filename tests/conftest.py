@@ -70,27 +70,28 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
     trainings at once took 69 s with two threads each, 8 s with one, 15 s one after the other).
     Output goes to files, not pipes: a process blocked on a full pipe while it holds the data
     cache's lock would stall the others."""
-    threads = str(max(1, (os.cpu_count() or 1) // len(commands)))
+    import contextlib
+    import time
+
+    threads = str(max(1, len(os.sched_getaffinity(0)) // len(commands)))
     folder = Path(tempfile.mkdtemp(prefix="together-", dir=_SESSION_DIR))
-    started = []
-    for i, command in enumerate(commands):
-        env = command[-1] if isinstance(command[-1], dict) else {}
-        script, *args = command[:-1] if isinstance(command[-1], dict) else command
-        out, err = (open(folder / f"{i}.{kind}", "w+") for kind in ("out", "err"))
-        path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
-        process = subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=out,
-                                   stderr=err, text=True, env={**os.environ, "OMP_NUM_THREADS": threads, **env})
-        started.append((process, [sys.executable, script, *args], out, err))
-    finished = []
-    for process, args, out, err in started:
-        try:
-            process.wait(timeout=timeout)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        out.seek(0), err.seek(0)
-        finished.append(subprocess.CompletedProcess(args, process.returncode, out.read(), err.read()))
-        out.close(), err.close()
+    with contextlib.ExitStack() as stack:
+        started = []
+        for i, command in enumerate(commands):
+            env = command[-1] if isinstance(command[-1], dict) else {}
+            script, *args = command[:-1] if isinstance(command[-1], dict) else command
+            out, err = (stack.enter_context(open(folder / f"{i}.{kind}", "w+")) for kind in ("out", "err"))
+            path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
+            process = subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=out, stderr=err, text=True,
+                                       env={**os.environ, "OMP_NUM_THREADS": threads, **env})
+            stack.callback(lambda p=process: p.poll() is None and p.kill())  # none outlives a failure or a timeout
+            started.append((process, [sys.executable, script, *args], out, err))
+        deadline = time.monotonic() + timeout  # one deadline for them all
+        finished = []
+        for process, args, out, err in started:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            out.seek(0), err.seek(0)
+            finished.append(subprocess.CompletedProcess(args, process.returncode, out.read(), err.read()))
     return finished
 
 

@@ -47,12 +47,14 @@ def test_a_run_measures_what_lives_outside_the_allocator_and_the_next_plan_uses_
     from sft_play import hardware
 
     measured = hardware.measure_outside_allocator(0)
-    assert measured is None or 100 * 2**20 < measured < 4 * 2**30  # None where NVML cannot see processes
+    if measured is None:
+        pytest.skip("NVML cannot see this process's memory here (a container without process accounting)")
+    assert 100 * 2**20 < measured < 4 * 2**30
     monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
     run_dir, _ = train(tmp_path, "measured", "train.mixed_precision=auto")
     check = json.loads((run_dir / "memory_check.json").read_text())
     if "outside_allocator_bytes" in check["ranks"][0]:
         remembered = hardware.detect().outside_allocator
-        assert remembered["one_process"] == check["ranks"][0]["outside_allocator_bytes"]
+        assert remembered["1"] == check["ranks"][0]["outside_allocator_bytes"]
         planned = run_script("plan.py", "--config", "configs/run_tiny.yaml", "--json", env={"SFT_PLAY_CACHE": str(tmp_path / "cache")})
         assert "measured on these GPUs" in planned.stdout

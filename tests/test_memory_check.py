@@ -7,11 +7,14 @@ import json
 import subprocess
 from types import SimpleNamespace
 
+import pytest
+
 from sft_play import memory_check
 from sft_play.run import BatchSplit
 from tests.conftest import REPO, run_script
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 def _plan(peak_gib: float, micro: int = 4):
@@ -82,37 +85,59 @@ def test_a_runs_measurement_outside_the_allocator_is_kept_per_gpu_and_driver(tmp
     from sft_play import hardware
 
     monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path))
-    facts = _h100()
+    facts, adamw, paged = _h100(), SimpleNamespace(optimizer="adamw_torch_fused"), SimpleNamespace(optimizer="paged_adamw_8bit")
     assert hardware.remembered_outside_allocator(facts) == {}
-    memory_check.remember_runtime(facts, [{"outside_allocator_bytes": 600 * 2**20}, {"outside_allocator_bytes": 640 * 2**20}])
-    memory_check.remember_runtime(facts, [{"outside_allocator_bytes": 540 * 2**20}])
-    assert hardware.remembered_outside_allocator(facts) == {"several_processes": 640 * 2**20, "one_process": 540 * 2**20}
-    memory_check.remember_runtime(facts, [{"outside_allocator_bytes": 500 * 2**20}])  # the largest seen is kept
-    assert hardware.remembered_outside_allocator(facts)["one_process"] == 540 * 2**20
-    memory_check.remember_runtime(facts, [{"max_rss_bytes": GIB}])  # a CPU run measures nothing outside
+    memory_check.remember_runtime(facts, adamw, [{"outside_allocator_bytes": 600 * MIB}, {"outside_allocator_bytes": 640 * MIB}])
+    memory_check.remember_runtime(facts, adamw, [{"outside_allocator_bytes": 540 * MIB}])
+    assert hardware.remembered_outside_allocator(facts) == {"2": 640 * MIB, "1": 540 * MIB}
+    memory_check.remember_runtime(facts, adamw, [{"outside_allocator_bytes": 500 * MIB}])  # the largest seen is kept
+    memory_check.remember_runtime(facts, adamw, [{"max_rss_bytes": GIB}])  # a CPU run measures nothing outside
+    memory_check.remember_runtime(facts, paged, [{"outside_allocator_bytes": 3 * GIB}])  # managed memory beside it
+    assert hardware.remembered_outside_allocator(facts) == {"2": 640 * MIB, "1": 540 * MIB}
     other_driver = _h100()
     other_driver.driver_version = "590.2"
     assert hardware.remembered_outside_allocator(other_driver) == {}
-    assert "0.53 GiB with one process" in hardware.format_report(_h100(hardware.remembered_outside_allocator(facts)))
+    assert "0.53 GiB (a run of 1 process(es))" in hardware.format_report(_h100(hardware.remembered_outside_allocator(facts)))
+
+
+@pytest.mark.parametrize("written", ["not json {", "[1, 2]", '{"KEY": [1]}', '{"KEY": {"1": "big", "2": true, "x": 5}}'])
+def test_a_broken_runtime_record_counts_as_no_measurement_and_is_rewritten(tmp_path, monkeypatch, written):
+    from sft_play import hardware
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path))
+    facts = _h100()
+    (tmp_path / hardware.RUNTIME_RECORD).write_text(written.replace("KEY", hardware.runtime_key(facts)))
+    assert hardware.remembered_outside_allocator(facts) == {}
+    hardware.remember_outside_allocator(facts, "1", 700 * MIB)
+    assert hardware.remembered_outside_allocator(facts) == {"1": 700 * MIB}
 
 
 def test_the_plan_uses_what_was_measured_outside_the_allocator_and_says_so():
     from sft_play.planner import make_plan, target_for
-    from sft_play.planner.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES
+    from sft_play.planner.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, outside_allocator
     from tests.test_planner import plan_config
 
     config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.micro_batch_size=2")
     assumed = make_plan(config, target_for(_h100(), gpus=1), with_remedies=False)
     assert any("not measured on these GPUs yet" in note for note in assumed.notes)
-    measured_one = 900 * 2**20
-    one = make_plan(config, target_for(_h100({"one_process": measured_one}), gpus=1), with_remedies=False)
+    measured_one = 900 * MIB
+    one = make_plan(config, target_for(_h100({"1": measured_one}), gpus=1), with_remedies=False)
     assert one.peak_bytes_per_gpu - assumed.peak_bytes_per_gpu == measured_one - CUDA_CONTEXT_BYTES
     assert one.breakdown["cuda_runtime"] - assumed.breakdown["cuda_runtime"] == measured_one - CUDA_CONTEXT_BYTES
-    assert any("0.88 GiB per process, measured on these GPUs" in note for note in one.notes)
-    # two processes: a one-process measurement takes NCCL's estimate on top; a two-process one is used as it is
-    two = target_for(_h100({"one_process": measured_one}), gpus=2)
-    assert two.outside_allocator_bytes == measured_one + NCCL_BYTES and "estimate" in two.outside_allocator_source
-    both = target_for(_h100({"one_process": measured_one, "several_processes": 1200 * 2**20}), gpus=2)
-    assert both.outside_allocator_bytes == 1200 * 2**20
+    assert any("0.88 GiB per process, measured on these GPUs by a run of 1" in note for note in one.notes)
+    # what a run of each size takes: its own measurement, else the context plus NCCL's estimate,
+    # never less than a smaller run of several processes measured
+    measured = {"1": measured_one, "2": 1200 * MIB}
+    assert outside_allocator(2, True, measured)[0] == 1200 * MIB
+    assert outside_allocator(8, True, {"1": measured_one})[0] == measured_one + NCCL_BYTES
+    assert outside_allocator(8, True, {"1": measured_one, "2": 2 * GIB})[0] == 2 * GIB
+    assert outside_allocator(1, True, {"probe": 300 * MIB})[0] == CUDA_CONTEXT_BYTES  # a probe never lowers it
+    assert outside_allocator(1, True, {"probe": 700 * MIB})[0] == 700 * MIB
+    assert outside_allocator(1, False, measured)[0] == 0
+    # the remedies plan other world sizes from the same measurements
+    eight = make_plan(config, target_for(_h100({"1": measured_one}), gpus=8), with_remedies=False)
+    eight_assumed = make_plan(config, target_for(_h100(), gpus=8), with_remedies=False)
+    assert eight.breakdown["cuda_runtime"] - eight_assumed.breakdown["cuda_runtime"] == measured_one - CUDA_CONTEXT_BYTES
+    assert any(f"plus NCCL's buffers ({NCCL_BYTES // MIB} MiB, an estimate)" in note for note in eight.notes)
     # hardware described (--vram-gib) is not these GPUs: the constants
-    assert target_for(_h100({"one_process": measured_one}), gpus=1, vram_gib=80).outside_allocator_bytes is None
+    assert target_for(_h100({"1": measured_one}), gpus=1, vram_gib=80).outside_allocator_measured == {}

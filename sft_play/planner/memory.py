@@ -309,11 +309,39 @@ def zero_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
     return 2 * (2 * reduce_bucket) + 2 * allgather_bucket
 
 
-def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True, measured: int | None = None) -> int:
-    """What a process holds outside PyTorch's allocator: the CUDA context, NCCL's buffers; what
-    was `measured` on the GPUs that train when there is a measurement (for this world size)."""
+def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True, measured: tuple | dict = ()) -> int:
+    """What a process holds outside PyTorch's allocator (the CUDA context, NCCL's buffers), from
+    what was measured on the GPUs that train (:func:`outside_allocator`)."""
+    return outside_allocator(recipe.world_size, on_cuda, measured)[0]
+
+
+def outside_allocator(world_size: int, on_cuda: bool, measured: tuple | dict = ()) -> tuple[int, str]:
+    """What a process of a run of `world_size` processes holds outside PyTorch's allocator, and
+    where the figure comes from. `measured`: bytes by the number of processes of the run that
+    measured them on these GPUs, and make gpu-info's probe (``hardware.HardwareInfo.
+    outside_allocator``). A run of the same size measured it: that figure. Otherwise the largest
+    of what smaller runs measured and what the parts make: the context (measured by one process,
+    at least the probe's and never below the constant until a run has measured) plus NCCL's
+    buffers with several processes (measured by no run of this size: the estimate)."""
     if not on_cuda:
-        return 0
-    if measured is not None:
-        return measured
-    return CUDA_CONTEXT_BYTES + (NCCL_BYTES if recipe.world_size > 1 else 0)
+        return 0, "no GPU"
+    measured = dict(measured)
+    runs = {int(k): v for k, v in measured.items() if str(k).isdigit()}
+    if world_size in runs:
+        return runs[world_size], f"measured on these GPUs by a run of {world_size} process(es)"
+    if 1 in runs:
+        context, source = runs[1], "the context measured on these GPUs by a run"
+    elif "probe" in measured:
+        context = max(measured["probe"], CUDA_CONTEXT_BYTES)
+        source = (f"the context as make gpu-info probed it, at least the H100's {CUDA_CONTEXT_BYTES / MIB:.0f} MiB "
+                  "until a run has measured it")
+    else:
+        context, source = CUDA_CONTEXT_BYTES, (f"not measured on these GPUs yet (a finished run or make gpu-info "
+                                               f"measures it): the CUDA context as on an H100 ({CUDA_CONTEXT_BYTES / MIB:.0f} MiB)")
+    parts = context + (NCCL_BYTES if world_size > 1 else 0)
+    if world_size > 1:
+        source += f", plus NCCL's buffers ({NCCL_BYTES / MIB:.0f} MiB, an estimate)"
+    smaller = max((v for w, v in runs.items() if 1 < w < world_size), default=0)
+    if smaller > parts:
+        return smaller, f"measured on these GPUs by a run of {max(w for w, v in runs.items() if v == smaller)} processes"
+    return parts, source

@@ -20,12 +20,12 @@ from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split
-from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
+from sft_play.planner.predict import REPLAYS, STAND_INS, predict
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
-from sft_play.units import GIB, MIB
+from sft_play.units import GIB
 
 
 @dataclass
@@ -41,10 +41,9 @@ class Target:
     gpu_model: str = ""  # the GPU's name, for its peak FLOP/s (the time prediction)
     interconnect: str = "nvlink"  # between the GPUs of a node: nvlink or pcie
     gpus_per_node: int = 8
-    # What a process holds outside PyTorch's allocator, measured on these GPUs (None: not
-    # measured; the planner's constants), and where the figure comes from
-    outside_allocator_bytes: int | None = None
-    outside_allocator_source: str = ""
+    # What processes were measured to hold outside PyTorch's allocator on these GPUs
+    # (hardware.HardwareInfo.outside_allocator; empty for hardware described, not detected)
+    outside_allocator_measured: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,7 +108,7 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
     return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
                    world_size=target.world_size, data_stats=data_stats, model_facts=shape,
                    local=target.source in ("detected", "host memory"),
-                   outside_allocator_bytes=target.outside_allocator_bytes)
+                   outside_allocator_measured=target.outside_allocator_measured)
 
 
 def make_plan(
@@ -254,9 +253,8 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, ma
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     notes.extend(kernel_notes(config, run))
     if target.on_cuda and target.source == "detected":
-        outside = memory.outside_allocator_bytes(recipe_for(run), True, run.outside_allocator_bytes)
-        notes.append(f"outside PyTorch's allocator: {outside / GIB:.2f} GiB per process, "
-                     f"{target.outside_allocator_source}")
+        outside, source = memory.outside_allocator(run.world_size, True, run.outside_allocator_measured)
+        notes.append(f"outside PyTorch's allocator: {outside / GIB:.2f} GiB per process, {source}")
     if config.model.attn_implementation == "auto" and target.source not in ("detected", "host memory") \
             and run.attention == "sdpa" and run.on_cuda:
         notes.append("model.attn_implementation=auto on hardware described, not this machine's: planned as SDPA; "
@@ -311,11 +309,10 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         smallest = min(local, key=lambda g: g.free_bytes)
         note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"
         linked = all(g.nvlinks_active for g in local) if len(local) > 1 else True
-        outside, source = measured_outside_allocator(hardware.outside_allocator, count)
         return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
                       bf16_supported=all(g.bf16_supported for g in local), gpu_model=gpu_model or smallest.name,
                       interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus),
-                      outside_allocator_bytes=outside, outside_allocator_source=source)
+                      outside_allocator_measured=dict(hardware.outside_allocator))
     if allow_cpu:
         count = gpus or 1
         # Processes on one host share its memory
@@ -323,22 +320,6 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
                       bf16_supported=hardware.cpu_bf16, on_cuda=False, source="host memory")
     raise ValueError("no CUDA GPU on this machine: say what to plan for with NUM_GPUS=N VRAM_GIB=G "
                      "(e.g. make plan NUM_GPUS=8 VRAM_GIB=80; scripts/plan.py takes --gpus 8 --vram-gib 80)")
-
-
-def measured_outside_allocator(measured: dict[str, int], processes: int) -> tuple[int | None, str]:
-    """What a process of a run of `processes` holds outside the allocator, from what was measured
-    on these GPUs (:attr:`sft_play.hardware.HardwareInfo.outside_allocator`), and what the figure
-    is: a run of several processes measured it with NCCL's buffers; a one-process measurement
-    takes NCCL's estimate on top. (None, why) where nothing was measured."""
-    if processes > 1 and "several_processes" in measured:
-        return measured["several_processes"], "measured on these GPUs by a run of several processes"
-    if "one_process" in measured:
-        nccl = memory.NCCL_BYTES if processes > 1 else 0
-        return measured["one_process"] + nccl, ("measured on these GPUs" + (
-            f", plus NCCL's buffers ({nccl / MIB:.0f} MiB, an estimate)" if nccl else ""))
-    return None, ("not measured on these GPUs yet (a finished run or make gpu-info measures it): the CUDA context "
-                  f"as on an H100 ({memory.CUDA_CONTEXT_BYTES / MIB:.0f} MiB)"
-                  + (f" plus NCCL's buffers ({memory.NCCL_BYTES / MIB:.0f} MiB, an estimate)" if processes > 1 else ""))
 
 
 def kernel_notes(config: RunConfig, run: Run) -> list[str]:

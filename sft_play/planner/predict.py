@@ -65,7 +65,7 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
             + memory.master_weights_bytes(shape, recipe) + memory.ddp_bucket_bytes(shape, recipe)
             + memory.zero_buffer_bytes(shape, recipe) + memory.fsdp_buffer_bytes(shape, recipe)
             + (memory.gradient_bytes(shape, recipe) if recipe.fsdp else 0)
-            + memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_bytes))
+            + memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured))
 
 
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
@@ -117,7 +117,7 @@ REPLAYS = [0]  # allocator replays so far in this process: what planning costs, 
 
 def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
     recipe = recipe_for(run)
-    outside = memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_bytes)
+    outside = memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured)
     unlimited = _replay(shape, run, micro_batch, accumulating, None)
     fits = None
     result = unlimited
