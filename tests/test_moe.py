@@ -19,7 +19,7 @@ from sft_play.architecture import build_meta_model, load_model_config
 from sft_play.planner import Target, make_plan, resolve_for
 from tests.conftest import FIXTURES, PINNED, REPO, run_script, run_scripts_together
 from tests.test_distributed import TINY as TWO_RANKS
-from tests.test_distributed import check_two_rank_run
+from tests.test_distributed import check_two_rank_run, rows_seen
 
 GIB = 1024**3
 MOE = ("tiny-qwen3-moe", "tiny-mixtral")
@@ -113,8 +113,10 @@ ENTRY_RUNS = [("tiny-qwen3-moe", "lora"), ("tiny-mixtral", "full"), ("tiny-bamba
               ("tiny-qwen3-next", "full")]
 
 
-# ... and a Qwen3-MoE on 2 CPU processes: LoRA under DDP, full fine-tuning under FSDP2
-DISTRIBUTED_RUNS = [("ddp", "accelerate", "lora"), ("fsdp2", "accelerate", "full")]
+# ... and a Qwen3-MoE on 2 CPU processes: LoRA under DDP and under ZeRO-3 (the fused experts
+# partitioned and gathered), full fine-tuning under FSDP2
+DISTRIBUTED_RUNS = [("ddp", "accelerate", "lora"), ("fsdp2", "accelerate", "full"),
+                    ("deepspeed_zero3", "torchrun", "lora")]
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +186,20 @@ def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_run
     assert recorded["experts"] == "eager" and recorded["world_size"] == 2
     adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
+
+
+def test_an_moe_model_trains_with_lora_under_zero3_on_two_processes(moe_runs):
+    run_dir, result = moe_runs["deepspeed_zero3", "lora"]
+    output = result.stdout + result.stderr
+    assert "(torchrun, deepspeed_zero3, rendezvous standalone" in output and "DistributedType.DEEPSPEED" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 4  # (ranks hold shards: no weights check)
+    assert not rows_seen(run_dir, 0) & rows_seen(run_dir, 1), "the ranks saw the same rows"
+    assert output.count("Run folder:") == 1 and (run_dir / "model" / "adapter_model.safetensors").is_file()
+    for step in (2, 4):
+        assert checkpoints.written_by(run_dir / "checkpoints" / f"checkpoint-{step}") == (2, "deepspeed_zero3")
+    adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
+    assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights under ZeRO-3 too"
 
 
 def test_an_moe_model_is_fully_fine_tuned_under_fsdp2_and_saved_whole(moe_runs):
