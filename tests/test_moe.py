@@ -17,7 +17,7 @@ from sft_play import checkpoints
 from sft_play import config as config_module
 from sft_play.architecture import build_meta_model, load_model_config
 from sft_play.planner import Target, make_plan, resolve_for
-from tests.conftest import FIXTURES, PINNED, REPO, run_script, run_scripts_together
+from tests.conftest import FIXTURES, PINNED, REPO, run_scripts_together
 from tests.test_distributed import TINY as TWO_RANKS
 from tests.test_distributed import check_two_rank_run, rows_seen
 
