@@ -9,6 +9,8 @@ VENV ?= .venv
 # process group then killed that shell at once, make ended without waiting for training to save,
 # and training went on saving behind the prompt. With exec, make waits for the script itself.
 PY := exec $(VENV)/bin/python
+# gpu-info and plan print JSON with ARGS=--json: their command lines are not echoed (@), so that
+# their output parses as it is (make gpu-info ARGS=--json | python3 -m json.tool)
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/run_tiny.yaml
 ARGS ?=
@@ -57,10 +59,10 @@ check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder
 	$(PY) scripts/check.py --config $(CONFIG) $(ARGS)
 
 gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
-	$(PY) scripts/gpu_info.py $(ARGS)
+	@$(PY) scripts/gpu_info.py $(ARGS)
 
 plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 for other hardware, PLOT=plan.png)
-	$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(GPU_MODEL),--gpu-model $(GPU_MODEL)) $(if $(PLOT),--plot $(PLOT)) $(ARGS)
+	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(GPU_MODEL),--gpu-model $(GPU_MODEL)) $(if $(PLOT),--plot $(PLOT)) $(ARGS)
 
 data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
 	$(PY) scripts/data_stats.py --config $(CONFIG) $(ARGS)

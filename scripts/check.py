@@ -28,7 +28,9 @@ def main() -> int:
     for result in results:
         print(result.line())
     failed = [r for r in results if not r.ok]
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
+    warned = [r for r in results if r.ok and r.warning]
+    print(f"\n{len(results) - len(failed) - len(warned)} passed, " + (f"{len(warned)} warning(s), " if warned else "")
+          + f"{len(failed)} failed")
     return 1 if failed else 0
 
 

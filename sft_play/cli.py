@@ -71,13 +71,19 @@ def quiet_libraries() -> None:
     - transformers' FutureWarning that ``gradient_checkpointing`` is renamed (TRL passes it);
     - DeepSpeed's "Setting accelerator to CPU" on machines without a GPU, where accelerate
       imports DeepSpeed to unwrap a model even when it is not used (``DS_ACCELERATOR=cpu`` says so);
-    - datasets' progress bars (the data module logs what it did instead).
+    - datasets' progress bars (the data module logs what it did instead);
+    - peft's RuntimeWarning that the rank and alpha patterns it sets itself for a mixture-of-
+      experts model's fused ``gate_up_proj`` "did not match any targeted module" (peft 0.21's
+      ``transformers_weight_conversion`` doubles r and alpha for the fused gate and up experts,
+      then checks the patterns against modules, not the parameters it targets: they do apply).
 
     transformers' "Loading weights" bar goes where models load (:func:`sft_play.model.quiet_loading`).
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         lambda record: "gemm_4bit_forward" not in record.getMessage())
     warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
+                            r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("torch") is not None:
         import torch

@@ -18,7 +18,7 @@ def hub_error(name: str, error: OSError, what: str = "model") -> UserError:
     lowered = text.lower()
     if any(k in lowered for k in ("gated", "401", "403", "restricted", "authenticat")):
         cause = (f"'{name}' is gated or private: accept its licence on huggingface.co, then log in "
-                 "(huggingface-cli login, or set HF_TOKEN)")
+                 "(hf auth login, or set HF_TOKEN)")
     elif os.environ.get("HF_HUB_OFFLINE") == "1" or "couldn't connect" in lowered or "connection" in lowered:
         cause = (f"the hub cannot be reached (no network, or HF_HUB_OFFLINE=1) and '{name}' is not in the local "
                  "cache")
@@ -28,4 +28,4 @@ def hub_error(name: str, error: OSError, what: str = "model") -> UserError:
     else:
         cause = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return UserError(f"cannot load the {what} '{name}': {cause}. To use a local copy instead: "
-                     f"huggingface-cli download {name} --local-dir DIR, then set model.name_or_path=DIR")
+                     f"hf download {name} --local-dir DIR, then set model.name_or_path=DIR")

@@ -38,6 +38,17 @@ def to_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), indent=2)
 
 
+def duration(seconds: float) -> str:
+    """``0.4 ms``, ``2.35 s``, ``12.5 min``, ``3.20 h``: a time in the unit that reads best."""
+    if seconds < 1:
+        return f"{seconds * 1000:.2g} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The plan as ``make plan`` prints it; `config_path` and the user's `overrides` complete the
     remedies' commands."""
@@ -67,11 +78,14 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
     ]
     if plan.time:
         t = plan.time
-        run_part = (f"; {t['steps']} steps: {t['wall_seconds'] / 3600:.2f} h, {t['gpu_hours']:.1f} GPU-hours"
+        run_part = (f"; {t['steps']} steps: {duration(t['wall_seconds'])}, {t['gpu_hours']:.1f} GPU-hours"
                     if t.get("wall_seconds") else "")
-        lines.append(f"Time     about {t['tokens_per_second']:,.0f} tokens/s, {t['seconds_per_step']:.2f} s per optimizer "
-                     f"step{run_part}")
+        lines.append(f"Time     about {t['tokens_per_second']:,.0f} tokens/s, {duration(t['seconds_per_step'])} per "
+                     f"optimizer step{run_part}")
         lines += [f"  time: {source}" for source in t["sources"]]
+        if t["seconds_per_step"] < 0.01:
+            lines.append("  time: a step this short is not what the time model counts (FLOPs and communication): "
+                         "kernel launches, Python and the data loader dominate it, so expect far longer")
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  warning: {warning}" for warning in plan.warnings]
     if plan.remedies:
