@@ -228,6 +228,8 @@ def test_when_nothing_fits_remedies_are_ranked_with_their_peaks_and_commands():
     zero2 = next(r for r in remedies if r["name"] == "ZeRO-2")
     assert zero2["command"].startswith("make train-deepspeed NUM_GPUS=8")  # DeepSpeed needs its launcher target
     assert all(r["peak_bytes"] <= plan.budget_bytes_per_gpu for r in fitting)
+    more = next(r for r in remedies if r["name"] == "more GPUs")  # the change as make takes it, not plan.py's flag
+    assert more["change"][0] == "NUM_GPUS=16" and "NUM_GPUS=16" in more["command"] and "--gpus" not in more["command"]
 
 
 def test_a_single_remedy_that_fits_is_offered_alone():

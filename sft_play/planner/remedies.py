@@ -60,12 +60,12 @@ class Remedy:
         return type(target)(**{**asdict(target), "world_size": target.world_size * self.gpu_factor})
 
     def change_text(self, config: RunConfig, target: Any) -> list[str]:
-        """The overrides as the user types them (plus ``--gpus N`` for more GPUs)."""
+        """The overrides as the user types them (plus ``NUM_GPUS=N``, make's variable, for more GPUs)."""
         changes = list(self.overrides)
         if self.halve_sequence:
             changes.append(f"data.max_seq_length={config.data.max_seq_length // 2}")
         if self.gpu_factor > 1:
-            changes.insert(0, f"--gpus {target.world_size * self.gpu_factor}")
+            changes.insert(0, f"NUM_GPUS={target.world_size * self.gpu_factor}")
         return changes
 
 
@@ -128,7 +128,7 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
         make_target = "train-distributed"
     changed_keys = {c.split("=", 1)[0] for c in changes}
     kept = [o for o in overrides if o.split("=", 1)[0] not in changed_keys]
-    arguments = kept + [c for c in changes if not c.startswith("--gpus")]
+    arguments = kept + [c for c in changes if not c.startswith("NUM_GPUS=")]
     parts = [f"make {make_target}"]
     if config_path:
         parts.append(f"CONFIG={config_path}")
