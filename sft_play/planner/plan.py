@@ -159,6 +159,9 @@ def make_plan(
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
                              split.gradient_accumulation_steps)
+    if step_time and not step_time.wall_seconds:
+        notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
+                     "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
     run_notes(config, run, target, shape, masked, notes, warnings)
     return Plan(
