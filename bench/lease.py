@@ -198,7 +198,7 @@ def model_folder(task: dict) -> str:
 def cut_layers(folder: Path, layers: int) -> Path:
     """A copy of `folder`'s config.json that keeps only the first `layers` decoder layers (lists
     with one entry per layer cut to match)."""
-    from sft_play.model import cache_dir
+    from sft_play.paths import cache_dir
 
     config = json.loads((folder / "config.json").read_text())
     for section in [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else []):

@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from sft_play.paths import cache_dir
 from sft_play.units import GIB
 
 # NVML topology levels, nearest first (nvidia-smi topo -m spells them the same way).
@@ -309,7 +310,7 @@ PROBE = "probe"
 
 
 def _runtime_record_path() -> Path:
-    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play")) / RUNTIME_RECORD
+    return cache_dir() / RUNTIME_RECORD
 
 
 def runtime_key(info: HardwareInfo) -> str | None:
@@ -333,7 +334,11 @@ def remembered_outside_allocator(info: HardwareInfo) -> dict[str, int]:
     """What a process was measured to hold outside the allocator on this machine's GPUs: by the
     number of processes of the run that measured it ("1", "2", "8", ...) and by make gpu-info's
     probe ("probe"); empty where nothing was measured. An unreadable record counts as none."""
-    entry = _read_runtime_record().get(runtime_key(info) or "")
+    return _measurements(_read_runtime_record().get(runtime_key(info) or ""))
+
+
+def _measurements(entry: Any) -> dict[str, int]:
+    """The well-formed measurements of one record entry (anything else in it is ignored)."""
     if not isinstance(entry, dict):
         return {}
     return {k: v for k, v in entry.items()
@@ -352,11 +357,10 @@ def remember_outside_allocator(info: HardwareInfo, kind: str, measured_bytes: in
     path = _runtime_record_path()
     try:
         record = _read_runtime_record()
-        entry = record.get(key) if isinstance(record.get(key), dict) else {}
-        known = remembered_outside_allocator(info).get(kind, 0)
-        if measured_bytes <= known:
+        entry = _measurements(record.get(key))
+        if measured_bytes <= entry.get(kind, 0):
             return
-        record[key] = {**{k: v for k, v in entry.items() if isinstance(v, int)}, kind: int(measured_bytes)}
+        record[key] = {**entry, kind: int(measured_bytes)}
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
         temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

@@ -24,6 +24,7 @@ from sft_play import adapters, architecture, hub
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
 from sft_play.errors import UserError, hub_error
+from sft_play.paths import cache_dir
 from sft_play.precision import TORCH_DTYPE_NAMES, Precision, init_weights_dtype
 from sft_play.run import Run
 
@@ -31,11 +32,6 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TORCH_DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPE_NAMES}
-
-
-def cache_dir() -> Path:
-    """Where initialised weights are kept: ``$SFT_PLAY_CACHE``, else ``~/.cache/sft_play``."""
-    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play"))
 
 
 def quiet_loading() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from sft_play.config import DataConfig
 from sft_play.data.sources import expand, is_local
+from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ CACHE_VERSION = 1  # bump when tokenisation or packing change what they produce
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play")) / "data"
+    return cache_dir() / "data"
 
 
 def _sources(paths: str | list[str] | None, split: str) -> list[Any]:

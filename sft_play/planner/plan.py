@@ -163,7 +163,9 @@ def make_plan(
         notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
-    run_notes(config, run, target, shape, masked, notes, warnings)
+    more_notes, more_warnings = run_notes(config, run, target, shape, masked)
+    notes += more_notes
+    warnings += more_warnings
     return Plan(
         model=config.model.name_or_path,
         method=config.finetune.method,
@@ -246,11 +248,13 @@ def remedies_for(config: RunConfig, target: Target,
                                    "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
 
 
-def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, masked: bool,
-              notes: list[str], warnings: list[str]) -> None:
-    """What the plan says about the run it planned: the attention kernel and its mask, the kernel
-    switches, what lives outside the allocator, a layer planned by a stand-in, and what a
-    mixture-of-experts model changes (added to `notes` and `warnings`)."""
+def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
+              masked: bool) -> tuple[list[str], list[str]]:
+    """What the plan says about the run it planned (notes, warnings): the attention kernel and its
+    mask, the kernel switches, what lives outside the allocator, a layer planned by a stand-in,
+    and what a mixture-of-experts model changes."""
+    notes: list[str] = []
+    warnings: list[str] = []
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
@@ -275,6 +279,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, ma
     if shape.num_experts and run.world_size > 1:
         notes.append("experts are replicated (DDP) or sharded like any weight (ZeRO); expert parallelism is not "
                      "offered: for a model whose experts do not fit, ZeRO-3 shards them")
+    return notes, warnings
 
 
 def peak_at(shape: ModelShape, run: Run, micro: int) -> int:

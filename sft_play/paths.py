@@ -1,0 +1,13 @@
+"""Where SFT-Play keeps what it caches between runs: ``$SFT_PLAY_CACHE``, else
+``~/.cache/sft_play``. Initialised weights (``init_weights/``), preprocessed data (``data/``) and
+what GPU processes were measured to hold outside PyTorch's allocator (``cuda_runtime.json``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$SFT_PLAY_CACHE``, else ``~/.cache/sft_play``."""
+    return Path(os.environ.get("SFT_PLAY_CACHE", Path.home() / ".cache" / "sft_play"))
