@@ -209,8 +209,8 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     timer = StepTimer(warmup)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, packed, None, collator, [timer])
     trainer = make(run.with_changes(batch=split))
-    predicted = {  # the plan's peak covers every smaller micro-batch too; the measurement is of this one
-        "predicted_peak": plan.peak_bytes_per_gpu - plan.breakdown.get("smaller_micro_batch", 0),
+    predicted = {  # the plan's peak covers smaller batches too; the measurement is of this one
+        "predicted_peak": plan.peak_bytes_per_gpu - plan.breakdown.get("smaller_batch", 0),
         "predicted_peak_plan": plan.peak_bytes_per_gpu}
     try:
         result = _finish(trainer, timer, split.micro_batch_size)

@@ -45,7 +45,6 @@ def main() -> int:
     from sft_play import config as config_module
     from sft_play import hardware, planner
     from sft_play.planner import report
-    from sft_play.architecture import load_model_config
 
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
     # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it
@@ -55,14 +54,8 @@ def main() -> int:
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
-
-    # Imports are not planning: load the architecture's and peft's code before the clock starts
-    from transformers import AutoModelForCausalLM
-
-    model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
-    AutoModelForCausalLM._model_mapping.get(type(model_config), None)
-    import peft.tuners.lora  # noqa: F401
-
+    # The model's code is imported only where the planner has not kept what it learns from it
+    # (sft_play.planner.cache): a model planned before plans without it
     plan = planner.make_plan(config, target, stats)
     if why:
         plan.notes.append(f"sequence length from the config: {why}")

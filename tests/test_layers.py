@@ -16,7 +16,7 @@ ORDER = [
     "architecture", "hardware", "precision", "run",
     "data.formats", "data.tokenize", "data.sources", "data.cache", "data.collate", "data",
     "checkpoints", "callbacks",
-    "planner.allocator", "planner.shapes", "planner.memory", "planner.trace", "planner.step", "planner.predict",
+    "planner.cache", "planner.allocator", "planner.shapes", "planner.memory", "planner.trace", "planner.step", "planner.predict",
     "planner.timing", "planner.choose", "planner.search", "planner.calibrate", "planner.disk", "planner.remedies", "planner.plan",
     "planner", "planner.report",
     "model", "training", "export", "memory_check", "checks", "cli",

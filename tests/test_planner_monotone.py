@@ -1,7 +1,10 @@
-"""What the plan says for micro-batch m holds for every smaller one: reported peaks never fall as
-the micro-batch grows, and a micro-batch fits only when every smaller one does. The simulated
-allocator's cache swings a few per cent from one micro-batch to the next (issue 22: Llama-3.2-3B
-full with checkpointing went 53.8, 55.4, 51.2 ... GiB), so without the envelope neither held."""
+"""What the plan says for micro-batch m and rows of s tokens holds for every smaller batch: reported
+peaks never fall as the micro-batch or the sequence length grows, and a micro-batch fits only when
+every smaller one does, with rows of every shorter length of the ladder. The simulated allocator's
+cache swings a few per cent from one batch shape to the next (issue 22: Llama-3.2-3B full with
+checkpointing went 53.8, 55.4, 51.2 ... GiB over micro-batches 1-3; Llama-3.1-8B full with
+checkpointing at micro-batch 4 predicted 136.0 GiB at 2048 tokens and 130.8 at 4096), so without
+the envelope neither held."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 from sft_play import config as config_module
 from sft_play.planner import Target, make_plan, model_shape, resolve_for
 from sft_play.planner.predict import predict, static_lower_bound
+from sft_play.planner.search import shorter_lengths
 from tests.conftest import FIXTURES
 
 GIB = 1024**3
@@ -43,6 +47,38 @@ def test_reported_peaks_and_fit_decisions_are_monotone_in_the_micro_batch(model,
     assert fits == sorted(fits, reverse=True)
     for plan in plans:  # the terms add up to the peak reported
         assert sum(plan.breakdown.values()) == plan.peak_bytes_per_gpu
+
+
+LENGTHS = [512, 1024, 2048, 4096]
+# Where the peak fell as the rows grew before the envelope covered shorter rows (each of these
+# fails without it); bench/planner_monotone.py checks every public config, method and
+# checkpointing choice the same way and writes docs/planner_monotone.md
+SEQUENCE_CASES = [
+    ("qwen2.5-0.5b", "full", True),
+    ("llama-3.1-8b", "full", True),
+    ("mistral-7b-v0.1", "full", True),
+    ("gemma-2-9b", "full", True),
+]
+
+
+def test_the_ladder_is_the_same_for_every_plan():
+    assert shorter_lengths(256) == [] and shorter_lengths(257) == [256]
+    assert shorter_lengths(4096) == [256, 512, 1024, 2048] and shorter_lengths(3000) == [256, 512, 1024, 2048]
+
+
+@pytest.mark.parametrize("model, method, checkpointing", SEQUENCE_CASES)
+def test_reported_peaks_and_fit_decisions_are_monotone_in_the_sequence_length(model, method, checkpointing):
+    plans = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, 80 * GIB, "1 x H100"),
+                       with_remedies=False) for seq in LENGTHS]
+    peaks = [p.peak_bytes_per_gpu for p in plans]
+    assert peaks == sorted(peaks), [round(p / GIB, 2) for p in peaks]
+    for plan in plans:
+        assert sum(plan.breakdown.values()) == plan.peak_bytes_per_gpu
+    # under a budget that the longest rows exceed and the shortest fit, the fitting lengths form a prefix
+    free = int((peaks[0] + peaks[-1]) // 2 / (1 - 0.03)) + 1
+    fits = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, free, "1 x GPU"),
+                      with_remedies=False).fits for seq in LENGTHS]
+    assert fits == sorted(fits, reverse=True), fits
 
 
 def test_the_chosen_micro_batch_has_no_smaller_one_that_does_not_fit():

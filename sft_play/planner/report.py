@@ -26,7 +26,7 @@ TERM_LABELS = {
     "logits_loss": "loss head (chunked)",
     "optimizer_step": "optimizer step temporaries",
     "allocator_cache": "allocator cache (freed, kept)",
-    "smaller_micro_batch": "a smaller micro-batch peaks higher",
+    "smaller_batch": "a smaller micro-batch or shorter rows peak higher",
 }
 
 

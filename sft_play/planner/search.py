@@ -1,21 +1,48 @@
 """The fit search: which micro-batches fit one GPU's budget, as predicted, and the peak a plan
 reports for the one it chooses.
 
-Predicted peaks swing a few per cent from one micro-batch to the next (the allocator's cache
-keeps other blocks at each size), so fitting is made monotone here: a micro-batch fits only when
-every smaller one does, and the peak reported for micro m is the largest predicted for any
-micro <= m. What the search predicted stays in :attr:`FitSearch.tried`, for the plan's table and
-picture (no further replays).
+Predicted peaks swing a few per cent from one batch shape to the next, up or down: what the
+allocator's cache keeps at the peak depends on how the sizes freed earlier in the step (the
+activations, the logits) pack the sizes allocated later (the optimizer's states), which is the
+caching allocator's own rule, replayed (PLANNER.md section 3). A batch the run will also see must
+not be predicted to fail where the planned one fits, so fitting and the reported peak are made
+monotone here, over both dimensions of a batch:
+
+- **micro-batch**: a micro-batch fits only when every smaller one does, and the peak reported for
+  micro m is the largest predicted for any micro <= m (the out-of-memory backoff and an
+  accumulation's last micro-batch run smaller ones);
+- **sequence length**: rows shorter than the planned length are trained too (an unpacked batch is
+  padded to its longest row; packing leaves rows short), so the same holds over the lengths of a
+  fixed ladder below it (:func:`shorter_lengths`: 256, 512, 1024, ... tokens). The ladder is
+  the same for every plan, so a plan for a longer sequence covers every ladder length a shorter
+  one covers: reported peaks and fit decisions never fall as the planned length grows past a
+  ladder length (between two lengths of one rung they are not compared: that would take a
+  replay per token count).
+
+What the search predicted at the planned length stays in :attr:`FitSearch.tried`, for the plan's
+table and picture (no further replays).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from sft_play.planner.choose import largest_fitting_micro
 from sft_play.planner.predict import Prediction, predict, static_lower_bound
 from sft_play.planner.shapes import ModelShape
 from sft_play.run import BatchSplit, Run
+
+SHORTEST_RUNG = 256  # tokens: below this, a batch's activations are too small to move a peak
+
+
+def shorter_lengths(tokens: int) -> list[int]:
+    """The ladder's lengths below `tokens`: 256, 512, 1024, ... (the same for every plan)."""
+    lengths, rung = [], SHORTEST_RUNG
+    while rung < tokens:
+        lengths.append(rung)
+        rung *= 2
+    return lengths
 
 
 @dataclass
@@ -35,37 +62,59 @@ class FitSearch:
     fixed_accum: int | None
     tried: dict[int, Prediction] = field(default_factory=dict)
 
-    def predicted(self, micro: int, accumulating: bool | None = None) -> Prediction:
-        """The prediction at `micro` against the budget (accumulating as the split would, unless
-        said). When the weights and optimizer states alone exceed the budget, the whole step is
-        replayed without a limit: the report then shows the real peak, beyond the budget."""
+    def predicted(self, micro: int, accumulating: bool | None = None, tokens: int | None = None) -> Prediction:
+        """The prediction at `micro` (rows of `tokens`, the planned length unless said) against
+        the budget, accumulating as the split would unless said. When the weights and optimizer
+        states alone exceed the budget, the whole step is replayed without a limit: the report
+        then shows the real peak, beyond the budget."""
         if accumulating is None:
             accumulating = self.fixed_accum > 1 if self.fixed_accum is not None else micro < self.per_process
-        if static_lower_bound(self.shape, self.run) > self.budget:
-            whole = predict(self.shape, self.run, micro, None, accumulating)
+        run = self.run
+        if tokens is not None and tokens != run.sequence.tokens:
+            run = run.with_changes(sequence=dataclasses.replace(run.sequence, tokens=tokens))
+        if static_lower_bound(self.shape, run) > self.budget:
+            whole = predict(self.shape, run, micro, None, accumulating)
             prediction = Prediction(micro, whole.peak_bytes, whole.allocated_bytes, whole.breakdown, False)
         else:
-            prediction = predict(self.shape, self.run, micro, self.budget, accumulating)
-        self.tried.setdefault(micro, prediction)
+            prediction = predict(self.shape, run, micro, self.budget, accumulating)
+        if run is self.run:
+            self.tried.setdefault(micro, prediction)
         return prediction
+
+    def covered(self, split: BatchSplit) -> list[Prediction]:
+        """The predictions a plan of `split` answers for: its micro-batch and every smaller one
+        (accumulating, as the backoff runs them), at the planned length and at each shorter
+        length of the ladder."""
+        micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
+        return [self.predicted(m, accumulating if m == micro else None, tokens)
+                for tokens in [None, *shorter_lengths(self.run.sequence.tokens)] for m in range(1, micro + 1)]
+
+    def shorter_rows_fit(self, micro: int) -> bool:
+        """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""
+        return all(self.predicted(m, None, tokens).fits
+                   for tokens in shorter_lengths(self.run.sequence.tokens) for m in range(1, micro + 1))
 
     def largest_fitting(self) -> int:
         """The largest micro-batch up to the per-process share that fits, with every smaller one
-        fitting too (0 when micro-batch 1 does not)."""
+        fitting too, at the planned length and with rows of every shorter length of the ladder (0
+        when micro-batch 1 does not)."""
         fitting = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
                                         _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
-        return next((m - 1 for m in range(1, fitting + 1) if not self.predicted(m).fits), fitting)
+        fitting = next((m - 1 for m in range(1, fitting + 1) if not self.predicted(m).fits), fitting)
+        while fitting and not self.shorter_rows_fit(fitting):  # rare: the cache's swing at a shorter length
+            fitting -= 1
+        return fitting
 
     def reported(self, split: BatchSplit) -> tuple[Prediction, int, dict[str, int]]:
         """The prediction for the split's micro-batch, and the peak and breakdown the plan reports
-        for it: the largest peak of any micro-batch up to it, the difference shown as its own term
-        ("smaller_micro_batch")."""
+        for it: the largest peak of any batch it covers (:meth:`covered`), the difference from its
+        own shown as a term of its own ("smaller_batch")."""
         chosen = self.predicted(split.micro_batch_size, split.gradient_accumulation_steps > 1)
         peak, breakdown = chosen.peak_bytes, dict(chosen.breakdown)
-        smaller = max((self.predicted(m).peak_bytes for m in range(1, split.micro_batch_size)), default=0)
-        if smaller > peak:
-            breakdown["smaller_micro_batch"] = smaller - peak
-            peak = smaller
+        covered = max(p.peak_bytes for p in self.covered(split))
+        if covered > peak:
+            breakdown["smaller_batch"] = covered - peak
+            peak = covered
         return chosen, peak, breakdown
 
     def candidates(self) -> list[dict]:

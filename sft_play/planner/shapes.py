@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config
+from sft_play.planner import cache
 from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_signature,
                                    load_model_config, quantized_linears, text_config, with_layers)
 
@@ -266,12 +267,18 @@ def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, 
 
 
 # Remedies plan other methods of the same model: the model and each adapter are counted once
+# (and on disk: sft_play.planner.cache, so that a second process needs no modeling code)
 @functools.lru_cache(maxsize=16)
 def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool) -> ModelShape:
-    return base_shape(load_model_config(name_or_path, revision, trust_remote_code), trust_remote_code)
+    model_config = load_model_config(name_or_path, revision, trust_remote_code)
+    return cache.remembered("shape", (cache.config_key(model_config),),
+                            lambda: base_shape(model_config, trust_remote_code), keep=not trust_remote_code)
 
 
 @functools.lru_cache(maxsize=16)
 def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, lora: LoraSpec):
-    return lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code),
-                                  peft_config(lora, initialise=False), trust_remote_code)
+    model_config = load_model_config(name_or_path, revision, trust_remote_code)
+    return cache.remembered("lora", (cache.config_key(model_config), lora),
+                            lambda: lora_counts_for_config(model_config, peft_config(lora, initialise=False),
+                                                           trust_remote_code),
+                            keep=not trust_remote_code)

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_map_only
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_kinds,
                                    load_model_config, quantized_linears, with_layers)
+from sft_play.planner import cache
 from sft_play.run import MASK_FREE_ATTENTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -571,9 +572,15 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
 @functools.lru_cache(maxsize=64)
 def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
-    `seq_len` tokens per row, with sizes as functions of the micro-batch (cached)."""
-    _register_flash_trace()
+    `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
+    and on disk: :mod:`sft_play.planner.cache`)."""
     model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
+    return cache.remembered("trace", (spec, seq_len, cache.config_key(model_config)),
+                            lambda: _traced(spec, seq_len, model_config), keep=not spec.trust_remote_code)
+
+
+def _traced(spec: TraceSpec, seq_len: int, model_config: Any) -> LayerTrace:
+    _register_flash_trace()
     kinds = [] if spec.stand_in else layer_kinds(model_config)
     names = tuple(dict.fromkeys(kinds)) if kinds else (None,)
     traced, norm = [], (None, None)

@@ -1,0 +1,111 @@
+"""Are the planner's fit decisions and reported peaks monotone, on every public model config?
+
+For each real model's config among the test fixtures, each method (full, LoRA, QLoRA) and
+checkpointing on and off, plans one 80 GiB GPU at micro-batches 1-4 and rows of 512-4096 tokens
+(the micro-batch and accumulation fixed, so that the plan reports that shape) and checks:
+
+- the reported peak never falls as the micro-batch grows (at each length) or as the rows grow
+  (at each micro-batch);
+- under a budget between the smallest and the largest peak of a row (or a column), the shapes
+  that fit form a prefix of it;
+- the breakdown's terms add up to the peak.
+
+Planning is CPU work: the result does not depend on a GPU. `tests/test_planner_monotone.py`
+asserts the same on the cases that broke before the envelope (issue 22); this sweeps them all.
+
+Usage:
+  python bench/planner_monotone.py [--output docs/planner_monotone.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from _common import CONFIGS, REPO, versions  # bench/ is the script's folder
+from tiny_default import hardware_line
+
+from sft_play import config as config_module
+from sft_play.planner import Target, make_plan
+from sft_play.units import GIB
+
+PUBLIC = ["gemma-2-9b", "llama-3-70b", "llama-3.1-8b", "llama-3.2-3b", "mistral-7b-v0.1", "mixtral-8x7b",
+          "qwen2.5-0.5b", "qwen2.5-14b", "qwen3-30b-a3b"]
+METHODS = ["full", "lora", "qlora"]
+MICROS = [1, 2, 3, 4]
+LENGTHS = [512, 1024, 2048, 4096]
+FREE = 80 * GIB
+
+
+def plan(model: str, method: str, checkpointing: bool, seq: int, micro: int, free: int = FREE):
+    config = config_module.load(None, [
+        f"model.name_or_path={CONFIGS / model}", f"finetune.method={method}",
+        f"train.gradient_checkpointing={str(checkpointing).lower()}", f"data.max_seq_length={seq}",
+        f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}", "train.gradient_accumulation_steps=1",
+    ], check_paths=False)
+    return make_plan(config, Target(1, free, "1 x GPU"), with_remedies=False)
+
+
+def check(model: str, method: str, checkpointing: bool) -> list[str]:
+    """What is not monotone for one model, method and checkpointing choice (empty: all is)."""
+    peaks = {(m, s): plan(model, method, checkpointing, s, m) for m in MICROS for s in LENGTHS}
+    problems = [f"terms do not add up at micro {m}, {s} tokens" for (m, s), p in peaks.items()
+                if sum(p.breakdown.values()) != p.peak_bytes_per_gpu]
+    lines = ([("micro", m, [(m, s) for s in LENGTHS]) for m in MICROS]
+             + [("tokens", s, [(m, s) for m in MICROS]) for s in LENGTHS])
+    for what, at, shapes in lines:
+        values = [peaks[shape].peak_bytes_per_gpu for shape in shapes]
+        if values != sorted(values):
+            problems.append(f"peaks fall along {what} {at}: " + ", ".join(f"{v / GIB:.2f}" for v in values))
+            continue
+        if values[0] == values[-1]:
+            continue
+        free = int((values[0] + values[-1]) // 2 / (1 - 0.03)) + 1
+        fits = [plan(model, method, checkpointing, s, m, free).fits for m, s in shapes]
+        if fits != sorted(fits, reverse=True):
+            problems.append(f"fit decisions are not a prefix along {what} {at}: {fits}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=REPO / "docs" / "planner_monotone.md")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    rows = []
+    for model in PUBLIC:
+        for method in METHODS:
+            for checkpointing in (True, False):
+                problems = check(model, method, checkpointing)
+                rows.append((model, method, checkpointing, problems))
+                print(f"{model} {method} checkpointing={checkpointing}: {'; '.join(problems) or 'monotone'}",
+                      flush=True)
+    failed = [row for row in rows if row[3]]
+    lines = [
+        "# Planner: fit decisions and reported peaks, monotone?",
+        "",
+        "Written by `python bench/planner_monotone.py` (its docstring says what is checked). Planning is",
+        "CPU work; no GPU is involved.",
+        "",
+        f"- hardware: {hardware_line()}",
+        f"- software: {versions()}",
+        f"- wall time: {time.perf_counter() - started:.0f} s",
+        f"- grid: {len(PUBLIC)} public model configs x {', '.join(METHODS)} x checkpointing on/off; "
+        f"micro-batches {MICROS[0]}-{MICROS[-1]} x rows of {', '.join(map(str, LENGTHS))} tokens on one 80 GiB GPU",
+        f"- result: **{len(rows) - len(failed)} of {len(rows)} monotone** in both the micro-batch and the "
+        "sequence length",
+        "",
+        "| model | method | checkpointing | result |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {model} | {method} | {'on' if ck else 'off'} | {'; '.join(problems) or 'monotone'} |"
+              for model, method, ck, problems in rows]
+    args.output.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.output}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""What planning learns from a model's code, kept on disk between processes.
+
+The model's shape (its parameters counted on a meta-device build) and its traced layers are the
+only parts of a plan that need transformers' modeling code, and importing that code is most of
+what a plan costs (``transformers.modeling_utils`` alone takes 3-4 s on 2 cores, against 0.2-1 s
+of planning). Both are functions of the model's config, the method, the run's trace settings and
+the code that computes them, so they are kept in ``$SFT_PLAY_CACHE/planner/`` under a key of
+exactly those: the model config as transformers reads it (every field, defaults included), the
+arguments, the versions of torch, transformers and peft, and the source of the modules that
+compute them. A second plan of the same model (``make plan`` after ``make train``, or after a
+change of batch, GPUs or sequence length) then never imports the modeling code.
+
+Models with remote code are not kept (their code can change under the same config). A file that
+cannot be read counts as absent and is recomputed; a cache that cannot be written is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sft_play.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+# The modules whose code decides a shape or a trace
+_SOURCES = ("planner/trace.py", "planner/shapes.py", "architecture.py", "adapters.py", "precision.py")
+_PACKAGES = ("torch", "transformers", "peft")
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """The versions and the source that computed what is kept."""
+    digest = hashlib.sha256()
+    for package in _PACKAGES:
+        try:
+            digest.update(f"{package} {metadata.version(package)}\n".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{package} absent\n".encode())
+    for name in _SOURCES:
+        digest.update((_PACKAGE / name).read_bytes())
+    return digest.hexdigest()
+
+
+def folder() -> Path:
+    return cache_dir() / "planner"
+
+
+def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = True) -> T:
+    """`compute()`, or what it returned for the same `kind`, `key` and :func:`fingerprint` before.
+
+    Args:
+        kind: what is kept ("shape", "lora", "trace"): the file's prefix.
+        key: everything the result depends on besides the code (its repr is hashed).
+        keep: False computes without reading or writing the cache (remote code).
+    """
+    if not keep:
+        return compute()
+    digest = hashlib.sha256(repr((kind, key, fingerprint())).encode()).hexdigest()[:40]
+    path = folder() / f"{kind}-{digest}.pkl"
+    try:
+        return pickle.loads(path.read_bytes())
+    except FileNotFoundError:
+        pass
+    except Exception as error:  # noqa: BLE001 - a broken file counts as none
+        logger.debug("planner cache %s unreadable (%s); recomputing", path, error)
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+            pickle.dump(value, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(handle.name, path)  # whole or not at all, whoever else writes it
+    except OSError as error:
+        logger.debug("planner cache %s not written (%s)", path, error)
+    return value
+
+
+def config_key(model_config: Any) -> str:
+    """A model config as a key: every field transformers resolved, defaults included."""
+    return model_config.to_json_string(use_diff=False)

@@ -1,0 +1,81 @@
+"""What planning learns from a model's code is kept on disk (sft_play.planner.cache): a second
+plan of the same model, in a new process, imports no modeling code and says the same; a broken
+or unwritable cache never stops a plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from sft_play.planner import cache
+from tests.conftest import FIXTURES, REPO
+
+PLAN = """
+import json, sys
+from sft_play import config as config_module
+from sft_play.planner import Target, make_plan
+config = config_module.load(None, [f"model.name_or_path={sys.argv[1]}", "finetune.method=lora",
+                                   "data.max_seq_length=512", "train.global_batch_size=4"], check_paths=False)
+plan = make_plan(config, Target(1, 80 * 1024**3, "1 x GPU"), with_remedies=False)
+print(json.dumps({"modeling_imported": "transformers.modeling_utils" in sys.modules,
+                  "peak": plan.peak_bytes_per_gpu, "micro": plan.micro_batch_size, "breakdown": plan.breakdown,
+                  "trainable": plan.trainable_params}))
+"""
+
+
+def _plan_in_new_process(cache_dir) -> dict:
+    env = {**os.environ, "SFT_PLAY_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", PLAN, str(FIXTURES / "model_configs" / "tiny-llama-256")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_plan_of_a_model_needs_no_modeling_code_and_says_the_same(tmp_path):
+    first = _plan_in_new_process(tmp_path)
+    assert first["modeling_imported"]
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "planner").iterdir())
+    assert "shape" in kept and "lora" in kept and "trace" in kept
+    second = _plan_in_new_process(tmp_path)
+    assert not second["modeling_imported"]
+    assert {k: v for k, v in second.items() if k != "modeling_imported"} == \
+        {k: v for k, v in first.items() if k != "modeling_imported"}
+    for path in (tmp_path / "planner").iterdir():  # broken files count as none, and are rewritten
+        path.write_bytes(b"not a pickle")
+    third = _plan_in_new_process(tmp_path)
+    assert third["modeling_imported"] and third["peak"] == first["peak"]
+    assert all(path.read_bytes() != b"not a pickle" for path in (tmp_path / "planner").iterdir())
+
+
+def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path))
+    calls = []
+
+    def compute(value):
+        calls.append(value)
+        return {"value": value}
+
+    assert cache.remembered("shape", ("a",), lambda: compute(1)) == {"value": 1}
+    assert cache.remembered("shape", ("a",), lambda: compute(2)) == {"value": 1}  # kept
+    assert cache.remembered("shape", ("b",), lambda: compute(3)) == {"value": 3}  # another model config
+    assert cache.remembered("trace", ("a",), lambda: compute(4)) == {"value": 4}  # another kind
+    assert cache.remembered("shape", ("a",), lambda: compute(5), keep=False) == {"value": 5}  # remote code
+    assert calls == [1, 3, 4, 5]
+    (tmp_path / "planner").chmod(0o500)  # read-only: computed every time, never an error
+    try:
+        if not os.access(tmp_path / "planner", os.W_OK):  # (root writes anyway)
+            assert cache.remembered("shape", ("c",), lambda: compute(6)) == {"value": 6}
+            assert cache.remembered("shape", ("c",), lambda: compute(7)) == {"value": 7}
+    finally:
+        (tmp_path / "planner").chmod(0o700)
+
+
+def test_the_key_holds_every_field_of_the_model_config_and_the_code_that_reads_it():
+    from sft_play.architecture import load_model_config
+
+    small = load_model_config(str(FIXTURES / "model_configs" / "tiny-llama-256"))
+    changed = type(small).from_dict({**small.to_dict(), "intermediate_size": small.intermediate_size + 64})
+    assert cache.config_key(small) != cache.config_key(changed)
+    assert '"rope_theta"' in cache.config_key(small) or '"rope_parameters"' in cache.config_key(small)  # defaults too
+    assert len(cache.fingerprint()) == 64
