@@ -13,6 +13,7 @@ import copy
 import functools
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 from sft_play import hub
@@ -55,6 +56,16 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
             raise hub_error(name_or_path, exc) from None
     logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
     return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
+
+
+def config_identity(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> str:
+    """What identifies a model's config, for what is cached from it: the text of a local
+    folder's ``config.json`` (read without importing transformers), else every field of the
+    config transformers loads (hub ids: the hub decides which revision is current)."""
+    local = Path(name_or_path) / "config.json"
+    if local.is_file():
+        return f"{local.resolve()}\n{local.read_text()}"
+    return load_model_config(name_or_path, revision, trust_remote_code).to_json_string(use_diff=False)
 
 
 def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:

@@ -110,6 +110,9 @@ def weights_location(config: RunConfig) -> str:
 
 
 TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog."
+# A folder holds a tokenizer when it has one of these (transformers' fast and slow tokenizers)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 def load_tokenizer(config: RunConfig) -> Any:
@@ -120,9 +123,15 @@ def load_tokenizer(config: RunConfig) -> Any:
             config.json gives a vocabulary of one that turns every text into nothing), or its
             vocabulary is larger than the model's embeddings.
     """
+    source = config.model.tokenizer_name_or_path or config.model.name_or_path
+    if Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        # said before transformers is imported: a folder with a config.json only (planning a model
+        # from its config) learns it at once
+        raise UserError(f"the tokenizer from '{source}' cannot encode text: the folder has no tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES[:3])}...). Set model.tokenizer_name_or_path to the model's "
+                        "tokenizer (a hub id, or a folder with tokenizer.json)")
     from transformers import AutoTokenizer
 
-    source = config.model.tokenizer_name_or_path or config.model.name_or_path
     hub.prepare(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -20,6 +20,7 @@ config = config_module.load(None, [f"model.name_or_path={sys.argv[1]}", "finetun
                                    "data.max_seq_length=512", "train.global_batch_size=4"], check_paths=False)
 plan = make_plan(config, Target(1, 80 * 1024**3, "1 x GPU"), with_remedies=False)
 print(json.dumps({"modeling_imported": "transformers.modeling_utils" in sys.modules,
+                  "config_imported": any(m.startswith("transformers.models.") for m in sys.modules),
                   "peak": plan.peak_bytes_per_gpu, "micro": plan.micro_batch_size, "breakdown": plan.breakdown,
                   "trainable": plan.trainable_params}))
 """
@@ -38,9 +39,9 @@ def test_a_second_plan_of_a_model_needs_no_modeling_code_and_says_the_same(tmp_p
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "planner").iterdir())
     assert "shape" in kept and "lora" in kept and "trace" in kept
     second = _plan_in_new_process(tmp_path)
-    assert not second["modeling_imported"]
-    assert {k: v for k, v in second.items() if k != "modeling_imported"} == \
-        {k: v for k, v in first.items() if k != "modeling_imported"}
+    assert not second["modeling_imported"] and not second["config_imported"]  # a local model: its config.json is read as text
+    same = ("peak", "micro", "breakdown", "trainable")
+    assert {k: second[k] for k in same} == {k: first[k] for k in same}
     for path in (tmp_path / "planner").iterdir():  # broken files count as none, and are rewritten
         path.write_bytes(b"not a pickle")
     third = _plan_in_new_process(tmp_path)
@@ -71,11 +72,15 @@ def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skip
         (tmp_path / "planner").chmod(0o700)
 
 
-def test_the_key_holds_every_field_of_the_model_config_and_the_code_that_reads_it():
-    from sft_play.architecture import load_model_config
-
-    small = load_model_config(str(FIXTURES / "model_configs" / "tiny-llama-256"))
-    changed = type(small).from_dict({**small.to_dict(), "intermediate_size": small.intermediate_size + 64})
-    assert cache.config_key(small) != cache.config_key(changed)
-    assert '"rope_theta"' in cache.config_key(small) or '"rope_parameters"' in cache.config_key(small)  # defaults too
+def test_the_key_is_the_model_config_as_written_and_the_code_that_reads_it(tmp_path):
+    source = FIXTURES / "model_configs" / "tiny-llama-256"
+    copy = tmp_path / "model"
+    copy.mkdir()
+    written = json.loads((source / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(written))
+    before = cache.model_key(str(copy), None, False)
+    assert before == cache.model_key(str(copy), None, False)
+    (copy / "config.json").write_text(json.dumps({**written, "intermediate_size": written["intermediate_size"] + 64}))
+    assert cache.model_key(str(copy), None, False) != before
+    assert cache.model_key(str(source), None, False) != before  # another folder
     assert len(cache.fingerprint()) == 64

@@ -5,9 +5,10 @@ only parts of a plan that need transformers' modeling code, and importing that c
 what a plan costs (``transformers.modeling_utils`` alone takes 3-4 s on 2 cores, against 0.2-1 s
 of planning). Both are functions of the model's config, the method, the run's trace settings and
 the code that computes them, so they are kept in ``$SFT_PLAY_CACHE/planner/`` under a key of
-exactly those: the model config as transformers reads it (every field, defaults included), the
+exactly those: the model's config (:func:`model_key`), the
 arguments, the versions of torch, transformers and peft, and the source of the modules that
-compute them. A second plan of the same model (``make plan`` after ``make train``, or after a
+compute them. A local folder's config.json is read as text, so a second plan of a local model
+does not import transformers' model code at all (not even its config classes). A second plan of the same model (``make plan`` after ``make train``, or after a
 change of batch, GPUs or sequence length) then never imports the modeling code.
 
 Models with remote code are not kept (their code can change under the same config). A file that
@@ -25,8 +26,9 @@ import tempfile
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from sft_play.architecture import config_identity
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     return value
 
 
-def config_key(model_config: Any) -> str:
-    """A model config as a key: every field transformers resolved, defaults included."""
-    return model_config.to_json_string(use_diff=False)
+def model_key(name_or_path: str, revision: str | None, trust_remote_code: bool) -> str:
+    """A model's config as a key (:func:`sft_play.architecture.config_identity`): a local
+    folder's config.json as written (transformers' defaults are fixed by its version, in the
+    fingerprint), a hub model's config as loaded."""
+    return config_identity(name_or_path, revision, trust_remote_code)

@@ -11,7 +11,10 @@ limit, as the real allocator would release its cache and retry before running ou
 from __future__ import annotations
 
 import dataclasses
-
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from sft_play.planner import memory
@@ -100,12 +103,50 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
         budget: bytes the process may hold on its GPU; None predicts without deciding the fit.
         accumulating: gradients accumulate over micro-batches (the next forward runs with them).
     """
-    key = (shape.key(), run, micro_batch, budget, accumulating)
+    key = _key(shape, run, micro_batch, budget, accumulating)
     if key not in _CACHE:
         if len(_CACHE) > 1024:
             _CACHE.clear()
         _CACHE[key] = _predict(shape, run, micro_batch, budget, accumulating)
     return _CACHE[key]
+
+
+def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, bool]]) -> list[Prediction]:
+    """:func:`predict` for each (run, micro-batch, budget, accumulating) in `requests`, those not
+    predicted before replayed side by side on this machine's cores (each replay is independent
+    Python work). The traces are made here first; the replays run in forked processes, which
+    inherit them. Where fork is unsafe or unavailable (macOS, Windows) or there is one core or
+    little to do, they run here, one after another: the same predictions either way."""
+    todo = list(dict.fromkeys(r for r in requests if _key(shape, *r) not in _CACHE))
+    workers = min(len(todo), _usable_cores())
+    if workers >= 2 and len(todo) >= 4 and "fork" in multiprocessing.get_all_start_methods() \
+            and sys.platform != "darwin":
+        for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
+            traced_layers(trace_spec(run, micro), run.sequence.tokens)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            chunk = -(-len(todo) // workers)
+            for request, (prediction, replays) in zip(todo, pool.map(_predict_counted, todo, [shape] * len(todo),
+                                                                       chunksize=chunk)):
+                _CACHE[_key(shape, *request)] = prediction
+                REPLAYS[0] += replays
+    return [predict(shape, *request) for request in requests]
+
+
+def _predict_counted(request: tuple, shape: ModelShape) -> tuple[Prediction, int]:
+    before = REPLAYS[0]
+    prediction = _predict(shape, *request)
+    return prediction, REPLAYS[0] - before
+
+
+def _key(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> tuple:
+    return (shape.key(), run, micro_batch, budget, accumulating)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 _CACHE: dict = {}

@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sft_play.planner.choose import largest_fitting_micro
-from sft_play.planner.predict import Prediction, predict, static_lower_bound
+from sft_play.planner.predict import Prediction, predict_many, static_lower_bound
 from sft_play.planner.shapes import ModelShape
 from sft_play.run import BatchSplit, Run
 
@@ -67,32 +67,44 @@ class FitSearch:
         the budget, accumulating as the split would unless said. When the weights and optimizer
         states alone exceed the budget, the whole step is replayed without a limit: the report
         then shows the real peak, beyond the budget."""
-        if accumulating is None:
-            accumulating = self.fixed_accum > 1 if self.fixed_accum is not None else micro < self.per_process
-        run = self.run
-        if tokens is not None and tokens != run.sequence.tokens:
-            run = run.with_changes(sequence=dataclasses.replace(run.sequence, tokens=tokens))
-        if static_lower_bound(self.shape, run) > self.budget:
-            whole = predict(self.shape, run, micro, None, accumulating)
-            prediction = Prediction(micro, whole.peak_bytes, whole.allocated_bytes, whole.breakdown, False)
-        else:
-            prediction = predict(self.shape, run, micro, self.budget, accumulating)
-        if run is self.run:
-            self.tried.setdefault(micro, prediction)
-        return prediction
+        return self.predicted_all([(micro, accumulating, tokens)])[0]
+
+    def predicted_all(self, shapes: list[tuple[int, bool | None, int | None]]) -> list[Prediction]:
+        """:meth:`predicted` for each (micro, accumulating, tokens), replayed side by side
+        (:func:`sft_play.planner.predict.predict_many`)."""
+        requests, beyond = [], []
+        for micro, accumulating, tokens in shapes:
+            if accumulating is None:
+                accumulating = self.fixed_accum > 1 if self.fixed_accum is not None else micro < self.per_process
+            run = self.run
+            if tokens is not None and tokens != run.sequence.tokens:
+                run = run.with_changes(sequence=dataclasses.replace(run.sequence, tokens=tokens))
+            beyond.append(static_lower_bound(self.shape, run) > self.budget)
+            requests.append((run, micro, None if beyond[-1] else self.budget, accumulating))
+        predictions = []
+        for (run, micro, _, _), whole, prediction in zip(requests, beyond, predict_many(self.shape, requests)):
+            if whole:
+                prediction = Prediction(micro, prediction.peak_bytes, prediction.allocated_bytes,
+                                        prediction.breakdown, False)
+            if run is self.run:
+                self.tried.setdefault(micro, prediction)
+            predictions.append(prediction)
+        return predictions
 
     def covered(self, split: BatchSplit) -> list[Prediction]:
         """The predictions a plan of `split` answers for: its micro-batch and every smaller one
         (accumulating, as the backoff runs them), at the planned length and at each shorter
         length of the ladder."""
         micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
-        return [self.predicted(m, accumulating if m == micro else None, tokens)
-                for tokens in [None, *shorter_lengths(self.run.sequence.tokens)] for m in range(1, micro + 1)]
+        return self.predicted_all([(m, accumulating if m == micro else None, tokens)
+                                   for tokens in [None, *shorter_lengths(self.run.sequence.tokens)]
+                                   for m in range(1, micro + 1)])
 
     def shorter_rows_fit(self, micro: int) -> bool:
         """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""
-        return all(self.predicted(m, None, tokens).fits
-                   for tokens in shorter_lengths(self.run.sequence.tokens) for m in range(1, micro + 1))
+        return all(p.fits for p in self.predicted_all([(m, None, tokens)
+                                                       for tokens in shorter_lengths(self.run.sequence.tokens)
+                                                       for m in range(1, micro + 1)]))
 
     def largest_fitting(self) -> int:
         """The largest micro-batch up to the per-process share that fits, with every smaller one
@@ -100,7 +112,8 @@ class FitSearch:
         when micro-batch 1 does not)."""
         fitting = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
                                         _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
-        fitting = next((m - 1 for m in range(1, fitting + 1) if not self.predicted(m).fits), fitting)
+        below = self.predicted_all([(m, None, None) for m in range(1, fitting + 1)])
+        fitting = next((p.micro_batch - 1 for p in below if not p.fits), fitting)
         while fitting and not self.shorter_rows_fit(fitting):  # rare: the cache's swing at a shorter length
             fitting -= 1
         return fitting

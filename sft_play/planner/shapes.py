@@ -250,12 +250,12 @@ def model_shape(config: Any) -> ModelShape:
     Args:
         config: a :class:`sft_play.config.RunConfig`.
     """
+    model = config.model
     spec = None
     if config.finetune.method != "full":
-        model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
-        spec = LoraSpec.from_config(config.lora, moe=experts(model_config)[0] > 1)
-    return shape_for(config.model.name_or_path, config.model.revision, config.model.trust_remote_code,
-                     config.finetune.method, spec)
+        moe = _base_shape(model.name_or_path, model.revision, model.trust_remote_code).num_experts > 1
+        spec = LoraSpec.from_config(config.lora, moe=moe)
+    return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec)
 
 
 def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, method: str,
@@ -270,15 +270,15 @@ def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, 
 # (and on disk: sft_play.planner.cache, so that a second process needs no modeling code)
 @functools.lru_cache(maxsize=16)
 def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool) -> ModelShape:
-    model_config = load_model_config(name_or_path, revision, trust_remote_code)
-    return cache.remembered("shape", (cache.config_key(model_config),),
-                            lambda: base_shape(model_config, trust_remote_code), keep=not trust_remote_code)
+    return cache.remembered("shape", (cache.model_key(name_or_path, revision, trust_remote_code),),
+                            lambda: base_shape(load_model_config(name_or_path, revision, trust_remote_code),
+                                               trust_remote_code),
+                            keep=not trust_remote_code)
 
 
 @functools.lru_cache(maxsize=16)
 def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, lora: LoraSpec):
-    model_config = load_model_config(name_or_path, revision, trust_remote_code)
-    return cache.remembered("lora", (cache.config_key(model_config), lora),
-                            lambda: lora_counts_for_config(model_config, peft_config(lora, initialise=False),
-                                                           trust_remote_code),
+    return cache.remembered("lora", (cache.model_key(name_or_path, revision, trust_remote_code), lora),
+                            lambda: lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code),
+                                                           peft_config(lora, initialise=False), trust_remote_code),
                             keep=not trust_remote_code)

@@ -574,13 +574,14 @@ def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
     `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
     and on disk: :mod:`sft_play.planner.cache`)."""
-    model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
-    return cache.remembered("trace", (spec, seq_len, cache.config_key(model_config)),
-                            lambda: _traced(spec, seq_len, model_config), keep=not spec.trust_remote_code)
+    return cache.remembered("trace", (spec, seq_len, cache.model_key(spec.name_or_path, spec.revision,
+                                                                     spec.trust_remote_code)),
+                            lambda: _traced(spec, seq_len), keep=not spec.trust_remote_code)
 
 
-def _traced(spec: TraceSpec, seq_len: int, model_config: Any) -> LayerTrace:
+def _traced(spec: TraceSpec, seq_len: int) -> LayerTrace:
     _register_flash_trace()
+    model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
     kinds = [] if spec.stand_in else layer_kinds(model_config)
     names = tuple(dict.fromkeys(kinds)) if kinds else (None,)
     traced, norm = [], (None, None)
