@@ -4,7 +4,7 @@ reports for the one it chooses.
 Predicted peaks swing a few per cent from one batch shape to the next, up or down: what the
 allocator's cache keeps at the peak depends on how the sizes freed earlier in the step (the
 activations, the logits) pack the sizes allocated later (the optimizer's states), which is the
-caching allocator's own rule, replayed (PLANNER.md section 3). A batch the run will also see must
+caching allocator's own rule, replayed (PLANNER.md section 4). A batch the run will also see must
 not be predicted to fail where the planned one fits, so fitting and the reported peak are made
 monotone here, over both dimensions of a batch:
 
@@ -33,7 +33,9 @@ from sft_play.planner.predict import Prediction, predict_many, static_lower_boun
 from sft_play.planner.shapes import ModelShape
 from sft_play.run import BatchSplit, Run
 
-SHORTEST_RUNG = 256  # tokens: below this, a batch's activations are too small to move a peak
+# tokens: the ladder's first rung. A choice, not a measurement: batches of shorter rows are not
+# covered (each rung costs a trace and a replay per micro-batch; PLANNER.md section 5)
+SHORTEST_RUNG = 256
 
 
 def shorter_lengths(tokens: int) -> list[int]:
