@@ -11,15 +11,20 @@ checkpointing on and off, plans one 80 GiB GPU at micro-batches 1-4 and rows of 
 - the breakdown's terms add up to the peak.
 
 Planning is CPU work: the result does not depend on a GPU. `tests/test_planner_monotone.py`
-asserts the same on the cases that broke before the envelope (issue 22); this sweeps them all.
+asserts the same on the cases that broke before the envelope (issue 22); this sweeps them all
+(about an hour on 2 cores). Each combination's result is kept in `docs/planner_monotone.json`
+as it comes, with a hash of the planner's code: a second call goes on where the first stopped,
+and starts over when the code changed.
 
 Usage:
-  python bench/planner_monotone.py [--output docs/planner_monotone.md]
+  python bench/planner_monotone.py [--output docs/planner_monotone.md] [--fresh]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -69,19 +74,37 @@ def check(model: str, method: str, checkpointing: bool) -> list[str]:
     return problems
 
 
+def planner_code() -> str:
+    """A hash of the code that decides a plan's peaks: kept rows of other code are not reused."""
+    digest = hashlib.sha256()
+    for path in sorted([*(REPO / "sft_play" / "planner").glob("*.py"), REPO / "sft_play" / "run.py"]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "planner_monotone.md")
+    parser.add_argument("--fresh", action="store_true", help="discard the rows kept by an earlier call")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
+    kept_path = args.output.with_suffix(".json")
+    code = planner_code()
+    kept = json.loads(kept_path.read_text()) if kept_path.is_file() and not args.fresh else {}
+    if kept.get("code") != code:
+        kept = {"code": code, "rows": {}, "seconds": 0.0}
     rows = []
     for model in PUBLIC:
         for method in METHODS:
             for checkpointing in (True, False):
-                problems = check(model, method, checkpointing)
+                name = f"{model} {method} checkpointing={checkpointing}"
+                if name not in kept["rows"]:
+                    started = time.perf_counter()
+                    kept["rows"][name] = check(model, method, checkpointing)
+                    kept["seconds"] += time.perf_counter() - started
+                    kept_path.write_text(json.dumps(kept, indent=1) + "\n")
+                problems = kept["rows"][name]
                 rows.append((model, method, checkpointing, problems))
-                print(f"{model} {method} checkpointing={checkpointing}: {'; '.join(problems) or 'monotone'}",
-                      flush=True)
+                print(f"{name}: {'; '.join(problems) or 'monotone'}", flush=True)
     failed = [row for row in rows if row[3]]
     lines = [
         "# Planner: fit decisions and reported peaks, monotone?",
@@ -91,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- hardware: {hardware_line()}",
         f"- software: {versions()}",
-        f"- wall time: {time.perf_counter() - started:.0f} s",
+        f"- planner code: {code} (a hash of sft_play/planner/*.py and sft_play/run.py)",
+        f"- wall time: {kept['seconds'] / 60:.0f} min, over the calls that made the rows",
         f"- grid: {len(PUBLIC)} public model configs x {', '.join(METHODS)} x checkpointing on/off; "
         f"micro-batches {MICROS[0]}-{MICROS[-1]} x rows of {', '.join(map(str, LENGTHS))} tokens on one 80 GiB GPU",
         f"- result: **{len(rows) - len(failed)} of {len(rows)} monotone** in both the micro-batch and the "
