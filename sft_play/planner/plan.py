@@ -118,6 +118,7 @@ def make_plan(
     shape: ModelShape | None = None,
     with_remedies: bool = True,
     run: Run | None = None,
+    shorter_rows: bool = True,
 ) -> Plan:
     """Plan `config` on `target`: the fit search, the split, the remedies when nothing fits, the
     time, and what the plan says about them, in that order.
@@ -130,6 +131,8 @@ def make_plan(
         shape: the model shape, when already computed (otherwise read from the config).
         with_remedies: when nothing fits, also plan the remedies and the smallest hardware.
         run: the resolved run, when the caller already has it (otherwise resolved here).
+        shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.search`);
+            the remedy search does not: each remedy is a plan of its own once it runs.
     """
     started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
     shape = shape or model_shape(config)
@@ -140,7 +143,7 @@ def make_plan(
                                                 config.planner.safety_fraction),
                        per_process=max(1, -(-train.global_batch_size // target.world_size)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
-                       else train.gradient_accumulation_steps)
+                       else train.gradient_accumulation_steps, shorter_rows=shorter_rows)
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
@@ -235,9 +238,11 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
 def remedies_for(config: RunConfig, target: Target,
                  data_stats: Any | None) -> tuple[list[dict[str, Any]], str | None, str | None]:
     """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
-    when none fits either, the smallest hardware that would, with the note that says so."""
+    when none fits either, the smallest hardware that would, with the note that says so. They are
+    planned without covering shorter rows (three to five times fewer replays): a remedy's peak is
+    its own batch's, and its plan covers them once it runs."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
-        return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
+        return make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
 
     remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
     if any(r["fits"] for r in remedies):

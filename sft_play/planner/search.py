@@ -62,7 +62,12 @@ class FitSearch:
     budget: int
     per_process: int
     fixed_accum: int | None
+    shorter_rows: bool = True  # cover the ladder's shorter lengths (the remedy search does not)
     tried: dict[int, Prediction] = field(default_factory=dict)
+
+    def rungs(self) -> list[int]:
+        """The shorter lengths this search covers."""
+        return shorter_lengths(self.run.sequence.tokens) if self.shorter_rows else []
 
     def predicted(self, micro: int, accumulating: bool | None = None, tokens: int | None = None) -> Prediction:
         """The prediction at `micro` (rows of `tokens`, the planned length unless said) against
@@ -99,13 +104,11 @@ class FitSearch:
         length of the ladder."""
         micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
         return self.predicted_all([(m, accumulating if m == micro else None, tokens)
-                                   for tokens in [None, *shorter_lengths(self.run.sequence.tokens)]
-                                   for m in range(1, micro + 1)])
+                                   for tokens in [None, *self.rungs()] for m in range(1, micro + 1)])
 
     def shorter_rows_fit(self, micro: int) -> bool:
         """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""
-        return all(p.fits for p in self.predicted_all([(m, None, tokens)
-                                                       for tokens in shorter_lengths(self.run.sequence.tokens)
+        return all(p.fits for p in self.predicted_all([(m, None, tokens) for tokens in self.rungs()
                                                        for m in range(1, micro + 1)]))
 
     def largest_fitting(self) -> int:
