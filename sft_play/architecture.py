@@ -47,6 +47,9 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
     """
     from transformers import AutoConfig
 
+    local = Path(name_or_path) / "config.json"
+    if local.is_file():
+        _LOADED_TEXT[str(local.resolve())] = local.read_text()
     hub.prepare(name_or_path)
     try:
         return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -56,6 +59,20 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
             raise hub_error(name_or_path, exc) from None
     logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
     return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
+
+
+# A local folder's config.json as this process first read it (load_model_config caches by path)
+_LOADED_TEXT: dict[str, str] = {}
+
+
+def config_is_current(name_or_path: str) -> bool:
+    """False when this process loaded a local folder's config.json and the file has changed since:
+    what the process computes from it belongs to the old text (it must not be kept under the new)."""
+    local = Path(name_or_path) / "config.json"
+    if not local.is_file():
+        return True
+    loaded = _LOADED_TEXT.get(str(local.resolve()))
+    return loaded is None or loaded == local.read_text()
 
 
 def config_identity(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> str:

@@ -241,6 +241,22 @@ def test_a_single_remedy_that_fits_is_offered_alone():
     assert first["name"] == "gradient checkpointing" and first["fits"] and first["micro_batch_size"] >= 1
 
 
+def test_a_remedy_that_fits_is_what_its_run_plans():
+    # Remedies that do not fit are planned without covering shorter rows; one that fits is planned
+    # as the run will plan it. Llama-3.1-8B full at 4096 tokens on 150 GiB: with checkpointing,
+    # rows of 2048 tokens peak higher than rows of 4096 (143.4 against 143.2 GiB)
+    target = Target(1, 150 * GIB, "1 x 150 GiB")
+    plan = make_plan(plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=4",
+                                 "data.max_seq_length=4096"), target)
+    offered = next(r for r in plan.remedies if r["name"] == "gradient checkpointing")
+    applied = make_plan(plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=4",
+                                    "data.max_seq_length=4096", "train.gradient_checkpointing=true"),
+                        target, with_remedies=False)
+    assert not plan.fits and offered["fits"] and applied.fits
+    assert (offered["micro_batch_size"], offered["peak_bytes"]) == (applied.micro_batch_size, applied.peak_bytes_per_gpu)
+    assert applied.breakdown.get("smaller_batch", 0) > 0
+
+
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
     config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                          "data.max_seq_length=2048")

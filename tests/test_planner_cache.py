@@ -84,3 +84,55 @@ def test_the_key_is_the_model_config_as_written_and_the_code_that_reads_it(tmp_p
     assert cache.model_key(str(copy), None, False) != before
     assert cache.model_key(str(source), None, False) != before  # another folder
     assert len(cache.fingerprint()) == 64
+
+
+def test_what_a_process_computed_from_an_edited_config_is_not_kept(tmp_path):
+    from sft_play.architecture import load_model_config
+
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    written = json.loads((FIXTURES / "model_configs" / "tiny-llama-256" / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(written))
+    assert cache.keeps(str(copy), False)  # not read yet: whatever is computed reads it now
+    load_model_config(str(copy))  # read (and kept in this process, by path)
+    assert cache.keeps(str(copy), False)
+    (copy / "config.json").write_text(json.dumps({**written, "num_hidden_layers": 3}))
+    assert not cache.keeps(str(copy), False)  # this process's shapes would be of the old text
+    assert not cache.keeps(str(FIXTURES / "model_configs" / "tiny-llama-256"), True)  # remote code never
+
+
+def test_replays_side_by_side_say_the_same_as_one_after_another_and_fall_back_when_the_pool_fails(monkeypatch):
+    from sft_play import config as config_module
+    from sft_play.planner import Target, model_shape, resolve_for
+    from sft_play.planner import predict as prediction
+
+    config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-llama-256'}",
+                                       "finetune.method=lora", "data.max_seq_length=512"], check_paths=False)
+    shape = model_shape(config)
+    run = resolve_for(config, Target(1, 80 * 1024**3, "1 x GPU"), None, shape)
+    requests = [(run, m, None, True) for m in range(1, 7)]
+    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 2)
+    monkeypatch.setattr(prediction, "_CACHE", {})
+    side_by_side = prediction.predict_many(shape, requests)
+    monkeypatch.setattr(prediction, "_CACHE", {})
+    serial = [prediction.predict(shape, *request) for request in requests]
+    assert side_by_side == serial
+
+    def no_pool(*args, **kwargs):
+        raise OSError("fork: resource temporarily unavailable")
+
+    monkeypatch.setattr(prediction, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(prediction, "_CACHE", {})
+    assert prediction.predict_many(shape, requests) == serial
+
+
+def test_the_ranks_of_a_node_share_its_cores_for_replays(monkeypatch):
+    from sft_play.planner import predict as prediction
+
+    monkeypatch.setattr(prediction.os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert prediction._cores_per_process() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert prediction._cores_per_process() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert prediction._cores_per_process() == 1  # replays one after another

@@ -11,8 +11,10 @@ compute them. A local folder's config.json is read as text, so a second plan of 
 does not import transformers' model code at all (not even its config classes). A second plan of the same model (``make plan`` after ``make train``, or after a
 change of batch, GPUs or sequence length) then never imports the modeling code.
 
-Models with remote code are not kept (their code can change under the same config). A file that
-cannot be read counts as absent and is recomputed; a cache that cannot be written is skipped.
+Models with remote code are not kept (their code can change under the same config), nor what a
+process computed from a local config.json that was edited after it read it. A file that cannot be
+read counts as absent and is recomputed; a cache that cannot be written is skipped. Nothing is
+evicted: a few hundred KB per model and sequence length.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TypeVar
 
-from sft_play.architecture import config_identity
+from sft_play.architecture import config_identity, config_is_current
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ T = TypeVar("T")
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The modules whose code decides a shape or a trace
-_SOURCES = ("planner/trace.py", "planner/shapes.py", "architecture.py", "adapters.py", "precision.py")
+_SOURCES = ("planner/trace.py", "planner/shapes.py", "architecture.py", "adapters.py", "run.py")
 _PACKAGES = ("torch", "transformers", "peft")
 
 
@@ -77,14 +79,26 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     except Exception as error:  # noqa: BLE001 - a broken file counts as none
         logger.debug("planner cache %s unreadable (%s); recomputing", path, error)
     value = compute()
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+            temporary = Path(handle.name)
             pickle.dump(value, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(handle.name, path)  # whole or not at all, whoever else writes it
+        os.replace(temporary, path)  # whole or not at all, whoever else writes it
+        temporary = None
     except OSError as error:
         logger.debug("planner cache %s not written (%s)", path, error)
+    finally:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
     return value
+
+
+def keeps(name_or_path: str, trust_remote_code: bool) -> bool:
+    """Whether what is computed for this model may be kept: not for remote code, and not when this
+    process read a local config.json that has changed since (its results are of the old text)."""
+    return not trust_remote_code and config_is_current(name_or_path)
 
 
 def model_key(name_or_path: str, revision: str | None, trust_remote_code: bool) -> str:

@@ -238,11 +238,15 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
 def remedies_for(config: RunConfig, target: Target,
                  data_stats: Any | None) -> tuple[list[dict[str, Any]], str | None, str | None]:
     """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
-    when none fits either, the smallest hardware that would, with the note that says so. They are
-    planned without covering shorter rows (three to five times fewer replays): a remedy's peak is
-    its own batch's, and its plan covers them once it runs."""
+    when none fits either, the smallest hardware that would, with the note that says so. What does
+    not fit is planned without covering shorter rows (three to five times fewer replays); what
+    fits is planned again as the run will plan it, covering them."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
-        return make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
+        quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
+        if not quick.fits:
+            return quick
+        # what fits is planned as the run will plan it, so that what is offered is what runs
+        return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
 
     remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
     if any(r["fits"] for r in remedies):

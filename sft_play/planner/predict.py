@@ -11,10 +11,13 @@ limit, as the real allocator would release its cache and retry before running ou
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
+import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from sft_play.planner import memory
@@ -23,6 +26,8 @@ from sft_play.planner.step import StepSpec, replay
 from sft_play.planner.trace import TraceSpec, layer_trace
 from sft_play.precision import DTYPE_BYTES
 from sft_play.run import Run
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,21 +120,33 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
     """:func:`predict` for each (run, micro-batch, budget, accumulating) in `requests`, those not
     predicted before replayed side by side on this machine's cores (each replay is independent
     Python work). The traces are made here first; the replays run in forked processes, which
-    inherit them. Where fork is unsafe or unavailable (macOS, Windows) or there is one core or
-    little to do, they run here, one after another: the same predictions either way."""
+    inherit them, ignore stop signals (the process that planned handles those) and touch neither
+    CUDA nor OpenMP. Where fork is unsafe or unavailable (macOS, Windows), with one core per
+    process (the ranks of a node share its cores), with little to do, or when the pool cannot
+    start, they run here, one after another: the same predictions either way."""
     todo = list(dict.fromkeys(r for r in requests if _key(shape, *r) not in _CACHE))
-    workers = min(len(todo), _usable_cores())
+    workers = min(len(todo), _cores_per_process())
     if workers >= 2 and len(todo) >= 4 and "fork" in multiprocessing.get_all_start_methods() \
             and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
             traced_layers(trace_spec(run, micro), run.sequence.tokens)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            chunk = -(-len(todo) // workers)
-            for request, (prediction, replays) in zip(todo, pool.map(_predict_counted, todo, [shape] * len(todo),
-                                                                       chunksize=chunk)):
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_ignore_stop_signals) as pool:
+                chunk = -(-len(todo) // workers)
+                done = list(pool.map(_predict_counted, todo, [shape] * len(todo), chunksize=chunk))
+        except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: here then
+            logger.debug("replays run one after another: %s", error)
+        else:
+            for request, (prediction, replays) in zip(todo, done):
                 _CACHE[_key(shape, *request)] = prediction
                 REPLAYS[0] += replays
     return [predict(shape, *request) for request in requests]
+
+
+def _ignore_stop_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _predict_counted(request: tuple, shape: ModelShape) -> tuple[Prediction, int]:
@@ -142,11 +159,13 @@ def _key(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accu
     return (shape.key(), run, micro_batch, budget, accumulating)
 
 
-def _usable_cores() -> int:
+def _cores_per_process() -> int:
+    """This process's share of the cores: the ranks a launcher starts on one node share them."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 _CACHE: dict = {}

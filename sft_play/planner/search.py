@@ -14,10 +14,10 @@ monotone here, over both dimensions of a batch:
 - **sequence length**: rows shorter than the planned length are trained too (an unpacked batch is
   padded to its longest row; packing leaves rows short), so the same holds over the lengths of a
   fixed ladder below it (:func:`shorter_lengths`: 256, 512, 1024, ... tokens). The ladder is
-  the same for every plan, so a plan for a longer sequence covers every ladder length a shorter
-  one covers: reported peaks and fit decisions never fall as the planned length grows past a
-  ladder length (between two lengths of one rung they are not compared: that would take a
-  replay per token count).
+  the same for every plan, so a plan at any length reports at least what a plan at each ladder
+  length below it reports: between ladder lengths, and from a ladder length to any longer one,
+  reported peaks and fit decisions never fall. A plan at a length off the ladder (2560) is not
+  covered by a longer plan (5000 covers 2048, not 2560): that would take a replay per token count.
 
 What the search predicted at the planned length stays in :attr:`FitSearch.tried`, for the plan's
 table and picture (no further replays).
@@ -103,8 +103,10 @@ class FitSearch:
         (accumulating, as the backoff runs them), at the planned length and at each shorter
         length of the ladder."""
         micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
-        return self.predicted_all([(m, accumulating if m == micro else None, tokens)
-                                   for tokens in [None, *self.rungs()] for m in range(1, micro + 1)])
+        # the split's own accumulation, and the search's (they differ when rounding the global
+        # batch gave accumulation 1 to a micro-batch below the per-process share)
+        return self.predicted_all([(micro, accumulating, None)]
+                                  + [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)])
 
     def shorter_rows_fit(self, micro: int) -> bool:
         """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""

@@ -273,7 +273,7 @@ def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool
     return cache.remembered("shape", (cache.model_key(name_or_path, revision, trust_remote_code),),
                             lambda: base_shape(load_model_config(name_or_path, revision, trust_remote_code),
                                                trust_remote_code),
-                            keep=not trust_remote_code)
+                            keep=cache.keeps(name_or_path, trust_remote_code))
 
 
 @functools.lru_cache(maxsize=16)
@@ -281,4 +281,4 @@ def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: boo
     return cache.remembered("lora", (cache.model_key(name_or_path, revision, trust_remote_code), lora),
                             lambda: lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code),
                                                            peft_config(lora, initialise=False), trust_remote_code),
-                            keep=not trust_remote_code)
+                            keep=cache.keeps(name_or_path, trust_remote_code))

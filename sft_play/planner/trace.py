@@ -576,7 +576,8 @@ def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
     and on disk: :mod:`sft_play.planner.cache`)."""
     return cache.remembered("trace", (spec, seq_len, cache.model_key(spec.name_or_path, spec.revision,
                                                                      spec.trust_remote_code)),
-                            lambda: _traced(spec, seq_len), keep=not spec.trust_remote_code)
+                            lambda: _traced(spec, seq_len),
+                            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
 
 
 def _traced(spec: TraceSpec, seq_len: int) -> LayerTrace:
