@@ -1,6 +1,7 @@
 """What planning learns from a model's code is kept on disk (sft_play.planner.cache): a second
 plan of the same model, in a new process, imports no modeling code and says the same; a broken
-or unwritable cache never stops a plan."""
+or unwritable cache never stops a plan. Replays run side by side (predict.predict_many) with the
+same results as one after another."""
 
 from __future__ import annotations
 
@@ -42,11 +43,6 @@ def test_a_second_plan_of_a_model_needs_no_modeling_code_and_says_the_same(tmp_p
     assert not second["modeling_imported"] and not second["config_imported"]  # a local model: its config.json is read as text
     same = ("peak", "micro", "breakdown", "trainable")
     assert {k: second[k] for k in same} == {k: first[k] for k in same}
-    for path in (tmp_path / "planner").iterdir():  # broken files count as none, and are rewritten
-        path.write_bytes(b"not a pickle")
-    third = _plan_in_new_process(tmp_path)
-    assert third["modeling_imported"] and third["peak"] == first["peak"]
-    assert all(path.read_bytes() != b"not a pickle" for path in (tmp_path / "planner").iterdir())
 
 
 def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
@@ -63,11 +59,16 @@ def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skip
     assert cache.remembered("trace", ("a",), lambda: compute(4)) == {"value": 4}  # another kind
     assert cache.remembered("shape", ("a",), lambda: compute(5), keep=False) == {"value": 5}  # remote code
     assert calls == [1, 3, 4, 5]
+    for path in (tmp_path / "planner").iterdir():  # broken files count as none, and are rewritten
+        path.write_bytes(b"not a pickle")
+    assert cache.remembered("shape", ("a",), lambda: compute(6)) == {"value": 6}
+    assert cache.remembered("shape", ("a",), lambda: compute(7)) == {"value": 6}
+    assert not list((tmp_path / "planner").glob("*.tmp"))
     (tmp_path / "planner").chmod(0o500)  # read-only: computed every time, never an error
     try:
         if not os.access(tmp_path / "planner", os.W_OK):  # (root writes anyway)
-            assert cache.remembered("shape", ("c",), lambda: compute(6)) == {"value": 6}
-            assert cache.remembered("shape", ("c",), lambda: compute(7)) == {"value": 7}
+            assert cache.remembered("shape", ("c",), lambda: compute(8)) == {"value": 8}
+            assert cache.remembered("shape", ("c",), lambda: compute(9)) == {"value": 9}
     finally:
         (tmp_path / "planner").chmod(0o700)
 
@@ -112,11 +113,25 @@ def test_replays_side_by_side_say_the_same_as_one_after_another_and_fall_back_wh
     run = resolve_for(config, Target(1, 80 * 1024**3, "1 x GPU"), None, shape)
     requests = [(run, m, None, True) for m in range(1, 7)]
     monkeypatch.setattr(prediction, "_cores_per_process", lambda: 2)
+    monkeypatch.setattr(prediction, "FORK_LAYER_REPLAYS", 1)  # a tiny model: fork even for this little
+    pools = []
+    real_pool = prediction.ProcessPoolExecutor
+
+    def counted_pool(*args, **kwargs):
+        pools.append(args)
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(prediction, "ProcessPoolExecutor", counted_pool)
     monkeypatch.setattr(prediction, "_CACHE", {})
+    before = prediction.REPLAYS[0]
     side_by_side = prediction.predict_many(shape, requests)
+    assert len(pools) == 1 and prediction.REPLAYS[0] - before == len(requests)  # counted from the workers
     monkeypatch.setattr(prediction, "_CACHE", {})
     serial = [prediction.predict(shape, *request) for request in requests]
     assert side_by_side == serial
+    monkeypatch.setattr(prediction, "FORK_LAYER_REPLAYS", 10**6)  # too little to fork for: one after another
+    monkeypatch.setattr(prediction, "_CACHE", {})
+    assert prediction.predict_many(shape, requests) == serial and len(pools) == 1
 
     def no_pool(*args, **kwargs):
         raise OSError("fork: resource temporarily unavailable")

@@ -116,18 +116,24 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
     return _CACHE[key]
 
 
+# Forking a pool costs 0.1-0.15 s (measured on 2 cores from a 1.2 GB process); a layer's replay
+# about 1 ms: below this many layer replays, one after another is as fast
+FORK_LAYER_REPLAYS = 400
+
+
 def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, bool]]) -> list[Prediction]:
     """:func:`predict` for each (run, micro-batch, budget, accumulating) in `requests`, those not
     predicted before replayed side by side on this machine's cores (each replay is independent
     Python work). The traces are made here first; the replays run in forked processes, which
     inherit them, ignore stop signals (the process that planned handles those) and touch neither
     CUDA nor OpenMP. Where fork is unsafe or unavailable (macOS, Windows), with one core per
-    process (the ranks of a node share its cores), with little to do, or when the pool cannot
-    start, they run here, one after another: the same predictions either way."""
+    process (the ranks of a node share its cores), with less to do than a fork costs
+    (:data:`FORK_LAYER_REPLAYS`), or when the pool cannot start, they run here, one after another:
+    the same predictions either way."""
     todo = list(dict.fromkeys(r for r in requests if _key(shape, *r) not in _CACHE))
     workers = min(len(todo), _cores_per_process())
-    if workers >= 2 and len(todo) >= 4 and "fork" in multiprocessing.get_all_start_methods() \
-            and sys.platform != "darwin":
+    if workers >= 2 and len(todo) * shape.num_layers >= FORK_LAYER_REPLAYS \
+            and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
             traced_layers(trace_spec(run, micro), run.sequence.tokens)
         try:
