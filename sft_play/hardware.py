@@ -227,13 +227,18 @@ def cuda_device_bf16(device: str) -> bool:
     return gpu_computes_bf16(torch.cuda.get_device_capability(torch.device(device)))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all logical cores where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _cpu_and_memory(info: HardwareInfo) -> None:
     info.cpu_physical_cores = psutil.cpu_count(logical=False)
     info.cpu_logical_cores = psutil.cpu_count(logical=True) or 1
-    try:
-        info.cpu_usable_cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        info.cpu_usable_cores = info.cpu_logical_cores
+    info.cpu_usable_cores = usable_cores()
     memory = psutil.virtual_memory()
     info.ram_total_bytes = int(memory.total)
     info.ram_available_bytes = int(memory.available)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from sft_play.architecture import config_identity
 from sft_play.planner import cache
 from tests.conftest import FIXTURES, REPO
 
@@ -79,11 +80,11 @@ def test_the_key_is_the_model_config_as_written_and_the_code_that_reads_it(tmp_p
     copy.mkdir()
     written = json.loads((source / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(written))
-    before = cache.model_key(str(copy), None, False)
-    assert before == cache.model_key(str(copy), None, False)
+    before = config_identity(str(copy), None, False)
+    assert before == config_identity(str(copy), None, False)
     (copy / "config.json").write_text(json.dumps({**written, "intermediate_size": written["intermediate_size"] + 64}))
-    assert cache.model_key(str(copy), None, False) != before
-    assert cache.model_key(str(source), None, False) != before  # another folder
+    assert config_identity(str(copy), None, False) != before
+    assert config_identity(str(source), None, False) != before  # another folder
     assert len(cache.fingerprint()) == 64
 
 

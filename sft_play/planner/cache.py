@@ -5,11 +5,11 @@ only parts of a plan that need transformers' modeling code, and importing that c
 what a plan costs (``transformers.modeling_utils`` alone takes 3-4 s on 2 cores, against 0.2-1 s
 of planning). Both are functions of the model's config, the method, the run's trace settings and
 the code that computes them, so they are kept in ``$SFT_PLAY_CACHE/planner/`` under a key of
-exactly those: the model's config (:func:`model_key`), the
-arguments, the versions of torch, transformers and peft, and the source of the modules that
-compute them. A local folder's config.json is read as text, so a second plan of a local model
-does not import transformers' model code at all (not even its config classes). A second plan of the same model (``make plan`` after ``make train``, or after a
-change of batch, GPUs or sequence length) then never imports the modeling code.
+exactly those: the model's config (:func:`sft_play.architecture.config_identity`: a local
+folder's config.json as written, read without importing transformers; a hub model's config as
+loaded), the arguments, the versions of torch, transformers and peft, and the source of the
+modules that compute them. A second plan of the same model (``make plan`` after ``make train``,
+or after a change of batch, GPUs or sequence length) then never imports the modeling code.
 
 Models with remote code are not kept (their code can change under the same config), nor what a
 process computed from a local config.json that was edited after it read it. A file that cannot be
@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TypeVar
 
-from sft_play.architecture import config_identity, config_is_current
+from sft_play.architecture import config_is_current
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -99,10 +99,3 @@ def keeps(name_or_path: str, trust_remote_code: bool) -> bool:
     """Whether what is computed for this model may be kept: not for remote code, and not when this
     process read a local config.json that has changed since (its results are of the old text)."""
     return not trust_remote_code and config_is_current(name_or_path)
-
-
-def model_key(name_or_path: str, revision: str | None, trust_remote_code: bool) -> str:
-    """A model's config as a key (:func:`sft_play.architecture.config_identity`): a local
-    folder's config.json as written (transformers' defaults are fixed by its version, in the
-    fingerprint), a hub model's config as loaded."""
-    return config_identity(name_or_path, revision, trust_remote_code)

@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from sft_play import hardware
 from sft_play.planner import memory
 from sft_play.planner.shapes import ModelShape
 from sft_play.planner.step import StepSpec, replay
@@ -167,11 +168,7 @@ def _key(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accu
 
 def _cores_per_process() -> int:
     """This process's share of the cores: the ranks a launcher starts on one node share them."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return max(1, hardware.usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 _CACHE: dict = {}

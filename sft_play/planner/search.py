@@ -105,8 +105,8 @@ class FitSearch:
         micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
         # the split's own accumulation, and the search's (they differ when rounding the global
         # batch gave accumulation 1 to a micro-batch below the per-process share)
-        return self.predicted_all([(micro, accumulating, None)]
-                                  + [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)])
+        smaller = [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)]
+        return self.predicted_all([(micro, accumulating, None), *smaller])
 
     def shorter_rows_fit(self, micro: int) -> bool:
         """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""

@@ -17,8 +17,8 @@ from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.planner import cache
-from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_signature,
-                                   load_model_config, quantized_linears, text_config, with_layers)
+from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
+                                   layer_signature, load_model_config, quantized_linears, text_config, with_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, 
 # (and on disk: sft_play.planner.cache, so that a second process needs no modeling code)
 @functools.lru_cache(maxsize=16)
 def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool) -> ModelShape:
-    return cache.remembered("shape", (cache.model_key(name_or_path, revision, trust_remote_code),),
+    return cache.remembered("shape", (config_identity(name_or_path, revision, trust_remote_code),),
                             lambda: base_shape(load_model_config(name_or_path, revision, trust_remote_code),
                                                trust_remote_code),
                             keep=cache.keeps(name_or_path, trust_remote_code))
@@ -278,7 +278,7 @@ def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool
 
 @functools.lru_cache(maxsize=16)
 def _lora_counts(name_or_path: str, revision: str | None, trust_remote_code: bool, lora: LoraSpec):
-    return cache.remembered("lora", (cache.model_key(name_or_path, revision, trust_remote_code), lora),
+    return cache.remembered("lora", (config_identity(name_or_path, revision, trust_remote_code), lora),
                             lambda: lora_counts_for_config(load_model_config(name_or_path, revision, trust_remote_code),
                                                            peft_config(lora, initialise=False), trust_remote_code),
                             keep=cache.keeps(name_or_path, trust_remote_code))

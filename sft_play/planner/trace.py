@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from sft_play.adapters import LoraSpec, peft_config
-from sft_play.architecture import (build_meta_model, config_int, decoder_layers, experts, layer_kinds,
-                                   load_model_config, quantized_linears, with_layers)
+from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
+                                   layer_kinds, load_model_config, quantized_linears, with_layers)
 from sft_play.planner import cache
 from sft_play.run import MASK_FREE_ATTENTION
 
@@ -574,7 +574,7 @@ def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
     `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
     and on disk: :mod:`sft_play.planner.cache`)."""
-    return cache.remembered("trace", (spec, seq_len, cache.model_key(spec.name_or_path, spec.revision,
+    return cache.remembered("trace", (spec, seq_len, config_identity(spec.name_or_path, spec.revision,
                                                                      spec.trust_remote_code)),
                             lambda: _traced(spec, seq_len),
                             keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
