@@ -13,8 +13,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
-# Set before anything imports transformers, and inherited by every subprocess the tests start.
-_SESSION_DIR = Path(tempfile.mkdtemp(prefix="sft-play-tests-"))
+# Set before anything imports transformers, and inherited by every subprocess the tests start. The
+# pytest-xdist workers of one run share it (the caches in it are written atomically): data prepared or
+# a model planned in one worker is not prepared or planned again in the other.
+if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+    _SESSION_DIR = Path(tempfile.gettempdir()) / f"sft-play-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    _SESSION_DIR.mkdir(exist_ok=True)
+else:
+    _SESSION_DIR = Path(tempfile.mkdtemp(prefix="sft-play-tests-"))
 os.environ.update(
     {
         "HF_HUB_OFFLINE": "1",
@@ -23,11 +29,26 @@ os.environ.update(
         "HF_HOME": str(_SESSION_DIR / "hf"),
         "SFT_PLAY_CACHE": str(_SESSION_DIR / "sft_play"),
         "TORCH_EXTENSIONS_DIR": str(_SESSION_DIR / "torch_extensions"),
+        # compiled kernels of this run only: a cache left by a run under another vector ISA (the
+        # suite under ATEN_CPU_CAPABILITY=avx2 after one without) gave wrong logits and NaN losses
+        "TORCHINDUCTOR_CACHE_DIR": str(_SESSION_DIR / "torchinductor"),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
 )
 sys.path.insert(0, str(REPO))
+
+# make test runs the suite in two pytest-xdist workers (pyproject's addopts, --dist loadfile): a test
+# module runs in one worker, in order, while another module runs in the other, so the second core is
+# busy when a test is planning in-process or waiting for one training process. Each worker computes on
+# its share of the cores: OpenMP threads of several processes spinning on the same cores run several
+# times slower than one thread each (see run_scripts_together).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+CORES = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(CORES)  # read by torch here and by every process the tests start
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(CORES)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +94,7 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
     import contextlib
     import time
 
-    threads = str(max(1, len(os.sched_getaffinity(0)) // len(commands)))
+    threads = str(max(1, CORES // len(commands)))
     folder = Path(tempfile.mkdtemp(prefix="together-", dir=_SESSION_DIR))
     with contextlib.ExitStack() as stack:
         started = []
@@ -126,13 +147,37 @@ SHARED_RUNS = {
 TINY_FULL = SHARED_RUNS["full"][0]
 
 
+def built_once(tmp_path_factory, name: str, build) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """The processes `build(folder)` ran for a session fixture, and the folder, run once for all pytest-xdist workers:
+    the first worker to ask runs them in a folder of the session's shared base directory, under a
+    lock; the others wait for the lock and read the same folder and the same finished processes."""
+    if WORKERS == 1:
+        folder = tmp_path_factory.mktemp(name)
+        return build(folder), folder
+    import json
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp().parent
+    folder, record = base / name, base / f"{name}.json"
+    with FileLock(str(base / f"{name}.lock")):
+        if not record.exists():
+            folder.mkdir(exist_ok=True)
+            results = build(folder)
+            record.write_text(json.dumps([[r.args, r.returncode, r.stdout, r.stderr] for r in results]))
+        return [subprocess.CompletedProcess(*row) for row in json.loads(record.read_text())], folder
+
+
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shared")
-    commands = [("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
-                 f"train.run_name={name}", *PINNED, *overrides, env) for name, (overrides, env) in SHARED_RUNS.items()]
+    def build(root):
+        return run_scripts_together(*[
+            ("train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.output_dir={root}",
+             f"train.run_name={name}", *PINNED, *overrides, env) for name, (overrides, env) in SHARED_RUNS.items()])
+
+    results, root = built_once(tmp_path_factory, "shared", build)
     runs = {}
-    for name, result in zip(SHARED_RUNS, run_scripts_together(*commands)):
+    for name, result in zip(SHARED_RUNS, results):
         assert result.returncode == 0, f"{name}:\n" + result.stdout[-3000:] + result.stderr[-5000:]
         runs[name] = (root / name, result)
     return runs
