@@ -267,6 +267,48 @@ def test_preprocessing_is_cached_and_invalidated_by_the_data(tmp_path, tiny_toke
     assert changed_setting.stats.max_seq_length == 32
 
 
+def test_builds_of_the_same_data_at_once_tokenise_it_once(tmp_path, tiny_tokenizer, monkeypatch):
+    """Runs started together (a sweep, the runs of a test module) wait for the first one's
+    preparation and read it from the cache instead of each tokenising the same rows."""
+    import logging
+    import threading
+
+    import sft_play.data as data_module
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    cfg = data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=64)
+    waiting, built = threading.Event(), []
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            if "another process is preparing the same data" in record.getMessage():
+                waiting.set()
+
+    real = data_module._build
+
+    def first_build(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        second.start()
+        assert waiting.wait(timeout=60), "the second build did not wait for the first"
+        return real(*args, **kwargs)
+
+    handler = Waits()
+    logging.getLogger("sft_play.data").addHandler(handler)
+    monkeypatch.setattr(logging.getLogger("sft_play.data"), "level", logging.INFO)
+    monkeypatch.setattr(data_module, "_build", first_build)
+    results = {}
+    second = threading.Thread(target=lambda: results.update(second=build(cfg, tiny_tokenizer)), name="second")
+    try:
+        results["first"] = build(cfg, tiny_tokenizer)
+        second.join(timeout=60)
+    finally:
+        logging.getLogger("sft_play.data").removeHandler(handler)
+    assert built == ["MainThread"], "tokenised once, by the first"
+    assert results["second"].train["input_ids"] == results["first"].train["input_ids"]
+    assert results["second"].stats.examples == results["first"].stats.examples
+    assert len(list((tmp_path / "cache" / "data").iterdir())) == 1
+
+
 def test_several_processes_tokenise_the_same(tiny_tokenizer):
     one = build(data_config(path=str(FIXTURES), packing=False, cache=False), tiny_tokenizer)
     two = build(data_config(path=str(FIXTURES), packing=False, cache=False, num_proc=2), tiny_tokenizer)

@@ -249,21 +249,23 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         InvalidRow: a bad row, with ``data.on_invalid: error``.
         ValueError: no usable example, or a format that cannot be detected.
     """
-    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed) if cfg.cache else None
-    cached = cache.load(key) if key else None
-    if cached is not None:
-        logger.info("data: preprocessed data from the cache (%s)", key)
-        bundle = DataBundle(
-            train=cached["train"], validation=cached["validation"], stats=DataStats(**_stat_fields(cached["stats"])),
-            validation_stats=DataStats(**_stat_fields(cached["validation_stats"])) if cached["validation_stats"] else None,
-        )
-        _log_skips(bundle)
-        return bundle
-    bundle = _build(cfg, tokenizer, seed)
-    if key:
+    if not cfg.cache:
+        return _build(cfg, tokenizer, seed)
+    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed)
+    with cache.preparing(key):  # processes started together with this data prepare it once
+        cached = cache.load(key)
+        if cached is not None:
+            logger.info("data: preprocessed data from the cache (%s)", key)
+            bundle = DataBundle(
+                train=cached["train"], validation=cached["validation"], stats=DataStats(**_stat_fields(cached["stats"])),
+                validation_stats=DataStats(**_stat_fields(cached["validation_stats"])) if cached["validation_stats"] else None,
+            )
+            _log_skips(bundle)
+            return bundle
+        bundle = _build(cfg, tokenizer, seed)
         cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
                    bundle.validation_stats.to_dict() if bundle.validation_stats else None)
-    return bundle
+        return bundle
 
 
 def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:

@@ -4,11 +4,14 @@ split), the tokenizer (its vocabulary, merges and chat template) and every ``dat
 
 Kept under ``$SFT_PLAY_CACHE/data/<key>/`` (default ``~/.cache/sft_play``), written atomically,
 and read memory-mapped, so that the second run of a config, and every rank but the first of a
-distributed run, skip tokenisation.
+distributed run, skip tokenisation. Processes that start together with the same data (a sweep,
+runs launched side by side) prepare it once: the first holds a lock on the key while it
+tokenises, the others wait for it and read what it saved (:func:`preparing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -63,6 +66,31 @@ def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int) -> str:
         "tokenizer": _tokenizer_fingerprint(tokenizer, template),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def preparing(key: str):
+    """Held while this process looks for `key` and, not finding it, prepares and saves it: a process
+    that asks for the same key meanwhile waits, then finds it saved. Where no lock file can be
+    made (a read-only cache folder), each process goes on alone, as without the lock."""
+    from filelock import FileLock, Timeout
+
+    locks = cache_dir() / "locks"
+    lock = FileLock(str(locks / f"data-{key}.lock"))
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("data: another process is preparing the same data; waiting to read it from the cache")
+            lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def load(key: str) -> dict[str, Any] | None:
