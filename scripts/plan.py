@@ -1,8 +1,9 @@
 """Plan a run before any weight loads: exact model sizes, the per-GPU memory breakdown, and the
 micro-batch and accumulation that reach the global batch without running out of memory.
 
-Without --gpus/--vram-gib the detected GPUs are used; on a machine without a GPU they are
-required. With a tokenizer and readable data the real sequence lengths are used.
+Without --gpus/--vram-gib the detected GPUs are used; on a machine without a GPU, the run
+`make train` would take there (one CPU process, host memory), as training plans it. With a
+tokenizer and readable data the real sequence lengths are used.
 
 Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-gib G] [--json] [--plot PATH]
 """
@@ -49,8 +50,11 @@ def main() -> int:
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
     # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it
     config = config_module.load(args.config, args.overrides, check_packages=args.vram_gib is None)
+    facts = hardware.detect()
+    # Nothing described and no GPU here: the CPU run make train takes on this machine
+    on_this_cpu = not facts.gpus and args.gpus is None and args.vram_gib is None
     try:
-        target = planner.target_for(hardware.detect(), args.gpus, args.vram_gib, gpu_model=args.gpu_model)
+        target = planner.target_for(facts, args.gpus, args.vram_gib, gpu_model=args.gpu_model, allow_cpu=on_this_cpu)
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
@@ -59,6 +63,9 @@ def main() -> int:
     plan = planner.make_plan(config, target, stats)
     if why:
         plan.notes.append(f"sequence length from the config: {why}")
+    if on_this_cpu:
+        plan.notes.append("no CUDA GPU here: this is the CPU run make train takes on this machine; "
+                          "NUM_GPUS=8 VRAM_GIB=80 plans GPUs you do not have")
     if args.plot:
         plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
     print(report.to_json(plan) if args.json else report.to_text(plan, args.config, args.overrides))
