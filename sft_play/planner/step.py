@@ -384,8 +384,8 @@ def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, 
         run.free(last_hidden)
     statistics = [run.new(4 * n, "logits_loss") for _ in range(7)]
     tile = run.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
-    if not spec.on_cuda:  # the torch fold: the tile in fp32 and its exponentials (_forward_tile)
-        run.free(*[run.new(tile_rows * FUSED_HEAD_VOCAB * 4, "logits_loss") for _ in range(2)])
+    if not spec.on_cuda:  # the torch fold: the tile's used columns in fp32 and their exponentials (_forward_tile)
+        run.free(*[run.new(tile_rows * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss") for _ in range(2)])
     _tile_casts(run, shape, spec, residual, n)
     run.free(tile)
     log_z = run.new(4 * n, "logits_loss")
@@ -438,8 +438,9 @@ def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
         else:  # accumulated into the existing gradient, or reduced by ZeRO
             run.free(head_grad)
     tile = run.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * recipe.compute_bytes, "logits_loss")
-    if not spec.on_cuda:  # _backward_tile: fp32 logits, probabilities and gradient
-        run.free(*[run.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * 4, "logits_loss") for _ in range(3)])
+    if not spec.on_cuda:  # _backward_tile: fp32 logits, probabilities and gradient of the tile's used columns
+        run.free(*[run.new(min(n, FUSED_HEAD_TOKENS) * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss")
+                   for _ in range(3)])
     grad_log_probs = run.new(4 * n, "logits_loss")
     _tile_casts(run, shape, spec, residual, n)
     cast = run.new(n * h * residual, "logits_loss") if residual != 4 else None
