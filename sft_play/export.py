@@ -235,6 +235,9 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits
     from trl.trainer.utils import add_fused_lm_head
 
+    from sft_play.model import score_labelled_positions_only
+
+    score_labelled_positions_only()
     add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):

@@ -20,7 +20,7 @@ from sft_play import architecture, checkpoints, planner
 from sft_play.callbacks import max_over_ranks
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
-from sft_play.model import lora_config
+from sft_play.model import lora_config, score_labelled_positions_only
 from sft_play.planner import calibrate as calibration
 from sft_play.planner import memory
 from sft_play.planner.predict import recipe_for
@@ -242,6 +242,7 @@ def trainer_factory(
     from transformers.integrations import TensorBoardCallback
     from trl import SFTTrainer
 
+    score_labelled_positions_only()  # TRL's loss head, on a CPU too
     held = {"model": model, "peft_config": lora_config(run)}
     layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []

@@ -101,6 +101,34 @@ def test_flex_attention_keeps_packed_examples_apart_like_sdpa():
     torch.testing.assert_close(logits["flex_attention"][:, 20:], alone, rtol=1e-4, atol=1e-4)
 
 
+def test_the_loss_head_projects_only_labelled_positions_on_a_cpu_to_the_same_loss(monkeypatch):
+    """TRL's fused head projects every position where there is no Triton; on a CPU training and
+    make eval take the labelled ones only (model.score_labelled_positions_only): the same loss,
+    a fraction of the projections."""
+    import trl.trainer.utils as trl_utils
+
+    config = load("finetune.method=full")
+    model = model_module.load_model(config, resolve(config, on_cuda=False, bf16_supported=False, world_size=1),
+                                    device="cpu")
+    trl_utils.add_fused_lm_head(model)
+    ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :20] = -100  # a prompt without labels, an answer with
+    projected = []
+    real = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *args: projected.append(hidden.shape[0]) or real(hidden, *args))
+    trl_own = getattr(trl_utils._use_triton, "trl_decision", trl_utils._use_triton)
+    monkeypatch.setattr(trl_utils, "_use_triton", trl_own)  # as TRL decides (a test before may have switched)
+    every = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    model_module.score_labelled_positions_only()
+    model_module.score_labelled_positions_only()  # once is enough; twice changes nothing
+    labelled = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert projected == [2 * 31, int((labels[:, 1:] != -100).sum())] == [62, 24]
+    torch.testing.assert_close(labelled.loss, every.loss, rtol=1e-6, atol=1e-6)
+    assert trl_utils._use_triton(torch.device("cpu")) and trl_utils._use_triton.trl_decision is trl_own
+
+
 def test_compiled_layers_train_to_the_same_loss():
     config = load("finetune.method=full", "train.torch_compile=true")
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)

@@ -218,7 +218,7 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         checkpointing=run.gradient_checkpointing,
         masked=run.masked(micro_batch),
         eager_mask=run.attention == "eager",
-        loss_token_share=run.sequence.loss_token_share if run.on_cuda else 1.0,
+        loss_token_share=run.sequence.loss_token_share,  # TRL's head projects the labelled positions only
         accumulating=accumulating,
         on_cuda=run.on_cuda,
     )

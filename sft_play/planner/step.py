@@ -62,7 +62,7 @@ class StepSpec:
     eager_mask: bool = False  # eager attention takes a float mask instead of a boolean one
     loss_token_share: float = 1.0
     accumulating: bool = False  # gradient accumulation: the next micro-batch runs with gradients alive
-    on_cuda: bool = True  # CUDA: a cuBLAS workspace, and TRL's head scores only the labelled positions
+    on_cuda: bool = True  # CUDA: a cuBLAS workspace and Triton's head; elsewhere the head's torch fold
     steps: int = 2
 
 
@@ -363,7 +363,8 @@ def _sized(module: ModuleEvents, events, micro: int) -> list[tuple[bool, int, in
 
 
 # ---------------------------------------------------------------------------------------------
-# TRL's chunked loss head (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction; CUDA path)
+# TRL's chunked loss head (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction): the labelled
+# positions only, on CUDA by TRL's choice and on a CPU by sft_play.model.score_labelled_positions_only
 
 
 def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:
@@ -374,14 +375,13 @@ def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, 
     fp32). It keeps the selected states, the targets, log Z and the entropy for backward."""
     recipe = spec.recipe
     b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, recipe.compute_bytes
-    n = max(1, int(b * (s - 1) * spec.loss_token_share)) if spec.on_cuda else b * (s - 1)
+    n = max(1, int(b * (s - 1) * spec.loss_token_share))
     tile_rows = min(n, FUSED_HEAD_TOKENS)
     label_mask = run.new(b * (s - 1), "logits_loss")
-    # The labelled positions are gathered (a copy) on CUDA; elsewhere every position is a view
-    selected = run.new(n * h * residual, "logits_loss") if spec.on_cuda else last_hidden
+    # The labelled positions are gathered (a copy)
+    selected = run.new(n * h * residual, "logits_loss")
     targets = run.new(8 * n, "logits_loss")
-    if spec.on_cuda:
-        run.free(last_hidden)
+    run.free(last_hidden)
     statistics = [run.new(4 * n, "logits_loss") for _ in range(7)]
     tile = run.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
     if not spec.on_cuda:  # the torch fold: the tile's used columns in fp32 and their exponentials (_forward_tile)
