@@ -238,7 +238,11 @@ def score_labelled_positions_only() -> None:
     either way (a position without a label contributes zero). The tiny default's answers are 22%
     of its tokens: 80 of its steps on 2 cores capped at AVX2 took 17.9-20.3 s instead of
     20.9-23.7 s, to the same loss in every digit. Other devices are decided by TRL as before. Once
-    per process; the planner counts the head this way (sft_play.planner.step)."""
+    per process; the planner counts the head this way (sft_play.planner.step).
+
+    This replaces one private function of TRL (pinned at 1.16.0), against STYLE.md's rule of using
+    libraries unpatched: TRL has no setting for it, and the CPU is where the default trains.
+    tests/test_kernels.py fails if an upgrade moves it; the lasting fix is upstream."""
     import trl.trainer.utils as trl_utils
 
     decide = trl_utils._use_triton  # TRL 1.16: whether _fused_forward selects the labelled positions

@@ -256,16 +256,21 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         cached = cache.load(key)
         if cached is not None:
             logger.info("data: preprocessed data from the cache (%s)", key)
-            bundle = DataBundle(
-                train=cached["train"], validation=cached["validation"], stats=DataStats(**_stat_fields(cached["stats"])),
-                validation_stats=DataStats(**_stat_fields(cached["validation_stats"])) if cached["validation_stats"] else None,
-            )
+            bundle = _bundle_from(cached)
             _log_skips(bundle)
             return bundle
         bundle = _build(cfg, tokenizer, seed)
         cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
                    bundle.validation_stats.to_dict() if bundle.validation_stats else None)
         return bundle
+
+
+def _bundle_from(cached: dict[str, Any]) -> DataBundle:
+    """The bundle :func:`cache.load` read back."""
+    validation_stats = cached["validation_stats"]
+    return DataBundle(train=cached["train"], validation=cached["validation"],
+                      stats=DataStats(**_stat_fields(cached["stats"])),
+                      validation_stats=DataStats(**_stat_fields(validation_stats)) if validation_stats else None)
 
 
 def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
