@@ -16,7 +16,13 @@ from sft_play import cli, lean_imports
 
 def read_data_stats(config):
     """The data's statistics, or None (with the reason) when there is no tokenizer or data to read."""
-    from sft_play import data, model
+    from sft_play import data
+
+    source = config.model.tokenizer_name_or_path or config.model.name_or_path
+    remembered = data.remembered_stats(config.data, source, seed=config.train.seed)
+    if remembered is not None:  # measured before (make train, make plan): no tokenizer to load
+        return remembered, None
+    from sft_play import model
     from sft_play.data.formats import InvalidRow
     from sft_play.errors import UserError
 

@@ -14,7 +14,8 @@ from sft_play.data.collate import PackedRowsCollator
 from sft_play.data.formats import InvalidRow
 from sft_play.data.tokenize import IGNORE_INDEX, encode_chat, encode_prompt_completion, encode_text
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "data"
 # The tiny tokenizer's template without its {% generation %} markers: exercises the span path.
 PLAIN_CHATML = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -265,6 +266,39 @@ def test_preprocessing_is_cached_and_invalidated_by_the_data(tmp_path, tiny_toke
     assert len(list((tmp_path / "cache" / "data").iterdir())) == 2
     changed_setting = build(data_config(path=str(data_file), max_seq_length=32), tiny_tokenizer)
     assert changed_setting.stats.max_seq_length == 32
+
+
+def test_planning_reads_the_statistics_of_a_build_without_loading_the_tokenizer(tmp_path, monkeypatch):
+    """A build keeps its statistics under a key of the data, the settings and the local tokenizer
+    folder's files, which planning reads without loading the tokenizer; any of them changed, or a
+    tokenizer on the hub, and there is nothing to read."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from sft_play.data import remembered_stats
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(REPO / "configs" / "tiny_model", folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text((FIXTURES / "messages.jsonl").read_text())
+    cfg = data_config(path=str(data_file), max_seq_length=64)
+    assert remembered_stats(cfg, str(folder), seed=0) is None
+    built = build(cfg, tokenizer, seed=0)
+    assert remembered_stats(cfg, str(folder), seed=0) == built.stats
+    build(cfg, tokenizer, seed=0)  # read back from the cache: kept the same
+    assert remembered_stats(cfg, str(folder), seed=0) == built.stats
+    assert remembered_stats(data_config(path=str(data_file), max_seq_length=32), str(folder), seed=0) is None
+    assert remembered_stats(cfg, str(folder), seed=1) is None
+    assert remembered_stats(cfg, "Qwen/Qwen2.5-0.5B", seed=0) is None
+    assert remembered_stats(data_config(path=str(data_file), max_seq_length=64, cache=False), str(folder), seed=0) is None
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + " ")
+    assert remembered_stats(cfg, str(folder), seed=0) is None  # the tokenizer's files changed
+    data_file.write_text(data_file.read_text() + (FIXTURES / "messages.jsonl").read_text().splitlines()[0] + "\n")
+    assert remembered_stats(cfg, str(folder), seed=0) is None  # the data changed
 
 
 def test_builds_of_the_same_data_at_once_tokenise_it_once(tmp_path, tiny_tokenizer, monkeypatch):

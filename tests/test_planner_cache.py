@@ -152,3 +152,22 @@ def test_the_ranks_of_a_node_share_its_cores_for_replays(monkeypatch):
     assert prediction._cores_per_process() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert prediction._cores_per_process() == 1  # replays one after another
+
+
+def test_a_second_make_plan_imports_no_transformers_and_says_the_same(tmp_path):
+    """What a plan needs from the model's code and from the tokenised data is kept: the second
+    `make plan` of a config (or the one after `make train`) loads neither the modeling code nor the
+    tokenizer nor the datasets library, which were most of its seconds."""
+    env = {**os.environ, "SFT_PLAY_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-X", "importtime", "scripts/plan.py", "--config", "configs/run_tiny.yaml",
+               f"data.path={FIXTURES / 'data' / 'messages.jsonl'}", "data.validation_path=null", "--json"]
+    runs = [subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
+            for _ in range(2)]
+    imported = [{line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+                for run in runs]
+    assert {"transformers", "datasets"} <= imported[0]
+    assert not {"transformers", "datasets"} & imported[1]
+    same = ("total_params", "trainable_params", "micro_batch_size", "sequence_length", "sequence_length_source",
+            "peak_bytes_per_gpu", "breakdown", "precision", "attention")  # (the host memory free moves between runs)
+    plans = [{k: v for k, v in json.loads(run.stdout).items() if k in same} for run in runs]
+    assert len(plans[0]) == len(same) and plans[1] == plans[0]

@@ -258,11 +258,22 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
             logger.info("data: preprocessed data from the cache (%s)", key)
             bundle = _bundle_from(cached)
             _log_skips(bundle)
-            return bundle
-        bundle = _build(cfg, tokenizer, seed)
-        cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
-                   bundle.validation_stats.to_dict() if bundle.validation_stats else None)
-        return bundle
+        else:
+            bundle = _build(cfg, tokenizer, seed)
+            cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
+                       bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+    # what planning reads without loading the tokenizer (transformers keeps the source it loaded from)
+    cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed),
+                         bundle.stats.to_dict(), bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+    return bundle
+
+
+def remembered_stats(cfg: DataConfig, tokenizer_source: str | None, seed: int = 0) -> DataStats | None:
+    """The training data's statistics as a :func:`build` of the same data, settings and local
+    tokenizer folder measured them, read without loading the tokenizer; None when none did (or
+    the tokenizer is on the hub, or ``data.cache`` is off)."""
+    saved = cache.remembered_stats(cache.stats_key(cfg, tokenizer_source, seed)) if cfg.cache else None
+    return DataStats(**_stat_fields(saved["stats"])) if saved else None
 
 
 def _bundle_from(cached: dict[str, Any]) -> DataBundle:

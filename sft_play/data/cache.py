@@ -7,6 +7,12 @@ and read memory-mapped, so that the second run of a config, and every rank but t
 distributed run, skip tokenisation. Processes that start together with the same data (a sweep,
 runs launched side by side) prepare it once: the first holds a lock on the key while it
 tokenises, the others wait for it and read what it saved (:func:`preparing`).
+
+Beside each preprocessing, its statistics alone are kept (``data_stats/``) under a second key that needs no
+tokenizer loaded: a local tokenizer folder's files by name, size and modification time in place
+of the vocabulary (:func:`stats_key`). Planning reads them there (:func:`remembered_stats`), so
+that ``make plan`` after ``make train``, or a second ``make plan``, imports neither transformers'
+tokenizers nor datasets (about 4 s of the 5 s it took on 2 cores).
 """
 
 from __future__ import annotations
@@ -66,6 +72,53 @@ def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int) -> str:
         "tokenizer": _tokenizer_fingerprint(tokenizer, template),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int) -> str | None:
+    """The key of one preprocessing's statistics, from the data, the settings and the files of a
+    local tokenizer folder (names, sizes, modification times); None for a hub tokenizer, whose
+    files only loading it would find."""
+    folder = Path(tokenizer_source) if tokenizer_source else None
+    if folder is None or not folder.is_dir():
+        return None
+    files = sorted([entry.name, entry.stat().st_size, entry.stat().st_mtime_ns]
+                   for entry in folder.iterdir() if entry.is_file())
+    settings = cfg.model_dump(mode="json")
+    settings.pop("num_proc", None)
+    payload = {
+        "version": CACHE_VERSION,
+        "settings": settings,
+        "seed": seed,
+        "train": _sources(cfg.path, cfg.split),
+        "validation": _sources(cfg.validation_path, cfg.split),
+        "tokenizer_files": [str(folder.resolve()), files],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def remember_stats(key: str | None, stats: dict, validation_stats: dict | None) -> None:
+    """Keep a preprocessing's statistics under :func:`stats_key` (atomically; skipped where the
+    cache cannot be written)."""
+    if key is None:
+        return
+    root = cache_dir() / "data_stats"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=root, prefix=f".{key}-", suffix=".json", delete=False) as f:
+            json.dump({"stats": stats, "validation_stats": validation_stats}, f)
+        os.replace(f.name, root / f"{key}.json")
+    except OSError:
+        logger.debug("data: statistics not kept under %s", key)
+
+
+def remembered_stats(key: str | None) -> dict[str, Any] | None:
+    """{"stats", "validation_stats"} kept under `key`, or None."""
+    if key is None:
+        return None
+    try:
+        return json.loads((cache_dir() / "data_stats" / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @contextlib.contextmanager
