@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from sft_play import config as config_module
-from sft_play import data, hardware
+from sft_play import data, hardware, hub
 from sft_play.config import RunConfig
 from sft_play.data.collate import make_collator
-from sft_play.errors import UserError
+from sft_play.errors import UserError, hub_error
 from sft_play.model import TORCH_DTYPES, load_tokenizer, quantization_config, quiet_loading, weights_location
 from sft_play.precision import Precision, inference_dtype, resolve_precision
 from sft_play.run import collator_kind
@@ -70,7 +70,12 @@ def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: b
     if quantized and config.finetune.method == "qlora":
         kwargs["quantization_config"] = quantization_config(config, precision_here(config, device))
         kwargs["device_map"] = {"": device}
-    return AutoModelForCausalLM.from_pretrained(weights_location(config), **kwargs)
+    location = weights_location(config)
+    hub.prepare(location)  # offline: at once, without the hub client's minute of retries
+    try:
+        return AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as exc:
+        raise hub_error(location, exc) from None
 
 
 def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig | None]:

@@ -86,6 +86,31 @@ def test_merging_a_full_model_says_there_is_nothing_to_merge(runs):
         export.merge(runs["full"])
 
 
+def test_a_run_whose_base_model_cannot_be_found_says_so_in_one_error(runs, tmp_path, monkeypatch):
+    """make generate/chat/eval/merge on a run whose base is gone (a relative folder read from
+    elsewhere, a hub model not cached offline): one clear error, not the hub client's retries and
+    a traceback."""
+    import shutil
+
+    import huggingface_hub.constants
+    import yaml
+
+    from sft_play import hub
+
+    copy = tmp_path / "run"
+    shutil.copytree(runs["lora"], copy, ignore=shutil.ignore_patterns("checkpoints", "merged"))
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    saved["model"]["name_or_path"] = "no-such-org/no-such-model"
+    (copy / "config.yaml").write_text(yaml.safe_dump(saved))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # restored after the test, as is what the client reads
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "reachable", lambda: False)  # an offline node: the run goes offline at once
+    with pytest.raises(UserError, match="cannot load the model 'no-such-org/no-such-model'"):
+        export.load_trained(copy, device="cpu")
+    assert huggingface_hub.constants.HF_HUB_OFFLINE  # read offline, without the hub client's minute of retries
+
+
 PROMPT = "Reverse the letters: a b c"
 
 
