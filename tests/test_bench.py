@@ -24,6 +24,8 @@ def bench_runs(tmp_path_factory):
     commands = {
         "tiny": ("bench/tiny_default.py", "--seeds", "3", "--paths", "without-bf16", "--steps", "3", "--count", "6",
                  "--out", str(root / "tiny_default.md")),
+        "recipes": ("bench/tiny_recipes.py", "--recipes", "heads-4", "more-sorting", "--steps", "3", "--fresh", "8",
+                    "--out", str(root / "tiny_recipes.md")),
     }
     if not torch.cuda.is_available():  # the CPU paths of the planner's accuracy and of the lease
         commands["planner"] = ("bench/planner_accuracy.py", "--timing-runs", "1", "--output",
@@ -224,3 +226,33 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "| llama-3.2-3b full 2048 ckpt on micro 4 | 51.00 / 50.00 | +2.0% |" in text
     assert "Peak: median absolute error 2.0%" in text and "32: out of memory" in text
     assert "| llama-3.1-8b-lora | B | - | failed: out of memory |" in text
+
+
+def test_tiny_recipes_bench_trains_each_recipe_and_reports(bench_runs):
+    """A smoke run of bench/tiny_recipes.py: a reshaped model and another mix of puzzles."""
+    root, results = bench_runs
+    result = results["recipes"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (root / "tiny_recipes.md").read_text()
+    assert "- hardware: " in text and "(no GPU)" in text
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| heads-4 |")
+            or line.startswith("| more-sorting |")}
+    assert set(rows) == {"heads-4", "more-sorting"}, text
+    for cells in rows.values():
+        assert int(cells[4]) <= 200 and int(cells[5]) <= 8 and cells[6].count("/") >= 2
+        float(cells[7]), float(cells[8].rstrip(" |"))  # the margins are numbers
+
+
+def test_the_recipes_bench_counts_an_answer_right_exactly_when_greedy_decoding_writes_it(tiny_lora_run):
+    """bench/tiny_recipes.py scores puzzles in one forward pass (teacher forcing): a puzzle counts
+    when its margin is above 0, which must be when make eval's greedy decoding writes the answer."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from tiny_recipes import fresh_puzzles, margins
+
+    from sft_play import export
+
+    model, tokenizer, config = export.load_trained(tiny_lora_run[0], device="cpu")
+    puzzles = [(p.messages, p.reference) for p in export.held_out_prompts(config, 12)] + fresh_puzzles(12)
+    greedy = [export.generate(model, tokenizer, messages, 32) == answer for messages, answer in puzzles]
+    assert [m > 0 for m in margins(model, tokenizer, puzzles)] == greedy
+    assert 0 < sum(greedy) < len(greedy), "a run that answers some and misses some tells the two apart"

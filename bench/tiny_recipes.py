@@ -1,0 +1,222 @@
+"""Recipes for the embedded default: how near each comes to answering every letter puzzle, and how
+much margin its answers have; writes docs/tiny_recipes.md.
+
+Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped model config, or
+another mix of training puzzles), trained with one seed in a fresh process on the fp32 path a CPU
+without native bf16 takes (oneDNN and ATen capped at AVX2, as `bench/tiny_default.py`'s
+without-bf16 path). Two recipes train at once with one thread each, so the times compare recipes
+with one another, not with `make train`.
+
+Scoring, per puzzle: the answer is fed to the model after its question (teacher forcing) and the
+puzzle counts as answered when every answer token, the end-of-answer token included, is the
+model's top choice; greedy decoding then writes exactly that answer, so this is the exact match of
+`make eval`, in one forward pass per 64 puzzles. The margin of a puzzle is the smallest gap, over
+its answer tokens, between the right token's logit and the best other one: an answer whose margin
+is near 0 flips under another CPU's arithmetic (the same sums in another order). Puzzles: the 200
+held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
+`scripts/build_tiny_default.py`'s generator with another seed.
+
+Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--steps N] [--fresh N] [--out docs/tiny_recipes.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from _common import REPO, versions, worker_env
+from tiny_default import hardware_line
+
+sys.path.insert(0, str(REPO / "scripts"))
+import build_tiny_default  # noqa: E402  (the puzzles' own generator)
+
+CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+FRESH_SEED = 999
+
+# name: (what it changes, run overrides, model config changes, data mix)
+RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
+    "default": ("configs/run_tiny.yaml as it ships", [], {}, None),
+    "heads-4": ("4 heads of 32, 2 KV heads (the same parameters)", [],
+                {"num_attention_heads": 4, "head_dim": 32, "num_key_value_heads": 2}, None),
+    "heads-8": ("8 heads of 16, 4 KV heads (the same parameters)", [],
+                {"num_attention_heads": 8, "head_dim": 16, "num_key_value_heads": 4}, None),
+    "layers-6": ("6 layers, MLP 256 wide (about 1.1x the step)", [],
+                 {"num_hidden_layers": 6, "intermediate_size": 256}, None),
+    "batch-6": ("global batch 6, 1000 steps (the same rows, twice the updates)",
+                ["train.global_batch_size=6", "train.max_steps=1000"], {}, None),
+    "more-sorting": ("3,239 one-question records of 'Which letter' and 'Uppercase' made sorting ones",
+                     [], {}, "more-sorting"),
+    "rank-64": ("LoRA r 64, alpha 128", ["lora.r=64", "lora.alpha=128"], {}, None),
+    "lr-2e-3": ("learning rate 2e-3", ["train.learning_rate=2e-3"], {}, None),
+    "lr-5e-3": ("learning rate 5e-3", ["train.learning_rate=5e-3"], {}, None),
+    "full-1e-3": ("full fine-tuning, learning rate 1e-3", ["finetune.method=full", "train.learning_rate=1e-3"], {}, None),
+    "full-2e-3": ("full fine-tuning, learning rate 2e-3", ["finetune.method=full", "train.learning_rate=2e-3"], {}, None),
+}
+
+
+def more_sorting(out: Path) -> Path:
+    """The training puzzles with 60 % of the one-question 'Which letter' and 'Uppercase' records
+    replaced by sorting ones (sorting is what the default gets wrong)."""
+    rng = random.Random(7)
+    rows = []
+    for line in (REPO / "data" / "tiny" / "train.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        first = record["messages"][0]["content"]
+        if len(record["messages"]) == 2 and first.startswith(("Which", "Uppercase")) and rng.random() < 0.6:
+            seq = build_tiny_default._letters(rng)
+            record = {"messages": [{"role": "user", "content": f"Sort the letters: {' '.join(seq)}"},
+                                   {"role": "assistant", "content": " ".join(sorted(seq))}]}
+        rows.append(json.dumps(record))
+    out.write_text("\n".join(rows) + "\n")
+    return out
+
+
+def train(name: str, root: Path, steps: int | None) -> dict:
+    what, overrides, shape, mix = RECIPES[name]
+    overrides = list(overrides)
+    if shape:
+        folder = root / f"model-{name}"
+        shutil.copytree(REPO / "configs" / "tiny_model", folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **shape}, indent=2))
+        overrides.append(f"model.name_or_path={folder}")
+    if mix == "more-sorting":
+        overrides.append(f"data.path={more_sorting(root / f'{name}.jsonl')}")
+    if steps:
+        overrides.append(f"train.max_steps={steps}")
+    env = {**worker_env(), **CAPPED, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", "train.seed=42",
+         f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *overrides],
+        cwd=REPO, capture_output=True, text=True, env=env,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
+    summary = json.loads((root / name / "summary.json").read_text())
+    return {"recipe": name, "what": what, "run": str(root / name), "wall_s": time.monotonic() - started,
+            "train_s": summary["train_runtime_s"], "last_loss": summary["last_loss"]}
+
+
+def fresh_puzzles(count: int) -> list[tuple[list[dict], str]]:
+    rng = random.Random(FRESH_SEED)
+    return [([{"role": "user", "content": q}], a) for q, a in (build_tiny_default._task(rng) for _ in range(count))]
+
+
+def margins(model, tokenizer, puzzles: list[tuple[list[dict], str]]) -> list[float]:
+    """Each puzzle's margin (see the module docstring): above 0 exactly when greedy decoding
+    writes the answer."""
+    import torch
+
+    found = []
+    for start in range(0, len(puzzles), 64):
+        batch = puzzles[start:start + 64]
+        rows, spans = [], []
+        for messages, answer in batch:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+            whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                                  return_dict=True)["input_ids"]
+            assert whole[:len(prompt)] == prompt, "the answer does not extend the prompt's tokens"
+            end = whole.index(tokenizer.eos_token_id, len(prompt)) + 1
+            rows.append(whole[:end])
+            spans.append((len(prompt), end))
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
+        for i, (first, end) in enumerate(spans):
+            step = logits[i, first - 1:end - 1]
+            target = ids[i, first:end, None]
+            right = step.gather(1, target)[:, 0]
+            found.append((right - step.scatter(1, target, float("-inf")).max(1).values).min().item())
+    return found
+
+
+def score(run: str, fresh: int) -> dict:
+    """Teacher-forced exact match and margins of the held-out and `fresh` fresh puzzles."""
+    from sft_play import export
+
+    model, tokenizer, config = export.load_trained(run, device="cpu")
+    puzzles = [(p.messages, p.reference) for p in export.held_out_prompts(config, 200)] + fresh_puzzles(fresh)
+    margins_ = margins(model, tokenizer, puzzles)
+    held, new = margins_[:200], margins_[200:]
+    kinds: dict[str, list[int]] = {}
+    for (messages, _), margin in zip(puzzles[200:], new):
+        kind = kinds.setdefault(messages[0]["content"].split()[0], [0, 0])
+        kind[0] += margin > 0
+        kind[1] += 1
+    missed = [f"{m[-1]['content']} -> {a}" for (m, a), margin in zip(puzzles, margins_) if margin <= 0]
+    return {"held_out": sum(m > 0 for m in held), "fresh": sum(m > 0 for m in new), "fresh_of": len(new),
+            "kinds": kinds, "five_min_margin": min(held[:5]), "p10_margin": sorted(margins_)[len(margins_) // 10],
+            "missed": missed}
+
+
+def report(rows: list[dict], fresh: int) -> str:
+    lines = [
+        "# Recipes for the embedded default: answers and margins",
+        "",
+        "Written by `python bench/tiny_recipes.py` (its docstring says how each recipe trains and how",
+        "the puzzles are scored). One seed (42) each, fp32 with the CPU capped at AVX2, two recipes",
+        "at once with one thread each: the times compare recipes, they are not `make train`'s.",
+        "",
+        f"- hardware: {hardware_line()} (no GPU)",
+        f"- software: {versions()}",
+        "",
+        f"| recipe | what changes | training | loss | held-out (200) | fresh ({fresh}) | by puzzle: reverse, "
+        "uppercase, sort, next letter | smallest margin of make generate's five | 10th-percentile margin |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        k = r["kinds"]
+        by_kind = ", ".join(f"{k[n][0]}/{k[n][1]}" for n in ("Reverse", "Uppercase", "Sort", "Which") if n in k)
+        lines.append(f"| {r['recipe']} | {r['what']} | {r['train_s']:.0f} s | {r['last_loss']:.3f} | {r['held_out']} | "
+                     f"{r['fresh']} | {by_kind} | {r['five_min_margin']:.2f} | {r['p10_margin']:.2f} |")
+    lines += ["", "Puzzles the default missed (held-out, then fresh):", ""]
+    lines += [f"- {m}" for m in next((r["missed"] for r in rows if r["recipe"] == "default"), [])[:20]]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
+    parser.add_argument("--fresh", type=int, default=1000, help="fresh puzzles to score beside the 200 held-out")
+    parser.add_argument("--out", default=str(REPO / "docs" / "tiny_recipes.md"))
+    args = parser.parse_args()
+    from sft_play.cli import quiet_libraries
+
+    quiet_libraries()
+    import torch
+
+    torch.set_num_threads(1)  # scoring too: the other recipe trains beside it
+    scoring = threading.Lock()  # one model loads at a time (transformers sets process-wide defaults)
+    with tempfile.TemporaryDirectory(prefix="tiny-recipes-") as root:
+        def one(name: str) -> dict:
+            row = train(name, Path(root), args.steps)
+            with scoring:
+                row.update(score(row["run"], args.fresh))
+            print(json.dumps({k: v for k, v in row.items() if k != "missed"}), flush=True)
+            return row
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            rows = list(pool.map(one, args.recipes))
+    Path(args.out).write_text(report(rows, args.fresh))
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
