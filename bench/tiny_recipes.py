@@ -60,6 +60,11 @@ RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
     "lr-5e-3": ("learning rate 5e-3", ["train.learning_rate=5e-3"], {}, None),
     "full-1e-3": ("full fine-tuning, learning rate 1e-3", ["finetune.method=full", "train.learning_rate=1e-3"], {}, None),
     "full-2e-3": ("full fine-tuning, learning rate 2e-3", ["finetune.method=full", "train.learning_rate=2e-3"], {}, None),
+    "full-more-sorting": ("full fine-tuning, lr 2e-3, more sorting in the mix",
+                          ["finetune.method=full", "train.learning_rate=2e-3"], {}, "more-sorting"),
+    "full-layers-6-more-sorting": ("full fine-tuning, lr 2e-3, 6 layers with MLP 256, more sorting",
+                                   ["finetune.method=full", "train.learning_rate=2e-3"],
+                                   {"num_hidden_layers": 6, "intermediate_size": 256}, "more-sorting"),
 }
 
 
