@@ -65,12 +65,18 @@ RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
     "full-layers-6-more-sorting": ("full fine-tuning, lr 2e-3, 6 layers with MLP 256, more sorting",
                                    ["finetune.method=full", "train.learning_rate=2e-3"],
                                    {"num_hidden_layers": 6, "intermediate_size": 256}, "more-sorting"),
+    "full-layers-6-more-repeats": ("full fine-tuning, lr 2e-3, 6 layers with MLP 256, more sorting of letters that repeat",
+                                   ["finetune.method=full", "train.learning_rate=2e-3"],
+                                   {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
+    "layers-6-more-repeats": ("LoRA as shipped, 6 layers with MLP 256, more sorting of letters that repeat", [],
+                              {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
 }
 
 
-def more_sorting(out: Path) -> Path:
+def more_sorting(out: Path, repeats: bool = False) -> Path:
     """The training puzzles with 60 % of the one-question 'Which letter' and 'Uppercase' records
-    replaced by sorting ones (sorting is what the default gets wrong)."""
+    replaced by sorting ones (sorting is what the default gets wrong); with `repeats`, sorting
+    ones whose letters repeat (what it gets wrong in sorting)."""
     rng = random.Random(7)
     rows = []
     for line in (REPO / "data" / "tiny" / "train.jsonl").read_text().splitlines():
@@ -78,6 +84,8 @@ def more_sorting(out: Path) -> Path:
         first = record["messages"][0]["content"]
         if len(record["messages"]) == 2 and first.startswith(("Which", "Uppercase")) and rng.random() < 0.6:
             seq = build_tiny_default._letters(rng)
+            while repeats and len(set(seq)) == len(seq):
+                seq = build_tiny_default._letters(rng)
             record = {"messages": [{"role": "user", "content": f"Sort the letters: {' '.join(seq)}"},
                                    {"role": "assistant", "content": " ".join(sorted(seq))}]}
         rows.append(json.dumps(record))
@@ -94,8 +102,8 @@ def train(name: str, root: Path, steps: int | None) -> dict:
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, **shape}, indent=2))
         overrides.append(f"model.name_or_path={folder}")
-    if mix == "more-sorting":
-        overrides.append(f"data.path={more_sorting(root / f'{name}.jsonl')}")
+    if mix in ("more-sorting", "more-repeats"):
+        overrides.append(f"data.path={more_sorting(root / f'{name}.jsonl', repeats=mix == 'more-repeats')}")
     if steps:
         overrides.append(f"train.max_steps={steps}")
     env = {**worker_env(), **CAPPED, "OMP_NUM_THREADS": "1"}
