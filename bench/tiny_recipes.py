@@ -2,9 +2,9 @@
 much margin its answers have; writes docs/tiny_recipes.md.
 
 Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped model config, or
-another mix of training puzzles), trained with one seed in a fresh process on the fp32 path a CPU
-without native bf16 takes (oneDNN and ATen capped at AVX2, as `bench/tiny_default.py`'s
-without-bf16 path). Two recipes train at once with one thread each, so the times compare recipes
+another mix of training puzzles), trained with one seed (42 unless --seed) in a fresh process on
+the fp32 path a CPU without native bf16 takes (oneDNN and ATen capped at AVX2, as
+`bench/tiny_default.py`'s without-bf16 path). Two recipes train at once with one thread each, so the times compare recipes
 with one another, not with `make train`.
 
 Scoring, per puzzle: the answer is fed to the model after its question (teacher forcing) and the
@@ -16,7 +16,8 @@ is near 0 flips under another CPU's arithmetic (the same sums in another order).
 held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
 `scripts/build_tiny_default.py`'s generator with another seed.
 
-Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--steps N] [--fresh N] [--out docs/tiny_recipes.md]
+Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seed N] [--steps N] [--fresh N]
+       [--out docs/tiny_recipes.md]
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def more_sorting(out: Path, repeats: bool = False) -> Path:
     return out
 
 
-def train(name: str, root: Path, steps: int | None) -> dict:
+def train(name: str, root: Path, steps: int | None, seed: int = 42) -> dict:
     what, overrides, shape, mix = RECIPES[name]
     overrides = list(overrides)
     if shape:
@@ -109,7 +110,7 @@ def train(name: str, root: Path, steps: int | None) -> dict:
     env = {**worker_env(), **CAPPED, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", "train.seed=42",
+        [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
          f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *overrides],
         cwd=REPO, capture_output=True, text=True, env=env,
     )
@@ -176,12 +177,12 @@ def score(run: str, fresh: int) -> dict:
             "missed": missed}
 
 
-def report(rows: list[dict], fresh: int) -> str:
+def report(rows: list[dict], fresh: int, seed: int = 42) -> str:
     lines = [
         "# Recipes for the embedded default: answers and margins",
         "",
         "Written by `python bench/tiny_recipes.py` (its docstring says how each recipe trains and how",
-        "the puzzles are scored). One seed (42) each, fp32 with the CPU capped at AVX2, two recipes",
+        f"the puzzles are scored). Seed {seed} each, fp32 with the CPU capped at AVX2, two recipes",
         "at once with one thread each: the times compare recipes, they are not `make train`'s.",
         "",
         f"- hardware: {hardware_line()} (no GPU)",
@@ -207,6 +208,7 @@ def main() -> int:
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
     parser.add_argument("--fresh", type=int, default=1000, help="fresh puzzles to score beside the 200 held-out")
+    parser.add_argument("--seed", type=int, default=42, help="training seed (default 42)")
     parser.add_argument("--out", default=str(REPO / "docs" / "tiny_recipes.md"))
     args = parser.parse_args()
     from sft_play.cli import quiet_libraries
@@ -218,7 +220,7 @@ def main() -> int:
     scoring = threading.Lock()  # one model loads at a time (transformers sets process-wide defaults)
     with tempfile.TemporaryDirectory(prefix="tiny-recipes-") as root:
         def one(name: str) -> dict:
-            row = train(name, Path(root), args.steps)
+            row = train(name, Path(root), args.steps, args.seed)
             with scoring:
                 row.update(score(row["run"], args.fresh))
             print(json.dumps({k: v for k, v in row.items() if k != "missed"}), flush=True)
@@ -226,7 +228,7 @@ def main() -> int:
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             rows = list(pool.map(one, args.recipes))
-    Path(args.out).write_text(report(rows, args.fresh))
+    Path(args.out).write_text(report(rows, args.fresh, args.seed))
     print(f"written to {args.out}")
     return 0
 
