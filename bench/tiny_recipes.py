@@ -69,6 +69,12 @@ RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
     "full-layers-6-more-repeats": ("full fine-tuning, lr 2e-3, 6 layers with MLP 256, more sorting of letters that repeat",
                                    ["finetune.method=full", "train.learning_rate=2e-3"],
                                    {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
+    "full-layers-8-more-repeats": ("full fine-tuning, lr 2e-3, 8 layers with MLP 256, more sorting of letters that repeat",
+                                   ["finetune.method=full", "train.learning_rate=2e-3"],
+                                   {"num_hidden_layers": 8, "intermediate_size": 256}, "more-repeats"),
+    "full-layers-6-more-repeats-600": ("the same with 6 layers, 600 steps",
+                                       ["finetune.method=full", "train.learning_rate=2e-3", "train.max_steps=600"],
+                                       {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
     "layers-6-more-repeats": ("LoRA as shipped, 6 layers with MLP 256, more sorting of letters that repeat", [],
                               {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
 }
