@@ -81,8 +81,11 @@ def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int) -> str |
     folder = Path(tokenizer_source) if tokenizer_source else None
     if folder is None or not folder.is_dir():
         return None
-    files = sorted([entry.name, entry.stat().st_size, entry.stat().st_mtime_ns]
-                   for entry in folder.iterdir() if entry.is_file())
+    try:
+        files = sorted([entry.name, entry.stat().st_size, entry.stat().st_mtime_ns]
+                       for entry in folder.iterdir() if entry.is_file())
+    except OSError:  # a folder that cannot be listed: no statistics kept, nothing else changes
+        return None
     settings = cfg.model_dump(mode="json")
     settings.pop("num_proc", None)
     payload = {
