@@ -29,7 +29,7 @@ def read_data_stats(config):
     try:
         tokenizer = model.load_tokenizer(config)
     except (OSError, ValueError, UserError) as exc:
-        return None, f"no tokenizer at {config.model.tokenizer_name_or_path or config.model.name_or_path} ({exc})"
+        return None, f"no tokenizer at {source} ({exc})"
     try:
         return data.build(config.data, tokenizer, seed=config.train.seed).stats, None
     except (InvalidRow, OSError, ValueError) as exc:

@@ -61,6 +61,12 @@ def _tokenizer_fingerprint(tokenizer: Any, template: str) -> str:
 
 def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int) -> str:
     """The key of one preprocessing: data, tokenizer, settings and our code's version."""
+    return _key(cfg, seed, {"tokenizer": _tokenizer_fingerprint(tokenizer, template)})
+
+
+def _key(cfg: DataConfig, seed: int, tokenizer: dict[str, Any]) -> str:
+    """A key of the data, the settings, the seed, our code's version and `tokenizer` (what
+    identifies the tokenizer)."""
     settings = cfg.model_dump(mode="json")
     settings.pop("num_proc", None)  # how many processes tokenise does not change the result
     payload = {
@@ -69,7 +75,7 @@ def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int) -> str:
         "seed": seed,
         "train": _sources(cfg.path, cfg.split),
         "validation": _sources(cfg.validation_path, cfg.split),
-        "tokenizer": _tokenizer_fingerprint(tokenizer, template),
+        **tokenizer,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -86,17 +92,7 @@ def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int) -> str |
                        for entry in folder.iterdir() if entry.is_file())
     except OSError:  # a folder that cannot be listed: no statistics kept, nothing else changes
         return None
-    settings = cfg.model_dump(mode="json")
-    settings.pop("num_proc", None)
-    payload = {
-        "version": CACHE_VERSION,
-        "settings": settings,
-        "seed": seed,
-        "train": _sources(cfg.path, cfg.split),
-        "validation": _sources(cfg.validation_path, cfg.split),
-        "tokenizer_files": [str(folder.resolve()), files],
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+    return _key(cfg, seed, {"tokenizer_files": [str(folder.resolve()), files]})
 
 
 def remember_stats(key: str | None, stats: dict, validation_stats: dict | None) -> None:
