@@ -77,3 +77,38 @@ def versions() -> str:
 
     return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
             f"peft {peft.__version__}, accelerate {accelerate.__version__}, Python {platform.python_version()}")
+
+
+def margins(model, tokenizer, puzzles: list[tuple[list[dict], str]]) -> list[float]:
+    """Each (messages, answer) puzzle's margin: the answer is fed after its question (teacher forcing,
+    one forward pass per 64 puzzles) and the margin is the smallest gap, over the answer's tokens and
+    its end-of-answer token, between the right token's logit and the best other one. Above 0 exactly
+    when greedy decoding writes the answer; near 0, another CPU's arithmetic (the same sums in another
+    order) can flip it."""
+    import torch
+
+    found = []
+    for start in range(0, len(puzzles), 64):
+        batch = puzzles[start:start + 64]
+        rows, spans = [], []
+        for messages, answer in batch:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+            whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                                  return_dict=True)["input_ids"]
+            assert whole[:len(prompt)] == prompt, "the answer does not extend the prompt's tokens"
+            end = whole.index(tokenizer.eos_token_id, len(prompt)) + 1
+            rows.append(whole[:end])
+            spans.append((len(prompt), end))
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            mask[i, :len(row)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
+        for i, (first, end) in enumerate(spans):
+            step = logits[i, first - 1:end - 1]
+            target = ids[i, first:end, None]
+            right = step.gather(1, target)[:, 0]
+            found.append((right - step.scatter(1, target, float("-inf")).max(1).values).min().item())
+    return found

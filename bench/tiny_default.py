@@ -3,7 +3,8 @@ seed and each precision path a CPU can take; writes docs/tiny_default.md.
 
 For every seed and path it trains configs/run_tiny.yaml as `make train` does (a fresh process,
 timed from start to exit), then scores the run: `make generate`'s five held-out prompts and all
-200 held-out puzzles, greedy, exact match (what `make eval ARGS="--count 200"` counts).
+200 held-out puzzles, greedy, exact match (what `make eval ARGS="--count 200"` counts), and the
+five's smallest logit margin (`_common.margins`: how far the closest answer is from flipping).
 
 Paths:
   auto           train.mixed_precision=auto as this CPU resolves it (bf16 where it is native)
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, versions, worker_env
+from _common import REPO, margins, versions, worker_env
 
 CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 PATHS = {"auto": {}, "without-bf16": CAPPED}
@@ -60,7 +61,8 @@ def score(run: str, count: int = 200) -> dict:
     model, tokenizer, config = export.load_trained(run, device="cpu")
     prompts = export.held_out_prompts(config, count)
     right = [export.generate(model, tokenizer, p, 32) == p.reference for p in prompts]
-    return {"first5": sum(right[:5]), "held_out": sum(right), "held_out_of": len(right)}
+    five = margins(model, tokenizer, [(p.messages, p.reference) for p in prompts[:5]])
+    return {"first5": sum(right[:5]), "five_margin": min(five), "held_out": sum(right), "held_out_of": len(right)}
 
 
 def hardware_line() -> str:
@@ -83,12 +85,12 @@ def report(rows: list[dict]) -> str:
         f"- hardware: {hardware_line()} (no GPU)",
         f"- software: {versions()}",
         "",
-        "| seed | path | precision | wall | training | loss | make generate | held-out |",
-        "|---|---|---|---|---|---|---|---|",
+        "| seed | path | precision | wall | training | loss | make generate | smallest margin of the five | held-out |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['path']} | {r['precision']} | {r['wall_s']:.0f} s | {r['train_s']:.0f} s | "
-                     f"{r['first_loss']:.2f} -> {r['last_loss']:.3f} in {r['steps']} | {r['first5']}/5 | "
+                     f"{r['first_loss']:.2f} -> {r['last_loss']:.3f} in {r['steps']} | {r['first5']}/5 | {r['five_margin']:.2f} | "
                      f"{r['held_out']} of {r['held_out_of']} |")
     lines += ["", "A CPU without native bf16 of its own (AMD Zen 3, AVX2) ran the earlier default's fp32 steps",
               "about 1.45x slower than this machine capped at AVX2: expect its times to be longer than the",

@@ -2,7 +2,7 @@
 much margin its answers have; writes docs/tiny_recipes.md.
 
 Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped model config, or
-another mix of training puzzles), trained with one seed (42 unless --seed) in a fresh process on
+another mix of training puzzles), trained with each seed of --seeds (42 unless given) in a fresh process on
 the fp32 path a CPU without native bf16 takes (oneDNN and ATen capped at AVX2, as
 `bench/tiny_default.py`'s without-bf16 path). Two recipes train at once with one thread each, so the times compare recipes
 with one another, not with `make train`.
@@ -16,7 +16,7 @@ is near 0 flips under another CPU's arithmetic (the same sums in another order).
 held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
 `scripts/build_tiny_default.py`'s generator with another seed.
 
-Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seed N] [--steps N] [--fresh N]
+Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--steps N] [--fresh N]
        [--out docs/tiny_recipes.md]
 """
 
@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import REPO, versions, worker_env
+from _common import REPO, margins, versions, worker_env
 from tiny_default import hardware_line
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -100,7 +100,7 @@ def more_sorting(out: Path, repeats: bool = False) -> Path:
     return out
 
 
-def train(name: str, root: Path, steps: int | None, seed: int = 42) -> dict:
+def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = "without-bf16") -> dict:
     what, overrides, shape, mix = RECIPES[name]
     overrides = list(overrides)
     if shape:
@@ -110,58 +110,26 @@ def train(name: str, root: Path, steps: int | None, seed: int = 42) -> dict:
         (folder / "config.json").write_text(json.dumps({**config, **shape}, indent=2))
         overrides.append(f"model.name_or_path={folder}")
     if mix in ("more-sorting", "more-repeats"):
-        overrides.append(f"data.path={more_sorting(root / f'{name}.jsonl', repeats=mix == 'more-repeats')}")
+        overrides.append(f"data.path={more_sorting(root / f'{name}-{seed}.jsonl', repeats=mix == 'more-repeats')}")
     if steps:
         overrides.append(f"train.max_steps={steps}")
-    env = {**worker_env(), **CAPPED, "OMP_NUM_THREADS": "1"}
+    env = {**worker_env(), **(CAPPED if path == "without-bf16" else {}), "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
-         f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *overrides],
+         f"train.output_dir={root}", f"train.run_name={name}-{seed}", "train.tensorboard=false", *overrides],
         cwd=REPO, capture_output=True, text=True, env=env,
     )
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((root / name / "summary.json").read_text())
-    return {"recipe": name, "what": what, "run": str(root / name), "wall_s": time.monotonic() - started,
+    summary = json.loads((root / f"{name}-{seed}" / "summary.json").read_text())
+    return {"recipe": name, "seed": seed, "path": path, "what": what, "run": str(root / f"{name}-{seed}"), "wall_s": time.monotonic() - started,
             "train_s": summary["train_runtime_s"], "last_loss": summary["last_loss"]}
 
 
 def fresh_puzzles(count: int) -> list[tuple[list[dict], str]]:
     rng = random.Random(FRESH_SEED)
     return [([{"role": "user", "content": q}], a) for q, a in (build_tiny_default._task(rng) for _ in range(count))]
-
-
-def margins(model, tokenizer, puzzles: list[tuple[list[dict], str]]) -> list[float]:
-    """Each puzzle's margin (see the module docstring): above 0 exactly when greedy decoding
-    writes the answer."""
-    import torch
-
-    found = []
-    for start in range(0, len(puzzles), 64):
-        batch = puzzles[start:start + 64]
-        rows, spans = [], []
-        for messages, answer in batch:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-            whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
-                                                  return_dict=True)["input_ids"]
-            assert whole[:len(prompt)] == prompt, "the answer does not extend the prompt's tokens"
-            end = whole.index(tokenizer.eos_token_id, len(prompt)) + 1
-            rows.append(whole[:end])
-            spans.append((len(prompt), end))
-        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-            mask[i, :len(row)] = 1
-        with torch.no_grad():
-            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
-        for i, (first, end) in enumerate(spans):
-            step = logits[i, first - 1:end - 1]
-            target = ids[i, first:end, None]
-            right = step.gather(1, target)[:, 0]
-            found.append((right - step.scatter(1, target, float("-inf")).max(1).values).min().item())
-    return found
 
 
 def score(run: str, fresh: int) -> dict:
@@ -179,29 +147,29 @@ def score(run: str, fresh: int) -> dict:
         kind[1] += 1
     missed = [f"{m[-1]['content']} -> {a}" for (m, a), margin in zip(puzzles, margins_) if margin <= 0]
     return {"held_out": sum(m > 0 for m in held), "fresh": sum(m > 0 for m in new), "fresh_of": len(new),
-            "kinds": kinds, "five_min_margin": min(held[:5]), "p10_margin": sorted(margins_)[len(margins_) // 10],
+            "kinds": kinds, "five_min_margin": min(held[:5]), "five": [round(m, 2) for m in held[:5]], "p10_margin": sorted(margins_)[len(margins_) // 10],
             "missed": missed}
 
 
-def report(rows: list[dict], fresh: int, seed: int = 42) -> str:
+def report(rows: list[dict], fresh: int) -> str:
     lines = [
         "# Recipes for the embedded default: answers and margins",
         "",
         "Written by `python bench/tiny_recipes.py` (its docstring says how each recipe trains and how",
-        f"the puzzles are scored). Seed {seed} each, fp32 with the CPU capped at AVX2, two recipes",
+        "the puzzles are scored). fp32 with the CPU capped at AVX2, two recipes",
         "at once with one thread each: the times compare recipes, they are not `make train`'s.",
         "",
         f"- hardware: {hardware_line()} (no GPU)",
         f"- software: {versions()}",
         "",
-        f"| recipe | what changes | training | loss | held-out (200) | fresh ({fresh}) | by puzzle: reverse, "
+        f"| recipe | seed | what changes | training | loss | held-out (200) | fresh ({fresh}) | by puzzle: reverse, "
         "uppercase, sort, next letter | smallest margin of make generate's five | 10th-percentile margin |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k = r["kinds"]
         by_kind = ", ".join(f"{k[n][0]}/{k[n][1]}" for n in ("Reverse", "Uppercase", "Sort", "Which") if n in k)
-        lines.append(f"| {r['recipe']} | {r['what']} | {r['train_s']:.0f} s | {r['last_loss']:.3f} | {r['held_out']} | "
+        lines.append(f"| {r['recipe']} | {r['seed']} | {r['what']} | {r['train_s']:.0f} s | {r['last_loss']:.3f} | {r['held_out']} | "
                      f"{r['fresh']} | {by_kind} | {r['five_min_margin']:.2f} | {r['p10_margin']:.2f} |")
     lines += ["", "Puzzles the default missed (held-out, then fresh):", ""]
     lines += [f"- {m}" for m in next((r["missed"] for r in rows if r["recipe"] == "default"), [])[:20]]
@@ -214,7 +182,9 @@ def main() -> int:
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
     parser.add_argument("--fresh", type=int, default=1000, help="fresh puzzles to score beside the 200 held-out")
-    parser.add_argument("--seed", type=int, default=42, help="training seed (default 42)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds (default 42); each recipe trains with each")
+    parser.add_argument("--path", choices=["without-bf16", "auto"], default="without-bf16",
+                        help="without-bf16 (default): fp32 capped at AVX2; auto: what this CPU takes (bf16 where native)")
     parser.add_argument("--out", default=str(REPO / "docs" / "tiny_recipes.md"))
     args = parser.parse_args()
     from sft_play.cli import quiet_libraries
@@ -225,16 +195,16 @@ def main() -> int:
     torch.set_num_threads(1)  # scoring too: the other recipe trains beside it
     scoring = threading.Lock()  # one model loads at a time (transformers sets process-wide defaults)
     with tempfile.TemporaryDirectory(prefix="tiny-recipes-") as root:
-        def one(name: str) -> dict:
-            row = train(name, Path(root), args.steps, args.seed)
+        def one(job: tuple[str, int]) -> dict:
+            row = train(job[0], Path(root), args.steps, job[1], args.path)
             with scoring:
                 row.update(score(row["run"], args.fresh))
             print(json.dumps({k: v for k, v in row.items() if k != "missed"}), flush=True)
             return row
 
         with ThreadPoolExecutor(max_workers=2) as pool:
-            rows = list(pool.map(one, args.recipes))
-    Path(args.out).write_text(report(rows, args.fresh, args.seed))
+            rows = list(pool.map(one, [(name, seed) for name in args.recipes for seed in args.seeds]))
+    Path(args.out).write_text(report(rows, args.fresh))
     print(f"written to {args.out}")
     return 0
 

@@ -27,6 +27,12 @@ N_VALIDATION = 200
 # sees most rows once, and learns the puzzles instead of the rows (199 of 200 held-out answers
 # instead of 192 for the same steps; docs in configs/run_tiny.yaml)
 N_MORE_TRAIN = 18000
+# What a small model gets wrong is letters that repeat (`Uppercase the letters: m y n m` answered
+# `M Y M N`, `Sort the letters: c f x a a b` losing an `a`): in the later records, half the reverse,
+# uppercase and sort questions are redrawn with letters that repeat, each task keeping its share.
+# bench/tiny_recipes.py measured it (recipe "repeats" against the default before it; docs/tiny_recipes.md).
+REPEAT_SHARE = 0.5
+REPEAT_SEED = 7
 VOCAB_SIZE = 512  # a multiple of 32 keeps bitsandbytes' 4-bit CPU kernels happy
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -98,6 +104,28 @@ def _task(rng: random.Random) -> tuple[str, str]:
     return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1]
 
 
+ANSWERS = {"Reverse": lambda seq: list(reversed(seq)), "Uppercase": lambda seq: [c.upper() for c in seq],
+           "Sort": sorted}
+
+
+def drill_repeats(records: list[dict], share: float = REPEAT_SHARE, seed: int = REPEAT_SEED) -> list[dict]:
+    """`records` with `share` of their reverse, uppercase and sort questions redrawn (in place) with
+    letters that repeat, the answers to match."""
+    rng = random.Random(seed)
+    for record in records:
+        messages = record["messages"]
+        for i, message in enumerate(messages[:-1]):
+            kind = message["content"].split()[0]
+            if message["role"] != "user" or kind not in ANSWERS or rng.random() >= share:
+                continue
+            seq = _letters(rng)
+            while len(set(seq)) == len(seq):
+                seq = _letters(rng)
+            messages[i] = {"role": "user", "content": f"{message['content'].split(':')[0]}: {' '.join(seq)}"}
+            messages[i + 1] = {"role": "assistant", "content": " ".join(ANSWERS[kind](seq))}
+    return records
+
+
 def make_record(rng: random.Random) -> dict:
     """A conversation of one or (one time in five) two question-answer turns."""
     messages = []
@@ -122,7 +150,7 @@ def build_dataset(out_dir: Path) -> list[dict]:
         records.append(record)
     data_dir = out_dir / "data" / "tiny"
     data_dir.mkdir(parents=True, exist_ok=True)
-    train = records[:N_TRAIN] + records[N_TRAIN + N_VALIDATION:]
+    train = records[:N_TRAIN] + drill_repeats(records[N_TRAIN + N_VALIDATION:])
     for name, rows in (("train", train), ("validation", records[N_TRAIN:N_TRAIN + N_VALIDATION])):
         with open(data_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for row in rows:

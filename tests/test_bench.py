@@ -83,6 +83,7 @@ def test_tiny_default_bench_trains_scores_and_reports(bench_runs):
     assert len(rows) == 1, text
     assert "| no |" in rows[0], "capped at AVX2, auto resolves to fp32"
     assert "in 3 |" in rows[0] and " of 6 |" in rows[0]
+    float(rows[0].split(" | ")[7])  # the five's smallest margin is a number
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
@@ -238,8 +239,8 @@ def test_tiny_recipes_bench_trains_a_recipe_and_reports(bench_runs):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| heads-4 |")]
     assert len(rows) == 1, text
     cells = rows[0]
-    assert int(cells[4]) <= 200 and int(cells[5]) <= 8 and cells[6].count("/") >= 2
-    float(cells[7]), float(cells[8].rstrip(" |"))  # the margins are numbers
+    assert cells[1] == "42" and int(cells[5]) <= 200 and int(cells[6]) <= 8 and cells[7].count("/") >= 2
+    float(cells[8]), float(cells[9].rstrip(" |"))  # the margins are numbers
 
 
 def test_the_more_sorting_mix_turns_easy_puzzles_into_sorting_ones(tmp_path):
@@ -260,7 +261,8 @@ def test_the_recipes_bench_counts_an_answer_right_exactly_when_greedy_decoding_w
     """bench/tiny_recipes.py scores puzzles in one forward pass (teacher forcing): a puzzle counts
     when its margin is above 0, which must be when make eval's greedy decoding writes the answer."""
     sys.path.insert(0, str(REPO / "bench"))
-    from tiny_recipes import fresh_puzzles, margins
+    from _common import margins
+    from tiny_recipes import fresh_puzzles
 
     from sft_play import export
 

@@ -360,3 +360,32 @@ def test_data_stats_script_prints_what_the_planner_uses():
     assert train["tokens_p50"] <= train["tokens_p95"] <= train["tokens_max"] <= 256
     assert 0 < train["loss_token_share"] < 1 and train["truncated_share"] == 0
     assert doc["validation"]["examples"] == 200
+
+
+def test_the_shipped_puzzles_are_what_the_build_script_writes_with_repeated_letters_drilled(tmp_path):
+    """data/tiny is scripts/build_tiny_default.py's output byte for byte; its later records drill
+    letters that repeat (what the tiny model gets wrong) and every answer still answers its question."""
+    import importlib.util
+    import string
+
+    spec = importlib.util.spec_from_file_location("build_tiny_default", REPO / "scripts" / "build_tiny_default.py")
+    build_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_script)
+    build_script.build_dataset(tmp_path)
+    for name in ("train.jsonl", "validation.jsonl"):
+        assert (tmp_path / "data" / "tiny" / name).read_bytes() == (REPO / "data" / "tiny" / name).read_bytes(), name
+
+    solve = {"Reverse": lambda s: s[::-1], "Uppercase": lambda s: [c.upper() for c in s], "Sort": sorted,
+             "Which": lambda s: [string.ascii_lowercase[string.ascii_lowercase.index(s[-1].rstrip("?")) + 1]]}
+
+    def repeated_share(records):
+        questions = [(m["content"], a["content"]) for r in records for m, a in zip(r["messages"], r["messages"][1:])
+                     if m["role"] == "user"]
+        for question, answer in questions:
+            assert answer.split() == solve[question.split()[0]](question.split(":")[-1].split()), question
+        letters = [q.split(":")[1].split() for q, _ in questions if not q.startswith("Which")]
+        return sum(len(set(s)) < len(s) for s in letters) / len(letters)
+
+    records = [json.loads(line) for line in (REPO / "data" / "tiny" / "train.jsonl").read_text().splitlines()]
+    first, later = repeated_share(records[:build_script.N_TRAIN]), repeated_share(records[build_script.N_TRAIN:])
+    assert 0.2 < first < 0.35 and later > first + 0.25, (first, later)
