@@ -57,6 +57,7 @@ RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
     "more-sorting": ("3,239 one-question records of 'Which letter' and 'Uppercase' made sorting ones",
                      [], {}, "more-sorting"),
     "rank-64": ("LoRA r 64, alpha 128", ["lora.r=64", "lora.alpha=128"], {}, None),
+    "rank-16": ("LoRA r 16, alpha 32", ["lora.r=16", "lora.alpha=32"], {}, None),
     "lr-2e-3": ("learning rate 2e-3", ["train.learning_rate=2e-3"], {}, None),
     "lr-5e-3": ("learning rate 5e-3", ["train.learning_rate=5e-3"], {}, None),
     "full-1e-3": ("full fine-tuning, learning rate 1e-3", ["finetune.method=full", "train.learning_rate=1e-3"], {}, None),
