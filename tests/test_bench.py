@@ -259,7 +259,9 @@ def test_the_more_sorting_mix_turns_easy_puzzles_into_sorting_ones(tmp_path):
 
 def test_the_recipes_bench_counts_an_answer_right_exactly_when_greedy_decoding_writes_it(tiny_lora_run):
     """bench/tiny_recipes.py scores puzzles in one forward pass (teacher forcing): a puzzle counts
-    when its margin is above 0, which must be when make eval's greedy decoding writes the answer."""
+    when its margin is above 0, which must be when make eval's greedy decoding writes the answer.
+    The shared run trained 24 steps and answers few puzzles right, so beside each puzzle's reference
+    the check also scores what the model itself writes (an answer greedy decoding does write)."""
     sys.path.insert(0, str(REPO / "bench"))
     from _common import margins
     from tiny_recipes import fresh_puzzles
@@ -268,6 +270,20 @@ def test_the_recipes_bench_counts_an_answer_right_exactly_when_greedy_decoding_w
 
     model, tokenizer, config = export.load_trained(tiny_lora_run[0], device="cpu")
     puzzles = [(p.messages, p.reference) for p in export.held_out_prompts(config, 12)] + fresh_puzzles(12)
+    own = []
+    for messages, _ in puzzles:
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        with torch.no_grad():
+            written = model.generate(**inputs, max_new_tokens=32, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()
+        answer = tokenizer.decode(written, skip_special_tokens=True).strip()
+        whole = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                              return_dict=True)["input_ids"]
+        if written[-1:] == [tokenizer.eos_token_id] and whole[len(inputs["input_ids"][0]):][:len(written)] == written:
+            own.append((messages, answer))  # it stopped by itself, and its answer's tokens are the ones it wrote
+    assert len(own) >= 6, "the model's own answers make puzzles it answers right"
+    puzzles += own
     greedy = [export.generate(model, tokenizer, messages, 32) == answer for messages, answer in puzzles]
     assert [m > 0 for m in margins(model, tokenizer, puzzles)] == greedy
     assert 0 < sum(greedy) < len(greedy), "a run that answers some and misses some tells the two apart"
