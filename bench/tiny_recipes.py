@@ -44,22 +44,27 @@ CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 FRESH_SEED = 999
 
 # name: (what it changes, run overrides, model config changes, data mix)
+# The LoRA recipe make train shipped until full fine-tuning became the default
+LORA = ["finetune.method=lora", "train.learning_rate=3e-3"]
+
+# name: (what it changes, run overrides, model config changes, data mix)
 RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
-    "default": ("configs/run_tiny.yaml as it ships", [], {}, None),
-    "heads-4": ("4 heads of 32, 2 KV heads (the same parameters)", [],
+    "default": ("configs/run_tiny.yaml as it ships (full fine-tuning, lr 2e-3)", [], {}, None),
+    "lora": ("LoRA r 32 on every linear, embeddings and head in full, lr 3e-3 (the default before)", LORA, {}, None),
+    "heads-4": ("LoRA; 4 heads of 32, 2 KV heads (the same parameters)", LORA,
                 {"num_attention_heads": 4, "head_dim": 32, "num_key_value_heads": 2}, None),
-    "heads-8": ("8 heads of 16, 4 KV heads (the same parameters)", [],
+    "heads-8": ("LoRA; 8 heads of 16, 4 KV heads (the same parameters)", LORA,
                 {"num_attention_heads": 8, "head_dim": 16, "num_key_value_heads": 4}, None),
-    "layers-6": ("6 layers, MLP 256 wide (about 1.1x the step)", [],
+    "layers-6": ("LoRA; 6 layers, MLP 256 wide (about 1.1x the step)", LORA,
                  {"num_hidden_layers": 6, "intermediate_size": 256}, None),
-    "batch-6": ("global batch 6, 1000 steps (the same rows, twice the updates)",
-                ["train.global_batch_size=6", "train.max_steps=1000"], {}, None),
-    "more-sorting": ("3,239 one-question records of 'Which letter' and 'Uppercase' made sorting ones",
-                     [], {}, "more-sorting"),
-    "rank-64": ("LoRA r 64, alpha 128", ["lora.r=64", "lora.alpha=128"], {}, None),
-    "rank-16": ("LoRA r 16, alpha 32", ["lora.r=16", "lora.alpha=32"], {}, None),
-    "lr-2e-3": ("learning rate 2e-3", ["train.learning_rate=2e-3"], {}, None),
-    "lr-5e-3": ("learning rate 5e-3", ["train.learning_rate=5e-3"], {}, None),
+    "batch-6": ("LoRA; global batch 6, 1000 steps (the same rows, twice the updates)",
+                [*LORA, "train.global_batch_size=6", "train.max_steps=1000"], {}, None),
+    "more-sorting": ("LoRA; 3,239 one-question records of 'Which letter' and 'Uppercase' made sorting ones",
+                     LORA, {}, "more-sorting"),
+    "rank-64": ("LoRA r 64, alpha 128", [*LORA, "lora.r=64", "lora.alpha=128"], {}, None),
+    "rank-16": ("LoRA r 16, alpha 32", [*LORA, "lora.r=16", "lora.alpha=32"], {}, None),
+    "lr-2e-3": ("LoRA at learning rate 2e-3", ["finetune.method=lora", "train.learning_rate=2e-3"], {}, None),
+    "lr-5e-3": ("LoRA at learning rate 5e-3", ["finetune.method=lora", "train.learning_rate=5e-3"], {}, None),
     "full-1e-3": ("full fine-tuning, learning rate 1e-3", ["finetune.method=full", "train.learning_rate=1e-3"], {}, None),
     "full-2e-3": ("full fine-tuning, learning rate 2e-3", ["finetune.method=full", "train.learning_rate=2e-3"], {}, None),
     "full-more-sorting": ("full fine-tuning, lr 2e-3, more sorting in the mix",
@@ -76,7 +81,7 @@ RECIPES: dict[str, tuple[str, list[str], dict, str | None]] = {
     "full-layers-6-more-repeats-600": ("the same with 6 layers, 600 steps",
                                        ["finetune.method=full", "train.learning_rate=2e-3", "train.max_steps=600"],
                                        {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
-    "layers-6-more-repeats": ("LoRA as shipped, 6 layers with MLP 256, more sorting of letters that repeat", [],
+    "layers-6-more-repeats": ("LoRA, 6 layers with MLP 256, more sorting of letters that repeat", LORA,
                               {"num_hidden_layers": 6, "intermediate_size": 256}, "more-repeats"),
 }
 

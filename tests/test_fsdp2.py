@@ -22,13 +22,13 @@ from sft_play.planner.shapes import model_shape
 from sft_play.planner.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
 from sft_play.units import GIB
-from tests.conftest import PINNED, REPO, TINY_FULL
+from tests.conftest import LORA, PINNED, REPO, TINY_FULL
 
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
 
 
 def load(*overrides: str):
-    return config_module.load(REPO / "configs" / "run_tiny.yaml", list(overrides), check_paths=False)
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", [*LORA, *overrides], check_paths=False)
 
 
 def problems(*overrides: str) -> str:

@@ -18,13 +18,14 @@ from sft_play.planner import Target, make_plan
 from sft_play.planner.predict import predict
 from sft_play.planner.timing import efficiency
 from sft_play.run import resolve
+from tests.conftest import LORA
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = Target(1, 80 * 1024**3, "NVIDIA H100 80GB HBM3")
 
 
 def load(*overrides: str):
-    return config_module.load(REPO / "configs" / "run_tiny.yaml", list(overrides), check_paths=False)
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", [*LORA, *overrides], check_paths=False)
 
 
 def test_liger_without_its_package_is_a_config_error_that_says_how_to_install_it():

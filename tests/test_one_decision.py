@@ -12,11 +12,11 @@ import torch
 from sft_play import config as config_module
 from sft_play import export, launch, training
 from sft_play.run import BatchSplit, CPU_ENV, Placement, placement, resolve
-from tests.conftest import REPO, run_script
+from tests.conftest import LORA, REPO, run_script
 
 
 def load(*overrides: str):
-    return config_module.load(REPO / "configs" / "run_tiny.yaml", list(overrides), check_paths=False)
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", [*LORA, *overrides], check_paths=False)
 
 
 # --- precision: an accelerate config cannot change it ------------------------------------------
