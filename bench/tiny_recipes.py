@@ -4,8 +4,10 @@ much margin its answers have; writes docs/tiny_recipes.md.
 Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped model config, or
 another mix of training puzzles), trained with each seed of --seeds (42 unless given) in a fresh process on
 the fp32 path a CPU without native bf16 takes (oneDNN and ATen capped at AVX2, as
-`bench/tiny_default.py`'s without-bf16 path). Two recipes train at once with one thread each, so the times compare recipes
-with one another, not with `make train`.
+`bench/tiny_default.py`'s without-bf16 path), or with `--path auto` on the path this CPU takes (bf16
+where it is native). Two runs train at once with one thread each, so the times compare recipes
+with one another, not with `make train`. The recipes that change LoRA pin it (`LORA`: the default
+is full fine-tuning).
 
 Scoring, per puzzle: the answer is fed to the model after its question (teacher forcing) and the
 puzzle counts as answered when every answer token, the end-of-answer token included, is the
@@ -16,8 +18,8 @@ is near 0 flips under another CPU's arithmetic (the same sums in another order).
 held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
 `scripts/build_tiny_default.py`'s generator with another seed.
 
-Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--steps N] [--fresh N]
-       [--out docs/tiny_recipes.md]
+Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--path auto|without-bf16]
+       [--steps N] [--fresh N] [--out docs/tiny_recipes.md]
 """
 
 from __future__ import annotations
