@@ -5,7 +5,7 @@ Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped
 another mix of training puzzles), trained with each seed of --seeds (42 unless given) in a fresh process on
 the fp32 path a CPU without native bf16 takes (oneDNN and ATen capped at AVX2, as
 `bench/tiny_default.py`'s without-bf16 path), or with `--path auto` on the path this CPU takes (bf16
-where it is native). Two runs train at once with one thread each, so the times compare recipes
+where it is native), or `--path fp32` in fp32 on this CPU's own kernels. Two runs train at once with one thread each, so the times compare recipes
 with one another, not with `make train`. The recipes that change LoRA pin it (`LORA`: the default
 is full fine-tuning).
 
@@ -18,7 +18,7 @@ is near 0 flips under another CPU's arithmetic (the same sums in another order).
 held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
 `scripts/build_tiny_default.py`'s generator with another seed.
 
-Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--path auto|without-bf16]
+Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--path auto|without-bf16|fp32]
        [--steps N] [--fresh N] [--out docs/tiny_recipes.md]
 """
 
@@ -122,6 +122,8 @@ def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = 
     if steps:
         overrides.append(f"train.max_steps={steps}")
     env = {**worker_env(), **(CAPPED if path == "without-bf16" else {}), "OMP_NUM_THREADS": "1"}
+    if path == "fp32":  # this CPU's own fp32 kernels (AVX512 here): a CPU with AVX512 but no native bf16
+        overrides.append("train.mixed_precision=no")
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
@@ -191,8 +193,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
     parser.add_argument("--fresh", type=int, default=1000, help="fresh puzzles to score beside the 200 held-out")
     parser.add_argument("--seeds", nargs="+", type=int, default=[42], help="training seeds (default 42); each recipe trains with each")
-    parser.add_argument("--path", choices=["without-bf16", "auto"], default="without-bf16",
-                        help="without-bf16 (default): fp32 capped at AVX2; auto: what this CPU takes (bf16 where native)")
+    parser.add_argument("--path", choices=["without-bf16", "auto", "fp32"], default="without-bf16",
+                        help="without-bf16 (default): fp32 capped at AVX2; auto: what this CPU takes (bf16 where native); "
+                             "fp32: fp32 on this CPU's own kernels")
     parser.add_argument("--out", default=str(REPO / "docs" / "tiny_recipes.md"))
     args = parser.parse_args()
     from sft_play.cli import quiet_libraries
