@@ -37,15 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import REPO, margins, versions, worker_env
-from tiny_default import hardware_line
+from tiny_default import CAPPED, hardware_line
 
 sys.path.insert(0, str(REPO / "scripts"))
 import build_tiny_default  # noqa: E402  (the puzzles' own generator)
 
-CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 FRESH_SEED = 999
 
-# name: (what it changes, run overrides, model config changes, data mix)
 # The LoRA recipe make train shipped until full fine-tuning became the default
 LORA = ["finetune.method=lora", "train.learning_rate=3e-3"]
 
@@ -98,11 +96,9 @@ def more_sorting(out: Path, repeats: bool = False) -> Path:
         record = json.loads(line)
         first = record["messages"][0]["content"]
         if len(record["messages"]) == 2 and first.startswith(("Which", "Uppercase")) and rng.random() < 0.6:
-            seq = build_tiny_default._letters(rng)
-            while repeats and len(set(seq)) == len(seq):
-                seq = build_tiny_default._letters(rng)
-            record = {"messages": [{"role": "user", "content": f"Sort the letters: {' '.join(seq)}"},
-                                   {"role": "assistant", "content": " ".join(sorted(seq))}]}
+            seq = (build_tiny_default._repeating_letters if repeats else build_tiny_default._letters)(rng)
+            question, answer = build_tiny_default._puzzle("Sort", seq)
+            record = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
         rows.append(json.dumps(record))
     out.write_text("\n".join(rows) + "\n")
     return out

@@ -88,24 +88,30 @@ def _letters(rng: random.Random, low: int = 3, high: int = 6) -> list[str]:
     return [rng.choice(LETTERS) for _ in range(rng.randint(low, high))]
 
 
-def _task(rng: random.Random) -> tuple[str, str]:
-    """One (question, answer) pair from a randomly chosen puzzle."""
-    kind = rng.choice(["reverse", "upper", "sort", "next"])
-    if kind == "reverse":
-        seq = _letters(rng)
-        return f"Reverse the letters: {' '.join(seq)}", " ".join(reversed(seq))
-    if kind == "upper":
-        seq = _letters(rng)
-        return f"Uppercase the letters: {' '.join(seq)}", " ".join(c.upper() for c in seq)
-    if kind == "sort":
-        seq = _letters(rng)
-        return f"Sort the letters: {' '.join(seq)}", " ".join(sorted(seq))
-    letter = rng.choice(LETTERS[:-1])
-    return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1]
-
-
+# The puzzles on a sequence of letters: the word that starts the question, and the answer
 ANSWERS = {"Reverse": lambda seq: list(reversed(seq)), "Uppercase": lambda seq: [c.upper() for c in seq],
            "Sort": sorted}
+
+
+def _repeating_letters(rng: random.Random) -> list[str]:
+    """Letters as `_letters` draws them, drawn again until one repeats."""
+    seq = _letters(rng)
+    while len(set(seq)) == len(seq):
+        seq = _letters(rng)
+    return seq
+
+
+def _puzzle(kind: str, seq: list[str]) -> tuple[str, str]:
+    return f"{kind} the letters: {' '.join(seq)}", " ".join(ANSWERS[kind](seq))
+
+
+def _task(rng: random.Random) -> tuple[str, str]:
+    """One (question, answer) pair from a randomly chosen puzzle."""
+    kind = rng.choice([*ANSWERS, "Which"])
+    if kind in ANSWERS:
+        return _puzzle(kind, _letters(rng))
+    letter = rng.choice(LETTERS[:-1])
+    return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1]
 
 
 def drill_repeats(records: list[dict], share: float = REPEAT_SHARE, seed: int = REPEAT_SEED) -> list[dict]:
@@ -118,11 +124,8 @@ def drill_repeats(records: list[dict], share: float = REPEAT_SHARE, seed: int = 
             kind = message["content"].split()[0]
             if message["role"] != "user" or kind not in ANSWERS or rng.random() >= share:
                 continue
-            seq = _letters(rng)
-            while len(set(seq)) == len(seq):
-                seq = _letters(rng)
-            messages[i] = {"role": "user", "content": f"{message['content'].split(':')[0]}: {' '.join(seq)}"}
-            messages[i + 1] = {"role": "assistant", "content": " ".join(ANSWERS[kind](seq))}
+            question, answer = _puzzle(kind, _repeating_letters(rng))
+            messages[i], messages[i + 1] = {"role": "user", "content": question}, {"role": "assistant", "content": answer}
     return records
 
 
