@@ -241,9 +241,9 @@ def remedies_for(config: RunConfig, target: Target,
     when none fits either, the smallest hardware that would, with the note that says so. What does
     not fit is planned without covering shorter rows (three to five times fewer replays); what
     fits is planned again as the run will plan it, covering them."""
-    def plan_without_remedies(changed: RunConfig, changed_target: Target) -> Plan:
+    def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Plan:
         quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
-        if not quick.fits:
+        if not quick.fits or not as_run:
             return quick
         # what fits is planned as the run will plan it, so that what is offered is what runs
         return make_plan(changed, changed_target, data_stats, None, with_remedies=False)

@@ -20,6 +20,8 @@ from sft_play.units import GIB
 
 # What a remedy needs to know about the hardware: how many GPUs (a Target)
 Applies = Callable[[RunConfig, Any], bool]
+# Plans a config on a target without remedies; the flag: planned as the run will plan it (see plan_remedies)
+PlanFor = Callable[[RunConfig, Any, bool], Any]
 
 
 @dataclass(frozen=True)
@@ -139,14 +141,16 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
     return " ".join(parts)
 
 
-def plan_remedies(config: RunConfig, target: Any, plan_for: Callable[[RunConfig, Any], Any]) -> list[dict[str, Any]]:
+def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dict[str, Any]]:
     """Each applicable remedy planned on its own; if none fits alone, the cheapest combination
     that fits: remedies added in cost order until the plan fits, then any that are not needed
-    taken out again. `plan_for(config, target)` plans without remedies."""
+    taken out again. `plan_for(config, target, as_run)` plans without remedies: with `as_run`
+    False it may leave out what only narrows a plan that fits (the shorter rows' coverage), to
+    decide quickly whether something fits; what is offered is planned with `as_run` True."""
     applicable = [r for r in REMEDIES if r.applies(config, target)]
     entries = []
     for remedy in applicable:
-        plan = plan_for(remedy.config_for(config), remedy.target_for(target))
+        plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
         entries.append(_entry([remedy], config, target, plan))
     if entries and not any(e["fits"] for e in entries):
         combination = _fitting_combination(config, target, applicable, plan_for)
@@ -163,22 +167,28 @@ def _apply(config: RunConfig, target: Any, remedies: list[Remedy]) -> tuple[RunC
     return config, target
 
 
-def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy], plan_for):
+def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy], plan_for: PlanFor):
+    """The cheapest combination of `applicable` that fits, and its plan as the run plans it; None
+    when all of them together do not fit. Decided on quick plans (``as_run`` False); the
+    combination found is then planned as the run will plan it, and should that plan not fit (the
+    shorter rows it also covers), the combination before the last one taken out, and so on."""
     chosen: list[Remedy] = []
-    plan = None
     for remedy in applicable:
         chosen.append(remedy)
-        plan = plan_for(*_apply(config, target, chosen))
-        if plan.fits:
+        if plan_for(*_apply(config, target, chosen), False).fits:
             break
-    if plan is None or not plan.fits:
+    else:
         return None
+    found = [chosen]
     for remedy in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
-        trial = [r for r in chosen if r is not remedy]
-        trial_plan = plan_for(*_apply(config, target, trial))
-        if trial_plan.fits:
-            chosen, plan = trial, trial_plan
-    return chosen, plan
+        trial = [r for r in found[-1] if r is not remedy]
+        if plan_for(*_apply(config, target, trial), False).fits:
+            found.append(trial)
+    for remedies in reversed(found):
+        plan = plan_for(*_apply(config, target, remedies), True)
+        if plan.fits:
+            return remedies, plan
+    return None
 
 
 def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) -> dict[str, Any]:

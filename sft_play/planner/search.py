@@ -117,6 +117,8 @@ class FitSearch:
         """The largest micro-batch up to the per-process share that fits, with every smaller one
         fitting too, at the planned length and with rows of every shorter length of the ladder (0
         when micro-batch 1 does not)."""
+        if not self.predicted(1).fits:
+            return 0
         fitting = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
                                         _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
         below = self.predicted_all([(m, None, None) for m in range(1, fitting + 1)])
