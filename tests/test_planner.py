@@ -257,6 +257,53 @@ def test_a_remedy_that_fits_is_what_its_run_plans():
     assert applied.breakdown.get("smaller_batch", 0) > 0
 
 
+def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_is_planned_as_it_runs():
+    """A stand-in planner in place of replays: the peak each remedy saves is fixed, the budget
+    needs three of them, and a plan as the run plans it (covering shorter rows) fits only with
+    enough room left. The search plans quickly, then the combination found as it runs; when that
+    plan does not fit, the combination before the last removal is offered instead."""
+    from types import SimpleNamespace
+
+    from sft_play.planner import remedies as catalogue
+
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false")
+    target = Target(1, 80 * GIB, "1 x 80 GiB")
+    saves = {"train.gradient_checkpointing": 10, "train.optimizer": 20, "model.torch_dtype": 25,
+             "distributed.offload_optimizer": 70, "distributed.offload_parameters": 20, "finetune.method": 5}
+    base = {"train.gradient_checkpointing": False, "train.optimizer": "auto", "model.torch_dtype": "auto",
+            "distributed.offload_optimizer": False, "distributed.offload_parameters": False, "finetune.method": "full"}
+
+    def peak(changed) -> int:
+        now = {key: getattr(getattr(changed, key.split(".")[0]), key.split(".")[1]) for key in base}
+        return 200 - sum(saves[key] for key in base if now[key] != base[key])
+
+    def run_with(room_needed_as_run: int):
+        planned = []
+
+        def plan_for(changed, changed_target, as_run):
+            planned.append(as_run)
+            fits = peak(changed) <= 100 - (room_needed_as_run if as_run else 0)
+            return SimpleNamespace(fits=fits, peak_bytes_per_gpu=peak(changed), micro_batch_size=1)
+
+        return catalogue.plan_remedies(config, target, plan_for), planned
+
+    entries, planned = run_with(0)
+    combination = next(e for e in entries if " + " in e["name"])
+    # none fits alone (200 less its saving); checkpointing, 8-bit AdamW, bf16 weights and optimizer
+    # offload are added until it fits (75), then bf16 weights taken out again (100 still fits)
+    assert not any(e["fits"] for e in entries if " + " not in e["name"])
+    assert combination["fits"] and combination["peak_bytes"] == 100
+    assert combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "optimizer offload"]
+    singles = len([e for e in entries if " + " not in e["name"]])
+    assert planned[:singles] == [True] * singles  # each remedy alone is offered as it runs
+    assert planned[singles:].count(True) == 1, "only the combination found is planned as the run plans it"
+    # as the run plans it, the three need 5 more: the combination before the last removal is offered
+    entries, planned = run_with(5)
+    combination = next(e for e in entries if " + " in e["name"])
+    assert combination["fits"] and combination["peak_bytes"] == 75
+    assert combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "bf16 weights", "optimizer offload"]
+
+
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
     config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                          "data.max_seq_length=2048")
