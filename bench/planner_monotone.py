@@ -12,7 +12,7 @@ checkpointing on and off, plans one 80 GiB GPU at micro-batches 1-4 and rows of 
 
 Planning is CPU work: the result does not depend on a GPU. `tests/test_planner_monotone.py`
 asserts the same on the cases that broke before the envelope (issue 22); this sweeps them all
-(7 min on 2 cores of an AMD EPYC in the last run, with the planner cache warm). Each combination's result is kept in `docs/planner_monotone.json`
+(7 min on 2 cores of an AMD EPYC, last run). Each combination's result is kept in `docs/planner_monotone.json`
 as it comes, with a hash of the planner's code: a second call goes on where the first stopped,
 and starts over when the code changed.
 
