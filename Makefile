@@ -70,7 +70,7 @@ data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengt
 setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
 	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)
 
-train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny LoRA run, CPU, 2-3 min); RESUME=auto continues
+train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny model, every weight fine-tuned, 2-3 min on 2 CPU cores); RESUME=auto continues
 	$(PY) scripts/train_distributed.py --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
@@ -118,5 +118,5 @@ bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a sm
 bench-tiny: $(STAMP) ## make train's time and held-out answers per seed and CPU precision path (~15 min on 2 cores); writes docs/tiny_default.md
 	$(PY) bench/tiny_default.py $(ARGS)
 
-clean: ## Remove run folders and caches (keeps .venv)
+clean: ## Remove run folders and pytest's cache (keeps .venv, and the data and planner caches in $$SFT_PLAY_CACHE or ~/.cache/sft_play)
 	rm -rf runs .pytest_cache

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft_play.config import ConfigError, RunConfig
-from sft_play.hardware import GIB, HardwareInfo
+from sft_play.hardware import HardwareInfo
+from sft_play.units import GIB, MIB
 
 REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
 
@@ -171,7 +172,8 @@ def check_disk(config: RunConfig, needed_bytes: int | None, probe: Path | None =
     if needed_bytes is None:
         return Check("disk", True, f"{free / GIB:.1f} GiB free (checkpoint size unknown)", True)
     ok = free >= needed_bytes
-    detail = f"{free / GIB:.1f} GiB free, checkpoints need about {needed_bytes / GIB:.2f} GiB"
+    need = f"{needed_bytes / GIB:.2f} GiB" if needed_bytes >= GIB // 10 else f"{needed_bytes / MIB:.1f} MiB"
+    detail = f"{free / GIB:.1f} GiB free, checkpoints need about {need}"
     if not ok:
         detail += "; free space, lower train.save_total_limit, or point train.output_dir elsewhere"
     return Check("disk", ok, detail)

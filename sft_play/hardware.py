@@ -439,7 +439,7 @@ def format_report(info: HardwareInfo) -> str:
                                      for k, v in sorted(info.outside_allocator.items())))
     else:
         reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"
-        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan needs the hardware described: NUM_GPUS=8 VRAM_GIB=80.")
+        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan plans that CPU run, or GPUs you describe: NUM_GPUS=8 VRAM_GIB=80.")
     physical = info.cpu_physical_cores if info.cpu_physical_cores is not None else "?"
     lines.append(
         f"CPU: {info.cpu_model or 'unknown model'}, {physical} physical / {info.cpu_logical_cores} logical cores "

@@ -197,6 +197,8 @@ def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
         checks.ensure_disk_room(config, tmp_path, model_shape(config), run)
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda _: usage._replace(free=10**12))
     checks.ensure_disk_room(config, tmp_path, model_shape(config), run)
+    small = checks.check_disk(config, 5 * 1024**2, tmp_path)  # the tiny model's checkpoints: MiB, not "0.00 GiB"
+    assert small.ok and small.detail.endswith("checkpoints need about 5.0 MiB")
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ def test_moe_plans_report_active_parameters_and_the_experts_kernel():
     assert cpu.experts == "eager"  # fp32 on the CPU: the per-expert loop
     full_gpu = resolve_for(config, Target(1, 80 * GIB, "1 x H100"))
     assert full_gpu.experts == "eager"  # fp32 masters: torch's grouped GEMM takes bf16 only
+    assert make_plan(config, Target(1, 80 * GIB, "1 x H100")).experts == "8 routed, 2 per token, per-expert loop (eager)"
     dense = resolve_for(load("tiny-llama-256"), Target(1, 80 * GIB, "1 x H100"))
     assert dense.experts is None
     qlora = make_plan(load("tiny-mixtral", "finetune.method=qlora"), Target(1, 80 * GIB, "1 x H100"))

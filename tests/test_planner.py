@@ -126,6 +126,12 @@ def test_zero_shards_gradients_states_masters_and_parameters():
     assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 10_000 + 2 * 1_000_000  # capped at the parameters
     offload = dataclasses.replace(zero2, offload_optimizer=True)
     assert memory.optimizer_state_bytes(SHAPE, offload) == memory.master_weights_bytes(SHAPE, offload) == 0
+    # the gradient partition lives in CPU memory too: ZeRO-2 stages through one GPU buffer of the
+    # largest trainable tensor (16-bit), ZeRO-3 holds none on the GPU
+    tensors = dataclasses.replace(SHAPE, other_tensors=[100_000, 100_000],  # embeddings, head; 2 layers of 400,000:
+                                  layer_tensors=[(150_000, True), (150_000, True), (100_000, True)])
+    assert memory.gradient_bytes(tensors, offload) == 2 * 150_000 < memory.gradient_bytes(tensors, zero2)
+    assert memory.gradient_bytes(tensors, dataclasses.replace(offload, strategy="deepspeed_zero3")) == 0
     zero3 = dataclasses.replace(zero2, strategy="deepspeed_zero3")
     deep = dataclasses.replace(SHAPE, num_layers=32)  # ZeRO-3 gathers two layers at a time
     per_layer = (2_000_000 - 2 * 100_000) // 32
@@ -405,6 +411,7 @@ def test_plan_without_a_gpu_plans_the_cpu_run_make_train_takes(plans):
     result = plans["no gpu"]
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Hardware CPU (host memory / 1 process(es))" in result.stdout
+    assert "per-process memory term (host)" in result.stdout and "per-GPU" not in result.stdout
     assert "Plan     global 12 = " in result.stdout and "FITS" in result.stdout  # the micro-batch follows the RAM free
     assert "no CUDA GPU here: this is the CPU run make train takes on this machine" in result.stdout
     # GPUs counted but not described cannot be planned on a machine without one

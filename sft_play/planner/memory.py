@@ -214,10 +214,44 @@ def quantization_constants_bytes(shape: ModelShape, recipe: Recipe) -> int:
 def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """Gradients of the trainable parameters, in their dtype; ZeRO-2/3 and FSDP2 keep only this
     rank's partition (plus the buckets of :func:`zero_buffer_bytes`, :func:`fsdp_buffer_bytes`),
-    FSDP2 with offload in CPU memory."""
+    FSDP2 with offload in CPU memory. DeepSpeed with the optimizer offloaded keeps the partition
+    in CPU memory too: ZeRO-3 allocates ``grad_partitions_flat_buffer`` on the offload device
+    (``deepspeed/runtime/zero/stage3.py``); ZeRO-1/2 accumulate into ``accumulated_grads_in_cpu``
+    through one GPU staging buffer the size of the largest trainable tensor in the 16-bit dtype
+    (``temp_grad_buffer_for_gpu_offload``, ``stage_1_and_2.py``)."""
     if recipe.fsdp and recipe.offload_parameters:
         return 0
+    if recipe.deepspeed and recipe.offload_optimizer:
+        if recipe.strategy == "deepspeed_zero3":
+            return 0
+        return max(trainable_tensors(shape, recipe), default=0) * recipe.trainable_bytes
     return shape.trainable_params * recipe.trainable_bytes // recipe.shards
+
+
+def _linear_adapter_tensors(shape: ModelShape) -> list[int]:
+    rank = shape.lora_params and _lora_rank(shape)
+    return [n for fan_in, fan_out in shape.lora_in_out for n in (rank * fan_in, rank * fan_out)] if rank else []
+
+
+def adapter_tensors(shape: ModelShape) -> list[int]:
+    """Every trainable tensor of a LoRA/QLoRA run: the adapters of the linears of each layer, and
+    in one more tensor what peft trains beyond them (adapters on fused expert weights, whose
+    factors are not linears; ``modules_to_save`` copies), so that they add up to the exact count."""
+    tensors = _linear_adapter_tensors(shape) * shape.num_layers
+    rest = shape.lora_params - sum(tensors)
+    return tensors + [rest] if rest > 0 else tensors
+
+
+def _lora_rank(shape: ModelShape) -> int:
+    per_layer = sum(i + o for i, o in shape.lora_in_out)
+    return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
+
+
+def trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[int]:
+    """The numel of every trainable tensor: each weight for full fine-tuning, else the adapters."""
+    if recipe.method == "full":
+        return [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)] + list(shape.other_tensors)
+    return adapter_tensors(shape)
 
 
 def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:

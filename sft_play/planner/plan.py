@@ -76,6 +76,7 @@ class Plan:
     active_params: int = 0  # per token: a mixture-of-experts model's total less the experts a token skips
     experts: str | None = None  # "8 routed, 2 per token, grouped_mm": the MoE shape and its kernel
     attention_mask: bool = False
+    on_cuda: bool = True  # planned for GPUs (else for host memory: a CPU run)
     time: dict[str, Any] | None = None
     remedies: list[dict[str, Any]] = field(default_factory=list)
     smallest_hardware: str | None = None
@@ -176,7 +177,8 @@ def make_plan(
         total_params=shape.total_params,
         trainable_params=shape.trainable_params,
         active_params=shape.active_params,
-        experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, {run.experts} kernel"
+        experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, "
+                 + ("per-expert loop (eager)" if run.experts == "eager" else f"{run.experts} kernel")
                  if shape.num_experts else None),
         params_by_kind=shape.params_by_kind,
         micro_batch_size=split.micro_batch_size,
@@ -198,6 +200,7 @@ def make_plan(
         gradient_checkpointing=run.gradient_checkpointing,
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,
+        on_cuda=target.on_cuda,
         time=step_time.to_dict() if step_time else None,
         remedies=remedies,
         smallest_hardware=smallest,

@@ -142,9 +142,11 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
 
 
 def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dict[str, Any]]:
-    """Each applicable remedy planned on its own; if none fits alone, the cheapest combination
-    that fits: remedies added in cost order until the plan fits, then any that are not needed
-    taken out again. `plan_for(config, target, as_run)` plans without remedies: with `as_run`
+    """Each applicable remedy planned on its own, then the cheapest combination of the remedies
+    cheaper than the cheapest one that fits alone (all of them when none does): added in cost
+    order until the plan fits, then any that are not needed taken out again. Those that fit come
+    first, cheapest first (a combination costs what its dearest remedy costs), then those that do
+    not, in cost order. `plan_for(config, target, as_run)` plans without remedies: with `as_run`
     False it may leave out what only narrows a plan that fits (the shorter rows' coverage), to
     decide quickly whether something fits; what is offered is planned with `as_run` True."""
     applicable = [r for r in REMEDIES if r.applies(config, target)]
@@ -152,12 +154,14 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dic
     for remedy in applicable:
         plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
         entries.append(_entry([remedy], config, target, plan))
-    if entries and not any(e["fits"] for e in entries):
-        combination = _fitting_combination(config, target, applicable, plan_for)
+    cheapest_fit = next((i for i, e in enumerate(entries) if e["fits"]), len(entries))
+    if cheapest_fit >= 2:  # two or more cheaper remedies, none of which fits alone
+        combination = _fitting_combination(config, target, applicable[:cheapest_fit], plan_for)
         if combination is not None:
             chosen, plan = combination
             entries.append(_entry(chosen, config, target, plan))
-    entries.sort(key=lambda e: not e["fits"])  # those that work first, each group in cost order
+    cost = {remedy.name: i for i, remedy in enumerate(REMEDIES)}
+    entries.sort(key=lambda e: (not e["fits"], max(cost[name] for name in e["remedies"])))
     return entries
 
 

@@ -63,7 +63,7 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}",
         f"Sequence {plan.sequence_length} tokens: {plan.sequence_length_source}",
         "",
-        f"  {'per-GPU memory term':<32} {'GiB':>9} {'share':>7}",
+        f"  {'per-GPU memory term' if plan.on_cuda else 'per-process memory term (host)':<32} {'GiB':>9} {'share':>7}",
     ]
     total = max(1, plan.peak_bytes_per_gpu)
     for term, value in plan.breakdown.items():

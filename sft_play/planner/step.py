@@ -133,7 +133,7 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
                 else:
                     run.new(numel * base_bytes / shards, "weights")
     adapter_shards = shards if recipe.fsdp else 1
-    for numel in _all_adapter_tensors(shape):
+    for numel in memory.adapter_tensors(shape):
         run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
     if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
         layer = memory.largest_layer_params(shape)
@@ -170,31 +170,6 @@ def _quant_constant_bytes(numel: int, recipe: memory.Recipe) -> int:
     return 4 * blocks
 
 
-def _adapter_tensors(shape: ModelShape) -> list[int]:
-    rank = shape.lora_params and _lora_rank(shape)
-    return [n for fan_in, fan_out in shape.lora_in_out for n in (rank * fan_in, rank * fan_out)] if rank else []
-
-
-def _all_adapter_tensors(shape: ModelShape) -> list[int]:
-    """Every trainable tensor of a LoRA/QLoRA run: the adapters of the linears of each layer, and
-    in one more tensor what peft trains beyond them (adapters on fused expert weights, whose
-    factors are not linears; ``modules_to_save`` copies), so that they add up to the exact count."""
-    tensors = _adapter_tensors(shape) * shape.num_layers
-    rest = shape.lora_params - sum(tensors)
-    return tensors + [rest] if rest > 0 else tensors
-
-
-def _lora_rank(shape: ModelShape) -> int:
-    per_layer = sum(i + o for i, o in shape.lora_in_out)
-    return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
-
-
-def _trainable_tensors(shape: ModelShape, recipe: memory.Recipe) -> list[int]:
-    if recipe.method == "full":
-        return [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)] + list(shape.other_tensors)
-    return _all_adapter_tensors(shape)
-
-
 def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
     """torch AdamW's exp_avg and exp_avg_sq per trainable tensor (``zeros_like``); DeepSpeed's fp32
     states for this rank's partition."""
@@ -204,7 +179,7 @@ def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) ->
     if recipe.deepspeed:
         _chunked(run, total, "optimizer_states")
         return
-    tensors = _trainable_tensors(shape, recipe)
+    tensors = memory.trainable_tensors(shape, recipe)
     per_element = total / max(1, sum(tensors))
     for numel in tensors:
         for _ in range(2):
@@ -216,7 +191,7 @@ def _held_gradients(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> l
     shard, already counted)."""
     if recipe.sharded_gradients:
         return []
-    return [run.new(numel * recipe.trainable_bytes, "gradients") for numel in _trainable_tensors(shape, recipe)]
+    return [run.new(numel * recipe.trainable_bytes, "gradients") for numel in memory.trainable_tensors(shape, recipe)]
 
 
 def _optimizer_step(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
