@@ -140,6 +140,30 @@ def test_zero_shards_gradients_states_masters_and_parameters():
     assert memory.weights_bytes(deep, offloaded) == 2 * per_layer
 
 
+def test_host_memory_per_node_while_loading_and_while_offloaded():
+    # 1,000,000 parameters on 2 nodes of 4 processes: a node holds half the partitions
+    world = dataclasses.replace(FULL, world_size=8)
+    assert memory.host_bytes_per_node(SHAPE, world, 4) == (0, 0)  # DDP: loaded straight onto each GPU
+    zero3 = dataclasses.replace(world, strategy="deepspeed_zero3")
+    assert memory.host_bytes_per_node(SHAPE, zero3, 4) == (4 * 4_000_000, 0)  # each process loads it whole, fp32
+    offload = dataclasses.replace(world, strategy="deepspeed_zero2", offload_optimizer=True)
+    assert memory.host_bytes_per_node(SHAPE, offload, 4) == (0, 16 * 1_000_000 // 2)  # masters, grads, Adam
+    parameters = dataclasses.replace(zero3, offload_optimizer=True, offload_parameters=True)
+    assert memory.host_bytes_per_node(SHAPE, parameters, 4) == (4 * 4_000_000, (16 + 2) * 1_000_000 // 2)
+    fsdp = dataclasses.replace(LORA, world_size=8, strategy="fsdp2", offload_parameters=True)
+    frozen = LORA_SHAPE.total_params - LORA_SHAPE.trainable_params
+    assert memory.host_bytes_per_node(LORA_SHAPE, fsdp, 4) == (0, (16 * 10_000 + 2 * frozen) // 2)
+
+
+def test_a_plan_says_the_host_memory_a_node_needs():
+    plan = make_plan(plan_config("llama-3-70b", "finetune.method=full", "distributed.strategy=deepspeed_zero3",
+                                 "train.gradient_checkpointing=true", "train.global_batch_size=16",
+                                 "data.max_seq_length=2048"), Target(16, 80 * GIB, "16 x H100"), with_remedies=False)
+    assert plan.host_bytes_per_node == 70_553_706_496 * 4 * 8  # 8 processes a node, each loading it in fp32
+    assert any(note.startswith("host memory per node: 2102.7 GiB while its 8 process(es) each load the whole model")
+               for note in plan.notes), plan.notes
+
+
 def test_ddp_buckets_and_nccl_only_with_several_processes():
     assert memory.ddp_bucket_bytes(SHAPE, FULL) == 0
     assert memory.ddp_bucket_bytes(SHAPE, dataclasses.replace(FULL, world_size=2)) == 4_000_000

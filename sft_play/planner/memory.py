@@ -279,6 +279,30 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
     return int(n * per_param) // recipe.shards
 
 
+def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: int) -> tuple[int, int]:
+    """Host memory the processes of one node need on a GPU run: (while loading, while training).
+
+    Loading: under ZeRO-3 every process loads the whole model into host memory, in the dtype it
+    loads in, before DeepSpeed partitions it (:func:`sft_play.model.load_model` places the weights
+    of other strategies straight on each GPU, and builds no ``zero.Init`` context). Training: what
+    offload keeps there, this node's partitions: DeepSpeed's fp32 master weights, gradients and
+    Adam's two states (16 bytes per trainable parameter), with ``offload_parameters`` also the
+    16-bit parameters; FSDP2 with ``offload_parameters`` its parameter, gradient and state shards.
+    DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+    ``estimate_zero3_model_states_mem_needs``) add a buffer factor of 1.5 on top of such terms."""
+    share = processes_per_node / max(1, recipe.world_size)  # of the partitions, on this node
+    loading = shape.total_params * recipe.weight_bytes * processes_per_node if recipe.strategy == "deepspeed_zero3" else 0
+    training = 0
+    if recipe.deepspeed and recipe.offload_optimizer:
+        training = 16 * shape.trainable_params
+        if recipe.offload_parameters:
+            training += recipe.compute_bytes * shape.total_params
+    elif recipe.fsdp and recipe.offload_parameters:
+        frozen = shape.total_params - shape.trainable_params
+        training = 16 * shape.trainable_params + frozen * recipe.weight_bytes
+    return int(loading), int(training * share)
+
+
 def master_weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """fp32 master copy of the trainable parameters. Our DDP recipe has none (full fine-tuning
     trains fp32 weights directly; adapters are their own masters); DeepSpeed keeps one in its

@@ -20,7 +20,7 @@ from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split
-from sft_play.planner.predict import REPLAYS, STAND_INS, predict
+from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import predict_time, total_steps
@@ -77,6 +77,7 @@ class Plan:
     experts: str | None = None  # "8 routed, 2 per token, grouped_mm": the MoE shape and its kernel
     attention_mask: bool = False
     on_cuda: bool = True  # planned for GPUs (else for host memory: a CPU run)
+    host_bytes_per_node: int = 0  # host memory one node's processes need, loading or training (memory.host_bytes_per_node)
     time: dict[str, Any] | None = None
     remedies: list[dict[str, Any]] = field(default_factory=list)
     smallest_hardware: str | None = None
@@ -168,6 +169,9 @@ def make_plan(
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked)
+    host = host_notes(shape, run, target)
+    if host[1]:
+        more_notes.append(host[1])
     notes += more_notes
     warnings += more_warnings
     return Plan(
@@ -201,6 +205,7 @@ def make_plan(
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,
         on_cuda=target.on_cuda,
+        host_bytes_per_node=host[0],
         time=step_time.to_dict() if step_time else None,
         remedies=remedies,
         smallest_hardware=smallest,
@@ -292,6 +297,25 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
         notes.append("experts are replicated (DDP) or sharded like any weight (ZeRO); expert parallelism is not "
                      "offered: for a model whose experts do not fit, ZeRO-3 shards them")
     return notes, warnings
+
+
+def host_notes(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | None]:
+    """The host memory one node needs on a GPU run (the larger of loading and training) and the
+    note that says what for (:func:`sft_play.planner.memory.host_bytes_per_node`)."""
+    if not target.on_cuda:
+        return 0, None
+    processes = min(target.world_size, target.gpus_per_node)
+    loading, training = memory.host_bytes_per_node(shape, recipe_for(run), processes)
+    parts = []
+    if loading:
+        parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) each load the whole model "
+                     "before ZeRO-3 partitions it")
+    if training:
+        parts.append(f"{training / GIB:.1f} GiB offloaded while training")
+    if not parts:
+        return 0, None
+    return max(loading, training), ("host memory per node: " + "; ".join(parts)
+                                    + " (DeepSpeed's own estimators allow 1.5x that)")
 
 
 def peak_at(shape: ModelShape, run: Run, micro: int) -> int:

@@ -214,6 +214,7 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
         "peak_bytes": plan.peak_bytes_per_gpu,
         "fits": plan.fits,
         "micro_batch_size": plan.micro_batch_size if plan.fits else None,
+        "host_bytes_per_node": plan.host_bytes_per_node,
     }
 
 

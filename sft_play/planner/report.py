@@ -93,6 +93,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         for r in plan.remedies:
             outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
             lines.append(f"  {r['name']:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
+            if r.get("host_bytes_per_node"):
+                lines.append(f"  {'':<34} needs {gib(r['host_bytes_per_node'])} GiB of host memory per node")
             if r["fits"]:
                 lines.append(f"  {'':<34} run: {_command(r, plan, config_path, overrides)}")
     if plan.smallest_hardware:
