@@ -313,7 +313,7 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
         def plan_for(changed, changed_target, as_run):
             planned.append(as_run)
             fits = peak(changed) <= 100 - (room_needed_as_run if as_run else 0)
-            return SimpleNamespace(fits=fits, peak_bytes_per_gpu=peak(changed), micro_batch_size=1)
+            return SimpleNamespace(fits=fits, peak_bytes_per_gpu=peak(changed), micro_batch_size=1, host_bytes_per_node=0)
 
         return catalogue.plan_remedies(config, target, plan_for), planned
 
