@@ -147,9 +147,10 @@ def test_host_memory_per_node_while_loading_and_while_offloaded():
     zero3 = dataclasses.replace(world, strategy="deepspeed_zero3")
     assert memory.host_bytes_per_node(SHAPE, zero3, 4) == (4 * 4_000_000, 0)  # each process loads it whole, fp32
     offload = dataclasses.replace(world, strategy="deepspeed_zero2", offload_optimizer=True)
-    assert memory.host_bytes_per_node(SHAPE, offload, 4) == (0, 16 * 1_000_000 // 2)  # masters, grads, Adam
+    # fp32 masters, gradients and Adam's two states, and a 16-bit gradient partition
+    assert memory.host_bytes_per_node(SHAPE, offload, 4) == (0, (16 + 2) * 1_000_000 // 2)
     parameters = dataclasses.replace(zero3, offload_optimizer=True, offload_parameters=True)
-    assert memory.host_bytes_per_node(SHAPE, parameters, 4) == (4 * 4_000_000, (16 + 2) * 1_000_000 // 2)
+    assert memory.host_bytes_per_node(SHAPE, parameters, 4) == (4 * 4_000_000, (16 + 2 + 2) * 1_000_000 // 2)
     fsdp = dataclasses.replace(LORA, world_size=8, strategy="fsdp2", offload_parameters=True)
     frozen = LORA_SHAPE.total_params - LORA_SHAPE.trainable_params
     assert memory.host_bytes_per_node(LORA_SHAPE, fsdp, 4) == (0, (16 * 10_000 + 2 * frozen) // 2)
@@ -332,6 +333,18 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     combination = next(e for e in entries if " + " in e["name"])
     assert combination["fits"] and combination["peak_bytes"] == 75
     assert combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "bf16 weights", "optimizer offload"]
+    # 30 more: nothing found so far fits as the run plans it, so parameter offload is added and the
+    # search goes on (its own overrides offload the optimizer too: optimizer offload is taken out)
+    entries, planned = run_with(30)
+    combination = next(e for e in entries if " + " in e["name"])
+    assert combination["fits"] and combination["peak_bytes"] == 55
+    assert combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "bf16 weights", "parameter offload"]
+    # parameter offload alone fits: only the cheaper remedies are combined, and the combination, whose
+    # dearest remedy (optimizer offload) costs less, is listed before it
+    saves["distributed.offload_parameters"] = 40
+    entries, planned = run_with(0)
+    assert [e["name"] for e in entries if e["fits"]] == [
+        "gradient checkpointing + 8-bit AdamW + optimizer offload", "parameter offload"]
 
 
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():

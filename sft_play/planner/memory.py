@@ -218,7 +218,8 @@ def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
     in CPU memory too: ZeRO-3 allocates ``grad_partitions_flat_buffer`` on the offload device
     (``deepspeed/runtime/zero/stage3.py``); ZeRO-1/2 accumulate into ``accumulated_grads_in_cpu``
     through one GPU staging buffer the size of the largest trainable tensor in the 16-bit dtype
-    (``temp_grad_buffer_for_gpu_offload``, ``stage_1_and_2.py``)."""
+    (``temp_grad_buffer_for_gpu_offload``, ``stage_1_and_2.py``; for LoRA the adapters beyond the
+    linears count as one tensor here, so the buffer is over- rather than underestimated)."""
     if recipe.fsdp and recipe.offload_parameters:
         return 0
     if recipe.deepspeed and recipe.offload_optimizer:
@@ -286,15 +287,17 @@ def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: i
     loads in, before DeepSpeed partitions it (:func:`sft_play.model.load_model` places the weights
     of other strategies straight on each GPU, and builds no ``zero.Init`` context). Training: what
     offload keeps there, this node's partitions: DeepSpeed's fp32 master weights, gradients and
-    Adam's two states (16 bytes per trainable parameter), with ``offload_parameters`` also the
-    16-bit parameters; FSDP2 with ``offload_parameters`` its parameter, gradient and state shards.
-    DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
-    ``estimate_zero3_model_states_mem_needs``) add a buffer factor of 1.5 on top of such terms."""
+    Adam's two states (16 bytes per trainable parameter) and a 16-bit gradient partition (ZeRO-3's
+    ``grad_partitions_flat_buffer`` on the offload device; ZeRO-1/2's ``accumulated_grads_in_cpu``
+    when accumulating, counted always), with ``offload_parameters`` also the 16-bit parameters;
+    FSDP2 with ``offload_parameters`` its parameter, gradient and state shards. DeepSpeed's own
+    estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
+    add a buffer factor of 1.5 on top of such terms."""
     share = processes_per_node / max(1, recipe.world_size)  # of the partitions, on this node
     loading = shape.total_params * recipe.weight_bytes * processes_per_node if recipe.strategy == "deepspeed_zero3" else 0
     training = 0
     if recipe.deepspeed and recipe.offload_optimizer:
-        training = 16 * shape.trainable_params
+        training = (16 + recipe.compute_bytes) * shape.trainable_params
         if recipe.offload_parameters:
             training += recipe.compute_bytes * shape.total_params
     elif recipe.fsdp and recipe.offload_parameters:

@@ -248,7 +248,8 @@ def remedies_for(config: RunConfig, target: Target,
     """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
     when none fits either, the smallest hardware that would, with the note that says so. What does
     not fit is planned without covering shorter rows (three to five times fewer replays); what
-    fits is planned again as the run will plan it, covering them."""
+    fits and is offered is planned again as the run will plan it, covering them (the combination
+    search decides on the quicker plans: remedies.plan_remedies)."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Plan:
         quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
         if not quick.fits or not as_run:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sft_play.config import RunConfig, parse_override
+from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
@@ -172,27 +173,37 @@ def _apply(config: RunConfig, target: Any, remedies: list[Remedy]) -> tuple[RunC
 
 
 def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy], plan_for: PlanFor):
-    """The cheapest combination of `applicable` that fits, and its plan as the run plans it; None
-    when all of them together do not fit. Decided on quick plans (``as_run`` False); the
-    combination found is then planned as the run will plan it, and should that plan not fit (the
-    shorter rows it also covers), the combination before the last one taken out, and so on."""
+    """The cheapest combination of two or more of `applicable` that fits, and its plan as the run
+    plans it; None when none does. Remedies are added in cost order until a quick plan
+    (``as_run`` False) fits, then each that a later one made unnecessary is taken out; the
+    combination left is planned as the run will plan it, and should that plan not fit (the
+    shorter rows it also covers), the combination before the last removal, and so on; when none
+    of them fits, the next remedy is added and the search goes on. Only combinations whose
+    settings are consistent (:func:`sft_play.config.schema.consistency_problems`: optimizer
+    offload under FSDP2 is not) are taken for fitting."""
     chosen: list[Remedy] = []
     for remedy in applicable:
         chosen.append(remedy)
-        if plan_for(*_apply(config, target, chosen), False).fits:
-            break
-    else:
-        return None
-    found = [chosen]
-    for remedy in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
-        trial = [r for r in found[-1] if r is not remedy]
-        if plan_for(*_apply(config, target, trial), False).fits:
-            found.append(trial)
-    for remedies in reversed(found):
-        plan = plan_for(*_apply(config, target, remedies), True)
-        if plan.fits:
-            return remedies, plan
+        if not _fits(config, target, chosen, plan_for):
+            continue
+        found = [list(chosen)]
+        for dropped in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
+            trial = [r for r in found[-1] if r is not dropped]
+            if _fits(config, target, trial, plan_for):
+                found.append(trial)
+        for remedies in reversed(found):
+            if len(remedies) < 2:  # alone, each was planned as the run plans it and did not fit
+                continue
+            plan = plan_for(*_apply(config, target, remedies), True)
+            if plan.fits:
+                return remedies, plan
     return None
+
+
+def _fits(config: RunConfig, target: Any, remedies: list[Remedy], plan_for: PlanFor) -> bool:
+    """Whether `remedies` together make consistent settings whose quick plan fits."""
+    changed, changed_target = _apply(config, target, remedies)
+    return not consistency_problems(changed) and bool(plan_for(changed, changed_target, False).fits)
 
 
 def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) -> dict[str, Any]:
