@@ -34,6 +34,7 @@ def main() -> int:
             return 0
         if line == "/reset":
             history = list(start)
+            print("(conversation cleared)", flush=True)
             continue
         if not line:
             continue

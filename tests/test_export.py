@@ -203,3 +203,4 @@ def test_chat_sends_the_whole_conversation_and_reset_forgets_it(monkeypatch, cap
     ]
     out = capsys.readouterr().out
     assert "model> answer 1" in out and "model> answer 3" in out
+    assert out.index("model> answer 2") < out.index("(conversation cleared)") < out.index("model> answer 3")
