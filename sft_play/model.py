@@ -191,7 +191,9 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         config: the run config.
         run: the resolved run (:func:`sft_play.run.resolve`).
         device: where the model is placed at load, each rank its own (e.g. ``cuda:1``), so that
-            large models never pass through host memory; ZeRO-3 places (and shards) them itself.
+            large models never pass through host memory; under ZeRO-3 transformers loads them
+            inside DeepSpeed's zero.Init, partitioned as they load, when the training arguments
+            (and DeepSpeed's config with them) exist before this is called (sft_play.train).
     """
     precision = run.precision
     from transformers import AutoModelForCausalLM

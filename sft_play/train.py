@@ -85,7 +85,17 @@ def train(config: RunConfig, config_path: str) -> int:
     announce(state, run, plan)
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
+    # Under ZeRO-3 the training arguments, and DeepSpeed's config with them, exist before the model
+    # loads: transformers then loads it under DeepSpeed's zero.Init, each process materialising
+    # only its partition, instead of every process holding the whole model in host memory
+    # (kept alive to the end: transformers holds only a weak reference to the config)
+    zero3_arguments = (training.sft_arguments(config, run, run_dir, bundle.validation is not None)
+                       if run.strategy == "deepspeed_zero3" else None)
     base = model.load_model(config, run, device=f"cuda:{state.local_process_index}" if where.on_cuda else "cpu")
+    if zero3_arguments is not None and state.is_main_process:
+        partitioned = all(hasattr(p, "ds_id") for p in base.parameters())
+        logger.info("model loaded %s", "under DeepSpeed's zero.Init: each process holds only its partition"
+                    if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
     guard = callbacks.NonFiniteGuard(

@@ -193,6 +193,8 @@ def test_an_moe_model_trains_with_lora_under_zero3_on_two_processes(moe_runs):
     run_dir, result = moe_runs["deepspeed_zero3", "lora"]
     output = result.stdout + result.stderr
     assert "(torchrun, deepspeed_zero3, rendezvous standalone" in output and "DistributedType.DEEPSPEED" in output
+    # loaded partitioned (the training arguments, and DeepSpeed's config, exist before the model loads)
+    assert "model loaded under DeepSpeed's zero.Init: each process holds only its partition" in output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 4  # (ranks hold shards: no weights check)
     assert not rows_seen(run_dir, 0) & rows_seen(run_dir, 1), "the ranks saw the same rows"

@@ -283,9 +283,11 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
 def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: int) -> tuple[int, int]:
     """Host memory the processes of one node need on a GPU run: (while loading, while training).
 
-    Loading: under ZeRO-3 every process loads the whole model into host memory, in the dtype it
-    loads in, before DeepSpeed partitions it (:func:`sft_play.model.load_model` places the weights
-    of other strategies straight on each GPU, and builds no ``zero.Init`` context). Training: what
+    Loading: under ZeRO-3 the model loads inside DeepSpeed's ``zero.Init`` (sft_play.train builds
+    the training arguments first), each process gathering a layer at a time as it partitions it:
+    the largest layer in the dtype it loads in, per process (DeepSpeed's
+    ``estimate_zero3_model_states_mem_needs`` with ``zero_init``); other strategies place the
+    weights straight on each GPU (:func:`sft_play.model.load_model`). Training: what
     offload keeps there, this node's partitions: DeepSpeed's fp32 master weights, gradients and
     Adam's two states (16 bytes per trainable parameter) and a 16-bit gradient partition (ZeRO-3's
     ``grad_partitions_flat_buffer`` on the offload device; ZeRO-1/2's ``accumulated_grads_in_cpu``
@@ -294,7 +296,8 @@ def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: i
     estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
     add a buffer factor of 1.5 on top of such terms."""
     share = processes_per_node / max(1, recipe.world_size)  # of the partitions, on this node
-    loading = shape.total_params * recipe.weight_bytes * processes_per_node if recipe.strategy == "deepspeed_zero3" else 0
+    loading = (largest_layer_params(shape) * recipe.weight_bytes * processes_per_node
+               if recipe.strategy == "deepspeed_zero3" else 0)
     training = 0
     if recipe.deepspeed and recipe.offload_optimizer:
         training = (16 + recipe.compute_bytes) * shape.trainable_params

@@ -309,8 +309,8 @@ def host_notes(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | 
     loading, training = memory.host_bytes_per_node(shape, recipe_for(run), processes)
     parts = []
     if loading:
-        parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) each load the whole model "
-                     "before ZeRO-3 partitions it")
+        parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) load the model under ZeRO-3's "
+                     "zero.Init (a layer at a time)")
     if training:
         parts.append(f"{training / GIB:.1f} GiB offloaded while training")
     if not parts:
