@@ -353,6 +353,11 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     entries, planned = run_with(0)
     assert [e["name"] for e in entries if e["fits"]] == [
         "gradient checkpointing + 8-bit AdamW + optimizer offload", "parameter offload"]
+    # the cheaper ones do not fit together: no combination is offered, not even one that adds
+    # something to parameter offload, which fits alone
+    saves["distributed.offload_optimizer"], saves["distributed.offload_parameters"] = 30, 70
+    entries, planned = run_with(0)
+    assert [e["name"] for e in entries if e["fits"]] == ["parameter offload"]
 
 
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
