@@ -300,7 +300,9 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     """A stand-in planner in place of replays: the peak each remedy saves is fixed, the budget
     needs three of them, and a plan as the run plans it (covering shorter rows) fits only with
     enough room left. The search plans quickly, then the combination found as it runs; when that
-    plan does not fit, the combination before the last removal is offered instead."""
+    plan does not fit, the combination before the last removal, and when none of those fits, the
+    search goes on; only remedies cheaper than the cheapest that fits alone are combined, and a
+    combination is listed by its dearest remedy."""
     from types import SimpleNamespace
 
     from sft_play.planner import remedies as catalogue

@@ -169,9 +169,9 @@ def make_plan(
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked)
-    host = host_notes(shape, run, target)
-    if host[1]:
-        more_notes.append(host[1])
+    host_bytes, host_note = host_memory(shape, run, target)
+    if host_note:
+        more_notes.append(host_note)
     notes += more_notes
     warnings += more_warnings
     return Plan(
@@ -205,7 +205,7 @@ def make_plan(
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,
         on_cuda=target.on_cuda,
-        host_bytes_per_node=host[0],
+        host_bytes_per_node=host_bytes,
         time=step_time.to_dict() if step_time else None,
         remedies=remedies,
         smallest_hardware=smallest,
@@ -300,13 +300,14 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     return notes, warnings
 
 
-def host_notes(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | None]:
+def host_memory(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | None]:
     """The host memory one node needs on a GPU run (the larger of loading and training) and the
     note that says what for (:func:`sft_play.planner.memory.host_bytes_per_node`)."""
     if not target.on_cuda:
         return 0, None
     processes = min(target.world_size, target.gpus_per_node)
-    loading, training = memory.host_bytes_per_node(shape, recipe_for(run), processes)
+    recipe = recipe_for(run)
+    loading, training = memory.host_bytes_per_node(shape, recipe, processes)
     parts = []
     if loading:
         parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) load the model under ZeRO-3's "
@@ -315,8 +316,8 @@ def host_notes(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | 
         parts.append(f"{training / GIB:.1f} GiB offloaded while training")
     if not parts:
         return 0, None
-    return max(loading, training), ("host memory per node: " + "; ".join(parts)
-                                    + " (DeepSpeed's own estimators allow 1.5x that)")
+    allowance = " (DeepSpeed's own estimators allow 1.5x that)" if recipe.deepspeed else ""
+    return max(loading, training), "host memory per node: " + "; ".join(parts) + allowance
 
 
 def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
