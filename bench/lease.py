@@ -231,7 +231,7 @@ def weights_for(task: dict) -> tuple[str, str, Path | None]:
         return folder, "", None
     method = task["case"]["method"] if task["kind"] != "P" else task["shape"]["method"]
     config = config_module.load(None, [f"model.name_or_path={folder}", f"finetune.method={method}"],
-                                check_paths=False)
+                                check_paths=False, check_packages=False)  # this process skips bitsandbytes (lean)
     dtype = init_weights_dtype(config)
     return folder, dtype, init_weights_dir(folder, config.model.init_seed, dtype)
 

@@ -401,9 +401,10 @@ def measure_outside_allocator(device_index: int = 0) -> int | None:
 
     device = torch.device("cuda", device_index)
     dtype = torch.bfloat16 if gpu_computes_bf16(torch.cuda.get_device_capability(device)) else torch.float16
-    weight = torch.randn(256, 256, device=device, dtype=dtype, requires_grad=True)
-    x = torch.randn(4, 2, 128, 64, device=device, dtype=dtype)
-    out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).flatten(2) @ weight
+    weight = torch.randn(128, 128, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(4, 2, 128, 64, device=device, dtype=dtype)  # (batch, heads, tokens, head dim)
+    attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+    out = attended.transpose(1, 2).flatten(2) @ weight  # (batch, tokens, heads x head dim)
     out.float().softmax(-1).sum().backward()
     torch.cuda.synchronize(device)
     del weight, x, out

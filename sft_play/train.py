@@ -253,7 +253,12 @@ def record_run(run_dir: Path, run: Run, planned: Any) -> None:
 
 def announce(state: PartialState, run: Run, plan: Any) -> None:
     """The start-up lines: processes and nodes, the run's decisions and why, the plan."""
-    devices = gather_object([f"rank {state.process_index}: {state.device}"])
+    import torch
+
+    device = state.device
+    if device.type == "cuda" and device.index is None:  # one process: accelerate names no index
+        device = torch.device("cuda", torch.cuda.current_device())
+    devices = gather_object([f"rank {state.process_index}: {device}"])
     if not state.is_main_process:
         return
     precision = run.precision
