@@ -327,6 +327,17 @@ def render_to(state: Path, output: Path) -> None:
     staging.replace(output)
 
 
+STOPPED = {"deadline": "by the deadline", "slower": "a larger micro-batch ran slower"}
+
+
+def _tuned_setup(result: dict) -> str:
+    """The packing and attention a T row ran (rows from before the bench recorded it ran BFD
+    padding-free rows on SDPA where FlashAttention-2 was not installed)."""
+    import throughput
+
+    return result.get("setup") or throughput.LEGACY_SETUP
+
+
 def _gib(value) -> str:
     return f"{value / GIB:.2f}" if value else "n/a"
 
@@ -354,11 +365,13 @@ def render(rows: list[dict], state: Path) -> str:
             if end else "did not finish (cut short)"
         lines.append(f"- call {number}: `{call['command']}` ({took})")
     lines += ["- sides (bench/throughput.py): A, TRL's SFTTrainer with its defaults (micro-batch 4, no packing); T, TRL",
-              "  tuned (bf16, its BFD packing with padding-free rows, fused AdamW, FlashAttention-2 where installed);",
+              "  tuned (bf16, its BFD packing with padding-free rows on FlashAttention-2 where installed, else its",
+              "  wrapped rows on SDPA, fused AdamW; the setup it ran is in its row);",
               "  T+liger, T with TRL's Liger kernels at T's micro-batch; B, SFT-Play planned and packed; B+lever, B with",
               "  one kernel switch on (flex attention, compiled layers, Liger kernels, expandable segments)",
               "- each task a fresh process; T: one process tries micro-batches in increasing order (doubling from half",
-              "  B's until one runs out of memory), each try on freshly loaded weights with its own warm-up; T is the",
+              "  B's until one runs out of memory or runs slower than one before), each try on freshly loaded weights",
+              "  with its own warm-up; T is the",
               "  fastest try. Tokens are real (non-pad) tokens; MFU: model FLOPs per token (6N full, 4N + 6N_lora",
               "  adapters) x tokens/s over the GPU's dense bf16 peak; B over T: over the faster of T and T+liger", ""]
     results = {row["task"]: row["result"] for row in rows if row.get("kind") in DONE_KINDS and "task" in row}
@@ -383,14 +396,23 @@ def render(rows: list[dict], state: Path) -> str:
                 lines.append(f"| {name} | {side} | - | failed: {result.get('error')} | | | | |")
                 continue
             tps = result.get("tokens_per_second", 0.0)
-            tuned = max((results.get(f"{t} {name}", {}).get("tokens_per_second") or 0 for t in ("T", "T+liger")
-                         if results.get(f"{t} {name}", {}).get("ok", True) is not False), default=0)
-            ratio = f"{tps / tuned:.2f}x" if side.startswith("B") and tuned else ""
+            baselines = [results.get(f"{t} {name}", {}) for t in ("T", "T+liger")]
+            baselines = [t for t in baselines if t and t.get("ok", True) is not False]
+            tuned = max((t.get("tokens_per_second") or 0 for t in baselines), default=0)
+            unfair = on_cuda and any(_tuned_setup(t) == throughput.LEGACY_SETUP for t in baselines)
+            ratio = ("not compared: T ran " + throughput.LEGACY_SETUP if unfair else f"{tps / tuned:.2f}x") \
+                if side.startswith("B") and tuned else ""
             batch = f"{result.get('micro_batch')} x {result.get('accumulation', 1)}" + (
-                " (search stopped by the deadline)" if result.get("stopped") else "")
+                f" ({_tuned_setup(result)})" if side.startswith("T") and on_cuda else "") + (
+                f" (search stopped: {STOPPED[result['stopped']]})" if result.get("stopped") else "")
             lines.append(f"| {name} | {side} | {batch} | {tps:,.0f} | {_gib(result.get('peak_bytes'))} | "
                          f"{mfu(name, tps)} | "
                          f"{result.get('last_loss', float('nan')):.3f} | {ratio} |")
+        if on_cuda and any(_tuned_setup(r) == throughput.LEGACY_SETUP for k, r in speed if k.startswith("T")):
+            lines += ["", f"T rows marked \"{throughput.LEGACY_SETUP}\" are no baseline: BFD packing makes TRL flatten "
+                      "the micro-batch into one sequence (padding-free), which it supports with FlashAttention only; "
+                      "on SDPA each step attends over micro x seq tokens, slower with every micro-batch (their tries "
+                      "below). No B-over-T figure is drawn from them; the bench now runs TRL's wrapped rows there."]
         tries = [(row["task"], row["result"]) for row in rows if row.get("kind") == "T-try"]
         if tries:
             lines += ["", "T's search, try by try (`micro`: tokens/s, peak GiB):", ""]

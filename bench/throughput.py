@@ -6,8 +6,9 @@ masked out of the loss):
 
   A  TRL's SFTTrainer with its defaults for the method (LoRA/QLoRA through its peft_config /
      quantization_config), micro-batch 4, no packing, the same sequence cap (run_baseline);
-  T  TRL tuned as a competent user would: bf16, its BFD packing with padding-free rows, fused
-     AdamW, FlashAttention-2 where installed, at its fastest micro-batch: one process tries them
+  T  TRL tuned as a competent user would: bf16, its BFD packing with padding-free rows on
+     FlashAttention-2 where installed (else its wrapped packing on SDPA: TRL supports padding-free
+     rows with FlashAttention only), fused AdamW, at its fastest micro-batch: one process tries them
      in increasing order, doubling until one runs out of memory (run_tuned_search); T+liger the
      same at T's micro-batch with TRL's Liger kernels where liger-kernel is installed;
   B  SFT-Play: its planner's micro-batch, packing with per-example position ids, its collator
@@ -112,8 +113,9 @@ def _dataset(case: Case, vocab: int, count: int):
 
 def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: str = "", micro: int = 4) -> dict:
     """A: TRL's SFTTrainer as a user would write it with its defaults; with `tuned` ("tuned" or
-    "liger"), as a competent user tunes it: bf16, TRL's own packing (BFD, padding-free rows),
-    fused AdamW, FlashAttention-2 where installed, the given micro-batch (one try of run_tuned_search),
+    "liger"), as a competent user tunes it: bf16, TRL's own packing (BFD with padding-free rows on
+    FlashAttention-2 where installed, else wrapped rows on SDPA), fused AdamW, the given micro-batch
+    (one try of run_tuned_search),
     and for "liger" TRL's Liger kernels."""
     import torch
     from peft import LoraConfig
@@ -141,7 +143,11 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
         import importlib.util
 
         flash = on_cuda and importlib.util.find_spec("flash_attn") is not None
-        settings.update(packing=True, packing_strategy="bfd", optim="adamw_torch_fused" if on_cuda else "adamw_torch",
+        # BFD packing makes TRL padding-free (every row of the micro-batch flattened into one sequence),
+        # which TRL supports with FlashAttention only: on SDPA it attends over micro x seq tokens at once,
+        # slower with every micro-batch (seen on an H200, 2026-11-26). Without it, TRL's wrapped packing.
+        strategy = "bfd" if flash else "wrapped"
+        settings.update(packing=True, packing_strategy=strategy, optim="adamw_torch_fused" if on_cuda else "adamw_torch",
                         model_init_kwargs={**settings["model_init_kwargs"],
                                            "attn_implementation": "flash_attention_2" if flash else "sdpa"})
         if tuned == "liger":
@@ -161,7 +167,15 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
     trainer = SFTTrainer(model=weights, args=args, train_dataset=_dataset(case, vocab, count),
                          processing_class=tokenizer, peft_config=peft_config, quantization_config=quantization,
                          callbacks=[timer])
-    return _finish(trainer, timer, micro)
+    result = _finish(trainer, timer, micro)
+    if tuned:
+        result["setup"] = TUNED_SETUP[strategy]
+    return result
+
+
+# What T ran, as its rows say it (rows without one ran BFD padding-free on SDPA: LEGACY_SETUP)
+TUNED_SETUP = {"bfd": "BFD padding-free, FlashAttention-2", "wrapped": "wrapped rows, SDPA"}
+LEGACY_SETUP = "BFD padding-free on SDPA"
 
 
 # The kernel switches, as config overrides (sft_play.config: model.attn_implementation, train.*)
@@ -273,7 +287,9 @@ def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start
     thing: each try's model, optimizer and cache are freed (``empty_cache``) before the next.
     Without a GPU nothing runs out of memory: one try at `start`. `emit` sees each try's result.
     With a `deadline` (time.time()), no try starts that the last one's pace says cannot end in
-    time: the search stops with the tries it has (``"stopped": "deadline"``)."""
+    time: the search stops with the tries it has (``"stopped": "deadline"``). A try slower than the
+    fastest before it ends the doubling too (``"stopped": "slower"``): a larger micro-batch has
+    stopped paying, and each further try costs more than the last."""
     import gc
 
     import torch
@@ -316,13 +332,21 @@ def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start
             pass
     elif on_cuda:
         while micro < 1024 and time_for(micro * 2) and attempt(micro := micro * 2).get("ok", True) is not False:
-            pass
+            if slower_than_before(tries):
+                stopped = "slower"
+                break
     good = [t for t in tries if t.get("ok", True) is not False]
     best = max(good, key=lambda t: t["tokens_per_second"]) if good else {
         "ok": False, "error": tries[-1].get("error") if tries else "no micro-batch trains"}
     summary = [{"micro_batch": t.get("micro_batch"), "tokens_per_second": t.get("tokens_per_second"),
                 "peak_bytes": t.get("peak_bytes"), "error": t.get("error")} for t in tries]
     return {**best, "searched": on_cuda, "tries": summary, **({"stopped": stopped} if stopped else {})}
+
+
+def slower_than_before(tries: list[dict], margin: float = 0.05) -> bool:
+    """Whether the last try ran more than `margin` slower than the fastest try before it."""
+    speeds = [t.get("tokens_per_second") or 0.0 for t in tries if t.get("ok", True) is not False]
+    return len(speeds) >= 2 and speeds[-1] < (1 - margin) * max(speeds[:-1])
 
 
 def flops_per_token(case: Case) -> float:
