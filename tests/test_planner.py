@@ -527,6 +527,24 @@ def test_the_time_prediction_reproduces_the_measured_h100_throughput():
     assert plan.time["gpu_hours"] == pytest.approx(plan.time["wall_seconds"] / 3600)
 
 
+def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_said():
+    from sft_play.planner import timing
+
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=2", "lora.dropout=0",
+                         "data.max_seq_length=2048", "train.max_steps=100")
+
+    def timed(gpu_model: str):
+        return make_plan(config, Target(1, 80 * GIB, f"1 x {gpu_model}", gpu_model=gpu_model), with_remedies=False).time
+
+    h100, h200, a100 = timed("NVIDIA H100 80GB HBM3"), timed("NVIDIA H200"), timed("NVIDIA A100-SXM4-80GB")
+    assert h200["efficiency"] == timing.MEASURED_MFU["H200"]["lora"][0] != h100["efficiency"]
+    assert "H200, Llama-3.1-8B LoRA" in h200["sources"][0]  # the lease of 2026-11-26 (docs/gpu_lease.md)
+    # same dense peak, more MFU measured: the H200 is predicted faster by exactly the ratio of the MFUs
+    assert h100["seconds_per_step"] / h200["seconds_per_step"] == pytest.approx(0.329 / 0.272)
+    assert a100["efficiency"] == h100["efficiency"] and "not yet measured on A100" in a100["sources"][0]
+    assert "not yet measured" not in h100["sources"][0]
+
+
 def test_time_counts_recomputation_communication_and_the_hardware_rented():
     base = ["finetune.method=full", "train.global_batch_size=64", "data.max_seq_length=2048", "train.max_steps=10"]
     eight = make_plan(plan_config("qwen2.5-0.5b", *base), Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))

@@ -27,11 +27,21 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "B200": 22
              "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12, "A6000": 155e12}
 
 # Model FLOPs utilisation measured by bench/throughput.py (SFT-Play's side, packed rows, SDPA),
-# by method: the planner's efficiency for the method on GPUs it has not been measured on too.
+# by GPU model and method. A GPU model not measured is predicted at the reference's (the H100's),
+# and the source says so. The H200 keeps the H100's compute peak but has 1.4x its memory
+# bandwidth and 1.75x its memory (larger micro-batches): predicted at the H100's MFU, its steps
+# came out 17 % (full) and 21 % (LoRA) longer than measured (docs/gpu_lease.md, 2026-11-26).
 MEASURED_MFU = {
-    "full": (0.207, "H100, Qwen2.5-0.5B full, seq 2048, micro 16 (bench/throughput.py, 2026-11-23)"),
-    "lora": (0.272, "H100, Llama-3.1-8B LoRA, seq 2048, micro 2 (bench/throughput.py, 2026-11-23)"),
+    "H100": {
+        "full": (0.207, "H100, Qwen2.5-0.5B full, seq 2048, micro 16 (bench/throughput.py, 2026-11-23)"),
+        "lora": (0.272, "H100, Llama-3.1-8B LoRA, seq 2048, micro 2 (bench/throughput.py, 2026-11-23)"),
+    },
+    "H200": {
+        "full": (0.241, "H200, Qwen2.5-0.5B full, seq 2048, micro 32 (bench/lease.py, 2026-11-26)"),
+        "lora": (0.329, "H200, Llama-3.1-8B LoRA, seq 2048, micro 4 (bench/lease.py, 2026-11-26)"),
+    },
 }
+REFERENCE_GPU = "H100"
 # QLoRA has not been measured: its 4-bit weights are de-quantised for every matmul, forward and
 # backward (bitsandbytes' dequantize_4bit + F.linear for many rows). Taken as LoRA's MFU times
 # this factor until bench/throughput.py measures it on a GPU.
@@ -76,25 +86,36 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
     return flops + (recompute if run.gradient_checkpointing else 0.0)
 
 
-def peak_flops(device_name: str) -> float | None:
-    """The dense 16-bit peak of a GPU by its name (the longest known name it contains)."""
+def gpu_model(device_name: str) -> str | None:
+    """The known GPU model a device name is (the longest known name it contains)."""
     for name in sorted(PEAK_BF16, key=len, reverse=True):
         if name in device_name:
-            return PEAK_BF16[name]
+            return name
     return None
 
 
-def efficiency(run: Run) -> tuple[float, str]:
-    """The MFU the run is predicted at, and where it comes from. The measured MFUs are of the
+def peak_flops(device_name: str) -> float | None:
+    """The dense 16-bit peak of a GPU by its name."""
+    model = gpu_model(device_name)
+    return PEAK_BF16[model] if model else None
+
+
+def efficiency(run: Run, device_name: str = "") -> tuple[float, str]:
+    """The MFU the run is predicted at on `device_name`'s GPU model, and where it comes from:
+    that model's measurement, else the reference GPU's (said). The measured MFUs are of the
     default kernels (SDPA, no Liger, no compiled layers); the kernel switches have not been
     measured yet, so they are predicted at the same efficiency and the source says so."""
+    model = gpu_model(device_name)
+    measured = MEASURED_MFU.get(model or "", MEASURED_MFU[REFERENCE_GPU])
+    elsewhere = f"; not yet measured on {model}" if model and model not in MEASURED_MFU else ""
     if run.method == "qlora":
-        mfu, source = MEASURED_MFU["lora"]
-        mfu, text = mfu * QLORA_FACTOR, (f"LoRA's measured {100 * mfu:.1f} % x {QLORA_FACTOR} for 4-bit "
+        mfu, source = measured["lora"]
+        mfu, text = mfu * QLORA_FACTOR, (f"LoRA's measured {100 * mfu:.1f} % ({source}) x {QLORA_FACTOR} for 4-bit "
                                          "de-quantisation (an estimate: QLoRA awaits a GPU measurement)")
     else:
-        mfu, source = MEASURED_MFU[run.method]
+        mfu, source = measured[run.method]
         text = f"measured {100 * mfu:.1f} % ({source})"
+    text += elsewhere
     switched = [name for name, on in (("Liger kernels", run.liger), ("compiled layers", run.compile_layers),
                                       (run.attention, run.attention not in ("sdpa", "eager"))) if on]
     if switched:
@@ -140,7 +161,7 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     peak = peak_flops(device_name)
     if peak is None or not run.on_cuda:
         return None
-    mfu, source = efficiency(run)
+    mfu, source = efficiency(run, device_name)
     compute = tokens_per_step * flops_per_token(shape, run) / (run.world_size * peak * mfu)
     link = "network" if run.world_size > gpus_per_node else interconnect
     traffic = gradient_traffic_bytes(shape, run, micro_batches)
