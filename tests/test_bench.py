@@ -138,6 +138,12 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
     rows = [{"task": "B x", "kind": "B", "result": {"ok": False, "error": "out of memory"}},
             {"task": "T x", "kind": "T-try", "result": {"micro_batch": 4}}, {"task": "T x", "kind": "cut"}]
     assert [task["key"] for task in lease.pending(tasks, rows)] == ["T x", "P y"]
+    # on a GPU, a T that ran the setup the bench no longer runs (BFD padding-free on SDPA) runs again
+    gpu = [{"kind": "call", "on_cuda": True}, {"task": "B x", "kind": "B", "result": {"micro_batch": 8}},
+           {"task": "T x", "kind": "T", "result": {"micro_batch": 4}}, {"task": "P y", "kind": "P", "result": {}}]
+    assert [task["key"] for task in lease.pending(tasks, gpu)] == ["T x"]
+    gpu[2]["result"]["setup"] = "wrapped rows, SDPA"
+    assert lease.pending(tasks, gpu) == []
     path = tmp_path / "rows.jsonl"
     lease.append_row(path, rows[0])
     path.write_text(path.read_text() + '{"task": "T x", "ki')  # the lease ended mid-line
