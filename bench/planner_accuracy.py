@@ -3,8 +3,9 @@ term by term, and the largest micro-batch that really fits against the one the p
 
 Each measurement runs in its own process: the worker trains a few steps through SFT-Play's own
 path (the resolved run, model loading, peft, TRL's SFTTrainer, the run's collator) on random
-rows of exactly the sequence length (one example per row, so no attention mask) with random
-weights built from a public model config, and reports, beside the peak
+rows of exactly the sequence length (one example per row: no attention mask, except the one
+transformers always builds for eager attention) with random weights built from a public model
+config, and reports, beside the peak
 (``torch.cuda.max_memory_reserved`` plus the CUDA context, NVML's view of the process less
 what torch had reserved), the terms the planner predicts separately: the weights (allocated
 after the model and adapters load), the optimizer states (summed from the optimizer), the live

@@ -215,8 +215,14 @@ class Run:
     def masked(self, micro_batch: int) -> bool:
         """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
         (or are padded to the longest in the batch), and padded batches of unequal lengths need
-        one, unless FlashAttention-2 runs them as variable-length sequences."""
-        if self.attention in MASK_FREE_ATTENTION or self.uniform_rows:
+        one, unless FlashAttention-2 runs them as variable-length sequences. Eager attention always
+        gets one: transformers' ``eager_mask`` never skips the causal mask (``allow_is_causal_skip=False``),
+        where SDPA runs uniform rows with ``is_causal`` instead."""
+        if self.attention in MASK_FREE_ATTENTION:
+            return False
+        if self.attention == "eager":
+            return True
+        if self.uniform_rows:
             return False
         return self.collator == "packed_rows" or micro_batch > 1
 

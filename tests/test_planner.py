@@ -545,6 +545,27 @@ def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_s
     assert "not yet measured" not in h100["sources"][0]
 
 
+def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask_per_attention_kind():
+    # Gemma-2 caps its attention logits: eager attention, whose float masks transformers always
+    # builds (full and sliding window: two); its peak was measured 10.6 % over the replay (H200)
+    gemma = plan_config("gemma-2-9b", "finetune.method=lora", "data.max_seq_length=1024",
+                        "train.gradient_checkpointing=true", "train.global_batch_size=8")
+    assert model_shape(gemma).attention_masks == 2
+    assert model_shape(plan_config("qwen2.5-0.5b")).attention_masks == 1
+    assert model_shape(plan_config("llama-3.1-8b")).attention_masks == 1  # no layer_types: one mask
+    gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+    plan = make_plan(gemma, gpu, with_remedies=False)
+    assert plan.attention == "eager" and plan.attention_mask
+    assert plan.budget_bytes_per_gpu == int(80 * GIB * (1 - 0.11))
+    assert any("11 % of free memory kept free, not planner.safety_fraction's 3 %" in n for n in plan.notes)
+    # SDPA plans keep planner.safety_fraction; so does a CPU plan of the same model (CUDA's allocator only)
+    sdpa = make_plan(plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8"), gpu,
+                     with_remedies=False)
+    assert sdpa.budget_bytes_per_gpu == int(80 * GIB * 0.97)
+    cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), with_remedies=False)
+    assert not any("kept free, not planner.safety_fraction" in n for n in cpu.notes)
+
+
 def test_time_counts_recomputation_communication_and_the_hardware_rented():
     base = ["finetune.method=full", "train.global_batch_size=64", "data.max_seq_length=2048", "train.max_steps=10"]
     eight = make_plan(plan_config("qwen2.5-0.5b", *base), Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))

@@ -19,7 +19,7 @@ from sft_play.config import RunConfig
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
-from sft_play.planner.choose import budget_bytes, decide_split
+from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
 from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
@@ -141,8 +141,9 @@ def make_plan(
     run = run or resolve_for(config, target, data_stats, shape)
     train = config.train
 
-    search = FitSearch(shape, run, budget_bytes(target.free_bytes, config.planner.safety_margin_gib,
-                                                config.planner.safety_fraction),
+    fraction, margin_note = (safety_fraction(config.planner.safety_fraction, run.attention) if target.on_cuda
+                             else (config.planner.safety_fraction, None))  # measured on CUDA's allocator
+    search = FitSearch(shape, run, budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction),
                        per_process=max(1, -(-train.global_batch_size // target.world_size)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
                        else train.gradient_accumulation_steps, shorter_rows=shorter_rows)
@@ -150,6 +151,8 @@ def make_plan(
     split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
     notes, warnings = split_notes(config, search, split, fitting)
+    if margin_note:
+        notes.append(margin_note)
     chosen, peak, breakdown = search.reported(split)
     fits = bool(chosen.fits) and peak <= search.budget
 

@@ -26,6 +26,8 @@ KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "experts", "moe")
 _FIRST_LAYER = re.compile(r"\.(layers|layer|h|blocks)\.0\.")
+# Layer kinds (config.layer_types) that transformers builds a causal mask for, one per kind present
+ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 
 
 @dataclass
@@ -50,6 +52,9 @@ class ModelShape:
     tie_word_embeddings: bool
     lora_in_out: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each adapted linear, per layer
     attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it
+    # 4-D masks the backbone builds per batch where attention takes one: one per attention kind of
+    # its layers (Gemma-2, Qwen2 with sliding layers: a full and a sliding-window causal mask)
+    attention_masks: int = 1
     # Parameter tensors as the GPU allocates them: (elements, quantised by QLoRA) for one decoder
     # layer, and the elements of each tensor outside the layers (embeddings, final norm, head)
     layer_tensors: list[tuple[int, bool]] = field(default_factory=list)
@@ -208,6 +213,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         vocab_size=config_int(text, "vocab_size"),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
+        attention_masks=max(1, len(set(getattr(text, "layer_types", None) or ()) & ATTENTION_KINDS)),
         layer_tensors=layer_tensors,
         other_tensors=other_tensors,
         layers_tensors=every if any(tensors != layer_tensors for tensors in every) else [],

@@ -222,9 +222,11 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     gathered_embedding = _gather_embedding(run, shape, recipe)
     embeddings = run.new(b * s * h * residual, "activations")
     run.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
-    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) mask
+    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
+    # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
     rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
-    mask = run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs") if spec.masked else None
+    masks = [run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
+             for _ in range(shape.attention_masks)] if spec.masked else []
 
     # Layers forward: the input of layer i is the output of layer i - 1
     previous = embeddings
@@ -242,11 +244,12 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(run, norm, norm.forward, "norm", norm_names, b, "activations")
         _play(run, norm, norm.after_forward, "norm", norm_names, b, "activations")
         last_hidden = _name(norm_names, norm.output, "norm")
-    # The backbone returns: `inputs_embeds` and the mask go unless kept for backward
+    # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
         run.free(embeddings)
-    if mask is not None and not spec.checkpointing:
-        run.free(mask)
+    if not spec.checkpointing:
+        run.free(*masks)
+        masks = []
 
     head = _head_forward(run, shape, spec, last_hidden, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
@@ -284,7 +287,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
             run.free(embedding)
         else:
             grads.append(embedding)
-    run.free(*rotary, mask, *batch)
+    run.free(*rotary, *masks, *batch)
     if layers[0].input_kept:
         run.free(embeddings)
     if recipe.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
