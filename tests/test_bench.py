@@ -309,3 +309,45 @@ def test_the_recipes_bench_counts_an_answer_right_exactly_when_greedy_decoding_w
     greedy = [export.generate(model, tokenizer, messages, 32) == answer for messages, answer in puzzles]
     assert [m > 0 for m in margins(model, tokenizer, puzzles)] == greedy
     assert 0 < sum(greedy) < len(greedy), "a run that answers some and misses some tells the two apart"
+
+
+def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_the_gpu_did(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import gzip
+
+    import memory_snapshot
+
+    mib = 2**20
+    frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "softmax"},
+              {"filename": "/x/site-packages/transformers/models/gemma2/modeling_gemma2.py", "line": 9, "name": "eager"}]
+    # the GPU reuses its freed 150 MiB block for the 100 MiB request, as the caching allocator's
+    # best fit does, and takes a small segment for 512 bytes: the simulation, fed the same order,
+    # reserves the same
+    agree = [{"action": "segment_alloc", "addr": 0, "size": 150 * mib}, {"action": "alloc", "addr": 0, "size": 150 * mib,
+             "frames": frames}, {"action": "free_requested", "addr": 0, "size": 150 * mib},
+             {"action": "free_completed", "addr": 0, "size": 150 * mib}, {"action": "alloc", "addr": 0, "size": 100 * mib},
+             {"action": "segment_alloc", "addr": 1 << 30, "size": 2 * mib},
+             {"action": "alloc", "addr": 1 << 30, "size": 512}]
+    trace = memory_snapshot.compact({"device_traces": [agree]}, {"reserved_bytes.all.peak": 152 * mib})
+    assert trace["frames"] == ["transformers/models/gemma2/modeling_gemma2.py:9 eager"]  # the model's line, not torch's
+    assert [event[0] for event in trace["events"]] == ["s", "a", "f", "a", "s", "a"]  # free_requested is not the pool's
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump(trace, handle)
+    result = memory_snapshot.replay(trace)
+    assert result["first_parting"] is None and result["simulated_peak_reserved"] == 152 * mib
+    assert result["gpu_segments"] == result["simulated_segments"] == 2
+    replayed = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", str(path)],
+                              capture_output=True, text=True, cwd=REPO / "bench")
+    assert replayed.returncode == 0 and "the allocator's rules hold" in replayed.stdout, replayed.stderr
+    # a GPU that made a new segment where the simulation reuses a cached block: the parting is named
+    parted = [*agree[:4], {"action": "segment_alloc", "addr": 1 << 40, "size": 100 * mib},
+              {"action": "alloc", "addr": 1 << 40, "size": 100 * mib, "frames": frames}]
+    result = memory_snapshot.replay(memory_snapshot.compact({"device_traces": [parted]}, {}))
+    part = result["first_parting"]
+    assert part["event"] == 4 and part["size"] == 100 * mib and part["gpu_reserved"] == 250 * mib
+    assert part["simulated_reserved"] == 150 * mib and "modeling_gemma2.py:9" in part["made_at"]
+    assert "an allocator rule differs" in memory_snapshot.verdict(result)
+    missing = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", "nope.json.gz"],
+                             capture_output=True, text=True, cwd=REPO / "bench")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no trace at")

@@ -1,0 +1,201 @@
+"""The GPU's own sequence of allocations for one shape, replayed through the planner's allocator.
+
+The planner replays its traced training step through a simulation of PyTorch's caching allocator
+(sft_play/planner/allocator.py). Where its allocator cache is off (Gemma-2-9B's eager attention
+on an H200: 2.45 GiB replayed, 4.98 GiB measured, docs/PLANNER.md section 6), one question splits
+the cause in two: fed the GPU's own allocations and frees, in the GPU's order, does the simulation
+reserve what the GPU reserved?
+
+- yes: the allocator's rules are right, and the planner's traced event order differs from the
+  GPU's; the trace's large allocations, with the Python line that made each, show where;
+- no: a rule of the allocator differs; the replay names the first allocation after which the
+  simulation and the GPU hold different reserved memory (more than 64 MiB apart).
+
+On a GPU the script trains a shape (bench/lease.py's --shape syntax) for planner_accuracy's
+3 steps with ``torch.cuda.memory._record_memory_history`` on, and writes the GPU's trace compactly
+(--output, gzipped JSON): every allocation, completed free and segment of the allocator with its
+size and address, the Python line that made each allocation of 1 MiB or more, and the
+allocator's statistics; then it replays the trace and prints the verdict. Anywhere, --replay
+FILE replays a written trace. Random weights are built on the GPU first (bench/prepare_weights.py),
+as the lease does.
+
+Usage (on the lent machine: about a minute for Gemma-2 with 12 layers, weights included):
+  python3 bench/memory_snapshot.py gemma-2-9b,method=lora,seq=2048,ckpt=on,micro=8,layers=12 \\
+      --output $OUT/gemma2-trace.json.gz
+  python bench/memory_snapshot.py --replay gemma2-trace.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import REPO, lean  # bench/ is the script's folder
+
+MAX_ENTRIES = 4_000_000  # trace entries kept; a trace that reached it lost its start and cannot be replayed
+FRAME_FROM = 1 << 20  # allocations this large keep the Python line that made them
+DIVERGENCE = 64 << 20  # reserved memory this far apart: the simulation and the GPU have parted
+OWN_CODE = ("transformers/", "peft/", "trl/", "sft_play/", "accelerate/", "torch/utils/checkpoint", "torch/optim/")
+# The allocator's trace actions kept, by one letter: an allocation, a completed free (the block is
+# back in the pool), a segment from cudaMalloc, a segment back to CUDA
+ACTIONS = {"alloc": "a", "free_completed": "f", "segment_alloc": "s", "segment_free": "r"}
+
+
+def _frame(frames: list[dict]) -> str:
+    """The most telling Python frame of an allocation: the first in the model's or trainer's code."""
+    for frame in frames:
+        if any(part in frame.get("filename", "") for part in OWN_CODE):
+            return f"{frame['filename'].split('site-packages/')[-1]}:{frame.get('line')} {frame.get('name')}"
+    return f"{frames[0].get('filename', '?')}:{frames[0].get('line')} {frames[0].get('name')}" if frames else ""
+
+
+def compact(snapshot: dict, stats: dict, device: int = 0) -> dict:
+    """The parts of ``torch.cuda.memory._snapshot()`` the replay needs, small enough to travel."""
+    entries = snapshot["device_traces"][device]
+    frames: list[str] = []
+    index: dict[str, int] = {}
+    events = []
+    for entry in entries:
+        action = ACTIONS.get(entry["action"])
+        if action is None:
+            continue
+        frame = -1
+        if action == "a" and entry["size"] >= FRAME_FROM and entry.get("frames"):
+            text = _frame(entry["frames"])
+            frame = index.setdefault(text, len(frames))
+            if frame == len(frames):
+                frames.append(text)
+        events.append([action, entry["addr"], entry["size"], frame])
+    keep = ("reserved_bytes.all.peak", "allocated_bytes.all.peak", "segment.all.peak", "num_device_alloc",
+            "num_alloc_retries", "inactive_split_bytes.all.peak", "num_ooms")
+    streams = sorted({entry.get("stream", 0) for entry in entries if entry["action"] in ACTIONS})
+    return {"events": events, "frames": frames, "stats": {k: stats.get(k) for k in keep},
+            "truncated": len(entries) >= MAX_ENTRIES, "streams": len(streams)}
+
+
+def replay(trace: dict) -> dict:
+    """Feed the GPU's allocations and frees, in its order, to the simulated allocator: its peak
+    reserved and segments against the GPU's, and where the two first part."""
+    sys.path.insert(0, str(REPO))
+    from sft_play.planner.allocator import CachingAllocator
+
+    sim = CachingAllocator()
+    frames = trace["frames"]
+    real = real_peak = real_segments = 0
+    first = None
+    recent: list[str] = []  # the large allocations before the parting, the latest last
+    for number, (action, address, size, frame) in enumerate(trace["events"]):
+        if action == "s":
+            real += size
+            real_segments += 1
+            real_peak = max(real_peak, real)
+        elif action == "r":
+            real -= size
+        elif action == "f":
+            sim.free(address)
+        elif action == "a":
+            sim.malloc(address, size)
+            if size >= FRAME_FROM:
+                recent = (recent + [f"{size / 2**20:,.0f} MiB at {frames[frame] if frame >= 0 else '?'}"])[-6:]
+            if first is None and abs(sim.reserved - real) > DIVERGENCE:
+                first = {"event": number, "size": size, "made_at": frames[frame] if frame >= 0 else "",
+                         "gpu_reserved": real, "simulated_reserved": sim.reserved, "large_allocations_before": recent}
+    stats = trace.get("stats", {})
+    return {
+        "streams": trace.get("streams", 1),
+        "events": len(trace["events"]),
+        "truncated": bool(trace.get("truncated")),
+        "gpu_peak_reserved": stats.get("reserved_bytes.all.peak") or real_peak,
+        "simulated_peak_reserved": sim.peak_reserved,
+        "gpu_peak_allocated": stats.get("allocated_bytes.all.peak"),
+        "simulated_peak_allocated": sim.peak_allocated,
+        "gpu_segments": real_segments,
+        "simulated_segments": sim._segments,
+        "first_parting": first,
+    }
+
+
+def verdict(result: dict) -> str:
+    gib = 2**30
+    lines = [f"{result['events']:,} events; peak reserved: GPU {result['gpu_peak_reserved'] / gib:.2f} GiB, "
+             f"simulated {result['simulated_peak_reserved'] / gib:.2f} GiB; segments: GPU {result['gpu_segments']}, "
+             f"simulated {result['simulated_segments']}"]
+    if result["streams"] > 1:
+        lines.append(f"the GPU used {result['streams']} streams, whose blocks it does not share; the simulation "
+                     "has one: a parting may come from that alone")
+    if result["truncated"]:
+        lines.append("the trace reached its entry limit and lost its start: no verdict")
+    elif result["first_parting"] is None:
+        lines.append("the simulation reserves what the GPU reserved, in the GPU's order: the allocator's rules hold, "
+                     "and the planner's traced event order is what differs")
+    else:
+        part = result["first_parting"]
+        lines += [f"the simulation parts from the GPU at event {part['event']:,}: an allocation of "
+                  f"{part['size'] / 2**20:,.1f} MiB made at {part['made_at'] or '?'} (GPU {part['gpu_reserved'] / gib:.2f} "
+                  f"GiB reserved, simulated {part['simulated_reserved'] / gib:.2f}): an allocator rule differs",
+                  "large allocations before it:", *(f"  {text}" for text in part["large_allocations_before"])]
+    return "\n".join(lines)
+
+
+def record(spec: str, output: Path) -> dict:
+    """Train the shape with the allocator's history on; write the compact trace to `output`."""
+    import lease
+    import planner_accuracy
+
+    shape = lease.Shape.parse(spec)
+    lean(shape.method)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: recording the allocator's history needs a CUDA GPU (--replay works anywhere)")
+    task = lease.shape_task(shape, 1)
+    folder, dtype, target = lease.weights_for(task)
+    if target is not None and not target.exists():
+        print(lease.build_weights(folder, dtype, 900), flush=True)
+    case = planner_accuracy.Case(lease.model_folder(task), shape.method, shape.seq_len, shape.checkpointing,
+                                 (shape.micro,))
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=MAX_ENTRIES)
+    with tempfile.TemporaryDirectory() as workdir:
+        measured = planner_accuracy._worker(case, shape.micro, workdir)
+    trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace.update(shape=spec, measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(output, "wt") as handle:
+        json.dump(trace, handle)
+    return trace
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shape", nargs="?", help="FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N]")
+    parser.add_argument("--output", default="memory-trace.json.gz", help="where the GPU's trace goes (gzipped JSON)")
+    parser.add_argument("--replay", metavar="FILE", help="replay a written trace instead of recording one")
+    args = parser.parse_args()
+    if args.replay:
+        path = Path(args.replay)
+        if not path.is_file():
+            print(f"error: no trace at {path}", file=sys.stderr)
+            return 2
+        with gzip.open(path, "rt") as handle:
+            trace = json.load(handle)
+    elif args.shape:
+        try:
+            trace = record(args.shape, Path(args.output))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"trace of {args.shape}: {len(trace['events']):,} events -> {args.output}")
+    else:
+        parser.error("give a shape to record (on a GPU) or --replay FILE")
+    print(verdict(replay(trace)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
