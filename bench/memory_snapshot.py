@@ -142,9 +142,8 @@ def verdict(result: dict) -> str:
 
 
 def record(spec: str, output: Path) -> dict:
-    """Train the shape with the allocator's history on; write the compact trace to `output`."""
+    """Parse `spec` (bench/lease.py's --shape syntax), build the weights it needs, and record it."""
     import lease
-    import planner_accuracy
 
     shape = lease.Shape.parse(spec)
     lean(shape.method)
@@ -156,15 +155,25 @@ def record(spec: str, output: Path) -> dict:
     folder, dtype, target = lease.weights_for(task)
     if target is not None and not target.exists():
         print(lease.build_weights(folder, dtype, 900), flush=True)
-    case = planner_accuracy.Case(lease.model_folder(task), shape.method, shape.seq_len, shape.checkpointing,
-                                 (shape.micro,))
+    trace = record_shape(shape, lease.model_folder(task), output)
+    print(f"trace of {spec}: {len(trace['events']):,} events -> {output}")
+    return trace
+
+
+def record_shape(shape, folder: str, output: Path) -> dict:
+    """Train `shape` (a bench/lease.py Shape, its weights built) from `folder` with the allocator's
+    history on; write the compact trace to `output` and return it."""
+    import planner_accuracy
+    import torch
+
+    case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=MAX_ENTRIES)
     with tempfile.TemporaryDirectory() as workdir:
         measured = planner_accuracy._worker(case, shape.micro, workdir)
     trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
     torch.cuda.memory._record_memory_history(enabled=None)
-    trace.update(shape=spec, measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    trace.update(shape=shape.label, measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
     output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(output, "wt") as handle:
         json.dump(trace, handle)
@@ -190,7 +199,6 @@ def main() -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"trace of {args.shape}: {len(trace['events']):,} events -> {args.output}")
     else:
         parser.error("give a shape to record (on a GPU) or --replay FILE")
     print(verdict(replay(trace)))

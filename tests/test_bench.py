@@ -97,7 +97,8 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(bench_r
     assert first.returncode == 0, first.stderr[-3000:]
     text = report.read_text()
     assert "No GPU figure exists in this report" in text and "- device: CPU" in text
-    assert "These rows await a GPU: B qwen2.5-0.5b-full, T qwen2.5-0.5b-full, B llama-3.1-8b-lora" in text
+    assert ("These rows await a GPU: S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8, B qwen2.5-0.5b-full, "
+            "T qwen2.5-0.5b-full, B llama-3.1-8b-lora") in text
     assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
     assert "2 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
     second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -155,6 +156,9 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
         lease.Shape.parse("no-such-model")
     with pytest.raises(ValueError, match="batch=4"):
         lease.Shape.parse("gemma-2-9b,batch=4")
+    snapshot = lease.gpu_plan()[0]  # a GPU's first task: the allocator on the GPU's own order, for Gemma-2
+    assert snapshot["kind"] == "S" and snapshot["shape"]["model"] == "gemma-2-9b" and snapshot["shape"]["layers"] == 12
+    assert json.loads((Path(lease.model_folder(snapshot)) / "config.json").read_text())["num_hidden_layers"] == 12
     cut = lease.cut_layers(REPO / "tests" / "fixtures" / "model_configs" / "qwen3-30b-a3b", 6)
     config = json.loads((cut / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and all(len(v) == 6 for v in config.values() if isinstance(v, list)
@@ -236,6 +240,8 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
             "measured": {"ok": True, "peak_bytes": 50 * gib, "allocated_bytes": 47 * gib}}},
         {"task": "B llama-3.1-8b-lora", "kind": "B", "result": {"ok": False, "error": "out of memory",
                                                                   "predicted_peak": 70 * gib}},
+        {"task": "S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8", "kind": "S", "result": {
+            "verdict": "9 events; peak reserved: ...\nthe simulation reserves what the GPU reserved", "trace": "g.json.gz"}},
     ]
     text = lease.render(rows, tmp_path / "rows.jsonl")
     assert "could not be rendered" not in text and "No GPU figure" not in text
@@ -249,6 +255,8 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "| llama-3.2-3b full 2048 ckpt on micro 4 | 51.00 / 50.00 | +2.0% |" in text
     assert "Peak: median absolute error 2.0%" in text and "32: out of memory" in text
     assert "| llama-3.1-8b-lora | B | - | failed: out of memory |" in text
+    assert ("- gemma-2-9b (12 layers) lora 2048 ckpt on micro 8: 9 events; peak reserved: ...; the simulation reserves "
+            "what the GPU reserved (trace: `g.json.gz`)") in text
 
 
 def test_tiny_recipes_bench_trains_a_recipe_and_reports(bench_runs):
@@ -351,3 +359,32 @@ def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_th
     missing = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", "nope.json.gz"],
                              capture_output=True, text=True, cwd=REPO / "bench")
     assert missing.returncode == 2 and missing.stderr.startswith("error: no trace at")
+
+
+def test_the_memory_snapshot_records_a_shape_with_the_allocators_history_on(tmp_path, monkeypatch):
+    """The GPU path's glue, with torch's recorder and the training worker stood in for (no GPU here)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gzip
+
+    import lease
+    import memory_snapshot
+    import planner_accuracy
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw.get("enabled")))
+    monkeypatch.setattr(planner_accuracy, "_worker", lambda case, micro, workdir: calls.append((case.model, micro)) or
+                        {"ok": True, "peak_bytes": 3})
+    entries = [{"action": "segment_alloc", "addr": 0, "size": 2 << 20}, {"action": "alloc", "addr": 0, "size": 4096}]
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [entries]})
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.peak": 2 << 20})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    shape = lease.Shape.parse("qwen3-30b-a3b,method=lora,micro=2,layers=2")
+    output = tmp_path / "out" / "trace.json.gz"
+    trace = memory_snapshot.record_shape(shape, "/a/folder", output)
+    assert calls == ["all", ("/a/folder", 2), None]  # recording on, the step trained, recording off
+    with gzip.open(output, "rt") as handle:
+        written = json.load(handle)
+    assert written == trace and written["shape"] == shape.label and written["measured"]["peak_bytes"] == 3
+    assert written["device"] == "NVIDIA H200" and written["events"] == [["s", 0, 2 << 20, -1], ["a", 0, 4096, -1]]
+    replayed = memory_snapshot.replay(written)  # 4 KiB: a segment of the small pool, 2 MiB, on both sides
+    assert replayed["first_parting"] is None and replayed["simulated_peak_reserved"] == 2 << 20
