@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -305,7 +306,8 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
             import memory_snapshot
 
             shape = Shape(**task["shape"])
-            trace_file = state.with_name(f"{Path(shape.model).name}-{shape.method}-trace.json.gz")
+            slug = re.sub(r"[^A-Za-z0-9.-]+", "-", shape.label).strip("-")
+            trace_file = state.with_name(f"{slug}.trace.json.gz")
             trace = memory_snapshot.record_shape(shape, model_folder(task), trace_file)
             replayed = memory_snapshot.replay(trace)
             result = {**replayed, "verdict": memory_snapshot.verdict(replayed), "trace": trace_file.name,
@@ -356,10 +358,11 @@ STOPPED = {"deadline": "by the deadline", "slower": "a larger micro-batch ran sl
 
 def _tuned_setup(result: dict) -> str:
     """The packing and attention a T row ran (rows from before the bench recorded it ran BFD
-    padding-free rows on SDPA where FlashAttention-2 was not installed)."""
+    padding-free rows on SDPA where FlashAttention-2 was not installed); "" for a failed try of
+    those rows, which trained nothing."""
     import throughput
 
-    return result.get("setup") or throughput.LEGACY_SETUP
+    return result.get("setup") or ("" if result.get("ok") is False else throughput.LEGACY_SETUP)
 
 
 def _gib(value) -> str:
@@ -445,7 +448,8 @@ def render(rows: list[dict], state: Path) -> str:
                 shown = (f"{attempt.get('micro_batch')}: {attempt.get('error')}" if attempt.get("ok") is False else
                          f"{attempt.get('micro_batch')}: {attempt.get('tokens_per_second', 0):,.0f}, "
                          f"{_gib(attempt.get('peak_bytes'))}")
-                by_task.setdefault(f"{key} ({_tuned_setup(attempt)})" if on_cuda else key, []).append(shown)
+                setup = _tuned_setup(attempt) if on_cuda else ""
+                by_task.setdefault(f"{key} ({setup})" if setup else key, []).append(shown)
             lines += [f"- {key}: " + "; ".join(shown) for key, shown in by_task.items()]
         lines.append("")
     timed = [(key, result) for key, result in results.items() if key.startswith("B") and result.get("ok") is not False]
@@ -502,8 +506,7 @@ def render(rows: list[dict], state: Path) -> str:
         lines += ["## Setup", ""] + [f"- weights of {Path(row['model']).name} ({row['dtype']}): {row['message']}"
                                      for row in built] + [""]
     cut = [row["task"] for row in rows if row.get("kind") == "cut" and row["task"] not in results]
-    plan = [task["key"] for task in (gpu_plan() if on_cuda else cpu_plan())]
-    left = [key for key in plan if key not in results]
+    left = [task["key"] for task in pending(gpu_plan() if on_cuda else cpu_plan(), rows)]
     lines += ["## Not measured yet", ""]
     if left:
         lines += [f"{len(left)} task(s) left for the next call with the same rows: " + ", ".join(left) + "."]
@@ -626,8 +629,9 @@ def main() -> int:
                 "on_cuda": on_cuda}
         result = run_worker(__file__, spec, timeout=int(left) if left is not None else 3600)
         rows = read_rows(state)
-        if task["key"] in {row.get("task") for row in rows if row.get("kind") in DONE_KINDS}:
-            done += 1
+        since = max(i for i, row in enumerate(rows) if row.get("kind") == "start" and row.get("task") == task["key"])
+        if task["key"] in {row.get("task") for row in rows[since:] if row.get("kind") in DONE_KINDS}:
+            done += 1  # its row of this call (a T of an old setup has an older one)
         elif result.get("error") == "timeout" and deadline and time.time() >= deadline - 1:
             append_row(state, {"kind": "cut", "task": task["key"]})
             cut = True

@@ -79,51 +79,67 @@ def compact(snapshot: dict, stats: dict, device: int = 0) -> dict:
 
 def replay(trace: dict) -> dict:
     """Feed the GPU's allocations and frees, in its order, to the simulated allocator: its peak
-    reserved and segments against the GPU's, and where the two first part."""
+    reserved and segments against the GPU's, and where the two first part.
+
+    A segment the GPU gives back (``segment_free``) comes from a release of the cache: the
+    trainer's ``empty_cache`` as training starts (accelerate's ``free_memory``), or a retry after
+    a failed cudaMalloc; both hand back every completely free segment, and so does the
+    simulation there. The peaks are those after the last such release (training, not loading),
+    and a new segment starts at the GPU's address for it, which orders equal-sized blocks."""
     sys.path.insert(0, str(REPO))
     from sft_play.planner.allocator import CachingAllocator
 
     sim = CachingAllocator()
     frames = trace["frames"]
-    real = real_peak = real_segments = 0
+    real = real_peak = sim_peak = real_segments = 0
     first = None
+    address_of_segment = None
+    previous = ""
     recent: list[str] = []  # the large allocations before the parting, the latest last
     for number, (action, address, size, frame) in enumerate(trace["events"]):
         if action == "s":
             real += size
             real_segments += 1
-            real_peak = max(real_peak, real)
+            address_of_segment = address
         elif action == "r":
+            if previous != "r":
+                sim._release_cache()  # noqa: SLF001 - the same release the GPU made
             real -= size
+            real_peak, sim_peak = real, sim.reserved  # peaks count from the last release on
         elif action == "f":
             sim.free(address)
         elif action == "a":
+            sim.segment_address = address_of_segment
             sim.malloc(address, size)
+            sim.segment_address = address_of_segment = None
             if size >= FRAME_FROM:
                 recent = (recent + [f"{size / 2**20:,.0f} MiB at {frames[frame] if frame >= 0 else '?'}"])[-6:]
             if first is None and abs(sim.reserved - real) > DIVERGENCE:
                 first = {"event": number, "size": size, "made_at": frames[frame] if frame >= 0 else "",
                          "gpu_reserved": real, "simulated_reserved": sim.reserved, "large_allocations_before": recent}
+        real_peak, sim_peak = max(real_peak, real), max(sim_peak, sim.reserved)
+        previous = action
     stats = trace.get("stats", {})
     return {
         "streams": trace.get("streams", 1),
         "events": len(trace["events"]),
         "truncated": bool(trace.get("truncated")),
-        "gpu_peak_reserved": stats.get("reserved_bytes.all.peak") or real_peak,
-        "simulated_peak_reserved": sim.peak_reserved,
-        "gpu_peak_allocated": stats.get("allocated_bytes.all.peak"),
-        "simulated_peak_allocated": sim.peak_allocated,
+        "gpu_peak_reserved": real_peak,
+        "simulated_peak_reserved": sim_peak,
+        "gpu_stats_peak_reserved": stats.get("reserved_bytes.all.peak"),  # torch's, reset after loading
+        "gpu_stats_peak_allocated": stats.get("allocated_bytes.all.peak"),
         "gpu_segments": real_segments,
-        "simulated_segments": sim._segments,
+        "simulated_segments": sim._segments,  # noqa: SLF001
+        "releases": sim.releases,
         "first_parting": first,
     }
 
 
 def verdict(result: dict) -> str:
     gib = 2**30
-    lines = [f"{result['events']:,} events; peak reserved: GPU {result['gpu_peak_reserved'] / gib:.2f} GiB, "
-             f"simulated {result['simulated_peak_reserved'] / gib:.2f} GiB; segments: GPU {result['gpu_segments']}, "
-             f"simulated {result['simulated_segments']}"]
+    lines = [f"{result['events']:,} events; peak reserved after the last release of the cache: GPU "
+             f"{result['gpu_peak_reserved'] / gib:.2f} GiB, simulated {result['simulated_peak_reserved'] / gib:.2f} GiB; "
+             f"segments made: GPU {result['gpu_segments']}, simulated {result['simulated_segments']}"]
     if result["streams"] > 1:
         lines.append(f"the GPU used {result['streams']} streams, whose blocks it does not share; the simulation "
                      "has one: a parting may come from that alone")
@@ -169,10 +185,12 @@ def record_shape(shape, folder: str, output: Path) -> dict:
     case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=MAX_ENTRIES)
-    with tempfile.TemporaryDirectory() as workdir:
-        measured = planner_accuracy._worker(case, shape.micro, workdir)
-    trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
-    torch.cuda.memory._record_memory_history(enabled=None)
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            measured = planner_accuracy._worker(case, shape.micro, workdir)
+        trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     trace.update(shape=shape.label, measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
     output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(output, "wt") as handle:

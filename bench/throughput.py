@@ -140,13 +140,8 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
         dataloader_pin_memory=on_cuda,
     )
     if tuned:
-        import importlib.util
-
-        flash = on_cuda and importlib.util.find_spec("flash_attn") is not None
-        # BFD packing makes TRL padding-free (every row of the micro-batch flattened into one sequence),
-        # which TRL supports with FlashAttention only: on SDPA it attends over micro x seq tokens at once,
-        # slower with every micro-batch (seen on an H200, 2026-11-26). Without it, TRL's wrapped packing.
-        strategy = "bfd" if flash else "wrapped"
+        strategy = tuned_strategy(on_cuda)
+        flash = strategy == "bfd"
         settings.update(packing=True, packing_strategy=strategy, optim="adamw_torch_fused" if on_cuda else "adamw_torch",
                         model_init_kwargs={**settings["model_init_kwargs"],
                                            "attn_implementation": "flash_attention_2" if flash else "sdpa"})
@@ -176,6 +171,16 @@ def run_baseline(case: Case, steps: int, warmup: int, output_dir: str, tuned: st
 # What T ran, as its rows say it (rows without one ran BFD padding-free on SDPA: LEGACY_SETUP)
 TUNED_SETUP = {"bfd": "BFD padding-free, FlashAttention-2", "wrapped": "wrapped rows, SDPA"}
 LEGACY_SETUP = "BFD padding-free on SDPA"
+
+
+def tuned_strategy(on_cuda: bool) -> str:
+    """T's packing: BFD packing makes TRL padding-free (the micro-batch flattened into one
+    sequence), which TRL supports with FlashAttention only; on SDPA it attends over micro x seq
+    tokens at once, slower with every micro-batch (seen on an H200, 2026-11-26). Without
+    FlashAttention-2, TRL's wrapped packing."""
+    import importlib.util
+
+    return "bfd" if on_cuda and importlib.util.find_spec("flash_attn") is not None else "wrapped"
 
 
 # The kernel switches, as config overrides (sft_play.config: model.attn_implementation, train.*)
@@ -304,7 +309,7 @@ def run_tuned_search(case: Case, steps: int, warmup: int, output_dir: str, start
             result = run_baseline(case, steps, warmup, os.path.join(output_dir, f"micro{micro}"), tuned=tuned,
                                   micro=micro)
         except Exception as exc:  # noqa: BLE001 - out of memory ends the doubling; anything else is said
-            result = {"ok": False, "micro_batch": micro,
+            result = {"ok": False, "micro_batch": micro, "setup": TUNED_SETUP[tuned_strategy(on_cuda)],
                       "error": out_of_memory(exc) or f"{type(exc).__name__}: {exc}"[:300]}
         result["try_seconds"] = time.time() - began
         gc.collect()

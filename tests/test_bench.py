@@ -251,6 +251,11 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     # a T row from before the bench said its setup ran BFD padding-free on SDPA: no B-over-T claim from it
     assert "| llama-3.2-3b-full | B | 8 x 1 |" in text and "not compared: T ran BFD padding-free on SDPA |" in text
     assert "are no baseline" in text
+    assert "- T qwen2.5-0.5b-full: 32: out of memory" in text  # a failed try trained nothing: no setup to blame
+    # the H200 lease's rows: their T ran the old setup, and the report counts them as left to measure
+    rows = lease.read_rows(REPO / "docs" / "gpu_lease.jsonl")
+    left = lease.render(rows, tmp_path / "rows.jsonl").split("## Not measured yet")[1]
+    assert "T qwen2.5-0.5b-full, " in left and "T llama-3.1-8b-lora, " in left and "B qwen2.5-0.5b-full," not in left
     assert "| B qwen2.5-0.5b-full | 1.100 / 1.000 | +10.0% | 55.00 / 54.00 | +1.9% |" in text
     assert "| llama-3.2-3b full 2048 ckpt on micro 4 | 51.00 / 50.00 | +2.0% |" in text
     assert "Peak: median absolute error 2.0%" in text and "32: out of memory" in text
@@ -356,6 +361,27 @@ def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_th
     assert part["event"] == 4 and part["size"] == 100 * mib and part["gpu_reserved"] == 250 * mib
     assert part["simulated_reserved"] == 150 * mib and "modeling_gemma2.py:9" in part["made_at"]
     assert "an allocator rule differs" in memory_snapshot.verdict(result)
+    # the trainer's empty_cache as training starts gives every free segment back, on the GPU and in
+    # the replay; the peaks count from there (training, not loading)
+    released = [{"action": "segment_alloc", "addr": 0, "size": 300 * mib}, {"action": "alloc", "addr": 0, "size": 300 * mib},
+                {"action": "free_completed", "addr": 0, "size": 300 * mib},
+                {"action": "segment_free", "addr": 0, "size": 300 * mib},
+                {"action": "segment_alloc", "addr": 1 << 40, "size": 200 * mib},
+                {"action": "alloc", "addr": 1 << 40, "size": 200 * mib}]
+    result = memory_snapshot.replay(memory_snapshot.compact({"device_traces": [released]}, {}))
+    assert result["first_parting"] is None and result["releases"] == 1
+    assert result["gpu_peak_reserved"] == result["simulated_peak_reserved"] == 200 * mib
+    # a new segment starts at the GPU's address for it: equal-sized free blocks go lowest address first
+    from sft_play.planner.allocator import CachingAllocator
+
+    sim = CachingAllocator()
+    for handle, address in (("high", 2 << 30), ("low", 1 << 30)):
+        sim.segment_address = address
+        sim.malloc(handle, 100 * mib)
+    sim.free("high")
+    sim.free("low")
+    sim.malloc("next", 100 * mib)
+    assert sim._live["next"].address == 1 << 30
     missing = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", "nope.json.gz"],
                              capture_output=True, text=True, cwd=REPO / "bench")
     assert missing.returncode == 2 and missing.stderr.startswith("error: no trace at")

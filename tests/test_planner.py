@@ -505,6 +505,12 @@ def test_calibration_fits_two_measurements_and_replans():
                                                                             "safety_fraction": 0.05}))
     assert replanned.micro_batch_size == 8 and replanned.gradient_accumulation_steps == 8  # exact split of 64
     assert replanned.peak_bytes_per_gpu == 10 * GIB + 8 * 7 * GIB
+    assert replanned.budget_bytes_per_gpu == budget_bytes(plan.free_bytes_per_gpu, 1.0, 0.05)  # the budget it used
+    # an eager-attention plan keeps its measured shortfall when calibrated too: the same budget as planned
+    eager = dataclasses.replace(plan, attention="eager", budget_bytes_per_gpu=budget_bytes(80 * GIB, 0.5, 0.11))
+    recalibrated = calibrate.calibrated_plan(eager, measured, predicted, config.train, config.planner)
+    assert recalibrated.budget_bytes_per_gpu == eager.budget_bytes_per_gpu
+    assert recalibrated.fits == (recalibrated.peak_bytes_per_gpu <= recalibrated.budget_bytes_per_gpu)
     assert any("calibrated on this GPU: micro 1: predicted" in note for note in replanned.notes)
     with pytest.raises(ValueError, match="two different micro-batch sizes"):
         calibrate.fit({1: GIB})

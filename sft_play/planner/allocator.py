@@ -142,6 +142,9 @@ class CachingAllocator:
     _by_category: dict[str, int] = field(default_factory=dict)
     _segments: int = 0
     _segment_sizes: dict[int, int] = field(default_factory=dict)
+    # Where the next segment starts, when a replay of a real trace knows it (cudaMalloc's address
+    # orders equal-sized blocks); None: segments are ordered as they were created
+    segment_address: int | None = None
 
     def malloc(self, handle, size: int, category: str = "other") -> None:
         """Allocate `size` bytes for `handle` (any hashable name of the tensor).
@@ -224,7 +227,8 @@ class CachingAllocator:
         self._segments += 1
         self._segment_sizes[segment] = allocation
         self.reserved += allocation
-        return _Block(segment, segment << 48, allocation, small)
+        address, self.segment_address = (segment << 48 if self.segment_address is None else self.segment_address), None
+        return _Block(segment, address, allocation, small)
 
     def _release_cache(self) -> None:
         """``release_cached_blocks``: every completely free segment goes back to CUDA."""

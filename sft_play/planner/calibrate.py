@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sft_play.planner.choose import budget_bytes, decide_split
+from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
 from sft_play.units import GIB
 
 
@@ -37,7 +37,10 @@ def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], t
         train, settings: the run config's ``train`` and ``planner`` sections.
     """
     fixed, per_sample = fit(measured)
-    budget = budget_bytes(plan.free_bytes_per_gpu, settings.safety_margin_gib, settings.safety_fraction)
+    # the plan's own margin: an attention kernel measured short keeps its shortfall here too (a line
+    # through micro-batches 1 and 2 cannot see the cache a larger micro-batch's blocks leave)
+    fraction, _ = safety_fraction(settings.safety_fraction, plan.attention)
+    budget = budget_bytes(plan.free_bytes_per_gpu, settings.safety_margin_gib, fraction)
     per_process = max(1, -(-plan.requested_global_batch_size // plan.world_size))
     fitting = int((budget - fixed) // per_sample) if per_sample else per_process
     fitting = max(0, min(fitting, per_process))
@@ -56,6 +59,7 @@ def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], t
         gradient_accumulation_steps=split.gradient_accumulation_steps,
         global_batch_size=split.global_batch_size,
         peak_bytes_per_gpu=peak,
+        budget_bytes_per_gpu=budget,
         fits=fitting >= 1 and peak <= budget,
         notes=plan.notes + notes + ([split.note] if split.note else []),
     )

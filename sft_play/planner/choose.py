@@ -15,7 +15,9 @@ from sft_play.units import GIB
 # more; the replay predicts its live tensors within 0.2 % but the allocator's cache around those
 # blocks depends on the order of allocations and frees, and came out 2.7 GB larger than replayed.
 # Until a memory snapshot on a GPU finds the cause (docs/PLANNER.md, section 6), such plans keep
-# the measured shortfall free. A calibrated plan (planner.calibrate) measures instead.
+# the measured shortfall free, calibrated ones too (planner.calibrate fits a line through
+# micro-batches 1 and 2, which cannot see the cache a larger micro-batch's blocks leave). One
+# measured shape stands behind it: 10.6 % under, kept 11 %.
 MEASURED_SHORTFALL = {
     "eager": (0.11, "10.6 % under the peak measured for Gemma-2-9B (12 layers) LoRA, seq 2048, micro 8, "
                     "checkpointing, on an H200 (docs/gpu_lease.md, 2026-11-26)"),
