@@ -312,6 +312,11 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
             replayed = memory_snapshot.replay(trace)
             result = {**replayed, "verdict": memory_snapshot.verdict(replayed), "trace": trace_file.name,
                       "measured": trace.get("measured")}
+            try:  # where the planner's order of large allocations and frees first differs from the GPU's
+                result["order"] = memory_snapshot.first_differences(memory_snapshot.gpu_order(trace),
+                                                                    memory_snapshot.planned_order(asdict(shape)))
+            except Exception as exc:  # noqa: BLE001 - the trace and its verdict are kept all the same
+                result["order"] = [f"not compared: {type(exc).__name__}: {exc}"[:300]]
         else:
             result = measure_shape(Shape(**task["shape"]), model_folder(task), workdir)
     append_row(state, {"task": task["key"], "kind": kind, "result": result})
@@ -497,6 +502,9 @@ def render(rows: list[dict], state: Path) -> str:
             lines += [f"- {key[2:]}: " + (f"failed: {result.get('error')}" if result.get("ok") is False else
                                           result.get("verdict", "").replace("\n", "; ") +
                                           f" (trace: `{result.get('trace')}`)")]
+            if result.get("order"):
+                lines += ["", "  The planner's order of allocations and frees of 16 MiB or more against the GPU's:", "",
+                          "  ```", *(f"  {line}" for line in result["order"][:30]), "  ```", ""]
         lines.append("")
     lines += ["Targets (issue 25, one H100): B >= 1.3x the best tuned TRL baseline on every row, with matching losses;",
               "MFU >= 45 % for 8B LoRA and >= 40 % for 0.5B full; predicted seconds per step within 15 % of measured;",

@@ -32,6 +32,7 @@ import gzip
 import json
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from _common import REPO, lean  # bench/ is the script's folder
@@ -135,6 +136,97 @@ def replay(trace: dict) -> dict:
     }
 
 
+COMPARE_FROM = 16 << 20  # the order compared: allocations and frees of blocks this large
+
+
+def gpu_order(trace: dict, threshold: int = COMPARE_FROM) -> list[tuple[str, int, str]]:
+    """The GPU's training order: ("a" or "f", size, the Python line that allocated it) for every
+    block of at least COMPARE_FROM bytes after the last release of the cache (the trainer's start),
+    leaving out the optimizer's own (created lazily at the first step; the planner creates its
+    states up front)."""
+    events = trace["events"]
+    start = max((i for i, event in enumerate(events) if event[0] == "r"), default=-1) + 1
+    frames = trace["frames"]
+    live: dict[int, tuple[int, str]] = {}
+    order = []
+    for action, address, size, frame in events[:start]:
+        if action == "a":
+            live[address] = (size, "")
+        elif action == "f":
+            live.pop(address, None)
+    for action, address, size, frame in events[start:]:
+        if action == "a":
+            made = frames[frame] if frame >= 0 else ""
+            live[address] = (size, made)
+            if size >= threshold and "torch/optim/" not in made:
+                order.append(("a", size, made))
+        elif action == "f" and address in live:
+            size, made = live.pop(address)
+            if size >= threshold and "torch/optim/" not in made:
+                order.append(("f", size, made))
+    return order
+
+
+def planned_order(fields: dict, threshold: int = COMPARE_FROM) -> list[tuple[str, int, str]]:
+    """The planner's order for the same shape (bench/lease.py Shape fields): its replay's
+    allocations and frees of at least COMPARE_FROM bytes, with their categories, leaving out the
+    weights and the optimizer's states (allocated before training on the GPU)."""
+    import lease
+    import planner_accuracy
+
+    sys.path.insert(0, str(REPO))
+    from sft_play import config as config_module
+    from sft_play.planner import Target, model_shape, resolve_for
+    from sft_play.planner.predict import _replay
+
+    shape = lease.Shape(**fields)
+    folder = lease.model_folder(lease.shape_task(shape, 1))
+    case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
+    config = config_module.load(None, case.overrides(shape.micro, "/tmp/unused"), check_paths=False)
+    model = model_shape(config)
+    run = resolve_for(config, Target(1, 80 << 30, "NVIDIA H100 80GB HBM3"), planner_accuracy._stats(case, shape.micro),
+                      model)
+    log: list = []
+    _replay(model, run, shape.micro, False, None, log=log)
+    sizes: dict = {}
+    order = []
+    for entry in log:
+        if entry[0] == "a":
+            _, handle, size, category = entry
+            sizes[handle] = (size, category)
+            if size >= threshold and category not in ("weights", "optimizer_states"):
+                order.append(("a", size, category))
+        else:
+            size, category = sizes.pop(entry[1])
+            if size >= threshold and category not in ("weights", "optimizer_states"):
+                order.append(("f", size, category))
+    return order
+
+
+def first_differences(gpu: list[tuple[str, int, str]], planned: list[tuple[str, int, str]],
+                      count: int = 3, context: int = 4) -> list[str]:
+    """Where the planner's order of large allocations and frees first differs from the GPU's
+    (difflib's alignment of the (action, size) sequences, so that one extra event does not shift
+    everything after it): up to `count` differences, each with `context` events either side."""
+    import difflib
+
+    def shown(events, low, high):
+        return [f"{a} {size / 2**20:,.1f} MiB {where}".rstrip() for a, size, where in events[max(0, low):high]]
+
+    matcher = difflib.SequenceMatcher(None, [e[:2] for e in gpu], [e[:2] for e in planned], autojunk=False)
+    lines = []
+    for tag, g1, g2, p1, p2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        lines += [f"{tag} at GPU event {g1} / planned event {p1}:",
+                  *(f"  GPU     {text}" for text in shown(gpu, g1 - context, g2 + context)),
+                  *(f"  planned {text}" for text in shown(planned, p1 - context, p2 + context))]
+        count -= 1
+        if not count:
+            break
+    return lines or ["the planner's order of large allocations and frees is the GPU's"]
+
+
 def verdict(result: dict) -> str:
     gib = 2**30
     lines = [f"{result['events']:,} events; peak reserved after the last release of the cache: GPU "
@@ -191,7 +283,7 @@ def record_shape(shape, folder: str, output: Path) -> dict:
         trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    trace.update(shape=shape.label, measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    trace.update(shape=shape.label, shape_fields=asdict(shape), measured=measured, device=torch.cuda.get_device_name(0), torch=torch.__version__)
     output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(output, "wt") as handle:
         json.dump(trace, handle)
@@ -203,6 +295,8 @@ def main() -> int:
     parser.add_argument("shape", nargs="?", help="FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N]")
     parser.add_argument("--output", default="memory-trace.json.gz", help="where the GPU's trace goes (gzipped JSON)")
     parser.add_argument("--replay", metavar="FILE", help="replay a written trace instead of recording one")
+    parser.add_argument("--compare", action="store_true",
+                        help="also compare the planner's order of large allocations and frees with the GPU's")
     args = parser.parse_args()
     if args.replay:
         path = Path(args.replay)
@@ -220,6 +314,12 @@ def main() -> int:
     else:
         parser.error("give a shape to record (on a GPU) or --replay FILE")
     print(verdict(replay(trace)))
+    if args.compare:
+        if "shape_fields" not in trace:
+            print("error: this trace does not say which shape it is of", file=sys.stderr)
+            return 2
+        lean(trace["shape_fields"]["method"])
+        print("\n".join(first_differences(gpu_order(trace), planned_order(trace["shape_fields"]))))
     return 0
 
 

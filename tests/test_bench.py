@@ -241,7 +241,8 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
         {"task": "B llama-3.1-8b-lora", "kind": "B", "result": {"ok": False, "error": "out of memory",
                                                                   "predicted_peak": 70 * gib}},
         {"task": "S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8", "kind": "S", "result": {
-            "verdict": "9 events; peak reserved: ...\nthe simulation reserves what the GPU reserved", "trace": "g.json.gz"}},
+            "verdict": "9 events; peak reserved: ...\nthe simulation reserves what the GPU reserved", "trace": "g.json.gz",
+            "order": ["replace at GPU event 7 / planned event 7:", "  GPU     a 2,048.0 MiB softmax"]}},
     ]
     text = lease.render(rows, tmp_path / "rows.jsonl")
     assert "could not be rendered" not in text and "No GPU figure" not in text
@@ -262,6 +263,7 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "| llama-3.1-8b-lora | B | - | failed: out of memory |" in text
     assert ("- gemma-2-9b (12 layers) lora 2048 ckpt on micro 8: 9 events; peak reserved: ...; the simulation reserves "
             "what the GPU reserved (trace: `g.json.gz`)") in text
+    assert "  replace at GPU event 7 / planned event 7:\n    GPU     a 2,048.0 MiB softmax\n" in text
 
 
 def test_tiny_recipes_bench_trains_a_recipe_and_reports(bench_runs):
@@ -414,3 +416,28 @@ def test_the_memory_snapshot_records_a_shape_with_the_allocators_history_on(tmp_
     assert written["device"] == "NVIDIA H200" and written["events"] == [["s", 0, 2 << 20, -1], ["a", 0, 4096, -1]]
     replayed = memory_snapshot.replay(written)  # 4 KiB: a segment of the small pool, 2 MiB, on both sides
     assert replayed["first_parting"] is None and replayed["simulated_peak_reserved"] == 2 << 20
+
+
+def test_the_memory_snapshot_compares_the_planners_order_of_allocations_with_the_gpus():
+    sys.path.insert(0, str(REPO / "bench"))
+    import memory_snapshot
+
+    mib = 2**20
+    frames = ["torch/optim/adamw.py:1 _init_group", "transformers/models/gemma2/modeling_gemma2.py:9 eager"]
+    # loading (before the trainer's release of the cache) and the optimizer's own blocks are left out
+    events = [["s", 0, 100 * mib, -1], ["a", 0, 40 * mib, -1], ["a", 1, 50 * mib, -1], ["f", 1, 0, -1],
+              ["r", 1 << 30, 60 * mib, -1], ["a", 2, 32 * mib, 1], ["a", 3, 32 * mib, 0], ["f", 2, 0, -1],
+              ["f", 0, 0, -1], ["a", 4, 8 * mib, 1]]
+    order = memory_snapshot.gpu_order({"events": events, "frames": frames})
+    assert order == [("a", 32 * mib, frames[1]), ("f", 32 * mib, frames[1]), ("f", 40 * mib, "")]
+    assert memory_snapshot.gpu_order({"events": events, "frames": frames}, threshold=0)[-1] == ("a", 8 * mib, frames[1])
+    same = memory_snapshot.first_differences(order, [("a", 32 * mib, "x"), ("f", 32 * mib, "x"), ("f", 40 * mib, "y")])
+    assert same == ["the planner's order of large allocations and frees is the GPU's"]
+    swapped = memory_snapshot.first_differences(order, [("f", 40 * mib, "y"), ("a", 32 * mib, "x"), ("f", 32 * mib, "x")])
+    assert swapped[0].endswith("at GPU event 0 / planned event 0:") and "  planned f 40.0 MiB y" in swapped
+    # the planner's side, on a tiny shape: its replay's allocations and frees, without weights or optimizer states
+    planned = memory_snapshot.planned_order({"model": str(REPO / "configs" / "tiny_model"), "method": "lora",
+                                             "seq_len": 64, "checkpointing": False, "micro": 2}, threshold=0)
+    categories = {category for _, _, category in planned}
+    assert "activations" in categories and not categories & {"weights", "optimizer_states"}
+    assert sum(1 for a, *_ in planned if a == "a") >= sum(1 for a, *_ in planned if a == "f") > 0

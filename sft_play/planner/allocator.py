@@ -145,6 +145,9 @@ class CachingAllocator:
     # Where the next segment starts, when a replay of a real trace knows it (cudaMalloc's address
     # orders equal-sized blocks); None: segments are ordered as they were created
     segment_address: int | None = None
+    # Every allocation ("a", handle, size, category) and free ("f", handle) in order, when a list
+    # is given (bench/memory_snapshot.py compares the planner's order with a GPU's)
+    log: list | None = None
 
     def malloc(self, handle, size: int, category: str = "other") -> None:
         """Allocate `size` bytes for `handle` (any hashable name of the tensor).
@@ -152,6 +155,8 @@ class CachingAllocator:
         Raises:
             OutOfMemory: the allocation fails even after releasing the cache.
         """
+        if self.log is not None:
+            self.log.append(("a", handle, size, category))
         size = MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._pools[0 if small else 1]
@@ -183,6 +188,8 @@ class CachingAllocator:
         block = self._live.pop(handle, None)
         if block is None:
             return
+        if self.log is not None:
+            self.log.append(("f", handle))
         self.allocated -= block.size
         self._by_category[block.category] -= block.size
         block.allocated = False

@@ -208,7 +208,8 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits)
 
 
-def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None):
+def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None,
+            log: list | None = None):
     REPLAYS[0] += 1
     trace = traced_layers(trace_spec(run, micro_batch), run.sequence.tokens)
     spec = StepSpec(
@@ -222,7 +223,7 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         accumulating=accumulating,
         on_cuda=run.on_cuda,
     )
-    return replay(shape, trace, spec, capacity)
+    return replay(shape, trace, spec, capacity, log)
 
 
 def traced_layers(spec, seq_len: int):

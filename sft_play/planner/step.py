@@ -84,11 +84,12 @@ class _Replay:
                 self.allocator.free(handle)
 
 
-def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:
+def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None,
+           log: list | None = None) -> StepMemory:
     """Replay `spec.steps` optimizer steps; `capacity` (bytes the allocator may reserve) None is
     unlimited. An allocation that fails even after the cache is released ends the replay with
-    ``out_of_memory``."""
-    allocator = CachingAllocator(capacity=capacity)
+    ``out_of_memory``. `log`, a list, receives every allocation and free in order."""
+    allocator = CachingAllocator(capacity=capacity, log=log)
     run = _Replay(allocator)
     try:
         _replay(run, shape, trace, spec)
