@@ -565,7 +565,7 @@ def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask
     assert plan.budget_bytes_per_gpu == int(80 * GIB * (1 - 0.11))
     assert any("11 % of free memory kept free, not planner.safety_fraction's 3 %" in n for n in plan.notes)
     # SDPA plans keep planner.safety_fraction; so does a CPU plan of the same model (CUDA's allocator only)
-    sdpa = make_plan(plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8"), gpu,
+    sdpa = make_plan(plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.global_batch_size=8"), gpu,
                      with_remedies=False)
     assert sdpa.budget_bytes_per_gpu == int(80 * GIB * 0.97)
     cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), with_remedies=False)
