@@ -37,9 +37,6 @@ from pathlib import Path
 from _common import CONFIGS, REPO, process_gpu_bytes  # bench/ is the script's folder
 from transformers import TrainerCallback
 
-# Dense bf16 peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12,
-             "A10G": 125e12, "L4": 121e12}
 
 
 @dataclass(frozen=True)
@@ -360,14 +357,14 @@ def flops_per_token(case: Case) -> float:
 
     config = config_module.load(None, [f"model.name_or_path={case.model}", f"finetune.method={case.method}",
                                        "lora.r=16"], check_paths=False)
-    shape = model_shape(config)
+    shape = model_shape(config)  # the parameters a token passes through (a mixture's active ones)
     if case.method == "full":
-        return 6.0 * shape.total_params
-    return 4.0 * shape.total_params + 6.0 * shape.lora_params
+        return 6.0 * shape.active_params
+    return 4.0 * shape.active_params + 6.0 * shape.lora_params
 
 
 def peak_flops(device_name: str) -> float | None:
-    for name, flops in PEAK_BF16.items():
-        if name in device_name:
-            return flops
-    return None
+    """The GPU's dense bf16 peak: the planner's table (sft_play.planner.timing.PEAK_BF16)."""
+    from sft_play.planner import timing
+
+    return timing.peak_flops(device_name)
