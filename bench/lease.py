@@ -420,7 +420,7 @@ def render(rows: list[dict], state: Path) -> str:
 
     speed = [(key, result) for key, result in results.items() if key[0] in "ABT"]
     if speed:
-        lines += ["## Throughput", "", "| case | side | micro x accumulation | tokens/s | peak GiB | MFU | loss (last steps) "
+        lines += ["## Throughput", "", "| case | side | micro x accumulation | tokens/s | peak GiB (allocated) | MFU | loss (last steps) "
                   "| B over T |", "|---|---|---|---|---|---|---|---|"]
         for key, result in speed:
             side, name = key.split(" ", 1)
