@@ -309,14 +309,7 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
             slug = re.sub(r"[^A-Za-z0-9.-]+", "-", shape.label).strip("-")
             trace_file = state.with_name(f"{slug}.trace.json.gz")
             trace = memory_snapshot.record_shape(shape, model_folder(task), trace_file)
-            replayed = memory_snapshot.replay(trace)
-            result = {**replayed, "verdict": memory_snapshot.verdict(replayed), "trace": trace_file.name,
-                      "measured": trace.get("measured")}
-            try:  # where the planner's order of large allocations and frees first differs from the GPU's
-                result["order"] = memory_snapshot.first_differences(memory_snapshot.gpu_order(trace),
-                                                                    memory_snapshot.planned_order(asdict(shape)))
-            except Exception as exc:  # noqa: BLE001 - the trace and its verdict are kept all the same
-                result["order"] = [f"not compared: {type(exc).__name__}: {exc}"[:300]]
+            result = {**memory_snapshot.examine(trace), "trace": trace_file.name, "measured": trace.get("measured")}
         else:
             result = measure_shape(Shape(**task["shape"]), model_folder(task), workdir)
     append_row(state, {"task": task["key"], "kind": kind, "result": result})

@@ -182,15 +182,24 @@ def measure(case: Case, micro: int, timeout: int) -> dict:
         return run_worker(__file__, {"case": asdict(case), "micro": micro, "output_dir": output_dir}, timeout)
 
 
-def predict(case: Case, micro: int, target) -> tuple[dict, int]:
-    """The planner's prediction at `micro` (peak and terms), and the micro-batch it would pick."""
+def resolved(case: Case, micro: int, target):
+    """The config, model shape and resolved run the planner predicts `case` at `micro` from, on
+    `target` (a :class:`sft_play.planner.Target`), with the worker's data statistics."""
     from sft_play import config as config_module
-    from sft_play.planner import make_plan, model_shape, resolve_for
-    from sft_play.planner.predict import predict as predict_peak
+    from sft_play.planner import model_shape, resolve_for
 
     config = config_module.load(None, case.overrides(micro, "/tmp/unused"), check_paths=False)
     shape = model_shape(config)
-    run = resolve_for(config, target, _stats(case, micro), shape)
+    return config, shape, resolve_for(config, target, _stats(case, micro), shape)
+
+
+def predict(case: Case, micro: int, target) -> tuple[dict, int]:
+    """The planner's prediction at `micro` (peak and terms), and the micro-batch it would pick."""
+    from sft_play import config as config_module
+    from sft_play.planner import make_plan
+    from sft_play.planner.predict import predict as predict_peak
+
+    _, shape, run = resolved(case, micro, target)
     prediction = predict_peak(shape, run, micro)
     terms = {
         "peak_bytes": prediction.peak_bytes,

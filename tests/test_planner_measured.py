@@ -109,10 +109,7 @@ def _h200_prediction(row: dict):
 
     folder = lease.cut_layers(FIXTURES / "model_configs" / row["model"], row["layers"])
     case = planner_accuracy.Case(str(folder), row["method"], row["seq"], row["checkpointing"], (row["micro"],))
-    config = config_module.load(None, case.overrides(row["micro"], "/tmp/unused"), check_paths=False)
-    target = Target(1, H200["target_bytes"], "NVIDIA H200")
-    shape = model_shape(config)
-    run = resolve_for(config, target, planner_accuracy._stats(case, row["micro"]), shape)
+    _, shape, run = planner_accuracy.resolved(case, row["micro"], Target(1, H200["target_bytes"], "NVIDIA H200"))
     return run, predict(shape, run, row["micro"])
 
 

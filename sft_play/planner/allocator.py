@@ -234,7 +234,8 @@ class CachingAllocator:
         self._segments += 1
         self._segment_sizes[segment] = allocation
         self.reserved += allocation
-        address, self.segment_address = (segment << 48 if self.segment_address is None else self.segment_address), None
+        address = segment << 48 if self.segment_address is None else self.segment_address
+        self.segment_address = None  # it was this segment's
         return _Block(segment, address, allocation, small)
 
     def _release_cache(self) -> None:

@@ -39,7 +39,7 @@ def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], t
     fixed, per_sample = fit(measured)
     # the plan's own margin: an attention kernel measured short keeps its shortfall here too (a line
     # through micro-batches 1 and 2 cannot see the cache a larger micro-batch's blocks leave)
-    fraction, _ = safety_fraction(settings.safety_fraction, plan.attention)
+    fraction, _ = safety_fraction(settings.safety_fraction, plan.attention, plan.on_cuda)
     budget = budget_bytes(plan.free_bytes_per_gpu, settings.safety_margin_gib, fraction)
     per_process = max(1, -(-plan.requested_global_batch_size // plan.world_size))
     fitting = int((budget - fixed) // per_sample) if per_sample else per_process

@@ -24,11 +24,11 @@ MEASURED_SHORTFALL = {
 }
 
 
-def safety_fraction(configured: float, attention: str) -> tuple[float, str | None]:
-    """The share of free memory a plan keeps free: ``planner.safety_fraction``, or for an
-    attention kernel whose prediction has been measured short by more, that shortfall; with the
-    note that says why."""
-    shortfall, where = MEASURED_SHORTFALL.get(attention, (0.0, ""))
+def safety_fraction(configured: float, attention: str, on_cuda: bool = True) -> tuple[float, str | None]:
+    """The share of free memory a plan keeps free: ``planner.safety_fraction``, or on GPUs, for an
+    attention kernel whose prediction has been measured short by more, that shortfall (measured on
+    CUDA's caching allocator: a CPU plan keeps the configured share); with the note that says why."""
+    shortfall, where = MEASURED_SHORTFALL.get(attention, (0.0, "")) if on_cuda else (0.0, "")
     if shortfall <= configured:
         return configured, None
     return shortfall, (f"{100 * shortfall:.0f} % of free memory kept free, not planner.safety_fraction's "

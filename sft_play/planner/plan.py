@@ -141,8 +141,7 @@ def make_plan(
     run = run or resolve_for(config, target, data_stats, shape)
     train = config.train
 
-    fraction, margin_note = (safety_fraction(config.planner.safety_fraction, run.attention) if target.on_cuda
-                             else (config.planner.safety_fraction, None))  # measured on CUDA's allocator
+    fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.attention, target.on_cuda)
     search = FitSearch(shape, run, budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction),
                        per_process=max(1, -(-train.global_batch_size // target.world_size)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
