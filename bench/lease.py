@@ -115,6 +115,8 @@ def gpu_plan() -> list[dict]:
         Shape("qwen2.5-0.5b", "full", 2048, True, 16),
         Shape("llama-3.1-8b", "lora", 4096, True, 2),
         Shape("mistral-7b-v0.1", "qlora", 2048, True, 4),
+        # rows as long as Mistral's 4096-token sliding window: SDPA gets a mask, every layer keeps a bias
+        Shape("mistral-7b-v0.1", "lora", 4096, False, 1, layers=16),
     )]
     others = [(cases["llama-3.1-8b-qlora"], 16), (cases["llama-3.1-8b-lora-8k"], 8)]
     for case, global_batch in others:

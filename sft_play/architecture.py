@@ -128,11 +128,13 @@ def layer_signature(layer: Any) -> tuple:
 _ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global_attention"}
 
 
-def layer_kinds(model_config: Any) -> list[str]:
+def layer_kinds(model_config: Any, windows: bool = False) -> list[str]:
     """What each decoder layer is, where a model mixes kinds: its mixer (``layer_types``,
     Bamba's ``attn_layer_indices``) and, for mixture-of-experts models with dense layers among
     the sparse ones, ``+dense`` or ``+moe``. Empty when every layer is alike. Each kind is named
-    by the first layer type that has it, so that :func:`with_layers` can build one."""
+    by the first layer type that has it, so that :func:`with_layers` can build one. With
+    `windows`, sliding-window layers are a kind of their own (where they take a mask the others
+    do not: :func:`sft_play.run.sliding_mask`)."""
     text = text_config(model_config)
     count = num_layers(model_config)
     mixers: list[str] = [""] * count
@@ -140,7 +142,8 @@ def layer_kinds(model_config: Any) -> list[str]:
     if isinstance(types, list) and len(types) >= count:
         first: dict[str, str] = {}
         for i, name in enumerate(types[:count]):
-            group = "attention" if name in _ATTENTION_TYPES else name
+            group = name if windows and name == "sliding_attention" else \
+                "attention" if name in _ATTENTION_TYPES else name
             mixers[i] = first.setdefault(group, name)
     elif isinstance(getattr(text, "attn_layer_indices", None), list):
         attending = set(text.attn_layer_indices)
@@ -148,6 +151,33 @@ def layer_kinds(model_config: Any) -> list[str]:
     mlps = [_mlp_kind(text, i) for i in range(count)]
     kinds = [f"{m}+{f}" if m and f else m or f for m, f in zip(mixers, mlps)]
     return kinds if len(set(kinds)) > 1 else []
+
+
+def sliding_window(model_config: Any) -> int | None:
+    """The window of the model's sliding-window attention layers, None where it has none: the
+    layers ``layer_types`` names ``sliding_attention``, or, for a model without ``layer_types``
+    (Mistral, Phi-3, Starcoder2), every layer when its config sets ``sliding_window`` (their
+    backbones build ``create_sliding_window_causal_mask`` then)."""
+    text = text_config(model_config)
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and types:
+        return window if "sliding_attention" in types[:num_layers(model_config)] else None
+    return window
+
+
+def is_sliding(model_config: Any, kind: str | None) -> bool:
+    """Whether the layers of `kind` (one of :func:`layer_kinds`, None where all are alike) attend
+    through a sliding window."""
+    if sliding_window(model_config) is None:
+        return False
+    types = getattr(text_config(model_config), "layer_types", None)
+    if isinstance(types, list) and types:
+        return (kind or "").partition("+")[0] == "sliding_attention" or (
+            not kind and all(name == "sliding_attention" for name in types[:num_layers(model_config)]))
+    return True
 
 
 def _mlp_kind(text: Any, index: int) -> str:

@@ -226,6 +226,11 @@ class Run:
             return False
         return self.collator == "packed_rows" or micro_batch > 1
 
+    def sliding_mask(self, micro_batch: int, window: int | None) -> bool:
+        """Whether the sliding-window layers (of `window` tokens) get a mask where the others get
+        none (:func:`sliding_mask`)."""
+        return sliding_mask(self.attention, self.masked(micro_batch), window, self.sequence.tokens)
+
     def with_changes(self, **changes: Any) -> Run:
         return dataclasses.replace(self, **changes)
 
@@ -234,6 +239,17 @@ class Run:
 # boundaries from the position ids (variable-length kernel); flex attention gets a block mask that
 # transformers builds from them (masking_utils.find_packed_sequence_indices), O((s/128)^2) entries.
 MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
+
+
+def sliding_mask(attention: str, masked: bool, window: int | None, tokens: int) -> bool:
+    """Whether a model's sliding-window layers take a mask its other layers do not: SDPA runs rows
+    without a mask through ``is_causal``, which cannot express a window, so from rows of `window`
+    tokens on transformers builds a boolean (rows, 1, tokens, tokens) mask for those layers
+    (``masking_utils._ignore_causal_mask_sdpa``; per row, as the collator passes an attention
+    mask), and SDPA turns it into an additive bias of that size in each such layer, which the
+    memory-efficient kernel keeps for backward. Where every layer is `masked` already, or the
+    kernel takes the window itself (FlashAttention-2, flex attention), nothing changes."""
+    return attention == "sdpa" and not masked and window is not None and tokens >= window
 
 
 def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool,

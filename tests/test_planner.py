@@ -572,6 +572,92 @@ def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask
     assert not any("kept free, not planner.safety_fraction" in n for n in cpu.notes)
 
 
+# Tiny configs of the families that attend through a sliding window: without layer_types every
+# layer slides (Mistral, Phi-3, Starcoder2) when sliding_window is set; with them, the layers named
+# sliding_attention do (Gemma-3, Qwen2 with use_sliding_window)
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+WINDOWED = {
+    "mistral": ("MistralConfig", dict(sliding_window=16)),
+    "mistral without a window": ("MistralConfig", dict(sliding_window=None)),
+    "phi3": ("Phi3Config", dict(sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=16, bos_token_id=1, eos_token_id=2)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=16, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+    "llama": ("LlamaConfig", {}),
+}
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_layers_planned_with_a_sliding_mask_are_those_transformers_gives_one(family):
+    # SDPA runs unmasked rows with is_causal, which has no window: from rows as long as the window,
+    # transformers gives the sliding layers a mask (run.sliding_mask), and their kernel changes
+    import torch
+    import transformers
+
+    from sft_play.architecture import is_sliding, layer_kinds, sliding_window
+    from sft_play.run import sliding_mask
+
+    name, settings = WINDOWED[family]
+    model_config = getattr(transformers, name)(**SMALL, num_hidden_layers=4, **settings)
+    model_config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(model_config).eval()
+    layers = model.model.layers
+    given: list = []
+    for layer in layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda _, args, kwargs: given.append(kwargs.get("attention_mask") is not None), with_kwargs=True)
+    window = sliding_window(model_config)
+    assert (window is None) == (family in ("mistral without a window", "llama"))
+    for tokens in (8, 15, 16, 24):
+        given.clear()
+        ids = torch.randint(3, 64, (2, tokens))
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))  # what the padded collator passes
+        kinds = layer_kinds(model_config, windows=sliding_mask("sdpa", False, window, tokens)) or [None] * len(layers)
+        planned = [sliding_mask("sdpa", False, window, tokens) and is_sliding(model_config, kind) for kind in kinds]
+        assert given == planned, (tokens, kinds)
+    if family in ("gemma3", "qwen2"):
+        assert any(given) and not all(given)  # only the sliding layers
+
+
+def _windowed_model(folder, **settings):
+    import transformers
+
+    transformers.Gemma3TextConfig(**{**SMALL, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
+                                     "num_attention_heads": 4, "vocab_size": 1024, "num_hidden_layers": 4,
+                                     "sliding_window": 2048, **settings}).save_pretrained(folder)
+    return folder
+
+
+def test_sdpa_plans_the_sliding_windows_mask_once_rows_reach_it(tmp_path):
+    # A Gemma-3-like model: two sliding-window layers (2048 tokens) and two full ones, rows of one
+    # example each (micro-batch 1, no packing): no mask below the window; at it, the sliding layers
+    # take an s x s mask (bool) and a bias (bf16) that the memory-efficient kernel keeps for backward
+    model = _windowed_model(tmp_path / "windowed", layer_types=["sliding_attention", "full_attention"] * 2)
+    gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+
+    def plan(tokens: int, attention: str):
+        config = plan_config("qwen2.5-0.5b", f"model.name_or_path={model}", "finetune.method=full",
+                             "data.packing=false", f"data.max_seq_length={tokens}", "train.micro_batch_size=1",
+                             "train.global_batch_size=8", f"model.attn_implementation={attention}")
+        return make_plan(config, gpu, with_remedies=False)
+
+    below = {attention: plan(2047, attention) for attention in ("sdpa", "flex_attention")}
+    at = {attention: plan(2048, attention) for attention in ("sdpa", "flex_attention")}
+    assert not any("sliding window" in note for note in below["sdpa"].notes)
+    assert any("sliding window of this model's sliding layers at 2048 tokens" in n for n in at["sdpa"].notes)
+    growth = {attention: at[attention].peak_bytes_per_gpu - below[attention].peak_bytes_per_gpu for attention in at}
+    masked_layers = 2 * (2048 * 2048 * 2)  # what the sliding layers keep for backward at least: their bias
+    assert growth["flex_attention"] < masked_layers / 4  # one token more: the window costs nothing
+    assert growth["sdpa"] >= growth["flex_attention"] + masked_layers
+    # every layer sliding: twice the layers keep a bias
+    every = _windowed_model(tmp_path / "every", layer_types=["sliding_attention"] * 4)
+    config = plan_config("qwen2.5-0.5b", f"model.name_or_path={every}", "finetune.method=full", "data.packing=false",
+                         "data.max_seq_length=2048", "train.micro_batch_size=1", "train.global_batch_size=8")
+    assert make_plan(config, gpu, with_remedies=False).peak_bytes_per_gpu - at["sdpa"].peak_bytes_per_gpu \
+        >= masked_layers
+
+
 def test_time_counts_recomputation_communication_and_the_hardware_rented():
     base = ["finetune.method=full", "train.global_batch_size=64", "data.max_seq_length=2048", "train.max_steps=10"]
     eight = make_plan(plan_config("qwen2.5-0.5b", *base), Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))

@@ -170,7 +170,8 @@ def make_plan(
         notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
-    more_notes, more_warnings = run_notes(config, run, target, shape, masked)
+    more_notes, more_warnings = run_notes(config, run, target, shape, masked,
+                                          run.sliding_mask(split.micro_batch_size, shape.sliding_window))
     host_bytes, host_note = host_memory(shape, run, target)
     if host_note:
         more_notes.append(host_note)
@@ -269,7 +270,7 @@ def remedies_for(config: RunConfig, target: Target,
 
 
 def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
-              masked: bool) -> tuple[list[str], list[str]]:
+              masked: bool, sliding: bool = False) -> tuple[list[str], list[str]]:
     """What the plan says about the run it planned (notes, warnings): the attention kernel and its
     mask, the kernel switches, what lives outside the allocator, a layer planned by a stand-in,
     and what a mixture-of-experts model changes."""
@@ -278,6 +279,11 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     if run.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
+    elif sliding and target.on_cuda:
+        notes.append(f"SDPA cannot take the {shape.sliding_window}-token sliding window of this model's "
+                     f"{'' if shape.attention_masks > 1 else 'every '}sliding layers at {run.sequence.tokens} tokens: "
+                     "those layers get an s x s mask and run the memory-efficient kernel (planned); "
+                     "installing flash-attn, or model.attn_implementation=flex_attention, runs the window mask-free")
     notes.extend(kernel_notes(config, run))
     if target.on_cuda and target.source == "detected":
         outside, source = memory.outside_allocator(run.world_size, True, run.outside_allocator_measured)

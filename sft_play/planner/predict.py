@@ -219,6 +219,7 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         checkpointing=run.gradient_checkpointing,
         masked=run.masked(micro_batch),
         eager_mask=run.attention == "eager",
+        sliding_mask=run.sliding_mask(micro_batch, shape.sliding_window),
         loss_token_share=run.sequence.loss_token_share,  # TRL's head projects the labelled positions only
         accumulating=accumulating,
         on_cuda=run.on_cuda,

@@ -18,7 +18,8 @@ from typing import Any
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.planner import cache
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
-                                   layer_signature, load_model_config, quantized_linears, text_config, with_layers)
+                                   layer_signature, load_model_config, quantized_linears, sliding_window, text_config,
+                                   with_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ModelShape:
     # 4-D masks the backbone builds per batch where attention takes one: one per attention kind of
     # its layers (Gemma-2, Qwen2 with sliding layers: a full and a sliding-window causal mask)
     attention_masks: int = 1
+    sliding_window: int | None = None  # tokens, where layers attend through a sliding window (architecture.sliding_window)
     # Parameter tensors as the GPU allocates them: (elements, quantised by QLoRA) for one decoder
     # layer, and the elements of each tensor outside the layers (embeddings, final norm, head)
     layer_tensors: list[tuple[int, bool]] = field(default_factory=list)
@@ -214,6 +216,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
         attention_masks=max(1, len(set(getattr(text, "layer_types", None) or ()) & ATTENTION_KINDS)),
+        sliding_window=sliding_window(model_config),
         layer_tensors=layer_tensors,
         other_tensors=other_tensors,
         layers_tensors=every if any(tensors != layer_tensors for tensors in every) else [],

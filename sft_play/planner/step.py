@@ -60,6 +60,7 @@ class StepSpec:
     checkpointing: bool
     masked: bool  # a 4-D mask is built for the batch (packed rows or padding, without FlashAttention-2)
     eager_mask: bool = False  # eager attention takes a float mask instead of a boolean one
+    sliding_mask: bool = False  # unmasked rows reach the sliding window: a [b, 1, s, s] mask for those layers
     loss_token_share: float = 1.0
     accumulating: bool = False  # gradient accumulation: the next micro-batch runs with gradients alive
     on_cuda: bool = True  # CUDA: a cuBLAS workspace and Triton's head; elsewhere the head's torch fold
@@ -228,6 +229,8 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
     masks = [run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
              for _ in range(shape.attention_masks)] if spec.masked else []
+    if spec.sliding_mask:  # the sliding-window layers' boolean mask (run.sliding_mask)
+        masks.append(run.new(b * s * s, "inputs"))
 
     # Layers forward: the input of layer i is the output of layer i - 1
     previous = embeddings

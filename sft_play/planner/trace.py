@@ -56,9 +56,10 @@ from torch.utils._pytree import tree_map_only
 
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
-                                   layer_kinds, load_model_config, quantized_linears, with_layers)
+                                   is_sliding, layer_kinds, load_model_config, quantized_linears,
+                                   sliding_window, with_layers)
 from sft_play.planner import cache
-from sft_play.run import MASK_FREE_ATTENTION
+from sft_play.run import MASK_FREE_ATTENTION, sliding_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLASH_TRACE = "sft_play_flash_trace"
@@ -532,7 +533,8 @@ def _module_events(one: dict[str, Any], two: dict[str, Any], base: int) -> Modul
     )
 
 
-def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: int, which: str) -> dict[str, Any]:
+def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: int, which: str,
+                  sliding: bool = False) -> dict[str, Any]:
     layer, norm, text, residual = prepared
     for part in (layer, norm):
         if part is not None:
@@ -550,6 +552,8 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
     if spec.masked and spec.attention not in MASK_FREE_ATTENTION and _is_attention_layer(layer):
         # transformers builds a boolean [b, 1, s, s] mask for SDPA, a float one for eager attention
         mask = torch.empty(b, 1, s, s, dtype=torch.bool if spec.attention == "sdpa" else residual, device=device)
+    elif sliding and _is_attention_layer(layer):  # the window's boolean mask (run.sliding_mask)
+        mask = torch.empty(b, 1, s, s, dtype=torch.bool, device=device)
     ignore |= {t.untyped_storage()._cdata for t in (leaf, cos, sin, positions, mask) if t is not None}
     recorder = _Recorder(ignore)
     compute = DTYPES[spec.compute_dtype] if spec.compute_dtype else None
@@ -583,20 +587,23 @@ def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
 def _traced(spec: TraceSpec, seq_len: int) -> LayerTrace:
     _register_flash_trace()
     model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
-    kinds = [] if spec.stand_in else layer_kinds(model_config)
+    # Sliding-window layers that take a mask the others do not are traced as a kind of their own
+    windowed = not spec.stand_in and sliding_mask(spec.attention, spec.masked, sliding_window(model_config), seq_len)
+    kinds = [] if spec.stand_in else layer_kinds(model_config, windows=windowed)
     names = tuple(dict.fromkeys(kinds)) if kinds else (None,)
     traced, norm = [], (None, None)
     with warnings.catch_warnings(), _meta_compatible():
         warnings.simplefilter("ignore")
         for position, kind in enumerate(names):
             prepared = _prepared_layer(spec, kind)
+            sliding = windowed and is_sliding(model_config, kind)
             for which in ("layer", "norm") if position == 0 and prepared[1] is not None else ("layer",):
-                one, two = (_trace_module(spec, prepared, b, seq_len, which) for b in (1, 2))
+                one, two = (_trace_module(spec, prepared, b, seq_len, which, sliding) for b in (1, 2))
                 try:  # the same operations at 1 and 2 rows: one description for every micro-batch
                     scaled = _module_events(one, two, 1)
                     events = (scaled, scaled)
                 except ValueError:
-                    three = _trace_module(spec, prepared, 3, seq_len, which)
+                    three = _trace_module(spec, prepared, 3, seq_len, which, sliding)
                     events = (_module_events(one, one, 1), _module_events(two, three, 2))
                 if which == "layer":
                     traced.append(events)
