@@ -142,7 +142,8 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
         torch.empty(1, device="cuda")
         context = process_gpu_bytes() - torch.cuda.memory_reserved()
     run = resolve(config, on_cuda=on_cuda, bf16_supported=on_cuda and torch.cuda.is_bf16_supported(), world_size=1,
-                  data_stats=_stats(case, micro))
+                  data_stats=_stats(case, micro),
+                  cuda_capability=torch.cuda.get_device_capability() if on_cuda else None)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")

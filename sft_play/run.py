@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from sft_play import architecture
+from sft_play import architecture, hardware
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.precision import Precision, resolve_optimizer, resolve_precision
@@ -178,6 +178,9 @@ class Run:
     # (processes of the measuring run, or "probe"; bytes): hardware.HardwareInfo.outside_allocator.
     # Empty: nothing measured (the planner's constants); planner.memory.outside_allocator decides
     outside_allocator_measured: tuple[tuple[str, int], ...] = ()
+    # The cuBLAS workspace each process takes from the caching allocator (hardware.cublas_workspace_bytes:
+    # by the GPU's compute capability and CUBLAS_WORKSPACE_CONFIG); 0 off CUDA
+    cublas_workspace_bytes: int = 0
 
     @property
     def deepspeed(self) -> bool:
@@ -332,6 +335,7 @@ def resolve(
     model_facts: Any | None = None,
     local: bool = True,
     outside_allocator_measured: dict[str, int] | None = None,
+    cuda_capability: tuple[int, int] | None = None,
 ) -> Run:
     """Every decision about the run, from the config, the hardware and (when read) the data.
 
@@ -346,6 +350,7 @@ def resolve(
         local: whether the processes train on this machine (its installed packages count).
         outside_allocator_measured: what processes were measured to hold on these GPUs outside
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
+        cuda_capability: the training GPUs' compute capability (None: unknown, taken as Hopper's).
     """
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_config(config)
@@ -389,6 +394,9 @@ def resolve(
         experts=experts_kernel(on_cuda, precision) if moe else None,
         reshard_after_forward=config.distributed.reshard_after_forward,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
+        # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
+        cublas_workspace_bytes=hardware.cublas_workspace_bytes(
+            cuda_capability, ":16:8" if config.train.deterministic else None) if on_cuda else 0,
     )
 
 

@@ -135,3 +135,16 @@ def test_gpu_info_and_check_say_fp32_where_the_cpu_has_no_bf16():
     result = run_script("check.py", "--config", "configs/run_tiny.yaml", env=avx2)
     line = next(line for line in result.stdout.splitlines() if "precision:" in line)
     assert "fp32" in line and "no native bf16" in line, line
+
+
+def test_the_cublas_workspace_is_what_pytorch_takes_on_each_gpu(monkeypatch):
+    from sft_play.hardware import cublas_workspace_bytes
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    hopper, other = 32 * 2**20, 8 * 2**20 + 128 * 2**10  # PyTorch's :4096:8 on sm90 exactly, else :4096:2:16:8
+    assert cublas_workspace_bytes((9, 0)) == hopper
+    assert cublas_workspace_bytes((8, 0)) == cublas_workspace_bytes((8, 9)) == cublas_workspace_bytes((10, 0)) == other
+    assert cublas_workspace_bytes(None) == hopper  # an unknown GPU: the larger
+    assert cublas_workspace_bytes((9, 0), ":16:8") == 128 * 2**10  # what transformers' full determinism sets
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes((9, 0)) == other

@@ -658,6 +658,20 @@ def test_sdpa_plans_the_sliding_windows_mask_once_rows_reach_it(tmp_path):
         >= masked_layers
 
 
+def test_the_cublas_workspace_follows_the_gpu_planned_for():
+    # 32 MiB on Hopper, 8.125 MiB on Ampere and Blackwell; under train.deterministic, 128 KiB
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8")
+    runtime = {model: make_plan(config, target_for(None, gpus=1, vram_gib=80, gpu_model=model),
+                                with_remedies=False).breakdown["cuda_runtime"] for model in ("H100", "A100", "B200")}
+    assert runtime["H100"] - runtime["A100"] == runtime["H100"] - runtime["B200"] == 32 * 2**20 - (8 * 2**20 + 128 * 2**10)
+    deterministic = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8",
+                                "train.deterministic=true")
+    h100 = target_for(None, gpus=1, vram_gib=80)
+    assert h100.compute_capability == (9, 0)
+    assert runtime["H100"] - make_plan(deterministic, h100, with_remedies=False).breakdown["cuda_runtime"] \
+        == 32 * 2**20 - 128 * 2**10
+
+
 def test_time_counts_recomputation_communication_and_the_hardware_rented():
     base = ["finetune.method=full", "train.global_batch_size=64", "data.max_seq_length=2048", "train.max_steps=10"]
     eight = make_plan(plan_config("qwen2.5-0.5b", *base), Target(8, 80 * GIB, "8 x 80", gpu_model="H100"))

@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.config import RunConfig
-from sft_play.hardware import gpu_model_for_memory
+from sft_play.hardware import GPU_CAPABILITY, gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
 from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
-from sft_play.planner.timing import predict_time, total_steps
+from sft_play.planner.timing import gpu_model as known_gpu_model, predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
 from sft_play.units import GIB
 
@@ -44,6 +44,7 @@ class Target:
     # What processes were measured to hold outside PyTorch's allocator on these GPUs
     # (hardware.HardwareInfo.outside_allocator; empty for hardware described, not detected)
     outside_allocator_measured: dict[str, int] = field(default_factory=dict)
+    compute_capability: tuple[int, int] | None = None  # the GPUs' (None: unknown, or no GPU)
 
 
 @dataclass
@@ -110,7 +111,8 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
     return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
                    world_size=target.world_size, data_stats=data_stats, model_facts=shape,
                    local=target.source in ("detected", "host memory"),
-                   outside_allocator_measured=target.outside_allocator_measured)
+                   outside_allocator_measured=target.outside_allocator_measured,
+                   cuda_capability=target.compute_capability)
 
 
 def make_plan(
@@ -356,7 +358,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         count = gpus or 1
         model = gpu_model or gpu_model_for_memory(vram_gib)
         return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given; timed as {model or '?'})",
-                      source="--vram-gib", gpu_model=model)
+                      source="--vram-gib", gpu_model=model,
+                      compute_capability=GPU_CAPABILITY.get(known_gpu_model(model or "") or ""))
     if hardware.gpus:
         count = gpus or len(hardware.gpus)
         local = hardware.gpus[: min(count, len(hardware.gpus))]
@@ -366,7 +369,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
                       bf16_supported=all(g.bf16_supported for g in local), gpu_model=gpu_model or smallest.name,
                       interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus),
-                      outside_allocator_measured=dict(hardware.outside_allocator))
+                      outside_allocator_measured=dict(hardware.outside_allocator),
+                      compute_capability=tuple(smallest.compute_capability))
     if allow_cpu:
         count = gpus or 1
         # Processes on one host share its memory

@@ -223,6 +223,7 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         loss_token_share=run.sequence.loss_token_share,  # TRL's head projects the labelled positions only
         accumulating=accumulating,
         on_cuda=run.on_cuda,
+        cublas_workspace=run.cublas_workspace_bytes,
     )
     return replay(shape, trace, spec, capacity, log)
 

@@ -32,7 +32,6 @@ from sft_play.planner.shapes import ModelShape
 from sft_play.planner.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
 from sft_play.units import MIB
 
-CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace on sm90, taken from the allocator (getChosenWorkspaceSize)
 FUSED_HEAD_TOKENS = 4096  # TRL's chunked log-prob: token rows per tile (trl/kernels/chunked_logprob.py)
 FUSED_HEAD_VOCAB = 32768  # ... vocabulary columns per tile (trl.trainer.utils, _CHUNKED_LOGPROB_CHUNK_SIZE)
 DDP_BUCKET_BYTES = 25 * MIB  # DistributedDataParallel bucket_cap_mb
@@ -64,6 +63,7 @@ class StepSpec:
     loss_token_share: float = 1.0
     accumulating: bool = False  # gradient accumulation: the next micro-batch runs with gradients alive
     on_cuda: bool = True  # CUDA: a cuBLAS workspace and Triton's head; elsewhere the head's torch fold
+    cublas_workspace: int = 32 * MIB  # taken from the allocator on CUDA (Run.cublas_workspace_bytes)
     steps: int = 2
 
 
@@ -105,7 +105,7 @@ def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) 
     recipe = spec.recipe
     _static(run, shape, recipe)
     if spec.on_cuda:
-        run.new(CUBLAS_WORKSPACE_BYTES, "cuda_runtime")
+        run.new(spec.cublas_workspace, "cuda_runtime")
     _optimizer_states(run, shape, recipe)
     for _ in range(spec.steps):
         # With accumulation, every micro-batch after the first runs with the gradients alive (and
