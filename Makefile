@@ -45,7 +45,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-tiny clean
 
 help: ## List the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-22s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@if [ -t 1 ] && [ -z "$$NO_COLOR" ]; then on=$$(printf '\033[36m'); off=$$(printf '\033[0m'); fi; awk -v on="$$on" -v off="$$off" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-22s%s %s\n", on, $$1, off, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
