@@ -17,6 +17,8 @@ class LoraSpec:
     targets: str | tuple[str, ...]  # "all-linear" or module names
     bias: str = "none"
     modules_to_save: tuple[str, ...] = ()
+    dora: bool = False  # weight-decomposed LoRA
+    rslora: bool = False  # alpha / sqrt(r) scaling
 
     @classmethod
     def from_config(cls, lora: Any, moe: bool = False) -> LoraSpec:
@@ -24,9 +26,16 @@ class LoraSpec:
         mixture-of-experts model without dropout: peft cannot apply it to LoRA on fused expert
         weights (its ``ParamWrapper`` refuses it), and "all-linear" reaches them."""
         targets = lora.target_modules
+        if moe and lora.use_dora and targets == "all-linear":
+            from sft_play.errors import UserError
+
+            raise UserError("lora.use_dora=true cannot adapt this mixture-of-experts model's fused expert weights, "
+                            "which lora.target_modules=all-linear reaches (peft's ParamWrapper has no DoRA): "
+                            "set lora.use_dora=false, or name the linears to adapt, e.g. "
+                            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
         return cls(r=lora.r, alpha=lora.alpha, dropout=0.0 if moe else lora.dropout,
                    targets=targets if isinstance(targets, str) else tuple(targets), bias=lora.bias,
-                   modules_to_save=tuple(lora.modules_to_save or ()))
+                   modules_to_save=tuple(lora.modules_to_save or ()), dora=lora.use_dora, rslora=lora.use_rslora)
 
 
 def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | None = None,
@@ -50,4 +59,6 @@ def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | N
         base_model_name_or_path=base_model,
         revision=revision,
         init_lora_weights=initialise,
+        use_dora=spec.dora,
+        use_rslora=spec.rslora,
     )

@@ -241,3 +241,13 @@ def test_an_moe_adapter_merges_into_the_fused_experts(moe_lora_run):
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_dora_on_fused_experts_is_one_clear_error_and_dora_on_named_linears_plans():
+    from sft_play.errors import UserError
+
+    gpu = Target(1, 80 * 2**30, "1 x 80 GiB")
+    with pytest.raises(UserError, match="lora.use_dora=true cannot adapt this mixture-of-experts model's fused expert"):
+        make_plan(load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true"), gpu, with_remedies=False)
+    named = load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true", "lora.target_modules=[q_proj,v_proj]")
+    assert make_plan(named, gpu, with_remedies=False).fits

@@ -65,6 +65,25 @@ def test_lora_targets_and_rank_change_the_count():
     assert shape.lora_params == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
 
 
+def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_weights():
+    lora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "train.micro_batch_size=1",
+                       "train.global_batch_size=8", "data.max_seq_length=1024")
+    dora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "lora.use_dora=true",
+                       "train.micro_batch_size=1", "train.global_batch_size=8", "data.max_seq_length=1024")
+    outputs = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # q, k, v, o, gate, up, down
+    assert model_shape(dora).trainable_params == model_shape(lora).trainable_params + outputs == 41_943_040 + outputs
+    # rsLoRA changes the scale, not the memory
+    rslora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "lora.use_rslora=true",
+                         "train.micro_batch_size=1", "train.global_batch_size=8", "data.max_seq_length=1024")
+    gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+    planned = {name: make_plan(c, gpu, with_remedies=False) for name, c in (("lora", lora), ("dora", dora),
+                                                                             ("rslora", rslora))}
+    assert planned["rslora"].peak_bytes_per_gpu == planned["lora"].peak_bytes_per_gpu
+    # peft's DoRA scales each base output by the magnitude over the norm of W + scale x B @ A: the
+    # outputs are kept for backward, and every adapted linear builds its whole weight
+    assert planned["dora"].breakdown["activations"] > 1.5 * planned["lora"].breakdown["activations"]
+
+
 def test_qlora_quantises_every_linear_but_the_head():
     shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=qlora"))
     kinds = shape.params_by_kind

@@ -145,3 +145,33 @@ def test_a_config_only_70b_is_refused_before_memory_is_spent(tmp_path, monkeypat
     config = config_module.load(None, [f"model.name_or_path={tmp_path}", "finetune.method=qlora"], check_paths=False)
     with pytest.raises(UserError, match=r"needs 131\.4 GiB of host memory"):
         weights_location(config)
+
+
+def test_dora_and_rslora_train_with_the_parameters_the_planner_counts(tmp_path):
+    # DoRA: a trained magnitude per output feature of every adapted linear, besides A and B;
+    # rsLoRA: the update scaled by alpha / sqrt(r)
+    import math
+
+    from safetensors.torch import load_file
+
+    from sft_play import config as config_module
+    from sft_play import training
+    from sft_play.planner import model_shape
+    from sft_play.run import BatchSplit
+    from tests.conftest import REPO, tiny_trainer_factory
+
+    overrides = ("lora.use_dora=true", "lora.use_rslora=true", "lora.r=16", "lora.alpha=8")
+    make = tiny_trainer_factory(tmp_path, [], *overrides)
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    model = trainer.model
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    planned = model_shape(config_module.load(REPO / "configs" / "run_tiny.yaml", ["finetune.method=lora", *overrides]))
+    assert trained == planned.trainable_params
+    adapted = [m for m in model.modules() if hasattr(m, "lora_magnitude_vector") and m.lora_magnitude_vector]
+    assert adapted and all(m.scaling["default"] == pytest.approx(8 / math.sqrt(16)) for m in adapted)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0]
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert saved["use_dora"] and saved["use_rslora"]
+    assert any("lora_magnitude_vector" in key for key in load_file(tmp_path / "saved" / "adapter_model.safetensors"))

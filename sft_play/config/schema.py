@@ -80,6 +80,13 @@ class LoraConfig(_Section):
     modules_to_save: list[str] = Field(
         default_factory=list, description="Extra modules trained in full and saved with the adapter."
     )
+    use_dora: bool = Field(
+        False, description="Weight-decomposed LoRA (DoRA): a trained magnitude per output feature besides the "
+        "adapter; each adapted layer also builds its full weight in every step (more memory and time, planned).",
+    )
+    use_rslora: bool = Field(
+        False, description="Rank-stabilised LoRA: the update is scaled by alpha / sqrt(r) instead of alpha / r.",
+    )
 
 
 class QuantizationConfig(_Section):
