@@ -141,6 +141,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
+        neftune_noise_alpha=train.neftune_noise_alpha,
         optim=run.optimizer,
         num_train_epochs=train.num_epochs,
         max_steps=train.max_steps,

@@ -147,12 +147,13 @@ def test_a_config_only_70b_is_refused_before_memory_is_spent(tmp_path, monkeypat
         weights_location(config)
 
 
-def test_dora_and_rslora_train_with_the_parameters_the_planner_counts(tmp_path):
+def test_dora_rslora_and_neftune_train_with_the_parameters_the_planner_counts(tmp_path):
     # DoRA: a trained magnitude per output feature of every adapted linear, besides A and B;
-    # rsLoRA: the update scaled by alpha / sqrt(r)
+    # rsLoRA: the update scaled by alpha / sqrt(r); NEFTune: noise on the input embeddings in training
     import math
 
     from safetensors.torch import load_file
+    from transformers import TrainerCallback
 
     from sft_play import config as config_module
     from sft_play import training
@@ -160,9 +161,20 @@ def test_dora_and_rslora_train_with_the_parameters_the_planner_counts(tmp_path):
     from sft_play.run import BatchSplit
     from tests.conftest import REPO, tiny_trainer_factory
 
-    overrides = ("lora.use_dora=true", "lora.use_rslora=true", "lora.r=16", "lora.alpha=8")
-    make = tiny_trainer_factory(tmp_path, [], *overrides)
+    class Noise(TrainerCallback):
+        """Whether the input embeddings add noise during the steps (NEFTune's forward hook)."""
+
+        seen: list = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            embeddings = model.get_input_embeddings()
+            ids = torch.tensor([[5, 6, 7, 8]])
+            self.seen.append((args.neftune_noise_alpha, not torch.equal(embeddings(ids), embeddings(ids))))
+
+    overrides = ("lora.use_dora=true", "lora.use_rslora=true", "lora.r=16", "lora.alpha=8", "train.neftune_noise_alpha=5")
+    make = tiny_trainer_factory(tmp_path, [Noise()], *overrides)
     trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    assert Noise.seen and all(seen == (5, True) for seen in Noise.seen)
     model = trainer.model
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     planned = model_shape(config_module.load(REPO / "configs" / "run_tiny.yaml", ["finetune.method=lora", *overrides]))

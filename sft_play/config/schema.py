@@ -150,6 +150,10 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 turns clipping off).")
+    neftune_noise_alpha: float | None = Field(
+        None, gt=0, description="NEFTune: uniform noise of scale alpha / sqrt(tokens x hidden) added to the input "
+        "embeddings while training (5 is the paper's choice); null: off.",
+    )
     optimizer: Literal["auto", "adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd", "adafactor"] = (
         Field("auto", description="Optimizer; auto: fused AdamW on CUDA, AdamW elsewhere; 8-bit variants come from bitsandbytes.")
     )
