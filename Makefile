@@ -42,7 +42,7 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-tiny clean
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-tiny clean clean-cache
 
 help: ## List the targets
 	@if [ -t 1 ] && [ -z "$$NO_COLOR" ]; then on=$$(printf '\033[36m'); off=$$(printf '\033[0m'); fi; awk -v on="$$on" -v off="$$off" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-22s%s %s\n", on, $$1, off, $$2}' $(MAKEFILE_LIST)
@@ -118,5 +118,8 @@ bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a sm
 bench-tiny: $(STAMP) ## make train's time and held-out answers per seed and CPU precision path (~15 min on 2 cores); writes docs/tiny_default.md
 	$(PY) bench/tiny_default.py $(ARGS)
 
-clean: ## Remove run folders and pytest's cache (keeps .venv, and the data and planner caches in $$SFT_PLAY_CACHE or ~/.cache/sft_play)
+clean: ## Remove run folders and pytest's cache (keeps .venv, and the data and planner caches in $SFT_PLAY_CACHE or ~/.cache/sft_play)
 	rm -rf runs .pytest_cache
+
+clean-cache: $(STAMP) ## Show $SFT_PLAY_CACHE (~/.cache/sft_play) and delete entries unused for 14 days (ARGS="--days 3", "--all", "--dry-run")
+	$(PY) scripts/clean_cache.py $(ARGS)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sft_play import adapters, architecture, hub
+from sft_play import adapters, architecture, cache_usage, hub
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
 from sft_play.errors import UserError, hub_error
@@ -70,6 +70,7 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
 
     target = init_weights_dir(config_dir, seed, dtype)
     if has_weights(str(target)):
+        cache_usage.used(target)
         return str(target)
     model_config = AutoConfig.from_pretrained(config_dir)
     needed = architecture.parameter_count(model_config) * TORCH_DTYPES[dtype].itemsize

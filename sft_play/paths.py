@@ -3,7 +3,8 @@
 its statistics alone (``data_stats/``: :func:`sft_play.data.cache.stats_key`),
 what GPU processes were measured to hold outside PyTorch's allocator (``cuda_runtime.json``),
 what the planner learned from a model's code (``planner/``: :mod:`sft_play.planner.cache`) and the
-locks of data being prepared (``locks/``: :func:`sft_play.data.cache.preparing`)."""
+locks of data being prepared (``locks/``: :func:`sft_play.data.cache.preparing`). ``make
+clean-cache`` shows and cleans it (:mod:`sft_play.cache_usage`)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from sft_play.config import DataConfig
 from sft_play.data.sources import expand, is_local
+from sft_play import cache_usage
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,10 @@ def remembered_stats(key: str | None) -> dict[str, Any] | None:
     if key is None:
         return None
     try:
-        return json.loads((cache_dir() / "data_stats" / f"{key}.json").read_text())
+        path = cache_dir() / "data_stats" / f"{key}.json"
+        remembered = json.loads(path.read_text())
+        cache_usage.used(path)
+        return remembered
     except (OSError, ValueError):
         return None
 
@@ -154,6 +158,7 @@ def load(key: str) -> dict[str, Any] | None:
     if not meta.is_file():
         return None
     saved = json.loads(meta.read_text())
+    cache_usage.used(folder)
     return {
         "train": datasets.load_from_disk(str(folder / "train")),
         "validation": datasets.load_from_disk(str(folder / "validation")) if saved["has_validation"] else None,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from sft_play.architecture import config_is_current
+from sft_play import cache_usage
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     digest = hashlib.sha256(repr((kind, key, fingerprint())).encode()).hexdigest()[:40]
     path = folder() / f"{kind}-{digest}.pkl"
     try:
-        return pickle.loads(path.read_bytes())
+        value = pickle.loads(path.read_bytes())
+        cache_usage.used(path)
+        return value
     except FileNotFoundError:
         pass
     except Exception as error:  # noqa: BLE001 - a broken file counts as none
