@@ -92,7 +92,11 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         lines += ["", "Remedies (cheapest change first; those that fit lead):"]
         for r in plan.remedies:
             outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
-            lines.append(f"  {r['name']:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
+            name = r["name"]
+            if len(name) > 34:  # a combination: its names on a line of their own, the columns kept
+                lines.append(f"  {name}")
+                name = ""
+            lines.append(f"  {name:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
             if r.get("host_bytes_per_node"):
                 lines.append(f"  {'':<34} needs {gib(r['host_bytes_per_node'])} GiB of host memory per node")
             if r["fits"]:
