@@ -664,7 +664,9 @@ def test_sdpa_plans_the_sliding_windows_mask_once_rows_reach_it(tmp_path):
     below = {attention: plan(2047, attention) for attention in ("sdpa", "flex_attention")}
     at = {attention: plan(2048, attention) for attention in ("sdpa", "flex_attention")}
     assert not any("sliding window" in note for note in below["sdpa"].notes)
-    assert any("sliding window of this model's sliding layers at 2048 tokens" in n for n in at["sdpa"].notes)
+    assert any("at 2048 tokens its sliding-window layers of this model (2048-token window) get an s x s mask," in n
+               for n in at["sdpa"].notes)
+    assert at["sdpa"].sliding_window_mask and not at["sdpa"].attention_mask and not below["sdpa"].sliding_window_mask
     growth = {attention: at[attention].peak_bytes_per_gpu - below[attention].peak_bytes_per_gpu for attention in at}
     masked_layers = 2 * (2048 * 2048 * 2)  # what the sliding layers keep for backward at least: their bias
     assert growth["flex_attention"] < masked_layers / 4  # one token more: the window costs nothing

@@ -77,6 +77,7 @@ class Plan:
     active_params: int = 0  # per token: a mixture-of-experts model's total less the experts a token skips
     experts: str | None = None  # "8 routed, 2 per token, grouped_mm": the MoE shape and its kernel
     attention_mask: bool = False
+    sliding_window_mask: bool = False  # only the sliding-window layers get a mask (run.sliding_mask)
     on_cuda: bool = True  # planned for GPUs (else for host memory: a CPU run)
     host_bytes_per_node: int = 0  # host memory one node's processes need, loading or training (memory.host_bytes_per_node)
     time: dict[str, Any] | None = None
@@ -172,8 +173,8 @@ def make_plan(
         notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
     masked = run.masked(split.micro_batch_size)
-    more_notes, more_warnings = run_notes(config, run, target, shape, masked,
-                                          run.sliding_mask(split.micro_batch_size, shape.sliding_window))
+    sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
+    more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)
     host_bytes, host_note = host_memory(shape, run, target)
     if host_note:
         more_notes.append(host_note)
@@ -209,6 +210,7 @@ def make_plan(
         gradient_checkpointing=run.gradient_checkpointing,
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,
+        sliding_window_mask=sliding,
         on_cuda=target.on_cuda,
         host_bytes_per_node=host_bytes,
         time=step_time.to_dict() if step_time else None,
@@ -282,10 +284,11 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     elif sliding and target.on_cuda:
-        notes.append(f"SDPA cannot take the {shape.sliding_window}-token sliding window of this model's "
-                     f"{'' if shape.attention_masks > 1 else 'every '}sliding layers at {run.sequence.tokens} tokens: "
-                     "those layers get an s x s mask and run the memory-efficient kernel (planned); "
-                     "installing flash-attn, or model.attn_implementation=flex_attention, runs the window mask-free")
+        subject, verb = ("its sliding-window layers", "get") if shape.attention_masks > 1 else ("every layer", "gets")
+        notes.append(f"SDPA has no sliding window: at {run.sequence.tokens} tokens {subject} of this model "
+                     f"({shape.sliding_window}-token window) {verb} an s x s mask, and with it the memory-efficient "
+                     "kernel, which keeps the mask for backward (planned); installing flash-attn, or "
+                     "model.attn_implementation=flex_attention, runs the window without one")
     notes.extend(kernel_notes(config, run))
     if target.on_cuda and target.source == "detected":
         outside, source = memory.outside_allocator(run.world_size, True, run.outside_allocator_measured)

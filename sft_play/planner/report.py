@@ -59,7 +59,7 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         f"Hardware {plan.device}; {plan.strategy}, world size {plan.world_size}",
         f"Recipe   weights {plan.precision['weights']}, compute {plan.precision['compute']} "
         f"(mixed precision {plan.precision['mixed']}), attention {plan.attention}"
-        f"{' with a mask' if plan.attention_mask else ''}, "
+        f"{' with a mask' if plan.attention_mask else ' with a mask on its sliding-window layers' if plan.sliding_window_mask else ''}, "
         f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}",
         f"Sequence {plan.sequence_length} tokens: {plan.sequence_length_source}",
         "",
