@@ -372,6 +372,7 @@ def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[st
     stem = Path(config_path).stem
     fresh = config.train.run_name or f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if not config.train.resume_from:
+        _refuse_to_overwrite(Path(config.train.output_dir) / fresh)
         return fresh, None, None
     run, checkpoint, message = resolve_resume(config.train.resume_from, Path(config.train.output_dir),
                                               config.train.run_name, stem, config.train.save_steps)
@@ -385,6 +386,26 @@ def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[st
                          + "\nResume with the settings it was written with, or start a new run "
                            "(without RESUME=auto, or with another train.run_name)")
     return run.name, str(checkpoint), message
+
+
+def _refuse_to_overwrite(run: Path) -> None:
+    """A new run does not go into a folder that holds a run: its model, checkpoints and logs would
+    be overwritten or mixed with the new run's.
+
+    Raises:
+        ValueError: `run` holds a run (finished, or with checkpoints to resume).
+    """
+    if not ((run / "config.yaml").is_file() or (run / "model").is_dir() or (run / "checkpoints").is_dir()):
+        return
+    if is_finished(run):
+        what = "a finished run (its model/ and summary.json)"
+        remedy = "choose another train.run_name, or delete that folder to train it again"
+    else:
+        checkpoint = newest_complete(run / "checkpoints")
+        what = f"an unfinished run ({'last checkpoint ' + checkpoint.name if checkpoint else 'no complete checkpoint'})"
+        remedy = ("continue it with RESUME=auto (train.resume_from=auto), choose another train.run_name, "
+                  "or delete that folder")
+    raise ValueError(f"train.run_name={run.name}: {run} holds {what}; a new run there would overwrite it: {remedy}")
 
 
 # --- finished runs (what merge, generate, chat and eval read) ---------------------------------

@@ -292,6 +292,22 @@ def test_resume_is_refused_with_other_processes_or_another_strategy(tmp_path):
         checkpoints.choose_run_folder(deepspeed, "configs/run_tiny.yaml", world_size=2)
 
 
+def test_a_new_run_never_goes_into_a_folder_that_holds_a_run(tmp_path):
+    # A user reusing a run name overwrote a finished 200-step model with a 2-step one
+    fresh = ["train.run_name=r", f"train.output_dir={tmp_path}"]
+    config = config_module.load(None, fresh, check_paths=False)
+    assert checkpoints.choose_run_folder(config, "configs/run_tiny.yaml")[:2] == ("r", None)  # nothing there yet
+    run = fake_run(tmp_path, "r", INTERRUPTED, tuple(fresh))
+    fake_checkpoint(run, 2)
+    with pytest.raises(ValueError, match=r"holds an unfinished run \(last checkpoint checkpoint-2\).*RESUME=auto"):
+        checkpoints.choose_run_folder(config, "configs/run_tiny.yaml")
+    fake_run(tmp_path, "done", FINISHED)
+    finished = config_module.load(None, ["train.run_name=done", f"train.output_dir={tmp_path}"], check_paths=False)
+    with pytest.raises(ValueError, match="holds a finished run .*choose another train.run_name"):
+        checkpoints.choose_run_folder(finished, "configs/run_tiny.yaml")
+    assert (tmp_path / "done" / "summary.json").is_file()  # untouched
+
+
 def test_a_checkpoint_damaged_in_place_is_set_aside_for_the_previous_one(tmp_path):
     run = fake_run(tmp_path, "run_tiny-20250101-000000", INTERRUPTED)
     previous = fake_checkpoint(run, 2)
