@@ -302,6 +302,16 @@ class NonFiniteGuard(TrainerCallback):
 # --- logs --------------------------------------------------------------------------------------
 
 
+class LogLastStep(TrainerCallback):
+    """Logs the last step, whatever ``train.logging_steps`` is: the run's final loss (the summary's
+    ``last_loss``, the ``loss: a -> b`` line) is then its end's, not its first step's when the
+    run is shorter than one logging interval."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True
+
+
 class TokenThroughput(TrainerCallback):
     """Logs the tokens trained on so far as ``num_tokens`` (every rank's non-padding tokens, the
     trainer's ``num_input_tokens_seen``) and ``tokens_per_second`` since the previous log line.

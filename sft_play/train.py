@@ -107,7 +107,7 @@ def train(config: RunConfig, config_path: str) -> int:
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
-        [*faults, callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard],
+        [*faults, callbacks.LogLastStep(), callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if run.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place

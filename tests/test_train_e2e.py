@@ -187,3 +187,16 @@ def test_dora_rslora_and_neftune_train_with_the_parameters_the_planner_counts(tm
     saved = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
     assert saved["use_dora"] and saved["use_rslora"]
     assert any("lora_magnitude_vector" in key for key in load_file(tmp_path / "saved" / "adapter_model.safetensors"))
+
+
+def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):
+    # 3 steps at train.logging_steps=10 printed "loss: 6.421 -> 6.421": only step 1 had been logged
+    from sft_play import callbacks, training
+    from sft_play.run import BatchSplit
+    from tests.conftest import tiny_trainer_factory
+
+    make = tiny_trainer_factory(tmp_path, [callbacks.LogLastStep()], "train.max_steps=3", "train.logging_steps=10")
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    logged = training.loss_history(trainer)
+    assert [step for step, _ in logged] == [1, 3]
+    assert training.write_summary(trainer, tmp_path, {})["last_loss"] == logged[-1][1] != logged[0][1]
