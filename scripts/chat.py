@@ -6,6 +6,8 @@ Usage: python scripts/chat.py [--config PATH] [--run RUN_DIR] [--system TEXT]
 
 from __future__ import annotations
 
+import re
+
 
 from sft_play import cli, lean_imports
 
@@ -21,9 +23,17 @@ def main() -> int:
 
     from sft_play import export
     trained, tokenizer, _ = export.load_trained(run)
+    plain = export.trained_on_plain_text(run)
+    if plain and args.system:
+        raise cli.UserError(f"{run} trained on plain prompt/completion text, without a chat template: it has no system "
+                            "message to take; leave out --system")
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
-    print(f"Chatting with {run}. /reset starts over, /exit leaves.", flush=True)
+    commands = "/reset starts over, /exit leaves, /help lists these"
+    print(f"Chatting with {run}. {commands}.", flush=True)
+    if plain:
+        print("It trained on plain prompt/completion text (no chat template): each line goes to it as it is, "
+              "without the lines before.", flush=True)
     while True:
         try:
             line = input("you> ").strip()
@@ -36,7 +46,15 @@ def main() -> int:
             history = list(start)
             print("(conversation cleared)", flush=True)
             continue
+        if re.match(r"/[A-Za-z]+\b", line):  # a command, not a message
+            word = line.split()[0]
+            print(f"({commands})" if word == "/help" else f"(unknown command {word}: {commands})", flush=True)
+            continue
         if not line:
+            continue
+        if plain:
+            print(f"model> {export.generate(trained, tokenizer, export.Prompt(None, line, ''), args.max_new_tokens)}",
+                  flush=True)
             continue
         history.append({"role": "user", "content": line})
         answer = export.generate(trained, tokenizer, history, args.max_new_tokens)

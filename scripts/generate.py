@@ -12,7 +12,8 @@ from sft_play import cli, lean_imports
 
 def main() -> int:
     parser = cli.run_parser(__doc__.splitlines()[0])
-    parser.add_argument("--prompt", help="a user message; default: held-out prompts from the validation data")
+    parser.add_argument("--prompt", help="a user message (plain text for a run trained on prompt/completion data); "
+                        "default: held-out prompts from the validation data")
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
@@ -24,7 +25,7 @@ def main() -> int:
     from sft_play import export
     trained, tokenizer, config = export.load_trained(run)
     if args.prompt:
-        prompts = [export.Prompt([{"role": "user", "content": args.prompt}], None, "")]
+        prompts = [export.user_prompt(run, args.prompt)]  # as the run's data was: plain, or through the chat template
     else:
         prompts = export.held_out_prompts(config, args.count) if config else []
         if not prompts:

@@ -120,6 +120,32 @@ class Prompt:
         return self.messages[-1]["content"] if self.messages else (self.text or "")
 
 
+# Formats that train on text as it is (sft_play.data.formats): no chat template around the prompt
+PLAIN_FORMATS = ("prompt_completion", "text")
+
+
+def trained_on_plain_text(path: str | Path) -> bool:
+    """Whether the run at `path` (a run folder, or its model/ or merged/ folder) trained on plain
+    prompts without a chat template: every data source it read was prompt/completion or text, as
+    its ``summary.json`` records. Unknown (no summary): False, the chat template."""
+    path = Path(path)
+    for folder in (path, path.parent):
+        try:
+            formats = json.loads((folder / "summary.json").read_text())["data"]["formats"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return bool(formats) and all(fmt in PLAIN_FORMATS for fmt in formats.values())
+    return False
+
+
+def user_prompt(path: str | Path, text: str) -> Prompt:
+    """`text` typed by a user, as the run at `path` was trained to read it: as it is after plain
+    prompt/completion data, else a user message through the chat template."""
+    if trained_on_plain_text(path):
+        return Prompt(None, text, "")
+    return Prompt([{"role": "user", "content": text}], None, "")
+
+
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     """The first `count` validation records of the run's data, cut before their first answer."""
     source = config.data.validation_path

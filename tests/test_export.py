@@ -204,3 +204,34 @@ def test_chat_sends_the_whole_conversation_and_reset_forgets_it(monkeypatch, cap
     out = capsys.readouterr().out
     assert "model> answer 1" in out and "model> answer 3" in out
     assert out.index("model> answer 2") < out.index("(conversation cleared)") < out.index("model> answer 3")
+
+
+def test_a_run_trained_on_plain_prompts_is_prompted_as_it_was_trained(tmp_path, monkeypatch, capsys):
+    """make generate PROMPT=... and make chat on a run trained on prompt/completion data (no chat
+    template) send the text as it is: through the chat template, a user's "Double 4:" got '' where
+    the plain prompt gets the trained answer."""
+    import importlib.util
+    import io
+
+    plain, chat_run = tmp_path / "plain", tmp_path / "chat"
+    for run, fmt in ((plain, "prompt_completion"), (chat_run, "messages")):
+        (run / "model").mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"data": {"formats": {"data.csv": fmt}}}))
+    assert export.trained_on_plain_text(plain) and export.trained_on_plain_text(plain / "model")
+    assert not export.trained_on_plain_text(chat_run) and not export.trained_on_plain_text(tmp_path / "unknown")
+    assert export.user_prompt(plain, "Double 4:") == export.Prompt(None, "Double 4:", "")
+    assert export.user_prompt(chat_run, "hi") == export.Prompt([{"role": "user", "content": "hi"}], None, "")
+
+    spec = importlib.util.spec_from_file_location("chat_script", REPO / "scripts" / "chat.py")
+    chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chat)
+    seen: list = []
+    monkeypatch.setattr(export, "load_trained", lambda run: (object(), object(), None))
+    monkeypatch.setattr(export, "generate", lambda model, tokenizer, prompt, tokens: seen.append(prompt) or " 8")
+    monkeypatch.setattr("sft_play.cli.chosen_run", lambda args: plain)
+    monkeypatch.setattr(sys, "argv", ["chat.py"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Double 4:\n/help\n/sytem be brief\nDouble 5:\n/exit\n"))
+    assert chat.main() == 0
+    assert seen == [export.Prompt(None, "Double 4:", ""), export.Prompt(None, "Double 5:", "")]  # no history either
+    out = capsys.readouterr().out
+    assert "no chat template" in out and "(/reset starts over" in out and "(unknown command /sytem:" in out
