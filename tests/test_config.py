@@ -151,3 +151,22 @@ def test_text_fields_keep_yaml_like_words_as_text():
     assert config.train.run_name == "off" and config.model.revision == "1234" and config.data.split == "no"
     with pytest.raises(ConfigError, match="train.gradient_checkpointing: got 'sometimes'; expected true or false"):
         config_module.load(None, ["train.gradient_checkpointing=sometimes"], check_paths=False)
+
+
+def test_settings_the_run_does_not_use_are_said_once(caplog):
+    import logging
+
+    from sft_play.config.loading import unused_overrides
+
+    full = config_module.load(None, ["finetune.method=full", "lora.use_dora=true", "lora.r=8"], check_paths=False)
+    assert unused_overrides(full, ["lora.use_dora=true", "lora.r=8"]) == [
+        "lora.r, lora.use_dora have no effect: finetune.method is full (set finetune.method=lora to train adapters)"]
+    lora = config_module.load(None, ["finetune.method=lora", "quantization.quant_type=fp4"], check_paths=False)
+    assert unused_overrides(lora, ["quantization.quant_type=fp4", "lora.r=8"]) == [
+        "quantization.quant_type has no effect: finetune.method is lora (set finetune.method=qlora to train on a 4-bit base)"]
+    qlora = config_module.load(None, ["finetune.method=qlora"], check_paths=False)
+    assert unused_overrides(qlora, ["quantization.quant_type=fp4", "lora.r=8"]) == []
+    with caplog.at_level(logging.WARNING, logger="sft_play"):
+        for _ in range(2):
+            config_module.load(None, ["finetune.method=full", "lora.alpha=7"], check_paths=False)
+    assert caplog.text.count("lora.alpha has no effect: finetune.method is full") == 1

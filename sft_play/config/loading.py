@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from sft_play.config.environment import package_problems, path_problems
 from sft_play.config.messages import schema_problems, validate_without_bad_keys
 from sft_play.config.overrides import apply_overrides
 from sft_play.config.schema import ConfigError, RunConfig, consistency_problems
+
+logger = logging.getLogger(__name__)
 
 def load(path: str | os.PathLike | None, overrides: list[str] | None = None, check_paths: bool = True,
          check_packages: bool = True) -> RunConfig:
@@ -56,4 +59,26 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
         problems += path_problems(config)
     if problems:
         raise ConfigError(problems, source)
+    for unused in unused_overrides(config, list(overrides or [])):
+        if unused not in _SAID:
+            _SAID.add(unused)
+            logger.warning("%s", unused)
     return config
+
+
+_SAID: set[str] = set()
+
+
+def unused_overrides(config: RunConfig, overrides: list[str]) -> list[str]:
+    """What the overrides set that this run does not use: ``lora.*`` when every weight trains
+    (``finetune.method=full``, the embedded default's), ``quantization.*`` without QLoRA."""
+    keys = [text.split("=", 1)[0].strip() for text in overrides if "=" in text]
+    said = []
+    for section, used, method in (("lora", config.finetune.method != "full", "lora or qlora"),
+                                  ("quantization", config.finetune.method == "qlora", "qlora")):
+        named = sorted({key for key in keys if key.startswith(f"{section}.")})
+        if named and not used:
+            said.append(f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect: "
+                        f"finetune.method is {config.finetune.method} (set finetune.method={method.split()[0]} "
+                        f"to train {'adapters' if section == 'lora' else 'on a 4-bit base'})")
+    return said
