@@ -29,7 +29,8 @@ def main() -> int:
     else:
         prompts = export.held_out_prompts(config, args.count) if config else []
         if not prompts:
-            raise cli.UserError(f"{run} has no validation data (data.validation_path); pass --prompt (PROMPT=...)")
+            raise cli.UserError(f"{run} has no validation data (data.validation_path or data.validation_fraction); "
+                                "pass --prompt (PROMPT=...)")
     answers = [export.generate(trained, tokenizer, p, args.max_new_tokens) for p in prompts]
     before: list[str | None] = [None] * len(prompts)
     if not args.no_base and config is not None:

@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from sft_play import checkpoints
 from sft_play import config as config_module
@@ -41,10 +42,28 @@ def run_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+# What a command on a finished run takes from ``key=value`` overrides: where to find the run
+RUN_CHOOSING = ("train.output_dir", "train.run_name")
+
+
 def chosen_run(args: argparse.Namespace):
-    """The run folder ``--run`` names, or the newest finished run under the config's output folder."""
-    output_dir = config_module.load(args.config, args.overrides, check_paths=False).train.output_dir
-    return checkpoints.resolve_run(args.run, output_dir)
+    """The run folder ``--run`` names, else ``train.run_name``'s under ``train.output_dir``, else
+    the newest finished run there. The run's own saved settings (``config.yaml`` in it) say how it
+    loads and what its data is: other overrides would be ignored, so they are refused.
+
+    Raises:
+        UserError: an override other than :data:`RUN_CHOOSING`.
+    """
+    ignored = [o for o in args.overrides if "=" in o and o.split("=", 1)[0].strip() not in RUN_CHOOSING]
+    if ignored:
+        raise UserError(f"{' '.join(ignored)}: a finished run is used with the settings it trained with (its "
+                        "config.yaml); only train.output_dir and train.run_name choose the run here. To use other "
+                        "data or settings, train a run with them")
+    config = config_module.load(args.config, args.overrides, check_paths=False)
+    run = args.run
+    if run is None and config.train.run_name:
+        run = str(Path(config.train.output_dir) / config.train.run_name)
+    return checkpoints.resolve_run(run, config.train.output_dir)
 
 
 def is_main_process() -> bool:

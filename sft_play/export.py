@@ -147,12 +147,10 @@ def user_prompt(path: str | Path, text: str) -> Prompt:
 
 
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
-    """The first `count` validation records of the run's data, cut before their first answer."""
-    source = config.data.validation_path
-    if not source:
-        return []
+    """The first `count` validation records of the run's data (``data.validation_path``'s, or
+    those ``data.validation_fraction`` held out), cut before their first answer."""
     prompts = []
-    for record in data.load_records(source, config.data, data.DataStats())[:count]:
+    for record in data.validation_records(config.data, config.train.seed)[:count]:
         if "messages" in record:
             messages = record["messages"]
             first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

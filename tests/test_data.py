@@ -389,3 +389,22 @@ def test_the_shipped_puzzles_are_what_the_build_script_writes_with_repeated_lett
     records = [json.loads(line) for line in (REPO / "data" / "tiny" / "train.jsonl").read_text().splitlines()]
     first, later = repeated_share(records[:build_script.N_TRAIN]), repeated_share(records[build_script.N_TRAIN:])
     assert 0.2 < first < 0.35 and later > first + 0.25, (first, later)
+
+
+def test_the_held_out_prompts_of_a_validation_fraction_are_the_rows_training_held_out(tmp_path, tiny_tokenizer):
+    # make generate and make eval on a run with data.validation_fraction found no held-out prompt
+    from sft_play import export
+    from sft_play.data import validation_records
+
+    rows = [{"prompt": f"Double {i}:", "completion": f" {2 * i}"} for i in range(40)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = config_module.load(None, [f"data.path={path}", "data.validation_fraction=0.1", "data.packing=false",
+                                       "data.cache=false", "train.seed=3"], check_paths=False)
+    held = validation_records(config.data, config.train.seed)
+    bundle = build(config.data, tiny_tokenizer, seed=config.train.seed)
+    assert len(held) == len(bundle.validation) == 4 and len(bundle.train) == 36
+    decoded = {tiny_tokenizer.decode(row["input_ids"]) for row in bundle.validation}
+    assert all(any(record["prompt"] in text for text in decoded) for record in held)  # the same four rows
+    prompts = export.held_out_prompts(config, 2)
+    assert [p.text for p in prompts] == [r["prompt"] for r in held[:2]] and prompts[0].reference == held[0]["completion"]

@@ -235,3 +235,16 @@ def test_a_run_trained_on_plain_prompts_is_prompted_as_it_was_trained(tmp_path, 
     assert seen == [export.Prompt(None, "Double 4:", ""), export.Prompt(None, "Double 5:", "")]  # no history either
     out = capsys.readouterr().out
     assert "no chat template" in out and "(/reset starts over" in out and "(unknown command /sytem:" in out
+
+
+def test_commands_on_a_finished_run_refuse_overrides_they_would_ignore(runs, monkeypatch):
+    # make eval ARGS="data.validation_path=..." said the run had no validation data: the key it had just set
+    from sft_play import cli
+    from sft_play.errors import UserError
+
+    parser = cli.run_parser("test")
+    args = parser.parse_args([f"train.output_dir={runs['lora'].parent}", "data.validation_path=other.jsonl"])
+    with pytest.raises(UserError, match="data.validation_path=other.jsonl: a finished run is used with the settings"):
+        cli.chosen_run(args)
+    named = parser.parse_args([f"train.output_dir={runs['lora'].parent}", "train.run_name=lora"])
+    assert cli.chosen_run(named) == runs["lora"]  # train.run_name chooses the run

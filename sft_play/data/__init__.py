@@ -288,30 +288,51 @@ def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k in DataStats.__dataclass_fields__}
 
 
-def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
-    stats = DataStats()
+def _records(cfg: DataConfig, stats: DataStats, seed: int) -> list[dict[str, Any]]:
+    """The training records as read (and mixed by ``data.weights``)."""
     if cfg.weights:
         parts = [load_records(entry, cfg, stats) for entry in cfg.path]
         records = mix(parts, cfg.weights, seed)
         logger.info("data: mixed %s records by weights %s into %d", [len(p) for p in parts], cfg.weights, len(records))
-    else:
-        records = load_records(cfg.path, cfg, stats)
+        return records
+    return load_records(cfg.path, cfg, stats)
+
+
+def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
+    """(training records, validation records or None) for ``data.validation_fraction``: a seeded
+    split of the records before tokenising, as Dataset.train_test_split would do; they are still
+    Python dicts here, of chat and prompt/completion shapes mixed."""
+    if cfg.validation_path or cfg.validation_fraction <= 0:
+        return records, None
+    import random
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    cut = max(1, int(round(len(records) * cfg.validation_fraction)))
+    held = set(order[:cut])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def validation_records(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+    """The validation records a run of `cfg` held out (``data.validation_path``'s, or its seeded
+    ``data.validation_fraction`` of the training records), untokenised; empty without either."""
+    if cfg.validation_path:
+        return load_records(cfg.validation_path, cfg, DataStats())
+    if cfg.validation_fraction > 0:
+        return _held_out(_records(cfg, DataStats(), seed), cfg, seed)[1] or []
+    return []
+
+
+def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+    stats = DataStats()
+    records = _records(cfg, stats, seed)
     validation_records: list[dict[str, Any]] | None = None
     validation_stats = None
     if cfg.validation_path:
         validation_stats = DataStats()
         validation_records = load_records(cfg.validation_path, cfg, validation_stats)
     elif cfg.validation_fraction > 0:
-        # A seeded split of the records before tokenising, as Dataset.train_test_split would do;
-        # they are still Python dicts here, of chat and prompt/completion shapes mixed
-        import random
-
-        order = list(range(len(records)))
-        random.Random(seed).shuffle(order)
-        cut = max(1, int(round(len(records) * cfg.validation_fraction)))
-        held = set(order[:cut])
-        validation_records = [r for i, r in enumerate(records) if i in held]
-        records = [r for i, r in enumerate(records) if i not in held]
+        records, validation_records = _held_out(records, cfg, seed)
         validation_stats = DataStats(formats=dict(stats.formats))
     started = time.perf_counter()
     train = tokenize_records(records, tokenizer, cfg, stats)
