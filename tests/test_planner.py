@@ -236,6 +236,9 @@ def test_choose_split_says_what_changed_when_nothing_divides():
     assert "nearest" in split.note
     split = choose_split(10, 4, 8)
     assert split.global_batch_size != 10 and split.note
+    # the global batch changes anyway: the micro-batch that fits takes it in fewer passes
+    assert choose_split(12, 8, 2) == BatchSplit(2, 1, 8, 12, note=choose_split(12, 8, 2).note)
+    assert choose_split(12, 8, 2).global_batch_size == 16 and choose_split(12, 8, 1).gradient_accumulation_steps == 2
 
 
 def test_split_with_fixed_values_reports_a_changed_global_batch():

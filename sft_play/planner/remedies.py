@@ -87,7 +87,8 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: not c.train.gradient_checkpointing),
     Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes)", ("train.optimizer=adamw_8bit",), "train",
            lambda c, t: _full(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused")),
-    Remedy("bf16 weights", "train bf16 weights directly, without fp32 masters (half the model state)",
+    Remedy("bf16 weights", "train bf16 weights directly, without fp32 master copies: half the model state, but updates "
+           "smaller than bf16's precision round away",
            ("model.torch_dtype=bfloat16",), "train",
            lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t)),
     Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
@@ -217,7 +218,7 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
     changes = sorted(final.values())
     return {
         "name": " + ".join(r.name for r in remedies),
-        "description": remedies[0].description if len(remedies) == 1 else "together",
+        "description": "; ".join(r.description if len(remedies) == 1 else f"{r.name}: {r.description}" for r in remedies),
         "change": changes,
         "make_target": remedies[-1].make_target,
         "remedies": [r.name for r in remedies],

@@ -80,8 +80,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         t = plan.time
         run_part = (f"; {t['steps']} steps: {duration(t['wall_seconds'])}, {t['gpu_hours']:.1f} GPU-hours"
                     if t.get("wall_seconds") else "")
-        lines.append(f"Time     about {t['tokens_per_second']:,.0f} tokens/s, {duration(t['seconds_per_step'])} per "
-                     f"optimizer step{run_part}")
+        lines.append(f"Time     {'' if plan.fits else '(were it to fit) '}about {t['tokens_per_second']:,.0f} tokens/s, "
+                     f"{duration(t['seconds_per_step'])} per optimizer step{run_part}")
         lines += [f"  time: {source}" for source in t["sources"]]
         if t["seconds_per_step"] < 0.01:
             lines.append("  time: a step this short is not what the time model counts (FLOPs and communication): "
@@ -100,6 +100,7 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
             if r.get("host_bytes_per_node"):
                 lines.append(f"  {'':<34} needs {gib(r['host_bytes_per_node'])} GiB of host memory per node")
             if r["fits"]:
+                lines.append(f"  {'':<34} what it costs: {r['description']}")
                 lines.append(f"  {'':<34} run: {_command(r, plan, config_path, overrides)}")
     if plan.smallest_hardware:
         lines.append(f"\nSmallest hardware that would run it: {plan.smallest_hardware}")
