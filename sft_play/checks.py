@@ -118,6 +118,9 @@ def check_model(config: RunConfig) -> list[Check]:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     checks = [Check("model", True, f"{name}: {getattr(model_config, 'model_type', '?')}, "
                                    f"{getattr(text, 'num_hidden_layers', '?')} layers, vocabulary {getattr(text, 'vocab_size', '?')}")]
+    from sft_play.model import weights_source
+
+    checks.append(Check("weights", *weights_source(config)))
     try:
         tokenizer = load_tokenizer(config)
         checks.append(Check("tokenizer", True, f"{len(tokenizer)} tokens, from "

@@ -102,6 +102,32 @@ def save_init_weights(model: Any, target: Path) -> None:
             raise
 
 
+def weights_source(config: RunConfig) -> tuple[bool, str]:
+    """(whether the run can load its base weights here, from where): a local folder's files, or
+    weights initialised from its bare config.json; a hub id's files in the local hub cache, or
+    downloaded when training starts where the hub can be reached."""
+    name, revision = config.model.name_or_path, config.model.revision
+    if Path(name).is_dir():
+        if has_weights(name):
+            return True, f"in {name}"
+        return True, f"none in {name}: initialised from its config.json (model.init_seed {config.model.init_seed})"
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in WEIGHT_FILES:
+        try:
+            cached = try_to_load_from_cache(name, filename, revision=revision)
+        except ValueError:  # not a valid repo id
+            cached = None
+        if isinstance(cached, str):
+            return True, f"{name}: in the local hub cache"
+    hub.prepare(name)
+    if hub.offline():
+        return False, (f"{name}'s weights are not in the local hub cache and the hub cannot be reached (or "
+                       f"HF_HUB_OFFLINE is set): download them where there is a network (hf download {name}), "
+                       "or point model.name_or_path at a local folder with them")
+    return True, f"{name}: downloaded from the hub when training starts (not in the local cache yet)"
+
+
 def weights_location(config: RunConfig) -> str:
     """Where the base weights load from: the configured model, or initialised weights for a bare config."""
     path = config.model.name_or_path

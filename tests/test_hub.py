@@ -73,3 +73,19 @@ def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):
     assert not hub.offline()
     hub.prepare("org/name")
     assert hub.offline() and huggingface_hub.constants.HF_HUB_OFFLINE is True
+
+
+def test_make_check_says_whether_the_weights_can_be_loaded_here(monkeypatch, tmp_path):
+    # make check said [PASS] model offline for a hub model whose config alone ships with the project
+    from sft_play import config as config_module
+    from sft_play.model import weights_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_model = config_module.load(REPO / "configs" / "run_distributed.yaml", check_paths=False)
+    ok, detail = weights_source(hub_model)
+    assert not ok and "not in the local hub cache" in detail and "hf download Qwen/Qwen2.5-0.5B-Instruct" in detail
+    tiny = config_module.load(REPO / "configs" / "run_tiny.yaml")
+    assert weights_source(tiny) == (True, "none in configs/tiny_model: initialised from its config.json (model.init_seed 0)")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    local = config_module.load(REPO / "configs" / "run_tiny.yaml", [f"model.name_or_path={tmp_path}"], check_paths=False)
+    assert weights_source(local) == (True, f"in {tmp_path}")
