@@ -84,6 +84,19 @@ def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_wei
     assert planned["dora"].breakdown["activations"] > 1.5 * planned["lora"].breakdown["activations"]
 
 
+def test_lora_trains_the_tensors_peft_makes():
+    # each layer's A and B matrices at the configured rank, and modules_to_save as whole copies
+    from sft_play.planner.memory import adapter_tensors
+
+    shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=32",
+                                    "lora.modules_to_save=[embed_tokens, lm_head]"))
+    tensors = adapter_tensors(shape)
+    per_layer = [32 * n for i, o in [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336),
+                                     (4096, 14336), (14336, 4096)] for n in (i, o)]
+    assert sorted(tensors) == sorted(per_layer * 32 + [128_256 * 4096] * 2)
+    assert sum(tensors) == shape.trainable_params
+
+
 def test_qlora_quantises_every_linear_but_the_head():
     shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=qlora"))
     kinds = shape.params_by_kind

@@ -229,21 +229,36 @@ def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
     return shape.trainable_params * recipe.trainable_bytes // recipe.shards
 
 
-def _linear_adapter_tensors(shape: ModelShape) -> list[int]:
+def linear_adapter_tensors(shape: ModelShape) -> list[int]:
+    """The A and B matrices of the adapted linears of one decoder layer (element counts)."""
     rank = shape.lora_params and _lora_rank(shape)
     return [n for fan_in, fan_out in shape.lora_in_out for n in (rank * fan_in, rank * fan_out)] if rank else []
 
 
 def adapter_tensors(shape: ModelShape) -> list[int]:
-    """Every trainable tensor of a LoRA/QLoRA run: the adapters of the linears of each layer, and
-    in one more tensor what peft trains beyond them (adapters on fused expert weights, whose
-    factors are not linears; ``modules_to_save`` copies), so that they add up to the exact count."""
-    tensors = _linear_adapter_tensors(shape) * shape.num_layers
+    """Every trainable tensor of a LoRA/QLoRA run, as peft makes them: each layer's (those of the
+    first, counted by peft: the linears' A and B, DoRA's magnitudes, the factors of adapters on
+    fused expert weights) and those outside the layers (``modules_to_save`` copies); where the
+    layers differ (hybrid models) what the others train beyond the first's counts as one more
+    tensor, so that they add up to the exact count. A shape built without peft's tensors takes
+    the linears' adapters at the shape's rank, and the rest as one tensor."""
+    if shape.lora_layer_tensors:
+        tensors = list(shape.lora_layer_tensors) * shape.num_layers + list(shape.lora_outside_tensors)
+        if sum(tensors) > shape.lora_params:  # the other layers train less than the first
+            tensors = list(shape.lora_outside_tensors)
+            per_layer = (shape.lora_params - sum(tensors)) // max(1, shape.num_layers)
+            tensors += [per_layer] * shape.num_layers
+    else:
+        tensors = linear_adapter_tensors(shape) * shape.num_layers
     rest = shape.lora_params - sum(tensors)
     return tensors + [rest] if rest > 0 else tensors
 
 
 def _lora_rank(shape: ModelShape) -> int:
+    """The adapters' rank: the shape's, else (a shape built by hand) what the count implies when
+    the linears' adapters are all it trains."""
+    if shape.lora_rank:
+        return shape.lora_rank
     per_layer = sum(i + o for i, o in shape.lora_in_out)
     return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
 

@@ -304,6 +304,15 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     if run.lora is not None and run.lora.dropout != config.lora.dropout:
         warnings.append(f"lora.dropout={config.lora.dropout:g} is off for this mixture-of-experts model: peft cannot "
                         "apply dropout to LoRA on fused expert weights")
+    if run.lora is not None:
+        outside = shape.lora_params - sum(memory.linear_adapter_tensors(shape)) * shape.num_layers
+        parts = ([f"whole copies of lora.modules_to_save ({', '.join(run.lora.modules_to_save)})"]
+                 if run.lora.modules_to_save else [])
+        parts += ["DoRA's magnitudes"] if run.lora.dora else []
+        parts += ["the adapters of the fused experts"] if shape.num_experts else []
+        if outside > 0 and parts:
+            notes.append(f"{outside:,} of the {shape.trainable_params:,} trainable parameters are outside the linears' "
+                         f"r={run.lora.r} adapters: {', '.join(parts)}")
     if shape.num_experts and run.method == "qlora":
         notes.append(f"QLoRA quantises the linear layers only: the {shape.expert_params:,} parameters of the fused "
                      f"experts (3-D tensors bitsandbytes does not quantise) stay in {run.precision.weights_dtype}")

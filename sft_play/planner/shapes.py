@@ -27,6 +27,7 @@ KINDS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "experts", "moe")
 _FIRST_LAYER = re.compile(r"\.(layers|layer|h|blocks)\.0\.")
+_ANY_LAYER = re.compile(r"\.(layers|layer|h|blocks)\.\d+\.")
 # Layer kinds (config.layer_types) that transformers builds a causal mask for, one per kind present
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 
@@ -52,6 +53,10 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     lora_in_out: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each adapted linear, per layer
+    lora_rank: int = 0  # the adapters' r (0: full fine-tuning, or a shape built without it)
+    # What peft trains, tensor by tensor: in the first decoder layer, and outside the layers
+    lora_layer_tensors: list[int] = field(default_factory=list)
+    lora_outside_tensors: list[int] = field(default_factory=list)
     attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it
     # 4-D masks the backbone builds per batch where attention takes one: one per attention kind of
     # its layers (Gemma-2, Qwen2 with sliding layers: a full and a sliding-window causal mask)
@@ -125,9 +130,11 @@ def count_by_kind(model: Any) -> dict[str, int]:
     return counts
 
 
-def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]]]:
-    """Adapter parameters peft adds to `model` for `lora_config`, and the (in, out) of each
-    adapted linear of the first decoder layer (what the activation model needs)."""
+def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]], list[int], list[int]]:
+    """Adapter parameters peft adds to `model` for `lora_config`; the (in, out) of each adapted
+    linear of the first decoder layer (what the activation model needs); the size of each tensor
+    peft trains in that layer (its linears' A and B, DoRA's magnitudes, the factors of adapters
+    on fused experts); and of each it trains outside the layers (``modules_to_save`` copies)."""
     import copy
 
     from peft import get_peft_model
@@ -139,6 +146,9 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
         warnings.simplefilter("ignore")
         peft_model = get_peft_model(model, lora_config, low_cpu_mem_usage=True)
     total = sum(p.numel() for n, p in peft_model.named_parameters() if p.requires_grad)
+    trained = [(f".{n}.", p.numel()) for n, p in peft_model.named_parameters() if p.requires_grad]
+    first_layer = [size for name, size in trained if _FIRST_LAYER.search(name)]
+    outside = [size for name, size in trained if not _ANY_LAYER.search(name)]
     in_out = []
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and _FIRST_LAYER.search(f".{name}."):
@@ -146,10 +156,11 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
             if base is not None and hasattr(base, "in_features"):
                 in_out.append((base.in_features, base.out_features))
     peft_model.unload()
-    return total, in_out
+    return total, in_out, first_layer, outside
 
 
-def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_code: bool = False) -> tuple[int, list[tuple[int, int]]]:
+def lora_counts_for_config(model_config: Any, lora_config: Any,
+                           trust_remote_code: bool = False) -> tuple[int, list[tuple[int, int]], list[int], list[int]]:
     """:func:`lora_counts` for the model `model_config` describes, without wrapping every layer.
 
     peft's module-by-module wrapping takes seconds for an 80-layer model, so when the decoder
@@ -163,9 +174,10 @@ def lora_counts_for_config(model_config: Any, lora_config: Any, trust_remote_cod
     layers = decoder_layers(full, num_layers) if num_layers > 2 else None
     if layers is None or len({layer_signature(layer) for layer in layers}) != 1:
         return lora_counts(full, lora_config)
-    one, in_out = lora_counts(build_meta_model(with_layers(model_config, 1), trust_remote_code), lora_config)
-    two, _ = lora_counts(build_meta_model(with_layers(model_config, 2), trust_remote_code), lora_config)
-    return one + (num_layers - 1) * (two - one), in_out
+    one, in_out, first_layer, outside = lora_counts(build_meta_model(with_layers(model_config, 1), trust_remote_code),
+                                                    lora_config)
+    two, *_ = lora_counts(build_meta_model(with_layers(model_config, 2), trust_remote_code), lora_config)
+    return one + (num_layers - 1) * (two - one), in_out, first_layer, outside
 
 
 def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape:
@@ -226,9 +238,10 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     )
 
 
-def with_method(base: ModelShape, method: str, lora: tuple[int, list[tuple[int, int]]] | None = None) -> ModelShape:
-    """`base` (from :func:`base_shape`) for `method`; `lora` is :func:`lora_counts`' answer."""
-    lora_params, in_out = lora if lora is not None else (0, [])
+def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: int = 0) -> ModelShape:
+    """`base` (from :func:`base_shape`) for `method`; `lora` is :func:`lora_counts`' answer for
+    adapters of rank `rank`."""
+    lora_params, in_out, first_layer, outside = lora if lora is not None else (0, [], [], [])
     return dataclasses.replace(
         base,
         trainable_params=base.total_params if method == "full" else lora_params,
@@ -236,6 +249,9 @@ def with_method(base: ModelShape, method: str, lora: tuple[int, list[tuple[int, 
         quantized_params=base.quantized_params if method == "qlora" else 0,
         quantized_blocks=base.quantized_blocks if method == "qlora" else 0,
         lora_in_out=[] if method == "full" else list(in_out),
+        lora_rank=0 if method == "full" else rank,
+        lora_layer_tensors=[] if method == "full" else list(first_layer),
+        lora_outside_tensors=[] if method == "full" else list(outside),
     )
 
 
@@ -250,7 +266,7 @@ def shape_from_config(model_config: Any, method: str, lora_config: Any = None, t
     """
     base = base_shape(model_config, trust_remote_code)
     lora = lora_counts_for_config(model_config, lora_config, trust_remote_code) if method in ("lora", "qlora") else None
-    return with_method(base, method, lora)
+    return with_method(base, method, lora, lora_config.r if lora is not None else 0)
 
 
 def model_shape(config: Any) -> ModelShape:
@@ -272,7 +288,7 @@ def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, 
     base = _base_shape(name_or_path, revision, trust_remote_code)
     if method == "full" or lora is None:
         return with_method(base, method)
-    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, lora))
+    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, lora), lora.r)
 
 
 # Remedies plan other methods of the same model: the model and each adapter are counted once
