@@ -27,7 +27,7 @@ def main() -> int:
     for g in result["generations"]:
         print(f"  {'ok ' if g['exact_match'] else 'no '} {g['prompt']!r} -> {g['answer']!r} (reference {g['reference']!r})")
     matches = sum(g["exact_match"] for g in result["generations"])
-    print(f"  exact matches: {matches}/{len(result['generations'])}; written to eval.json beside the model")
+    print(f"  exact matches: {matches}/{len(result['generations'])}; written to {run}/eval.json")
     return 0
 
 

@@ -408,3 +408,14 @@ def test_the_held_out_prompts_of_a_validation_fraction_are_the_rows_training_hel
     assert all(any(record["prompt"] in text for text in decoded) for record in held)  # the same four rows
     prompts = export.held_out_prompts(config, 2)
     assert [p.text for p in prompts] == [r["prompt"] for r in held[:2]] and prompts[0].reference == held[0]["completion"]
+
+
+def test_a_broken_jsonl_line_is_located_on_its_own_line(tmp_path):
+    # a line cut short said "at column 1": the position after its newline
+    from sft_play.data.sources import _jsonl_rows
+
+    line = '{"prompt": "a", "completion": "b"'
+    path = tmp_path / "cut.jsonl"
+    path.write_text(line + "\n")
+    ((number, row),) = list(_jsonl_rows(path))
+    assert number == 1 and row.reason == f"not valid JSON: Expecting ',' delimiter at column {len(line) + 1}"

@@ -58,7 +58,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # a column on this line, not 1 on the next
             except json.JSONDecodeError as exc:
                 yield number, InvalidRow(str(path), number, "<line>", f"not valid JSON: {exc.msg} at column {exc.colno}")
                 continue
