@@ -56,7 +56,7 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
     except OSError as exc:
         shipped = hub.shipped_config(name_or_path, revision)
         if shipped is None:
-            raise hub_error(name_or_path, exc) from None
+            raise hub_error(name_or_path, exc, config_only=True) from None
     logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
     return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
 

@@ -9,9 +9,10 @@ class OutOfMemory(UserError):
     """Training ran out of memory and could not back off any further."""
 
 
-def hub_error(name: str, error: OSError, what: str = "model") -> UserError:
+def hub_error(name: str, error: OSError, what: str = "model", config_only: bool = False) -> UserError:
     """A hub id that could not be loaded, as a message that says why (the network, the name, or
-    a gated repository) and how to use a local folder instead."""
+    a gated repository) and how to use a local folder instead; with `config_only` (its config.json
+    was wanted, as planning wants it), that a folder with that file alone is enough to plan."""
     import os
 
     text = str(error)
@@ -27,5 +28,7 @@ def hub_error(name: str, error: OSError, what: str = "model") -> UserError:
         cause = f"'{name}' is not on the hub (check the spelling: organisation/name)"
     else:
         cause = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    planning = (" (to plan only, its config.json is enough: hf download {name} config.json --local-dir DIR; "
+                "tests/fixtures/model_configs holds some)").format(name=name) if config_only else ""
     return UserError(f"cannot load the {what} '{name}': {cause}. To use a local copy instead: "
-                     f"hf download {name} --local-dir DIR, then set model.name_or_path=DIR")
+                     f"hf download {name} --local-dir DIR, then set model.name_or_path=DIR{planning}")

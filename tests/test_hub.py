@@ -60,6 +60,8 @@ def test_a_hub_id_that_cannot_be_read_is_one_error_without_retries(offline_plans
     assert result.returncode == 2
     assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
     assert "the hub cannot be reached" in result.stderr and "nobody/not-cached" in result.stderr
+    # make plan needs a config.json, not the weights
+    assert "to plan only, its config.json is enough: hf download nobody/not-cached config.json" in result.stderr
 
 
 def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):
