@@ -29,8 +29,8 @@ KINDS = {
     "planner": "planner traces and counts",
     "lease_configs": "GPU lease model configs",
 }
-STALE_STAGING_S = 24 * 3600  # a half-written entry this old belongs to no live process
 DAY_S = 24 * 3600
+STALE_STAGING_S = DAY_S  # a half-written entry this old belongs to no live process
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from sft_play.config.overrides import apply_overrides
 from sft_play.config.schema import ConfigError, RunConfig, consistency_problems
 
 logger = logging.getLogger(__name__)
+_SAID: set[str] = set()  # what unused_overrides said in this process: each once
 
 def load(path: str | os.PathLike | None, overrides: list[str] | None = None, check_paths: bool = True,
          check_packages: bool = True) -> RunConfig:
@@ -66,19 +67,16 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
     return config
 
 
-_SAID: set[str] = set()
-
-
 def unused_overrides(config: RunConfig, overrides: list[str]) -> list[str]:
     """What the overrides set that this run does not use: ``lora.*`` when every weight trains
     (``finetune.method=full``, the embedded default's), ``quantization.*`` without QLoRA."""
     keys = [text.split("=", 1)[0].strip() for text in overrides if "=" in text]
+    method = config.finetune.method
     said = []
-    for section, used, method in (("lora", config.finetune.method != "full", "lora or qlora"),
-                                  ("quantization", config.finetune.method == "qlora", "qlora")):
+    for section, used, instead, what in (("lora", method != "full", "lora", "adapters"),
+                                         ("quantization", method == "qlora", "qlora", "on a 4-bit base")):
         named = sorted({key for key in keys if key.startswith(f"{section}.")})
         if named and not used:
-            said.append(f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect: "
-                        f"finetune.method is {config.finetune.method} (set finetune.method={method.split()[0]} "
-                        f"to train {'adapters' if section == 'lora' else 'on a 4-bit base'})")
+            said.append(f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect: finetune.method is "
+                        f"{method} (set finetune.method={instead} to train {what})")
     return said

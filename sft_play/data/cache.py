@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sft_play import cache_usage
 from sft_play.config import DataConfig
 from sft_play.data.sources import expand, is_local
-from sft_play import cache_usage
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
