@@ -419,3 +419,16 @@ def test_a_broken_jsonl_line_is_located_on_its_own_line(tmp_path):
     path.write_text(line + "\n")
     ((number, row),) = list(_jsonl_rows(path))
     assert number == 1 and row.reason == f"not valid JSON: Expecting ',' delimiter at column {len(line) + 1}"
+
+
+@pytest.mark.parametrize("on_invalid", ["error", "skip"])
+def test_a_forced_format_that_fits_no_row_says_what_the_rows_look_like(on_invalid):
+    """data.format=alpaca on a chat file: one error naming the format the columns show, not every
+    row listed as missing 'instruction' (nor, with skip, every row skipped)."""
+    from sft_play.data.formats import UnknownFormat
+
+    path = str(FIXTURES / "messages.jsonl")
+    with pytest.raises(UnknownFormat, match=r"data.format=alpaca, but none of its rows.*look like 'messages'"):
+        load_records(path, data_config(format="alpaca", on_invalid=on_invalid), DataStats())
+    # a forced format that fits some rows keeps listing the bad ones
+    assert load_records(path, data_config(format="messages"), DataStats())

@@ -19,7 +19,7 @@ from typing import Any
 
 from sft_play.config import DataConfig
 from sft_play.data import cache
-from sft_play.data.formats import InvalidRow, InvalidRows, detect_format, normalise
+from sft_play.data.formats import InvalidRow, InvalidRows, UnknownFormat, detect_format, normalise
 from sft_play.data.sources import iter_sources
 from sft_play.data.tokenize import IGNORE_INDEX, encode_record, resolve_chat_template
 
@@ -111,15 +111,34 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
         if cfg.format == "auto":
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
+        kept = len(records)
         for number, row in raw:
             try:
                 records.append(normalise(row, fmt, cfg.columns, source, number))
             except InvalidRow as exc:
                 reject(exc)
+        if len(records) == kept and cfg.format != "auto":
+            _refuse_forced_format(source, fmt, [r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
     if bad and cfg.on_invalid == "error":
         raise InvalidRows(bad)
     stats.skipped = dict(skipped)
     return records
+
+
+def _refuse_forced_format(source: str, fmt: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
+    """One clear error, instead of every row listed as bad, when a forced ``data.format`` fits
+    none of a source's rows and its columns look like another format."""
+    try:
+        seen = detect_format(rows, columns)
+    except UnknownFormat:
+        return
+    if seen != fmt:
+        found = sorted(set().union(*(r.keys() for r in rows)))
+        raise UnknownFormat(
+            f"{source}: data.format={fmt}, but none of its rows fits that format: its columns {found} look "
+            f"like '{seen}' records. Set data.format=auto (or data.format={seen}), or map your columns to the "
+            f"'{fmt}' fields with data.columns"
+        )
 
 
 def skip_summary(stats: DataStats) -> str | None:
