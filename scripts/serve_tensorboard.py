@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from sft_play import cli, launch
 from sft_play import config as config_module
 
@@ -22,8 +21,14 @@ def main() -> int:
         logdir = Path(args.run)
         if not logdir.is_dir():
             raise cli.UserError(f"run folder '{args.run}' does not exist")
+        if not (_events(logdir) or (logdir / "config.yaml").is_file()):
+            raise cli.UserError(f"'{args.run}' is not a run folder (no config.yaml) and holds no TensorBoard "
+                                "event files; name a folder under train.output_dir, or leave RUN out for every run")
     else:
         logdir = Path(config_module.load(args.config, args.overrides, check_paths=False).train.output_dir)
+    if not _events(logdir):
+        print(f"No TensorBoard event files under {logdir} yet: runs write them while they train (unless "
+              "train.tensorboard=false), and TensorBoard shows them as they appear.", flush=True)
     launch.interrupt_on_termination()
     board = None
     try:
@@ -37,6 +42,11 @@ def main() -> int:
     finally:
         if board is not None:
             launch.stop(board)
+
+def _events(folder: Path) -> bool:
+    """Whether `folder` holds TensorBoard event files at any depth."""
+    return next(folder.rglob("events.out.tfevents*"), None) is not None
+
 
 if __name__ == "__main__":
     cli.run(main)

@@ -161,6 +161,7 @@ def freed_soon(port: int, seconds: float = 10.0) -> bool:
 
 def test_make_tensorboard_stops_tensorboard_on_sigterm(tmp_path):
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("train: {}\n")  # a run that has not logged yet
     process = subprocess.Popen(["make", "--no-print-directory", "tensorboard", f"RUN={tmp_path / 'run'}"], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     reader, lines = watch(process, "TensorBoard: http", lambda: os.killpg(process.pid, signal.SIGTERM))
@@ -173,6 +174,15 @@ def test_make_tensorboard_stops_tensorboard_on_sigterm(tmp_path):
         assert freed_soon(port), "TensorBoard was left running"
     finally:
         stop_listener(port)
+
+
+def test_tensorboard_for_a_folder_that_is_no_run_is_refused(tmp_path):
+    """RUN=<a folder that is no run> served an empty board in silence."""
+    done = subprocess.run([sys.executable, "scripts/serve_tensorboard.py", "--run", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is not a run folder" in done.stderr and "Traceback" not in done.stderr
+    assert "TensorBoard: http" not in done.stdout
 
 
 def test_a_second_stop_signal_cannot_cut_short_stopping_tensorboard():
