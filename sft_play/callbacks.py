@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft_play import checkpoints
 
@@ -338,6 +339,77 @@ class TokenThroughput(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(counts)
         self._tokens, self._time = tokens, now
+
+
+# Log keys the printed line leaves out: duplicates of what it shows (TokenThroughput's num_tokens
+# is the trainer's num_input_tokens_seen; its tokens_per_second is over the last interval, the
+# trainer's train_tokens_per_second since the start) and what says nothing to a reader. All of
+# them still reach TensorBoard.
+_UNPRINTED = {"num_input_tokens_seen", "train_tokens_per_second", "total_flos", "train_runtime"}
+_NAMES = {"learning_rate": "lr", "mean_token_accuracy": "accuracy", "num_tokens": "tokens"}
+
+
+_FIRST = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy")
+_LAST = ("num_tokens", "tokens_per_second", "epoch", "runtime")
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (math.isfinite(value) and value.is_integer() and abs(value) >= 1000):
+        return f"{int(value):,}"
+    return f"{value:.4g}"
+
+
+def log_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
+    """One log entry as the terminal shows it: ``step 10/500  loss 5.091  grad_norm 0.9256  lr
+    0.001245  accuracy 0.1627  entropy 5.434  tokens 29,532  21,217 tok/s  epoch 0.04184`` for a
+    training step, ``eval at step 10/500  loss 4.231 ...  in 0.09 s`` for an evaluation, and the
+    trainer's summary at the end of training."""
+    if "train_loss" in logs:
+        rate = logs.get("train_steps_per_second")
+        return (f"trained to step {step} in {_number(logs.get('train_runtime', 0.0))} s"
+                + (f" ({_number(rate)} steps/s)" if rate is not None else "")
+                + f"; mean loss over this run {_number(logs['train_loss'])}")
+    evaluation = any(key.startswith("eval_") for key in logs)
+    named = {}
+    for key, value in logs.items():
+        if key in _UNPRINTED or key in ("eval_samples_per_second", "eval_steps_per_second"):
+            continue
+        named[key[len("eval_"):] if evaluation and key.startswith("eval_") else key] = value
+    order = [k for k in _FIRST if k in named] + [k for k in named if k not in _FIRST + _LAST] + \
+        [k for k in _LAST if k in named]
+    parts = [f"{'eval at ' if evaluation else ''}step {step}/{max_steps}"]
+    for name in order:
+        value = named[name]
+        if name == "tokens_per_second":
+            parts.append(f"{value:,.0f} tok/s")
+        elif name == "runtime":
+            parts.append(f"in {_number(value)} s")
+        else:
+            parts.append(f"{_NAMES.get(name, name)} {_number(value)}")
+    return "  ".join(parts)
+
+
+class LogLines(ProgressCallback):
+    """The progress bar, with each log entry printed as :func:`log_line` writes it rather than as
+    the trainer's dict of strings (``{'loss': '6.526', ...}``, with duplicate keys)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            line = log_line(logs, state.global_step, state.max_steps)
+            if self.training_bar is not None:
+                self.training_bar.write(line)
+            else:
+                print(line, flush=True)
+
+
+class PrintedLogLines(PrinterCallback):
+    """:class:`LogLines` without a progress bar (``disable_tqdm``)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            print(log_line(logs, state.global_step, state.max_steps), flush=True)
 
 
 class ExpertLoad(TrainerCallback):

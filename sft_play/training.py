@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from sft_play import architecture, checkpoints, planner
-from sft_play.callbacks import max_over_ranks
+from sft_play.callbacks import LogLines, PrintedLogLines, max_over_ranks
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.model import lora_config, score_labelled_positions_only
@@ -238,9 +238,11 @@ def trainer_factory(
     calibration pass. The first trainer wraps the model with the run's adapter
     (:func:`sft_play.model.lora_config`); later ones reuse the wrapped model. The TensorBoard
     callback is moved behind ours, so that what our callbacks add to a log line
-    (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too."""
+    (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too, and the printed log
+    lines are ours (:class:`sft_play.callbacks.LogLines`)."""
     from transformers import set_seed
     from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
@@ -270,6 +272,9 @@ def trainer_factory(
         board = trainer.pop_callback(TensorBoardCallback)
         if board is not None:
             trainer.add_callback(board)
+        for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
+            if trainer.pop_callback(default) is not None:
+                trainer.add_callback(ours)
         held.update(model=trainer.model, peft_config=None)
         return trainer
 

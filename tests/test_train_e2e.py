@@ -200,3 +200,25 @@ def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):
     logged = training.loss_history(trainer)
     assert [step for step, _ in logged] == [1, 3]
     assert training.write_summary(trainer, tmp_path, {})["last_loss"] == logged[-1][1] != logged[0][1]
+
+
+def test_a_log_line_is_one_readable_line_without_duplicates():
+    """The trainer printed {'loss': '6.526', ..., 'num_tokens': 2927, 'num_input_tokens_seen': 2927,
+    'train_tokens_per_second': '2974', 'tokens_per_second': '2974'}: strings, and each count twice."""
+    from sft_play.callbacks import log_line
+
+    step = {"loss": 5.0913, "grad_norm": 0.9256, "learning_rate": 0.001245, "entropy": 5.434,
+            "mean_token_accuracy": 0.1627, "num_tokens": 29532, "epoch": 0.04184, "num_input_tokens_seen": 29532,
+            "train_runtime": 3.171, "train_tokens_per_second": 9315.0, "tokens_per_second": 12170.4,
+            "expert_load/max": 1.25}
+    assert log_line(step, 10, 500) == ("step 10/500  loss 5.091  grad_norm 0.9256  lr 0.001245  accuracy 0.1627  "
+                                       "entropy 5.434  expert_load/max 1.25  tokens 29,532  12,170 tok/s  epoch 0.04184")
+    evaluation = {"eval_loss": 4.231, "eval_runtime": 0.0862, "eval_samples_per_second": 116.0,
+                  "eval_steps_per_second": 11.6, "eval_entropy": 5.074, "eval_mean_token_accuracy": 0.1941,
+                  "eval_num_tokens": 2560.0, "epoch": 0.04184}
+    assert log_line(evaluation, 10, 500) == ("eval at step 10/500  loss 4.231  accuracy 0.1941  entropy 5.074  "
+                                             "tokens 2,560  epoch 0.04184  in 0.0862 s")
+    end = {"train_runtime": 3.021, "train_samples_per_second": 79.4, "train_steps_per_second": 6.62,
+           "train_loss": 4.596, "epoch": 0.08368, "num_input_tokens_seen": 59081}
+    assert log_line(end, 20, 20) == "trained to step 20 in 3.021 s (6.62 steps/s); mean loss over this run 4.596"
+    assert log_line({"loss": float("nan"), "learning_rate": 2e-5}, 3, 5) == "step 3/5  loss nan  lr 2e-05"
