@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sft_play import config as config_module
-from sft_play import data, hardware, hub
+from sft_play import data, hardware, hub, model_card
 from sft_play.config import RunConfig
 from sft_play.data.collate import make_collator
 from sft_play.errors import UserError, hub_error
@@ -232,6 +232,7 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     (output / "sft_play_merge.json").write_text(json.dumps(
         {"run": str(run_dir), "method": config.finetune.method, "base": config.model.name_or_path,
          "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
+    model_card.write(run_dir, output, merged=True)
     _readable(output)
     return output
 

@@ -24,7 +24,7 @@ from typing import Any
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from sft_play import callbacks, checkpoints, checks, data, hardware, memory_check, model, planner, training
+from sft_play import callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner, training
 from sft_play.config import RunConfig
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
@@ -301,6 +301,7 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
         trainer, run_dir, {"batch": run.batch.describe(), "data": bundle.stats.to_dict(),
                            "world_size": state.num_processes, "weights_fingerprints": fingerprints}
     )
+    model_card.write(run_dir, run_dir / "model")
     print(
         f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "
         f"{summary['last_loss']:.3f} in {summary['global_step']} steps\n"

@@ -272,6 +272,9 @@ def trainer_factory(
         board = trainer.pop_callback(TensorBoardCallback)
         if board is not None:
             trainer.add_callback(board)
+        # TRL writes a model card into checkpoints/ at each save ("checkpoints", fine-tuned from
+        # "None"); the run's own card goes into model/ at the end (sft_play.model_card)
+        trainer.create_model_card = lambda *args, **kwargs: None
         for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
             if trainer.pop_callback(default) is not None:
                 trainer.add_callback(ours)
@@ -457,6 +460,7 @@ def write_summary(trainer: Any, run_dir: Path, extra: dict[str, Any]) -> dict[st
         "global_step": trainer.state.global_step,
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
+        "last_eval_loss": next((e["eval_loss"] for e in reversed(trainer.state.log_history) if "eval_loss" in e), None),
         "losses": losses,
         "train_runtime_s": final.get("train_runtime"),
         "tokens_seen": trainer.state.num_input_tokens_seen,

@@ -43,6 +43,13 @@ def test_merged_lora_matches_the_adapter_model(runs):
     adapter_model, _, _ = export.load_trained(runs["lora"], device="cpu")
     torch.testing.assert_close(logits(merged, tokenizer), logits(adapter_model, tokenizer), rtol=1e-4, atol=1e-4)
     assert json.loads((merged_dir / "sft_play_merge.json").read_text())["method"] == "lora"
+    # the model cards: what trained and how to load it, not peft's "More Information Needed" template
+    card, merged_card = (runs["lora"] / "model" / "README.md").read_text(), (merged_dir / "README.md").read_text()
+    assert "library_name: peft" in card and "An adapter: LoRA r 32, alpha 64" in card and "More Information" not in card
+    assert "| training loss |" in card and "24 optimizer steps" in card and "AutoPeftModelForCausalLM" in card
+    assert "name_or_path: configs/tiny_model" in card  # the run's config.yaml, whole
+    assert "library_name: transformers" in merged_card and "merged into its base" in merged_card
+    assert f"FOLDER = '{merged_dir}'" in merged_card
     umask = os.umask(0)
     os.umask(umask)
     assert (merged_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shareable, not 0600

@@ -110,6 +110,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert guard.stopped_at == 3 and guard.bad_steps == 2 and trainer.state.global_step == 4
     kept = checkpoints.checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in kept] == ["checkpoint-1", "checkpoint-2"], "no checkpoint after the NaN"
+    assert not (tmp_path / "checkpoints" / "README.md").exists()  # TRL's card of a model named "checkpoints"
     from safetensors.torch import load_file
 
     last = load_file(kept[-1] / "adapter_model.safetensors")

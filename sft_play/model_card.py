@@ -1,0 +1,113 @@
+"""The model card (``README.md``) of a model folder a run wrote: ``model/`` at the end of
+training, ``merged/`` after ``make merge``. It is written from the run folder alone (its
+``config.yaml``, ``run.json`` and ``summary.json``), so it says what trained and how, and how to
+load the result, also after the folder is copied or pushed to a hub without the run around it.
+
+It replaces the cards the libraries write: peft's template of "More Information Needed"
+sections, and TRL's, which names a model "checkpoints" fine-tuned from "None".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _what(config: dict[str, Any], run: dict[str, Any], merged: bool) -> str:
+    method = (config.get("finetune") or {}).get("method", run.get("method", "full"))
+    if method == "full":
+        return "Every weight fine-tuned"
+    lora = run.get("lora") or config.get("lora") or {}
+    kind = "DoRA" if lora.get("dora") else "LoRA"
+    scale = f"alpha {lora.get('alpha', 0):g}" + (" / sqrt(r)" if lora.get("rslora") else "")
+    targets = lora.get("targets", "all-linear")
+    targets = targets if isinstance(targets, str) else ", ".join(targets)
+    adapter = f"{kind} r {lora.get('r')}, {scale}, on {targets}"
+    if lora.get("modules_to_save"):
+        adapter += f" (and {', '.join(lora['modules_to_save'])} in full)"
+    if method == "qlora":
+        adapter = f"Q{adapter} over the base quantised to 4 bits"
+    return f"An adapter ({adapter}), merged into its base" if merged else f"An adapter: {adapter}"
+
+
+def _loading(method: str, merged: bool) -> str:
+    if method != "full" and not merged:
+        return ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
+                "model = AutoPeftModelForCausalLM.from_pretrained(FOLDER)  # loads the base, then the adapter\n"
+                "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+    return ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            "model = AutoModelForCausalLM.from_pretrained(FOLDER)\n"
+            "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+
+
+def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
+    """The card's text for `model_dir`, the model of `run_dir` (merged into its base when `merged`)."""
+    config_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
+    config = yaml.safe_load(config_text) or {}
+    run = _read_json(run_dir / "run.json")
+    summary = _read_json(run_dir / "summary.json")
+    model, train, data = config.get("model") or {}, config.get("train") or {}, config.get("data") or {}
+    base = model.get("name_or_path", run.get("model", "?"))
+    revision = model.get("revision")
+    method = (config.get("finetune") or {}).get("method", run.get("method", "full"))
+    on_hub = not os.path.isdir(base) and base.count("/") == 1 and not base.startswith((".", "/"))
+    front = {"base_model": base} if on_hub else {}
+    front.update({"library_name": "peft" if method != "full" and not merged else "transformers",
+                  "pipeline_tag": "text-generation",
+                  "tags": ["sft-play", "sft", "trl", method] + (["merged"] if merged else [])})
+
+    stats = summary.get("data") or {}
+    paths = data.get("path")
+    paths = ", ".join(paths) if isinstance(paths, list) else str(paths)
+    rows = [("data", f"{paths}: {stats.get('examples', '?'):,} examples, {stats.get('tokens_total', 0):,} tokens"
+                     f" (loss on {data.get('train_on', 'completion')})" if stats else paths)]
+    sequence = (run.get("sequence") or {}).get("tokens", data.get("max_seq_length"))
+    packed = " packed" if data.get("packing") else ""
+    if summary.get("global_step") is not None:
+        rows.append(("steps", f"{summary['global_step']:,} optimizer steps ({summary.get('batch', '?')}) of{packed} rows "
+                              f"of up to {sequence} tokens: {summary.get('tokens_seen', 0):,} tokens trained on"))
+    schedule = (f"{run.get('optimizer', train.get('optimizer'))}, learning rate {train.get('learning_rate')} "
+                f"({train.get('lr_scheduler')}, warm-up {train.get('warmup_ratio')}), weight decay "
+                f"{train.get('weight_decay')}, seed {train.get('seed')}")
+    rows.append(("optimizer", schedule))
+    precision = run.get("precision") or {}
+    if precision:
+        rows.append(("precision", f"{precision.get('mixed')} compute, weights {precision.get('weights_dtype')}, "
+                                  f"{run.get('world_size', 1)} process(es), {run.get('strategy', 'ddp')}"))
+    if summary.get("first_loss") is not None:
+        rows.append(("training loss", f"{summary['first_loss']:.4g} -> {summary['last_loss']:.4g}"))
+    if summary.get("last_eval_loss") is not None:
+        rows.append(("validation loss", f"{summary['last_eval_loss']:.4g} (last evaluation)"))
+    if summary.get("train_runtime_s"):
+        rows.append(("time", f"{summary['train_runtime_s']:.0f} s of training"))
+
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {run_dir.name}{' (merged)' if merged else ''}", "",
+             f"{_what(config, run, merged)} of `{base}`" + (f" (revision `{revision}`)" if revision else "")
+             + ", trained with SFT-Play on TRL's SFTTrainer.", "",
+             "| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows], "",
+             "## Use", "", "```python", f"FOLDER = {str(model_dir)!r}",
+             _loading(method, merged), "```", "",
+             f"In the SFT-Play workspace: `make generate RUN={run_dir}` (held-out prompts), `make chat RUN={run_dir}`, "
+             f"`make eval RUN={run_dir}`.", ""]
+    if config_text:
+        lines += ["## The run's settings (`config.yaml`)", "", "```yaml", config_text.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write(run_dir: Path, model_dir: Path, merged: bool = False) -> Path:
+    """Write the card into `model_dir` as ``README.md`` (replacing a library's); returns its path."""
+    path = model_dir / "README.md"
+    path.write_text(card(run_dir, model_dir, merged))
+    return path
