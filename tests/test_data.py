@@ -245,6 +245,19 @@ def test_weighted_mixing_keeps_the_total_and_the_proportions():
     assert mix([a, b], [3, 1], seed=0) == mixed
 
 
+def test_the_mix_log_says_what_each_source_gave(tmp_path, caplog):
+    from sft_play.data import _records
+
+    for name, count in (("a", 10), ("b", 30)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(count)))
+    paths = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    with caplog.at_level("INFO", logger="sft_play.data"):
+        records = _records(data_config(path=paths, weights=[3, 1]), DataStats(), seed=0)
+    assert len(records) == 40
+    assert (f"mixed by weights [3.0, 1.0] into 40 records: {paths[0]}: 30 of its 10 (3.00 passes); "
+            f"{paths[1]}: 10 of its 30 (0.33 passes)") in caplog.text
+
+
 def test_weights_need_one_per_path():
     with pytest.raises(config_module.ConfigError, match="data.weights: 1 weight"):
         config_module.load(None, ["data.path=[a.jsonl, b.jsonl]", "data.weights=[1]"], check_paths=False)

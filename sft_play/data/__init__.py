@@ -312,7 +312,13 @@ def _records(cfg: DataConfig, stats: DataStats, seed: int) -> list[dict[str, Any
     if cfg.weights:
         parts = [load_records(entry, cfg, stats) for entry in cfg.path]
         records = mix(parts, cfg.weights, seed)
-        logger.info("data: mixed %s records by weights %s into %d", [len(p) for p in parts], cfg.weights, len(records))
+        total = sum(len(p) for p in parts)
+        shares = []
+        for entry, part, weight in zip(cfg.path, parts, cfg.weights):
+            drawn = round(total * weight / sum(cfg.weights)) if part else 0
+            shares.append(f"{entry}: {drawn} of its {len(part)} ({drawn / len(part):.2f} passes)" if part
+                          else f"{entry}: none (no usable record)")
+        logger.info("data: mixed by weights %s into %d records: %s", cfg.weights, len(records), "; ".join(shares))
         return records
     return load_records(cfg.path, cfg, stats)
 
