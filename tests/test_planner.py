@@ -427,6 +427,22 @@ def test_cpu_target_plans_host_memory_without_cuda_runtime():
     assert plan.precision["mixed"] == "no"  # auto: no autocast on the CPU
 
 
+def test_the_plan_says_how_the_steps_cover_the_data():
+    """Data smaller than one global batch made each step an epoch of fewer rows than the plan's
+    batch, unsaid; how many epochs train.max_steps covers was nowhere either."""
+    from sft_play.data import DataStats
+
+    config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml",
+                                ["train.max_steps=500", "train.global_batch_size=12"])
+    cpu = Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False)
+    plan = make_plan(config, cpu, DataStats(examples=24000, packed_rows=2858, tokens_p95=50, max_seq_length=256))
+    assert "one epoch is 2,858 packed rows, 239 steps of 12: train.max_steps=500 covers 2.09 epochs" in plan.notes
+    assert not any("global batch" in w for w in plan.warnings)
+    small = make_plan(config, cpu, DataStats(examples=5, tokens_p95=40, max_seq_length=256))
+    assert any("the training data is 5 examples, fewer than one global batch of 12: every optimizer step is a whole "
+               "epoch" in w for w in small.warnings)
+
+
 # --- the interface ---------------------------------------------------------------------------
 
 

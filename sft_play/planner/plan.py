@@ -11,6 +11,7 @@ remedies when nothing fits (:mod:`sft_play.planner.remedies`), predicts the time
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -172,6 +173,9 @@ def make_plan(
     if step_time and not step_time.wall_seconds:
         notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
+    epoch_note, epoch_warning = epoch_notes(train, rows, getattr(data_stats, "packed_rows", None) is not None, split)
+    notes += [epoch_note] if epoch_note else []
+    warnings += [epoch_warning] if epoch_warning else []
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)
@@ -248,6 +252,24 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
     if split.note:
         notes.append(split.note)
     return notes, warnings
+
+
+def epoch_notes(train: Any, rows: int | None, packed: bool, split: BatchSplit) -> tuple[str | None, str | None]:
+    """(note, warning) on how the run's steps cover the data: how many epochs ``train.max_steps``
+    runs, and the warning that data smaller than one global batch makes every step an epoch
+    of fewer rows than the batch the plan is for."""
+    if not rows:
+        return None, None
+    kind = ("packed row" if packed else "example") + ("s" if rows != 1 else "")
+    if rows < split.global_batch_size:
+        return None, (f"the training data is {rows:,} {kind}, fewer than one global batch of {split.global_batch_size}: "
+                      f"every optimizer step is a whole epoch, and each step sees {rows:,} {kind}, not "
+                      f"{split.global_batch_size}; set train.global_batch_size to at most {rows:,}, or add data")
+    per_epoch = math.ceil(rows / split.global_batch_size)
+    if train.max_steps > 0:
+        return (f"one epoch is {rows:,} {kind}, {per_epoch:,} steps of {split.global_batch_size}: "
+                f"train.max_steps={train.max_steps:,} covers {train.max_steps / per_epoch:.2f} epochs"), None
+    return None, None
 
 
 def remedies_for(config: RunConfig, target: Target,
