@@ -397,6 +397,32 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     assert [e["name"] for e in entries if e["fits"]] == ["parameter offload"]
 
 
+def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combination():
+    """Optimizer offload (ZeRO-2's) comes before FSDP2 in cost order, and FSDP2 cannot offload the
+    optimizer alone: the search kept optimizer offload and so never tried FSDP2, and the fitting
+    combination of checkpointing, 8-bit AdamW and FSDP2 was not found."""
+    from types import SimpleNamespace
+
+    from sft_play.planner import remedies as catalogue
+
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false")
+    target = Target(8, 80 * GIB, "8 x 80 GiB")
+    by_strategy = {"ddp": 0, "deepspeed_zero2": 10, "deepspeed_zero3": 15, "fsdp2": 80}
+
+    def plan_for(changed, changed_target, as_run):
+        peak = (200 - 10 * changed.train.gradient_checkpointing - 10 * (changed.train.optimizer == "adamw_8bit")
+                - by_strategy[changed.distributed.strategy] - 10 * changed.distributed.offload_optimizer
+                - 5 * changed.distributed.offload_parameters - 5 * (changed.finetune.method != "full"))
+        return SimpleNamespace(fits=peak <= 100, peak_bytes_per_gpu=peak, micro_batch_size=1, host_bytes_per_node=0)
+
+    entries = catalogue.plan_remedies(config, target, plan_for)
+    assert not any(e["fits"] for e in entries if " + " not in e["name"])
+    combination = next(e for e in entries if " + " in e["name"])
+    assert combination["fits"] and combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "FSDP2"]
+    assert "distributed.strategy=fsdp2" in combination["change"]
+    assert not any("offload_optimizer" in change for change in combination["change"])
+
+
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
     config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                          "data.max_seq_length=2048")

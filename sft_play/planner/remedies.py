@@ -181,9 +181,15 @@ def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy
     shorter rows it also covers), the combination before the last removal, and so on; when none
     of them fits, the next remedy is added and the search goes on. Only combinations whose
     settings are consistent (:func:`sft_play.config.schema.consistency_problems`: optimizer
-    offload under FSDP2 is not) are taken for fitting."""
+    offload under FSDP2 is not) are taken for fitting: a remedy whose settings contradict those
+    of some already added takes their place (it costs more, and does more)."""
     chosen: list[Remedy] = []
     for remedy in applicable:
+        if not _consistent(config, target, chosen + [remedy]):
+            kept = [r for r in chosen if _consistent(config, target, [r, remedy])]
+            if not _consistent(config, target, kept + [remedy]):
+                continue
+            chosen = kept
         chosen.append(remedy)
         if not _fits(config, target, chosen, plan_for):
             continue
@@ -199,6 +205,10 @@ def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy
             if plan.fits:
                 return remedies, plan
     return None
+
+
+def _consistent(config: RunConfig, target: Any, remedies: list[Remedy]) -> bool:
+    return not consistency_problems(_apply(config, target, remedies)[0])
 
 
 def _fits(config: RunConfig, target: Any, remedies: list[Remedy], plan_for: PlanFor) -> bool:
