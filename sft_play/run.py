@@ -181,6 +181,7 @@ class Run:
     # The cuBLAS workspace each process takes from the caching allocator (hardware.cublas_workspace_bytes:
     # by the GPU's compute capability and CUBLAS_WORKSPACE_CONFIG); 0 off CUDA
     cublas_workspace_bytes: int = 0
+    neftune: bool = False  # train.neftune_noise_alpha: noise added to the embeddings' output in training
 
     @property
     def deepspeed(self) -> bool:
@@ -397,6 +398,7 @@ def resolve(
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
         cublas_workspace_bytes=hardware.cublas_workspace_bytes(
             cuda_capability, ":16:8" if config.train.deterministic else None) if on_cuda else 0,
+        neftune=bool(config.train.neftune_noise_alpha),
     )
 
 

@@ -224,6 +224,7 @@ def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, c
         accumulating=accumulating,
         on_cuda=run.on_cuda,
         cublas_workspace=run.cublas_workspace_bytes,
+        neftune=run.neftune,
     )
     return replay(shape, trace, spec, capacity, log)
 

@@ -64,6 +64,7 @@ class StepSpec:
     accumulating: bool = False  # gradient accumulation: the next micro-batch runs with gradients alive
     on_cuda: bool = True  # CUDA: a cuBLAS workspace and Triton's head; elsewhere the head's torch fold
     cublas_workspace: int = 32 * MIB  # taken from the allocator on CUDA (Run.cublas_workspace_bytes)
+    neftune: bool = False  # NEFTune's noise, drawn and added to the embedding output (a transient)
     steps: int = 2
 
 
@@ -224,6 +225,11 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     gathered_embedding = _gather_embedding(run, shape, recipe)
     embeddings = run.new(b * s * h * residual, "activations")
     run.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
+    if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
+        noise = run.new(b * s * h * residual, "activations")
+        noised = run.new(b * s * h * residual, "activations")
+        run.free(noise, embeddings)
+        embeddings = noised
     # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
     # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
     rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
