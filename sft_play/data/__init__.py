@@ -21,7 +21,8 @@ from sft_play.config import DataConfig
 from sft_play.data import cache
 from sft_play.data.formats import InvalidRow, InvalidRows, UnknownFormat, detect_format, normalise
 from sft_play.data.sources import iter_sources
-from sft_play.data.tokenize import IGNORE_INDEX, encode_record, resolve_chat_template
+from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
+                                    resolve_chat_template)
 
 logger = logging.getLogger(__name__)
 
@@ -155,17 +156,25 @@ def skip_summary(stats: DataStats) -> str | None:
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
                   overlong: str) -> dict[str, list]:
-    """:func:`_encode` over a batch of records (``datasets.map(batched=True)``: one Python call per
-    thousand records rather than per record)."""
+    """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
+    thousand records rather than per record); the chat records of a template with generation
+    markers go through the tokenizer together."""
     columns = list(batch)
-    encoded = [_encode({c: batch[c][i] for c in columns}, tokenizer, template, train_on, limit, overlong)
-               for i in range(len(batch[columns[0]]) if columns else 0)]
+    records = [{c: batch[c][i] for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    tokens: list[tuple[list[int], list[int]] | None] = [None] * len(records)
+    if has_generation_markers(template):
+        chats = [i for i, record in enumerate(records) if record.get("messages") is not None]
+        if chats:
+            for i, encoded in zip(chats, encode_chats_with_markers(
+                    tokenizer, [records[i]["messages"] for i in chats], template, train_on)):
+                tokens[i] = encoded
+    encoded = [_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit, overlong)
+               for i, record in enumerate(records)]
     return {key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")}
 
 
-def _encode(record: dict[str, Any], tokenizer: Any, template: str, train_on: str, limit: int,
-            overlong: str) -> dict[str, Any]:
-    ids, labels = encode_record(record, tokenizer, template, train_on)
+def _limited(ids: list[int], labels: list[int], limit: int, overlong: str) -> dict[str, Any]:
+    """An example's tokens with ``data.overlong`` applied at `limit` tokens, and what happened."""
     status = "ok"
     if len(ids) > limit:
         if overlong == "drop":
