@@ -182,6 +182,7 @@ class Run:
     # by the GPU's compute capability and CUBLAS_WORKSPACE_CONFIG); 0 off CUDA
     cublas_workspace_bytes: int = 0
     neftune: bool = False  # train.neftune_noise_alpha: noise added to the embeddings' output in training
+    loraplus_lr_ratio: float | None = None  # LoRA+: the B matrices' learning rate over the A matrices'
 
     @property
     def deepspeed(self) -> bool:
@@ -399,6 +400,7 @@ def resolve(
         cublas_workspace_bytes=hardware.cublas_workspace_bytes(
             cuda_capability, ":16:8" if config.train.deterministic else None) if on_cuda else 0,
         neftune=bool(config.train.neftune_noise_alpha),
+        loraplus_lr_ratio=config.lora.loraplus_lr_ratio if method != "full" else None,
     )
 
 

@@ -268,6 +268,8 @@ def trainer_factory(
             processing_class=tokenizer,
             peft_config=held["peft_config"],
             callbacks=callbacks,
+            optimizer_cls_and_kwargs=(LoraPlus, {"args": args, "ratio": this_run.loraplus_lr_ratio})
+            if this_run.loraplus_lr_ratio else None,
         )
         board = trainer.pop_callback(TensorBoardCallback)
         if board is not None:
@@ -282,6 +284,21 @@ def trainer_factory(
         return trainer
 
     return make
+
+
+class LoraPlus:
+    """LoRA+ (``lora.loraplus_lr_ratio``): the run's optimizer (``train.optimizer`` as the trainer
+    makes it) with peft's parameter groups, the B matrices at `ratio` times the learning rate.
+    A factory the trainer calls when it creates the optimizer (``optimizer_cls_and_kwargs``), so
+    that the groups hold the parameters as they are then (after FSDP2 has sharded them)."""
+
+    def __call__(self, model: Any, *, args: Any, ratio: float) -> Any:
+        from peft.optimizers import create_loraplus_optimizer
+        from transformers import Trainer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return create_loraplus_optimizer(model, optimizer_cls, loraplus_lr_ratio=ratio,
+                                         loraplus_weight_decay=args.weight_decay, **kwargs)
 
 
 def measure_peaks(make_trainer: Callable[..., Any], run: Run, micros: tuple[int, ...] = (1, 2),

@@ -189,6 +189,27 @@ def test_dora_rslora_and_neftune_train_with_the_parameters_the_planner_counts(tm
     assert any("lora_magnitude_vector" in key for key in load_file(tmp_path / "saved" / "adapter_model.safetensors"))
 
 
+def test_loraplus_trains_the_b_matrices_at_their_own_learning_rate(tmp_path):
+    """lora.loraplus_lr_ratio: peft's LoRA+ groups in the optimizer the trainer makes (B matrices
+    at ratio x the learning rate, A matrices and full copies at it), and the run still learns."""
+    from sft_play import training
+    from sft_play.run import BatchSplit
+    from tests.conftest import tiny_trainer_factory
+
+    make = tiny_trainer_factory(tmp_path, [], "lora.loraplus_lr_ratio=16", "train.learning_rate=1e-3")
+    assert make.run.loraplus_lr_ratio == 16
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    rates: dict[str, set] = {"lora_A": set(), "lora_B": set(), "other": set()}
+    for group in trainer.optimizer.param_groups:
+        for param in group["params"]:
+            kind = next((k for k in ("lora_A", "lora_B") if k in names[id(param)]), "other")
+            rates[kind].add(group["initial_lr"])
+    assert rates == {"lora_A": {1e-3}, "lora_B": {16e-3}, "other": {1e-3}}
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0]
+
+
 def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):
     # 3 steps at train.logging_steps=10 printed "loss: 6.421 -> 6.421": only step 1 had been logged
     from sft_play import callbacks, training

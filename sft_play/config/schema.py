@@ -87,6 +87,11 @@ class LoraConfig(_Section):
     use_rslora: bool = Field(
         False, description="Rank-stabilised LoRA: the update is scaled by alpha / sqrt(r) instead of alpha / r.",
     )
+    loraplus_lr_ratio: float | None = Field(
+        None, ge=1, description="LoRA+: the B matrices (and 1-D trained tensors) learn at this multiple of "
+        "train.learning_rate, the A matrices at it (peft's create_loraplus_optimizer; 16 is the paper's choice, with "
+        "a learning rate about half plain LoRA's); null: off.",
+    )
 
 
 class QuantizationConfig(_Section):
