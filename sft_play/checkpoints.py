@@ -24,6 +24,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from sft_play.config import load
 
@@ -247,6 +248,11 @@ def _no_checkpoint_help(save_steps: int) -> str:
             "train.save_steps (e.g. ARGS=\"train.save_steps=100\") so that a killed or crashed run can resume")
 
 
+# The timestamp of a run folder named after its config: <config name>-YYYYmmdd-HHMMSS (the
+# runs of exp.yaml are exp-20261126-095931, not those of exp-lowlr.yaml)
+_RUN_STAMP = re.compile(r"\d{8}-\d{6}")
+
+
 def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
                     save_steps: int = 0) -> tuple[Path | None, str]:
     """The run folder ``train.resume_from: auto`` continues, and why (or why none).
@@ -267,7 +273,8 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
             raise ValueError(f"{prefix} {run} finished (see its summary.json and model/); there is nothing to resume. "
                              "Choose another train.run_name for a new run")
         return run, f"the run named '{run_name}'"
-    runs = [p for p in output_dir.glob(f"{config_stem}-*") if (p / "config.yaml").is_file()]
+    runs = [p for p in output_dir.glob(f"{config_stem}-*")
+            if _RUN_STAMP.fullmatch(p.name[len(config_stem) + 1:]) and (p / "config.yaml").is_file()]
     if not runs:
         return None, f"{prefix} no run of '{config_stem}' in {output_dir}; starting a fresh run"
     unfinished = [p for p in runs if not is_finished(p)]
@@ -290,9 +297,18 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
     return run, why
 
 
-# What a checkpoint depends on: resuming under other values would train something else.
+# What a checkpoint depends on: resuming under other values would train something else, or
+# (the learning rate, schedule and optimizer, whose state the checkpoint restores) ignore the
+# new value while config.yaml says it. Of `train`, only these may change on resume: how long it
+# runs (the schedule is stretched to a new length), how it logs and saves, and how each process
+# splits the same global batch on the hardware it now has.
 _MUST_MATCH = ("model", "finetune", "lora", "quantization", "data")
-_MUST_MATCH_TRAIN = ("global_batch_size", "seed")
+_MAY_CHANGE_TRAIN = frozenset({
+    "output_dir", "run_name", "resume_from", "max_steps", "num_epochs", "logging_steps", "save_steps",
+    "save_total_limit", "eval_steps", "tensorboard", "max_bad_steps", "record_samples", "micro_batch_size",
+    "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "deterministic", "torch_compile",
+    "liger_kernels", "expandable_segments",
+})
 
 
 def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, config_stem: str,
@@ -337,10 +353,25 @@ def differences(saved: dict, current: dict) -> list[str]:
         for key, value in saved.get(section, {}).items():
             if current.get(section, {}).get(key) != value:
                 changed.append(f"{section}.{key}: {value!r} in the run, {current.get(section, {}).get(key)!r} now")
-    for key in _MUST_MATCH_TRAIN:
-        if saved.get("train", {}).get(key) != current.get("train", {}).get(key):
-            changed.append(f"train.{key}: {saved['train'].get(key)!r} in the run, {current['train'].get(key)!r} now")
+    saved_train, current_train = saved.get("train", {}), current.get("train", {})
+    for key in sorted(set(saved_train) | set(current_train)):
+        if key not in _MAY_CHANGE_TRAIN and saved_train.get(key) != current_train.get(key):
+            changed.append(f"train.{key}: {saved_train.get(key)!r} in the run, {current_train.get(key)!r} now")
     return changed
+
+
+def data_changes(run: Path, data: dict[str, Any]) -> str | None:
+    """How the training data differs from what `run` started on (its ``run.json``'s ``data``), as
+    a warning; None when it is the same, or unknown."""
+    try:
+        before = json.loads((run / "run.json").read_text()).get("data")
+    except (OSError, ValueError):
+        return None
+    if not before or before == data:
+        return None
+    moved = ", ".join(f"{key} {before.get(key)} -> {data.get(key)}" for key in data if before.get(key) != data.get(key))
+    return (f"the training data changed since {run.name} started ({moved}): the resumed steps draw from the data "
+            "as it is now, in another order than an uninterrupted run's")
 
 
 def layout_differences(checkpoint: Path, world_size: int, strategy: str) -> list[str]:
@@ -358,7 +389,8 @@ def layout_differences(checkpoint: Path, world_size: int, strategy: str) -> list
     return changed
 
 
-def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[str, str | None, str | None]:
+def choose_run_folder(config, config_path: str, world_size: int = 1,
+                      data: dict[str, Any] | None = None) -> tuple[str, str | None, str | None]:
     """(run folder name, checkpoint to resume or None, message) for a run of `config` on
     `world_size` processes: a new folder (``train.run_name``, else ``<config name>-<timestamp>``),
     or the run being resumed.
@@ -385,6 +417,9 @@ def choose_run_folder(config, config_path: str, world_size: int = 1) -> tuple[st
                          + "\n  ".join(changed)
                          + "\nResume with the settings it was written with, or start a new run "
                            "(without RESUME=auto, or with another train.run_name)")
+    changed_data = data_changes(run, data) if data else None
+    if changed_data:
+        message += f"\nwarning: {changed_data}"
     return run.name, str(checkpoint), message
 
 

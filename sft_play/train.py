@@ -78,10 +78,10 @@ def train(config: RunConfig, config_path: str) -> int:
     run = run.with_changes(batch=plan.split)
     planned = plan.split
 
-    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run)
+    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, bundle)
     if state.is_main_process:
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-        record_run(run_dir, run, planned)
+        record_run(run_dir, run, planned, data_summary(bundle))
     announce(state, run, plan)
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
@@ -122,7 +122,7 @@ def train(config: RunConfig, config_path: str) -> int:
                 for line in plan.notes[-2:]:
                     logger.info("plan: %s", line)
                 (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-                record_run(run_dir, run, planned)
+                record_run(run_dir, run, planned, data_summary(bundle))
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
     if callbacks.any_rank(stop.received is not None):
@@ -148,7 +148,7 @@ def train(config: RunConfig, config_path: str) -> int:
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:
-        record_run(run_dir, run, planned)
+        record_run(run_dir, run, planned, data_summary(bundle))
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
     if guard.stopped_at is not None:
@@ -219,14 +219,15 @@ def check_shared_folder(output_dir: Path) -> None:
 
 
 def open_run_folder(config: RunConfig, config_path: str, state: PartialState, shape: Any,
-                    run: Run) -> tuple[Path, str | None]:
+                    run: Run, bundle: Any) -> tuple[Path, str | None]:
     """Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
     rank learns the outcome, so that a refusal stops them all instead of leaving some waiting.
     Returns the folder and the checkpoint to resume from (if any)."""
     decision: list = [None, None, None, None]
     if state.is_main_process:
         try:
-            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, config_path, state.num_processes)
+            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, config_path, state.num_processes,
+                                                                             data_summary(bundle))
             checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
             decision = [name, resume_checkpoint, message, None]
         except (ValueError, UserError) as exc:
@@ -237,17 +238,29 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
         raise UserError(refusal)
     run_dir = Path(config.train.output_dir) / name
     if state.is_main_process:
-        if message:
-            logger.info("%s", message)
+        for line in (message or "").splitlines():
+            if line.startswith("warning: "):
+                logger.warning("%s", line.removeprefix("warning: "))
+            else:
+                logger.info("%s", line)
         run_dir.mkdir(parents=True, exist_ok=True)
         config.train.run_name = name
         (run_dir / "config.yaml").write_text(config.to_yaml())
     return run_dir, resume_checkpoint
 
 
-def record_run(run_dir: Path, run: Run, planned: Any) -> None:
-    """``run.json``: the resolved run as it trains, with the batch split planned and trained."""
-    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict()}
+def data_summary(bundle: Any) -> dict[str, Any]:
+    """What the run trains on, in counts: a resume compares them (``checkpoints.data_changes``)."""
+    stats = bundle.stats
+    return {"examples": stats.examples, "tokens": stats.tokens_total, "loss_tokens": stats.loss_tokens,
+            "rows": stats.packed_rows if stats.packed_rows is not None else stats.examples}
+
+
+def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None) -> None:
+    """``run.json``: the resolved run as it trains, with the batch split planned and trained, and
+    the data's counts (:func:`data_summary`)."""
+    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict(),
+                **({"data": data} if data else {})}
     (run_dir / "run.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 

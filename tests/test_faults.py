@@ -293,6 +293,49 @@ def test_resume_is_refused_with_other_processes_or_another_strategy(tmp_path):
         checkpoints.choose_run_folder(deepspeed, "configs/run_tiny.yaml", world_size=2)
 
 
+def test_auto_resume_takes_only_this_configs_runs(tmp_path):
+    """exp.yaml's RESUME=auto continued exp-lowlr.yaml's run: 'exp-*' matched its folder too."""
+    other = fake_run(tmp_path, "exp-lowlr-20261126-095931", INTERRUPTED)
+    fake_checkpoint(other, 41)
+    assert checkpoints.find_resume_run(tmp_path, None, "exp")[0] is None
+    own = fake_run(tmp_path, "exp-20261126-090000", INTERRUPTED)
+    fake_checkpoint(own, 7, saved_at=1.0)  # older than the other config's: still the only one of exp
+    assert checkpoints.find_resume_run(tmp_path, None, "exp")[0] == own
+    assert checkpoints.find_resume_run(tmp_path, None, "exp-lowlr")[0] == other
+
+
+def test_resume_refuses_a_new_learning_rate_the_checkpoint_would_override(tmp_path):
+    """The checkpoint's scheduler brings back the old learning rate and schedule: a resume with
+    another one trained at the old rate while config.yaml said the new one. Length, logging and
+    saving, and the split of the same global batch may change."""
+    named = ["train.resume_from=auto", "train.run_name=r", f"train.output_dir={tmp_path}"]
+    run = fake_run(tmp_path, "r", INTERRUPTED, tuple(named))
+    fake_checkpoint(run, 2)
+    for change in ("train.learning_rate=1e-5", "train.lr_scheduler=linear", "train.warmup_ratio=0.1",
+                   "train.weight_decay=0.1", "train.optimizer=adamw_8bit", "train.neftune_noise_alpha=5"):
+        key = change.split("=")[0]
+        with pytest.raises(ValueError, match=rf"(?s)cannot resume .*{key}: .* in the run, .* now"):
+            checkpoints.choose_run_folder(config_module.load(None, [*named, change], check_paths=False),
+                                          "configs/run_tiny.yaml")
+    allowed = config_module.load(None, [*named, "train.max_steps=900", "train.save_steps=50", "train.logging_steps=5",
+                                        "train.micro_batch_size=2", "train.gradient_checkpointing=true"],
+                                 check_paths=False)
+    assert checkpoints.choose_run_folder(allowed, "configs/run_tiny.yaml")[0] == "r"
+
+
+def test_resume_warns_when_the_data_changed_since_the_run_started(tmp_path):
+    named = ["train.resume_from=auto", "train.run_name=r", f"train.output_dir={tmp_path}"]
+    run = fake_run(tmp_path, "r", INTERRUPTED, tuple(named))
+    fake_checkpoint(run, 2)
+    data = {"examples": 282, "tokens": 9000, "loss_tokens": 3000, "rows": 40}
+    (run / "run.json").write_text(json.dumps({"data": data}))
+    config = config_module.load(None, named, check_paths=False)
+    assert "warning" not in checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=data)[2]
+    grown = {**data, "examples": 374, "tokens": 12000}
+    message = checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
+    assert "warning: the training data changed since r started (examples 282 -> 374, tokens 9000 -> 12000)" in message
+
+
 def test_a_new_run_never_goes_into_a_folder_that_holds_a_run(tmp_path):
     # A user reusing a run name overwrote a finished 200-step model with a 2-step one
     fresh = ["train.run_name=r", f"train.output_dir={tmp_path}"]
