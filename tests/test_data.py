@@ -252,10 +252,29 @@ def test_the_mix_log_says_what_each_source_gave(tmp_path, caplog):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(count)))
     paths = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     with caplog.at_level("INFO", logger="sft_play.data"):
-        records = _records(data_config(path=paths, weights=[3, 1]), DataStats(), seed=0)
-    assert len(records) == 40
+        records, held = _records(data_config(path=paths, weights=[3, 1]), DataStats(), seed=0)
+    assert len(records) == 40 and held is None
     assert (f"mixed by weights [3.0, 1.0] into 40 records: {paths[0]}: 30 of its 10 (3.00 passes); "
             f"{paths[1]}: 10 of its 30 (0.33 passes)") in caplog.text
+
+
+def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_trains(tmp_path):
+    """Holding out after mixing put copies of training records (the mix repeats the sources it
+    weights up) into the validation set: 9 of 20 there."""
+    from sft_play.data import _records, validation_records
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(100)))
+    cfg = data_config(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], weights=[0.8, 0.2],
+                      validation_fraction=0.1)
+    records, held = _records(cfg, DataStats(), seed=42)
+    trained, validation = {r["text"] for r in records}, [r["text"] for r in held]
+    assert len(validation) == 20 == len(set(validation))  # a tenth of each source's own records
+    assert sum(t.startswith("a") for t in validation) == 10
+    assert not trained & set(validation)
+    assert len(records) == 180  # the two sources' remaining 90 + 90, mixed 4:1
+    assert sum(t.startswith("a") for t in (r["text"] for r in records)) == 144
+    assert [r["text"] for r in validation_records(cfg, 42)] == validation  # the held-out prompts are those
 
 
 def test_weights_need_one_per_path():

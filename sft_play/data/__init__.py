@@ -316,20 +316,25 @@ def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k in DataStats.__dataclass_fields__}
 
 
-def _records(cfg: DataConfig, stats: DataStats, seed: int) -> list[dict[str, Any]]:
-    """The training records as read (and mixed by ``data.weights``)."""
-    if cfg.weights:
-        parts = [load_records(entry, cfg, stats) for entry in cfg.path]
-        records = mix(parts, cfg.weights, seed)
-        total = sum(len(p) for p in parts)
-        shares = []
-        for entry, part, weight in zip(cfg.path, parts, cfg.weights):
-            drawn = round(total * weight / sum(cfg.weights)) if part else 0
-            shares.append(f"{entry}: {drawn} of its {len(part)} ({drawn / len(part):.2f} passes)" if part
-                          else f"{entry}: none (no usable record)")
-        logger.info("data: mixed by weights %s into %d records: %s", cfg.weights, len(records), "; ".join(shares))
-        return records
-    return load_records(cfg.path, cfg, stats)
+def _records(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(training records, validation records or None) as read: mixed by ``data.weights``, and
+    with ``data.validation_fraction`` that share of each source held out *before* mixing, so
+    that no copy of a held-out record (mixing repeats the sources it weights up) trains."""
+    if not cfg.weights:
+        return _held_out(load_records(cfg.path, cfg, stats), cfg, seed)
+    parts = [load_records(entry, cfg, stats) for entry in cfg.path]
+    splits = [_held_out(part, cfg, seed) for part in parts]
+    parts = [train for train, _ in splits]
+    held = [record for _, part in splits for record in (part or [])] if splits and splits[0][1] is not None else None
+    records = mix(parts, cfg.weights, seed)
+    total = sum(len(p) for p in parts)
+    shares = []
+    for entry, part, weight in zip(cfg.path, parts, cfg.weights):
+        drawn = round(total * weight / sum(cfg.weights)) if part else 0
+        shares.append(f"{entry}: {drawn} of its {len(part)} ({drawn / len(part):.2f} passes)" if part
+                      else f"{entry}: none (no usable record)")
+    logger.info("data: mixed by weights %s into %d records: %s", cfg.weights, len(records), "; ".join(shares))
+    return records, held
 
 
 def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
@@ -342,7 +347,7 @@ def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
-    cut = max(1, int(round(len(records) * cfg.validation_fraction)))
+    cut = max(1, int(round(len(records) * cfg.validation_fraction))) if records else 0
     held = set(order[:cut])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
@@ -353,20 +358,18 @@ def validation_records(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     if cfg.validation_path:
         return load_records(cfg.validation_path, cfg, DataStats())
     if cfg.validation_fraction > 0:
-        return _held_out(_records(cfg, DataStats(), seed), cfg, seed)[1] or []
+        return _records(cfg, DataStats(), seed)[1] or []
     return []
 
 
 def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     stats = DataStats()
-    records = _records(cfg, stats, seed)
-    validation_records: list[dict[str, Any]] | None = None
+    records, validation_records = _records(cfg, stats, seed)
     validation_stats = None
     if cfg.validation_path:
         validation_stats = DataStats()
         validation_records = load_records(cfg.validation_path, cfg, validation_stats)
-    elif cfg.validation_fraction > 0:
-        records, validation_records = _held_out(records, cfg, seed)
+    elif validation_records is not None:
         validation_stats = DataStats(formats=dict(stats.formats))
     started = time.perf_counter()
     train = tokenize_records(records, tokenizer, cfg, stats)
