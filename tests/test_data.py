@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -168,11 +169,13 @@ def test_packed_rows_give_the_same_per_example_loss_as_single_examples(tiny_toke
         ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]}\n', r"row 1, field 'messages\[1\].content': missing"),
         ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].content': expected a string, got int"),
         ('{"messages": []}\n', r"row 1, field 'messages': empty conversation"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}\n',
+         r"row 1, field 'messages\[1\].content': empty answer"),
         ('{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].role': unknown role 'robot'"),
         (b'{"messages": "caf\xe9"}\n', r"row 1, field '<line>': not valid UTF-8"),
         ("", r"no records \(the file is empty\)"),
     ],
-    ids=["missing-field", "wrong-type", "empty-conversation", "unknown-role", "non-utf8", "empty-file"],
+    ids=["missing-field", "wrong-type", "empty-conversation", "empty-answer", "unknown-role", "non-utf8", "empty-file"],
 )
 def test_bad_rows_name_the_file_row_and_field(tmp_path, content, match):
     path = tmp_path / "bad.jsonl"
@@ -185,6 +188,22 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path, content, match):
     with pytest.raises(InvalidRow, match=match) as caught:
         load_records(str(path), data_config(format="messages"), DataStats())
     assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("fmt, row, field", [
+    ("alpaca", {"instruction": "Add 1 and 1.", "input": "", "output": ""}, "output"),
+    ("alpaca", {"instruction": "Add 1 and 1.", "input": "", "output": "   "}, "output"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
+     "conversations[1].value"),
+    ("prompt_completion", {"prompt": "q", "completion": "\n"}, "completion"),
+])
+def test_an_empty_answer_is_a_bad_row_in_every_format(tmp_path, fmt, row, field):
+    """Empty answers passed for Alpaca, ShareGPT and messages data (and trained the model to stop
+    at once) while CSV's were caught."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(InvalidRow, match=re.escape(f"row 1, field '{field}': empty answer")):
+        load_records(str(path), data_config(format=fmt), DataStats())
 
 
 def test_skipping_bad_rows_counts_them_by_reason(tmp_path):

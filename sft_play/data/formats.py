@@ -115,6 +115,10 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     )
 
 
+# An answer of nothing (or only whitespace) would teach the model to stop at once
+EMPTY_ANSWER = "empty answer"
+
+
 def _string(row: dict, column: str, source: str, index: int, optional: bool = False) -> str:
     value = row.get(column)
     if value is None:
@@ -151,6 +155,8 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
             raise InvalidRow(source, index, f"{where}.{content_key}", "missing")
         if not isinstance(content, str):
             raise InvalidRow(source, index, f"{where}.{content_key}", f"expected a string, got {type(content).__name__}")
+        if role == "assistant" and not content.strip():
+            raise InvalidRow(source, index, f"{where}.{content_key}", EMPTY_ANSWER)
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in out):
         raise InvalidRow(source, index, field, "no assistant turn to learn from")
@@ -179,6 +185,8 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
         output = _string(row, cols["output"], source, index)
         if not instruction.strip():
             raise InvalidRow(source, index, cols["instruction"], "empty")
+        if not output.strip():
+            raise InvalidRow(source, index, cols["output"], EMPTY_ANSWER)
         messages = []
         system = _string(row, cols["system"], source, index, optional=True)
         if system:
@@ -189,8 +197,8 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
     if fmt == "prompt_completion":
         prompt = _string(row, cols["prompt"], source, index)
         completion = _string(row, cols["completion"], source, index)
-        if not completion:
-            raise InvalidRow(source, index, cols["completion"], "empty")
+        if not completion.strip():
+            raise InvalidRow(source, index, cols["completion"], EMPTY_ANSWER)
         return {"prompt": prompt, "completion": completion}
     if fmt == "text":
         text = _string(row, cols["text"], source, index)
