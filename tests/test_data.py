@@ -206,6 +206,32 @@ def test_an_empty_answer_is_a_bad_row_in_every_format(tmp_path, fmt, row, field)
         load_records(str(path), data_config(format=fmt), DataStats())
 
 
+@pytest.mark.parametrize("fmt", ["auto", "prompt_completion"])
+def test_a_column_mapping_that_names_no_column_says_so(tmp_path, fmt):
+    """data.columns.completion=reply on a file whose column is 'answer' was told to map its columns
+    with data.columns (auto), or had every row skipped as 'reply: missing' (forced, skip)."""
+    from sft_play.data.formats import UnknownFormat
+
+    path = tmp_path / "qa.csv"
+    path.write_text("question,answer\nWhat is 1+1?,2\nWhat is 2+2?,4\n")
+    cfg = data_config(format=fmt, on_invalid="skip", columns={"prompt": "question", "completion": "reply"})
+    with pytest.raises(UnknownFormat, match=re.escape(f"{path}: ") + ".*" + re.escape(
+            "data.columns.completion=reply names no column of this file (its columns: ['answer', 'question'])")):
+        load_records(str(path), cfg, DataStats())
+
+
+def test_data_of_which_every_row_is_skipped_is_one_clear_error(tmp_path, tiny_tokenizer):
+    from sft_play.data import NoUsableData
+    from sft_play.errors import UserError
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "q"}]}\n' * 3)
+    with pytest.raises(NoUsableData, match=rf"no usable training example in {path}: skipped 3 rows: "
+                                           "messages: no assistant turn to learn from x3") as caught:
+        build(data_config(path=str(path), validation_path=None, on_invalid="skip"), tiny_tokenizer)
+    assert isinstance(caught.value, UserError)  # the entry scripts print it as one line, no traceback
+
+
 def test_skipping_bad_rows_counts_them_by_reason(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [

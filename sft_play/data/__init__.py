@@ -19,14 +19,20 @@ from typing import Any
 
 from sft_play.config import DataConfig
 from sft_play.data import cache
-from sft_play.data.formats import InvalidRow, InvalidRows, UnknownFormat, detect_format, normalise
+from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detect_format, mapped_but_absent,
+                                   normalise)
 from sft_play.data.sources import iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
                                     resolve_chat_template)
+from sft_play.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 _DETECT_ROWS = 5
+
+
+class NoUsableData(UserError, ValueError):
+    """Data of which no example is left to train on (every row bad and skipped, or too long)."""
 
 
 @dataclass
@@ -108,7 +114,10 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
         if not raw:
             stats.formats[source] = "empty"
             continue
-        fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+        try:
+            fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+        except UnknownFormat as exc:
+            raise UnknownFormat(f"{source}: {exc}") from None
         if cfg.format == "auto":
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
@@ -132,6 +141,9 @@ def _refuse_forced_format(source: str, fmt: str, rows: list[dict[str, Any]], col
     try:
         seen = detect_format(rows, columns)
     except UnknownFormat:
+        absent = mapped_but_absent(rows, columns)
+        if absent:
+            raise UnknownFormat(f"{source}: data.format={fmt}, but none of its rows fits that format: {absent}") from None
         return
     if seen != fmt:
         found = sorted(set().union(*(r.keys() for r in rows)))
@@ -377,9 +389,9 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
                 f" and packed into {stats.packed_rows} rows" if stats.packed_rows is not None else "",
                 time.perf_counter() - started)
     if len(train) == 0:
-        raise ValueError(
+        raise NoUsableData(
             f"no usable training example in {cfg.path}"
-            + (f" (skipped: {stats.skipped})" if stats.skipped else "")
+            + (f": {skip_summary(stats)}" if stats.skipped else "")
             + (f" ({stats.dropped_overlong} longer than data.max_seq_length={cfg.max_seq_length})" if stats.dropped_overlong else "")
         )
     validation = None

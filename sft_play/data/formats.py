@@ -108,11 +108,24 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
         return "prompt_completion"
     if cols["text"] in keys:
         return "text"
+    absent = mapped_but_absent(rows, columns)
     raise UnknownFormat(
-        f"cannot tell the data format from the columns {sorted(keys)}; expected 'messages', 'conversations', "
-        "'instruction'+'output', 'prompt'+'completion' or 'text'. Set data.format, or map your columns with "
-        "data.columns, e.g. data.columns.prompt=question data.columns.completion=answer"
+        f"cannot tell the data format from the columns {sorted(keys)}"
+        + (f": {absent}" if absent else "; expected 'messages', 'conversations', 'instruction'+'output', "
+           "'prompt'+'completion' or 'text'. Set data.format, or map your columns with data.columns, e.g. "
+           "data.columns.prompt=question data.columns.completion=answer")
     )
+
+
+def mapped_but_absent(rows: list[dict[str, Any]], columns: dict[str, str]) -> str | None:
+    """What is wrong with ``data.columns`` when it maps our fields to columns that none of `rows`
+    has (a typo, or another file's names); None when every mapped column is there."""
+    keys = set().union(*(r.keys() for r in rows)) if rows else set()
+    absent = {ours: theirs for ours, theirs in columns.items() if theirs not in keys}
+    if not absent:
+        return None
+    named = ", ".join(f"data.columns.{ours}={theirs}" for ours, theirs in absent.items())
+    return f"{named} name{'s' if len(absent) == 1 else ''} no column of this file (its columns: {sorted(keys)})"
 
 
 # An answer of nothing (or only whitespace) would teach the model to stop at once
