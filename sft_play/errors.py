@@ -17,6 +17,10 @@ def hub_error(name: str, error: OSError, what: str = "model", config_only: bool 
 
     text = str(error)
     lowered = text.lower()
+    if os.path.isdir(os.path.expanduser(name)):  # a local folder: what is wrong is in it, not the network
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        return UserError(f"cannot load the {what} from the folder '{name}': {first}. Is the folder complete "
+                         "(every file its index names: a download or copy cut short leaves shards out)?")
     if any(k in lowered for k in ("gated", "401", "403", "restricted", "authenticat")):
         cause = (f"'{name}' is gated or private: accept its licence on huggingface.co, then log in "
                  "(hf auth login, or set HF_TOKEN)")

@@ -108,6 +108,10 @@ def weights_source(config: RunConfig) -> tuple[bool, str]:
     downloaded when training starts where the hub can be reached."""
     name, revision = config.model.name_or_path, config.model.revision
     if Path(name).is_dir():
+        missing = missing_shards(Path(name))
+        if missing:
+            return False, (f"{name} lacks {len(missing)} of the files its index names ({', '.join(missing[:3])}"
+                           f"{', ...' if len(missing) > 3 else ''}): a download or copy cut short? Fetch them again")
         if has_weights(name):
             return True, f"in {name}"
         return True, f"none in {name}: initialised from its config.json (model.init_seed {config.model.init_seed})"
@@ -126,6 +130,20 @@ def weights_source(config: RunConfig) -> tuple[bool, str]:
                        f"HF_HUB_OFFLINE is set): download them where there is a network (hf download {name}), "
                        "or point model.name_or_path at a local folder with them")
     return True, f"{name}: downloaded from the hub when training starts (not in the local cache yet)"
+
+
+def missing_shards(folder: Path) -> list[str]:
+    """The weight files a sharded checkpoint's index names that `folder` lacks."""
+    import json
+
+    missing: set[str] = set()
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        try:
+            weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+        except (OSError, ValueError):
+            continue
+        missing |= {f for f in set(weight_map.values()) if not (folder / f).is_file()}
+    return sorted(missing)
 
 
 def weights_location(config: RunConfig) -> str:

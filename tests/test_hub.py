@@ -91,3 +91,22 @@ def test_make_check_says_whether_the_weights_can_be_loaded_here(monkeypatch, tmp
     (tmp_path / "model.safetensors").write_bytes(b"")
     local = config_module.load(REPO / "configs" / "run_tiny.yaml", [f"model.name_or_path={tmp_path}"], check_paths=False)
     assert weights_source(local) == (True, f"in {tmp_path}")
+
+
+def test_a_local_folder_missing_a_shard_is_reported_as_such_not_as_the_network(monkeypatch, tmp_path):
+    """make check said [PASS] weights, and training said the hub could not be reached."""
+    from sft_play import config as config_module
+    from sft_play.errors import hub_error
+    from sft_play.model import weights_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [f"model.name_or_path={tmp_path}"], check_paths=False)
+    ok, detail = weights_source(config)
+    assert not ok and "lacks 1 of the files its index names (model-00002-of-00002.safetensors)" in detail
+    missing = FileNotFoundError(f"No such file or directory: {tmp_path}/model-00002-of-00002.safetensors")
+    message = str(hub_error(str(tmp_path), missing))
+    assert message.startswith(f"cannot load the model from the folder '{tmp_path}': No such file")
+    assert "hub" not in message and "hf download" not in message
