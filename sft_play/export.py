@@ -24,7 +24,8 @@ from sft_play import data, hardware, hub, model_card
 from sft_play.config import RunConfig
 from sft_play.data.collate import make_collator
 from sft_play.errors import UserError, hub_error
-from sft_play.model import TORCH_DTYPES, load_tokenizer, quantization_config, quiet_loading, weights_location
+from sft_play.model import (TORCH_DTYPES, keep_cpu_4bit_inference_general, load_tokenizer, quantization_config,
+                             quiet_loading, weights_location)
 from sft_play.precision import Precision, inference_dtype, resolve_precision
 from sft_play.run import collator_kind
 
@@ -73,9 +74,12 @@ def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: b
     location = weights_location(config)
     hub.prepare(location)  # offline: at once, without the hub client's minute of retries
     try:
-        return AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as exc:
         raise hub_error(location, exc) from None
+    if "quantization_config" in kwargs:
+        keep_cpu_4bit_inference_general(model)
+    return model
 
 
 def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig | None]:

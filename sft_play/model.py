@@ -267,6 +267,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except OSError as exc:
         raise hub_error(location, exc) from None
+    if quant is not None:
+        keep_cpu_4bit_inference_general(model)
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
     model.name_or_path = model.config.name_or_path = config.model.name_or_path
     # Training never decodes; and with a cache, transformers stops separating packed examples.
@@ -274,6 +276,20 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     if run.compile_layers:
         compile_decoder_layers(model)
     return model
+
+
+def keep_cpu_4bit_inference_general(model: Any) -> None:
+    """bitsandbytes repacks a 4-bit linear's weight for its AVX512-BF16 CPU kernel at the first
+    forward without gradients (evaluation, generation), which needs the output features to be a
+    multiple of 32 and the input features of the quantisation block (64): a model of other widths
+    (a 96-wide test model) trained, then failed at its first evaluation. Those linears keep the
+    general kernel, as on a CPU without AVX512-BF16; the others keep the fast one."""
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if getattr(module, "support_avx512bf16_for_cpu", False) and state is not None:
+            out_features, in_features = state.shape[0], state.shape[1]
+            if out_features % 32 or in_features % state.blocksize:
+                module.support_avx512bf16_for_cpu = False
 
 
 def score_labelled_positions_only() -> None:

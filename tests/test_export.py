@@ -255,3 +255,25 @@ def test_commands_on_a_finished_run_refuse_overrides_they_would_ignore(runs, mon
         cli.chosen_run(args)
     named = parser.parse_args([f"train.output_dir={runs['lora'].parent}", "train.run_name=lora"])
     assert cli.chosen_run(named) == runs["lora"]  # train.run_name chooses the run
+
+
+def test_a_4bit_model_of_widths_the_fast_cpu_kernel_cannot_take_evaluates(tmp_path):
+    """A QLoRA model 96 wide trained on a CPU with AVX512-BF16, then its first evaluation failed
+    in bitsandbytes' repacking for that CPU kernel (shape '[96, 1]' is invalid): those linears
+    keep the general kernel."""
+    from sft_play import config as config_module
+    from sft_play import model as model_module
+    from sft_play.run import resolve
+
+    config_json = json.loads((REPO / "configs" / "tiny_model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config_json, "hidden_size": 96, "intermediate_size": 288,
+                                                      "head_dim": 48}))
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        f"model.name_or_path={tmp_path}", "model.tokenizer_name_or_path=configs/tiny_model",
+        "finetune.method=qlora", "train.mixed_precision=no"], check_paths=False)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
+    model = model_module.load_model(config, run, device="cpu").eval()
+    linears = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert linears and not any(m.support_avx512bf16_for_cpu for m in linears if m.in_features % 64 or m.out_features % 32)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 3]])).logits).all()
