@@ -81,7 +81,7 @@ class DataBundle:
 
 def _reason_key(error: InvalidRow) -> str:
     field_name = re.sub(r"\[\d+\]", "[]", error.field)
-    reason = re.sub(r" \(allowed:.*\)$", "", error.reason)
+    reason = re.sub(r" \((allowed:|byte |invalid ).*\)$", "", error.reason)  # where exactly: in the row list
     return f"{field_name}: {reason}"
 
 

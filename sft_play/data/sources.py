@@ -69,10 +69,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise InvalidRow(str(path), 0, "<file>", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise InvalidRow(str(path), 0, "<file>", f"not valid UTF-8 ({exc.reason} at byte {exc.start}, on line {line})")
     except json.JSONDecodeError as exc:
         # Many ".json" files are really JSON lines
         if exc.msg == "Extra data":
@@ -94,12 +96,31 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            for number, row in enumerate(csv.DictReader(f), start=1):
-                yield number, {k: v for k, v in row.items() if k is not None}
-    except UnicodeDecodeError as exc:
-        raise InvalidRow(str(path), 0, "<file>", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    """Rows of a CSV file, numbered from 1 after the header. A byte that is not UTF-8 makes its
+    row bad (named by row, column and line), not the whole file: the file is decoded with
+    ``surrogateescape``, which keeps such bytes as lone surrogates, found per field."""
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        for name in header:
+            if _undecodable(name):
+                raise InvalidRow(str(path), 0, "<header>", f"not valid UTF-8 ({_undecodable(name)} on line 1)")
+        for number, row in enumerate(reader, start=1):
+            bad = next(((k, _undecodable(v)) for k, v in row.items() if k is not None and _undecodable(v)), None)
+            if bad:
+                yield number, InvalidRow(str(path), number, bad[0], f"not valid UTF-8 ({bad[1]} on line {reader.line_num})")
+                continue
+            yield number, {k: v for k, v in row.items() if k is not None}
+
+
+def _undecodable(value: Any) -> str | None:
+    """The first byte of `value` that was not UTF-8 (decoded with ``surrogateescape``), described."""
+    if not isinstance(value, str):
+        return None
+    for char in value:
+        if "\udc80" <= char <= "\udcff":
+            return f"byte 0x{ord(char) - 0xDC00:02x}"
+    return None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
