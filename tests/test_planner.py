@@ -650,6 +650,27 @@ def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_s
     assert "not yet measured" not in h100["sources"][0]
 
 
+def test_gpu_models_are_named_as_people_write_them_and_an_unknown_one_is_said():
+    """GPU_MODEL=h100 (or RTX4090, RTX9999) printed 'timed as h100' and then no time, unsaid."""
+    from types import SimpleNamespace
+
+    from sft_play.planner import target_for, timing
+
+    assert [timing.gpu_model(n) for n in ("h100", "RTX4090", "rtx 4090", "H100-PCIe", "NVIDIA L40S", "NVIDIA L4",
+                                          "NVIDIA A100-SXM4-80GB", "RTX9999")] == [
+        "H100", "RTX 4090", "RTX 4090", "H100 PCIe", "L40S", "L4", "A100", None]
+    described = target_for(SimpleNamespace(gpus=[]), 8, 24, gpu_model="rtx4090")
+    assert described.gpu_model == "RTX 4090" and "timed as RTX 4090" in described.device_name
+    with pytest.raises(ValueError, match="GPU model 'RTX9999' is not one the planner can time"):
+        target_for(SimpleNamespace(gpus=[]), 8, 24, gpu_model="RTX9999")
+    # a detected GPU the table lacks: the plan says why it has no time
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8")
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x NVIDIA RTX PRO 9000", gpu_model="NVIDIA RTX PRO 9000"),
+                     with_remedies=False)
+    assert plan.time is None and any("no time: the planner has no peak FLOP/s for 'NVIDIA RTX PRO 9000'" in note
+                                     for note in plan.notes)
+
+
 def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask_per_attention_kind():
     # Gemma-2 caps its attention logits: eager attention, whose float masks transformers always
     # builds (full and sliding window: two); its peak was measured 10.6 % over the replay (H200)

@@ -24,7 +24,7 @@ from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
 from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
-from sft_play.planner.timing import gpu_model as known_gpu_model, predict_time, total_steps
+from sft_play.planner.timing import PEAK_BF16, gpu_model as known_gpu_model, predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
 from sft_play.units import GIB
 
@@ -170,6 +170,9 @@ def make_plan(
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
                              split.gradient_accumulation_steps)
+    if step_time is None and run.on_cuda:
+        notes.append(f"no time: the planner has no peak FLOP/s for '{target.gpu_model or target.device_name}' (it "
+                     f"knows {', '.join(sorted(PEAK_BF16))}); GPU_MODEL=<one of them> times the plan as that GPU")
     if step_time and not step_time.wall_seconds:
         notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
                      "(the data was not read); train.max_steps, or data this machine can read, gives one")
@@ -388,9 +391,13 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         raise ValueError(f"the number of GPUs must be at least 1 (got {gpus}): NUM_GPUS=8 or --gpus 8")
     if vram_gib is not None and vram_gib <= 0:
         raise ValueError(f"the GPU memory must be positive (got {vram_gib:g} GiB): VRAM_GIB=80 or --vram-gib 80")
+    if gpu_model is not None and known_gpu_model(gpu_model) is None:
+        raise ValueError(f"GPU model '{gpu_model}' is not one the planner can time (it knows "
+                         f"{', '.join(sorted(PEAK_BF16))}; GPU_MODEL=\"RTX 4090\" with the quotes for a name with a "
+                         "space): leave GPU_MODEL out to time the plan as the GPU the memory size most often means")
     if vram_gib is not None:
         count = gpus or 1
-        model = gpu_model or gpu_model_for_memory(vram_gib)
+        model = known_gpu_model(gpu_model) if gpu_model else gpu_model_for_memory(vram_gib)
         return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given; timed as {model or '?'})",
                       source="--vram-gib", gpu_model=model,
                       compute_capability=GPU_CAPABILITY.get(known_gpu_model(model or "") or ""))

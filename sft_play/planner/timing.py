@@ -87,9 +87,14 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
 
 
 def gpu_model(device_name: str) -> str | None:
-    """The known GPU model a device name is (the longest known name it contains)."""
+    """The known GPU model a device name is (the longest known name it contains, in any case and
+    with or without spaces and hyphens: "NVIDIA H100 80GB HBM3", "h100", "RTX4090", "H100-PCIe")."""
+    def bare(text: str) -> str:
+        return "".join(c for c in text.upper() if c.isalnum())
+
+    named = bare(device_name)
     for name in sorted(PEAK_BF16, key=len, reverse=True):
-        if name in device_name:
+        if bare(name) in named:
             return name
     return None
 
