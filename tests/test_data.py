@@ -114,8 +114,23 @@ def test_overlong_examples_are_truncated_or_dropped(tiny_tokenizer):
     assert truncated.stats.truncated >= 1 and truncated.stats.dropped_overlong == 0
     assert max(len(ids) for ids in truncated.train["input_ids"]) <= 20
     dropped = build(data_config(path=path, max_seq_length=20, packing=False, overlong="drop"), tiny_tokenizer)
-    assert dropped.stats.dropped_overlong == truncated.stats.truncated
+    assert dropped.stats.dropped_overlong == truncated.stats.truncated + truncated.stats.skipped.get(
+        "no answer tokens left after truncation", 0)
     assert dropped.stats.examples == 3 - dropped.stats.dropped_overlong
+    # each example left out is named by file and row, as bad rows are
+    names = dropped.stats.skipped_rows["longer than data.max_seq_length=20 (data.overlong: drop)"]
+    assert len(names) == dropped.stats.dropped_overlong and all(n.startswith(f"{path}:") for n in names)
+
+
+def test_an_example_whose_answer_truncation_cuts_away_is_skipped_by_name_not_counted_truncated(tmp_path, tiny_tokenizer):
+    path = tmp_path / "long.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "a"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bundle = build(data_config(path=str(path), validation_path=None, max_seq_length=64, packing=False), tiny_tokenizer)
+    stats = bundle.stats
+    assert stats.examples == 1 and stats.truncated == 0 and stats.skipped == {"no answer tokens left after truncation": 1}
+    assert stats.skipped_rows["no answer tokens left after truncation"] == [f"{path}:2"]
 
 
 def test_stats_describe_the_tokens(tiny_tokenizer):
@@ -289,7 +304,7 @@ def test_undetectable_format_says_how_to_fix_it(tmp_path):
     with pytest.raises(ValueError, match="data.columns"):
         load_records(str(path), data_config(), DataStats())
     mapped = load_records(str(path), data_config(columns={"prompt": "question", "completion": "answer"}), DataStats())
-    assert mapped == [{"prompt": "q", "completion": "a"}]
+    assert mapped == [{"prompt": "q", "completion": "a", "_row": f"{path}:1"}]  # each record says where it came from
 
 
 def test_weighted_mixing_keeps_the_total_and_the_proportions():

@@ -86,10 +86,13 @@ def _reason_key(error: InvalidRow) -> str:
 
 
 SKIPPED_ROWS_KEPT = 20  # row numbers kept per reason for the skip summary
+ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what tokenising leaves out
+NO_ANSWER_LEFT = "no answer tokens left after truncation"
 
 
 def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
-    """Canonical records from every source in `paths`. With ``data.on_invalid: error`` every bad
+    """Canonical records from every source in `paths`, each with its file and row under
+    :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
     row is collected and one :class:`InvalidRows` names them all; with ``skip`` they are counted
     by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
     records: list[dict[str, Any]] = []
@@ -124,9 +127,12 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
         kept = len(records)
         for number, row in raw:
             try:
-                records.append(normalise(row, fmt, cfg.columns, source, number))
+                record = normalise(row, fmt, cfg.columns, source, number)
             except InvalidRow as exc:
                 reject(exc)
+                continue
+            record[ORIGIN] = f"{source}:{number}"
+            records.append(record)
         if len(records) == kept and cfg.format != "auto":
             _refuse_forced_format(source, fmt, [r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
     if bad and cfg.on_invalid == "error":
@@ -182,7 +188,8 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
                 tokens[i] = encoded
     encoded = [_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit, overlong)
                for i, record in enumerate(records)]
-    return {key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")}
+    return {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
+            "origin": [record.get(ORIGIN) for record in records]}
 
 
 def _limited(ids: list[int], labels: list[int], limit: int, overlong: str) -> dict[str, Any]:
@@ -224,12 +231,19 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
         desc="Tokenising",
     )
     status = Counter(encoded["status"])
-    stats.truncated += status["truncated"] + status["no_answer"]
+    stats.truncated += status["truncated"]
     stats.dropped_overlong += status["dropped"]
+    if status["no_answer"] or status["dropped"]:
+        # what tokenising left out, named by file and row as the bad rows are
+        left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": f"longer than data.max_seq_length={limit} (data.overlong: drop)"}
+        for kind, origin in zip(encoded["status"], encoded["origin"]):
+            if kind in left_out:
+                where = stats.skipped_rows.setdefault(left_out[kind], [])
+                if origin and len(where) < SKIPPED_ROWS_KEPT:
+                    where.append(origin)
     if status["no_answer"]:
-        stats.skipped = {**stats.skipped, "no answer tokens left after truncation":
-                         stats.skipped.get("no answer tokens left after truncation", 0) + status["no_answer"]}
-    dataset = encoded.filter(lambda row: row["status"] in ("ok", "truncated")).remove_columns("status")
+        stats.skipped = {**stats.skipped, NO_ANSWER_LEFT: stats.skipped.get(NO_ANSWER_LEFT, 0) + status["no_answer"]}
+    dataset = encoded.filter(lambda row: row["status"] in ("ok", "truncated")).remove_columns(["status", "origin"])
     lengths = np.array([len(ids) for ids in dataset["input_ids"]] or [0])
     stats.examples = len(dataset)
     stats.max_seq_length = limit
@@ -400,9 +414,12 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:
+        dropped = stats.skipped_rows.get(f"longer than data.max_seq_length={cfg.max_seq_length} (data.overlong: drop)")
         logger.warning(
-            "data: %d examples truncated and %d dropped at data.max_seq_length=%d",
-            stats.truncated, stats.dropped_overlong, cfg.max_seq_length,
+            "data: %d examples truncated and %d dropped%s at data.max_seq_length=%d",
+            stats.truncated, stats.dropped_overlong,
+            f" ({', '.join(dropped)}{', ...' if stats.dropped_overlong > len(dropped) else ''})" if dropped else "",
+            cfg.max_seq_length,
         )
     return bundle
 
