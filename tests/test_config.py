@@ -126,6 +126,15 @@ def test_yaml_is_read_safely(tmp_path):
         config_module.load(path)
 
 
+def test_a_key_given_twice_is_refused(tmp_path):
+    """YAML keeps the second of two keys silently: a config with two learning rates trained with the second."""
+    path = write(tmp_path, "train:\n  learning_rate: 1.0e-3\n  max_steps: 5\n  learning_rate: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"'learning_rate' is given twice in one section \(lines 2 and 4\)"):
+        config_module.load(path)
+    assert config_module.load(write(tmp_path, "train:\n  learning_rate: 1.0e-3\nlora:\n  r: 8\n"),
+                              check_paths=False).train.learning_rate == 1e-3  # the same key in two sections is fine
+
+
 def test_resolved_config_round_trips(tmp_path):
     config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["train.max_steps=7"])
     saved = tmp_path / "config.yaml"
@@ -166,6 +175,10 @@ def test_settings_the_run_does_not_use_are_said_once(caplog):
         "quantization.quant_type has no effect: finetune.method is lora (set finetune.method=qlora to train on a 4-bit base)"]
     qlora = config_module.load(None, ["finetune.method=qlora"], check_paths=False)
     assert unused_overrides(qlora, ["quantization.quant_type=fp4", "lora.r=8"]) == []
+    # evaluations without validation data, set in the file or an override: never run, unsaid
+    blind = config_module.load(None, ["train.eval_steps=5", "data.validation_path=null"], check_paths=False)
+    assert unused_overrides(blind, []) == ["train.eval_steps=5 has no effect: there is no validation data (set "
+                                           "data.validation_path, or data.validation_fraction to hold some out)"]
     with caplog.at_level(logging.WARNING, logger="sft_play"):
         for _ in range(2):
             config_module.load(None, ["finetune.method=full", "lora.alpha=7"], check_paths=False)

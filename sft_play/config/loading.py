@@ -18,6 +18,22 @@ from sft_play.config.schema import ConfigError, RunConfig, consistency_problems
 logger = logging.getLogger(__name__)
 _SAID: set[str] = set()  # what unused_overrides said in this process: each once
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one,
+    silently: a config with two learning rates trains with the second)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key}' is given twice in one section (lines {seen[key]} and "
+                    f"{key_node.start_mark.line + 1}); YAML would keep the second silently", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | os.PathLike | None, overrides: list[str] | None = None, check_paths: bool = True,
          check_packages: bool = True) -> RunConfig:
     """Read a YAML run config, apply ``key=value`` overrides, and validate the result.
@@ -42,7 +58,7 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
         if not file.is_file():
             raise ConfigError([f"config file '{path}' does not exist"])
         try:
-            raw = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+            raw = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as exc:
             raise ConfigError([f"config file '{path}' is not valid YAML: {exc}"], source) from exc
         if not isinstance(raw, dict):
@@ -69,7 +85,8 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
 
 def unused_overrides(config: RunConfig, overrides: list[str]) -> list[str]:
     """What the overrides set that this run does not use: ``lora.*`` when every weight trains
-    (``finetune.method=full``, the embedded default's), ``quantization.*`` without QLoRA."""
+    (``finetune.method=full``, the embedded default's), ``quantization.*`` without QLoRA; and,
+    set anywhere, ``train.eval_steps`` without validation data."""
     keys = [text.split("=", 1)[0].strip() for text in overrides if "=" in text]
     method = config.finetune.method
     said = []
@@ -79,4 +96,8 @@ def unused_overrides(config: RunConfig, overrides: list[str]) -> list[str]:
         if named and not used:
             said.append(f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect: finetune.method is "
                         f"{method} (set finetune.method={instead} to train {what})")
+    data = config.data
+    if config.train.eval_steps and not (data.validation_path or data.validation_fraction > 0):
+        said.append(f"train.eval_steps={config.train.eval_steps} has no effect: there is no validation data (set "
+                    "data.validation_path, or data.validation_fraction to hold some out)")
     return said
