@@ -285,8 +285,10 @@ def announce(state: PartialState, run: Run, plan: Any) -> None:
     if precision.warning:
         logger.warning("%s", precision.warning)
     logger.info("%s", plan.describe())
-    for line in plan.notes + plan.warnings:
+    for line in plan.notes:
         logger.info("plan: %s", line)
+    for line in plan.warnings:
+        logger.warning("plan: %s", line)
     logger.info("devices: %s", "; ".join(devices))
 
 

@@ -475,6 +475,16 @@ def test_cpu_target_plans_host_memory_without_cuda_runtime():
     assert plan.precision["mixed"] == "no"  # auto: no autocast on the CPU
 
 
+def test_a_global_batch_changed_by_a_split_the_user_fixed_is_a_warning():
+    """train.global_batch_size=10 with train.micro_batch_size=4 trained global batch 8, said at INFO."""
+    config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml",
+                                ["train.global_batch_size=10", "train.micro_batch_size=4"])
+    cpu = Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False)
+    plan = make_plan(config, cpu, with_remedies=False)
+    assert plan.global_batch_size == 8
+    assert "global batch 10 is not a multiple of micro 4 x world 1; using the nearest, 8" in plan.warnings
+
+
 def test_the_plan_says_how_the_steps_cover_the_data():
     """Data smaller than one global batch made each step an epoch of fewer rows than the plan's
     batch, unsaid; how many epochs train.max_steps covers was nowhere either."""

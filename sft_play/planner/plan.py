@@ -252,8 +252,9 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
                             f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
     elif fitting:
         notes.append(f"largest micro-batch that fits: {fitting}")
-    if split.note:
-        notes.append(split.note)
+    if split.note:  # the global batch changed: a warning when the user fixed the split it follows from
+        fixed = isinstance(train.micro_batch_size, int) or isinstance(train.gradient_accumulation_steps, int)
+        (warnings if fixed and split.global_batch_size != train.global_batch_size else notes).append(split.note)
     return notes, warnings
 
 
