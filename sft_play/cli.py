@@ -91,6 +91,9 @@ def quiet_libraries() -> None:
     - DeepSpeed's "Setting accelerator to CPU" on machines without a GPU, where accelerate
       imports DeepSpeed to unwrap a model even when it is not used (``DS_ACCELERATOR=cpu`` says so);
     - datasets' progress bars (the data module logs what it did instead);
+    - transformers' "Token indices sequence length is longer than the specified maximum sequence
+      length for this model" on a long example: the data module truncates or drops examples at
+      ``data.max_seq_length`` after tokenising them whole, and says how many;
     - peft's RuntimeWarning that the rank and alpha patterns it sets itself for a mixture-of-
       experts model's fused ``gate_up_proj`` "did not match any targeted module" (peft 0.21's
       ``transformers_weight_conversion`` doubles r and alpha for the fused gate and up experts,
@@ -100,6 +103,8 @@ def quiet_libraries() -> None:
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
         lambda record: "gemm_4bit_forward" not in record.getMessage())
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(
+        lambda record: "Token indices sequence length is longer" not in record.getMessage())
     warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
                             r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)

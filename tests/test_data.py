@@ -122,6 +122,28 @@ def test_overlong_examples_are_truncated_or_dropped(tiny_tokenizer):
     assert len(names) == dropped.stats.dropped_overlong and all(n.startswith(f"{path}:") for n in names)
 
 
+def test_tokenising_a_long_example_prints_no_library_warning():
+    """transformers warned "Token indices sequence length is longer than the specified maximum"
+    on every run with a long example, which the data module truncates or drops itself, and says so."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from sft_play import cli
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    source = logging.getLogger("transformers.tokenization_utils_base")
+    source.addHandler(handler)  # what passes the logger's filters reaches its handlers
+    try:
+        cli.quiet_libraries()
+        AutoTokenizer.from_pretrained(str(REPO / "configs" / "tiny_model"))("a " * 5000)  # a fresh one warns once
+    finally:
+        source.removeHandler(handler)
+    assert not [m for m in seen if "Token indices sequence length" in m]
+
+
 def test_an_example_whose_answer_truncation_cuts_away_is_skipped_by_name_not_counted_truncated(tmp_path, tiny_tokenizer):
     path = tmp_path / "long.jsonl"
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
