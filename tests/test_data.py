@@ -283,6 +283,16 @@ def test_a_byte_that_is_not_utf8_in_a_csv_makes_its_row_bad_not_the_file(tmp_pat
     assert stats.skipped_rows == {"question: not valid UTF-8": [f"{path}:2"]}
 
 
+def test_bad_rows_are_listed_in_the_files_order(tmp_path):
+    """A line that could not be read was listed before the rows with bad fields (rows 42, 43, 41)."""
+    path = tmp_path / "mixed.jsonl"
+    good = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    path.write_bytes((good + '{"messages": []}\n' + '{"messages": [\n' + '{"messages": []}\n').encode())
+    with pytest.raises(InvalidRow) as caught:
+        load_records(str(path), data_config(), DataStats())
+    assert [row.row for row in caught.value.rows] == [2, 3, 4]
+
+
 def test_skipping_bad_rows_counts_them_by_reason(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [

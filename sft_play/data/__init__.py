@@ -109,12 +109,15 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
 
     for source, rows in iter_sources(paths, cfg.split):
         raw: list[tuple[int, dict[str, Any]]] = []
+        unreadable: list[InvalidRow] = []  # lines that could not be read, in order with the rows' own problems
         for number, row in rows:
-            if isinstance(row, InvalidRow):  # a line that could not be read
-                reject(row)
+            if isinstance(row, InvalidRow):
+                unreadable.append(row)
             else:
                 raw.append((number, row))
         if not raw:
+            for error in unreadable:
+                reject(error)
             stats.formats[source] = "empty"
             continue
         try:
@@ -125,14 +128,17 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
         kept = len(records)
+        problems = list(unreadable)
         for number, row in raw:
             try:
                 record = normalise(row, fmt, cfg.columns, source, number)
             except InvalidRow as exc:
-                reject(exc)
+                problems.append(exc)
                 continue
             record[ORIGIN] = f"{source}:{number}"
             records.append(record)
+        for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
+            reject(error)
         if len(records) == kept and cfg.format != "auto":
             _refuse_forced_format(source, fmt, [r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
     if bad and cfg.on_invalid == "error":
