@@ -494,6 +494,9 @@ def test_the_plan_says_how_the_steps_cover_the_data():
                                 ["train.max_steps=500", "train.global_batch_size=12"])
     cpu = Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False)
     plan = make_plan(config, cpu, DataStats(examples=24000, packed_rows=2858, tokens_p95=50, max_seq_length=256))
+    # the whole share fits: memory does not limit it, and "largest that fits: 12" said it did
+    assert ("micro-batch 12 is the whole per-process share of the global batch, and it fits: memory is not what "
+            "limits it") in plan.notes
     assert "one epoch is 2,858 packed rows, 239 steps of 12: train.max_steps=500 covers 2.09 epochs" in plan.notes
     assert not any("global batch" in w for w in plan.warnings)
     small = make_plan(config, cpu, DataStats(examples=5, tokens_p95=40, max_seq_length=256))

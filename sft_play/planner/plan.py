@@ -250,6 +250,9 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
         if fitting and split.micro_batch_size > fitting:
             warnings.append(f"train.gradient_accumulation_steps={search.fixed_accum} implies micro-batch "
                             f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
+    elif fitting and fitting >= search.per_process:
+        notes.append(f"micro-batch {fitting} is the whole per-process share of the global batch, and it fits: "
+                     "memory is not what limits it")
     elif fitting:
         notes.append(f"largest micro-batch that fits: {fitting}")
     if split.note:  # the global batch changed: a warning when the user fixed the split it follows from
