@@ -283,6 +283,16 @@ def test_a_byte_that_is_not_utf8_in_a_csv_makes_its_row_bad_not_the_file(tmp_pat
     assert stats.skipped_rows == {"question: not valid UTF-8": [f"{path}:2"]}
 
 
+def test_a_txt_file_is_text_records_one_per_line(tmp_path):
+    """README promised plain text; a .txt file was refused as not a supported data file."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"first line\n\nsecond line\r\n\xff bad\nthird\n")
+    stats = DataStats()
+    records = load_records(str(path), data_config(on_invalid="skip"), stats)
+    assert [r["text"] for r in records] == ["first line", "second line", "third"]
+    assert stats.formats == {str(path): "text"} and stats.skipped_rows == {"<line>: not valid UTF-8": [f"{path}:4"]}
+
+
 def test_bad_rows_are_listed_in_the_files_order(tmp_path):
     """A line that could not be read was listed before the rows with bad fields (rows 42, 43, 41)."""
     path = tmp_path / "mixed.jsonl"

@@ -1,4 +1,4 @@
-"""Reading records from local files (jsonl, json, csv, parquet; files, folders, globs) or the hub.
+"""Reading records from local files (jsonl, json, csv, parquet, txt; files, folders, globs) or the hub.
 
 Local files are read row by row so that a bad row is reported with its file and row number;
 hub datasets go through ``datasets.load_dataset``.
@@ -16,7 +16,7 @@ from typing import Any
 
 from sft_play.data.formats import InvalidRow
 
-EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
+EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
 
 def is_local(entry: str) -> bool:
@@ -130,7 +130,22 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield number, row
 
 
-_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+def _text_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A plain-text file: each non-empty line one ``text`` record, numbered by its line (as
+    ``datasets``' text loader reads it); documents that span lines belong in JSONL records."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                yield number, InvalidRow(str(path), number, "<line>", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            if line.strip():
+                yield number, {"text": line}
+
+
+_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows,
+            ".txt": _text_rows}
 
 
 def read_file(path: Path) -> Iterator[tuple[int, dict[str, Any] | InvalidRow]]:
