@@ -391,6 +391,13 @@ def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_
     assert len(records) == 180  # the two sources' remaining 90 + 90, mixed 4:1
     assert sum(t.startswith("a") for t in (r["text"] for r in records)) == 144
     assert [r["text"] for r in validation_records(cfg, 42)] == validation  # the held-out prompts are those
+    assert any(t.startswith("b") for t in validation[:5])  # shuffled: make generate's first prompts from both
+    # a source too small for a share keeps its records: held out per source, it would leave the mix
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "c0"}) + "\n")
+    small = data_config(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")], weights=[1, 1],
+                        validation_fraction=0.05)
+    records, held = _records(small, DataStats(), seed=42)
+    assert [r["text"] for r in records].count("c0") == 48 and len(held) == 5  # half of 95 + 1 and all(r["text"] != "c0" for r in held)
 
 
 def test_weights_need_one_per_path():

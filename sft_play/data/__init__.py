@@ -355,9 +355,19 @@ def _records(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict[st
     if not cfg.weights:
         return _held_out(load_records(cfg.path, cfg, stats), cfg, seed)
     parts = [load_records(entry, cfg, stats) for entry in cfg.path]
-    splits = [_held_out(part, cfg, seed) for part in parts]
-    parts = [train for train, _ in splits]
-    held = [record for _, part in splits for record in (part or [])] if splits and splits[0][1] is not None else None
+    held = None
+    if not cfg.validation_path and cfg.validation_fraction > 0:
+        # each source's share, but never its last record (a small source would leave the mix);
+        # at least one record in all, from the largest source
+        cuts = [min(len(p) - 1, round(len(p) * cfg.validation_fraction)) if p else 0 for p in parts]
+        if not sum(cuts) and max(len(p) for p in parts) > 1:
+            cuts[max(range(len(parts)), key=lambda i: len(parts[i]))] = 1
+        splits = [_split(part, cut, seed) for part, cut in zip(parts, cuts)]
+        parts = [train for train, _ in splits]
+        held = [record for _, part in splits for record in part]
+        import random
+
+        random.Random(seed).shuffle(held)  # the held-out prompts make generate shows come from every source
     records = mix(parts, cfg.weights, seed)
     total = sum(len(p) for p in parts)
     shares = []
@@ -375,12 +385,17 @@ def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
     Python dicts here, of chat and prompt/completion shapes mixed."""
     if cfg.validation_path or cfg.validation_fraction <= 0:
         return records, None
+    # at least one record held out, and one left to train on
+    return _split(records, min(max(1, round(len(records) * cfg.validation_fraction)), len(records) - 1), seed)
+
+
+def _split(records: list[dict[str, Any]], cut: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the records left, `cut` of them held out at random with `seed`), each in the records' order."""
     import random
 
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
-    cut = max(1, int(round(len(records) * cfg.validation_fraction))) if records else 0
-    held = set(order[:cut])
+    held = set(order[:max(0, cut)])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 

@@ -34,7 +34,10 @@ from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when tokenisation or packing change what they produce
+# Bump when reading, splitting, tokenisation or packing change what they produce, or the
+# statistics they keep: 2 holds out each weighted source's share before mixing, refuses empty
+# answers, and names the examples tokenising leaves out
+CACHE_VERSION = 2
 
 
 def cache_root() -> Path:
