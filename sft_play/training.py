@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from sft_play import architecture, checkpoints, planner
 from sft_play.callbacks import LogLines, PrintedLogLines, max_over_ranks
 from sft_play.config import RunConfig
-from sft_play.errors import OutOfMemory
+from sft_play.errors import OutOfMemory, UserError
 from sft_play.model import lora_config, score_labelled_positions_only
 from sft_play.planner import calibrate as calibration
 from sft_play.planner import memory
@@ -52,6 +52,11 @@ def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
         # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                      "weight_decay": "auto"}}
+    if "optimizer" in ds and run.loraplus_lr_ratio:
+        # DeepSpeed then builds the optimizer itself, from this block, without LoRA+'s groups
+        raise UserError(f"lora.loraplus_lr_ratio needs the optimizer the trainer makes, and DeepSpeed builds its own "
+                        f"here ({'optimizer offload' if run.offload_optimizer else 'the optimizer block of ' + config.distributed.deepspeed_config}): "
+                        "leave LoRA+ out, or train without optimizer offload (and without an optimizer block)")
     return ds
 
 
@@ -297,8 +302,17 @@ class LoraPlus:
         from transformers import Trainer
 
         optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-        return create_loraplus_optimizer(model, optimizer_cls, loraplus_lr_ratio=ratio,
-                                         loraplus_weight_decay=args.weight_decay, **kwargs)
+        optimizer = create_loraplus_optimizer(model, optimizer_cls, loraplus_lr_ratio=ratio,
+                                              loraplus_weight_decay=args.weight_decay, **kwargs)
+        if kwargs.get("optim_bits") == 8:  # as the trainer does for 8-bit optimizers: embeddings' states in 32 bits
+            import bitsandbytes
+            from torch import nn
+
+            manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+            for module in model.modules():
+                if isinstance(module, nn.Embedding):
+                    manager.register_module_override(module, "weight", {"optim_bits": 32})
+        return optimizer
 
 
 def measure_peaks(make_trainer: Callable[..., Any], run: Run, micros: tuple[int, ...] = (1, 2),

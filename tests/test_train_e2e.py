@@ -208,6 +208,13 @@ def test_loraplus_trains_the_b_matrices_at_their_own_learning_rate(tmp_path):
     assert rates == {"lora_A": {1e-3}, "lora_B": {16e-3}, "other": {1e-3}}
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses[-1] < losses[0]
+    # DeepSpeed's optimizer offload builds its own optimizer, without the groups: refused, not ignored
+    from sft_play import config as config_module
+
+    with pytest.raises(config_module.ConfigError, match="lora.loraplus_lr_ratio: with distributed.offload_optimizer"):
+        config_module.load(None, ["finetune.method=lora", "lora.loraplus_lr_ratio=16",
+                                  "distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"],
+                           check_paths=False)
 
 
 def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):

@@ -308,6 +308,12 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "gradient for its shard (measured: grad norm 4.33 against 4.27 for DDP and one process); remove "
             "lm_head from lora.modules_to_save, or use ddp or deepspeed_* for it"
         )
+    if (method != "full" and config.lora.loraplus_lr_ratio and strategy.startswith("deepspeed")
+            and config.distributed.offload_optimizer):
+        problems.append(
+            "lora.loraplus_lr_ratio: with distributed.offload_optimizer DeepSpeed builds its own optimizer on the "
+            "CPU, without LoRA+'s parameter groups; leave one of them out"
+        )
     if strategy == "fsdp2" and config.distributed.offload_optimizer and not config.distributed.offload_parameters:
         problems.append(
             "distributed.offload_optimizer: FSDP2 offloads parameters, gradients and optimizer states together; "
