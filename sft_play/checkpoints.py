@@ -297,17 +297,19 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
     return run, why
 
 
-# What a checkpoint depends on: resuming under other values would train something else, or
-# (the learning rate, schedule and optimizer, whose state the checkpoint restores) ignore the
-# new value while config.yaml says it. Of `train`, only these may change on resume: how long it
-# runs (the schedule is stretched to a new length), how it logs and saves, and how each process
-# splits the same global batch on the hardware it now has.
+# What a checkpoint depends on: resuming under other values would train something else than
+# the run the checkpoint continues (another schedule, warm-up, weight decay or optimizer from
+# the middle on), or ignore the new value while config.yaml says it (the learning rate, which
+# the scheduler's state brings back). Of `train`, only these may change on resume: how long it
+# runs (the schedule is stretched to a new length), how it logs and saves, how each process
+# splits the same global batch on the hardware it now has, and the guards against bad steps
+# (a tighter max_grad_norm after a run stopped on NaN losses).
 _MUST_MATCH = ("model", "finetune", "lora", "quantization", "data")
 _MAY_CHANGE_TRAIN = frozenset({
     "output_dir", "run_name", "resume_from", "max_steps", "num_epochs", "logging_steps", "save_steps",
     "save_total_limit", "eval_steps", "tensorboard", "max_bad_steps", "record_samples", "micro_batch_size",
     "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "deterministic", "torch_compile",
-    "liger_kernels", "expandable_segments",
+    "liger_kernels", "expandable_segments", "max_grad_norm",
 })
 
 
@@ -361,10 +363,11 @@ def differences(saved: dict, current: dict) -> list[str]:
 
 
 def data_changes(run: Path, data: dict[str, Any]) -> str | None:
-    """How the training data differs from what `run` started on (its ``run.json``'s ``data``), as
-    a warning; None when it is the same, or unknown."""
+    """How the training data differs from what `run` first started on (its ``run.json``'s
+    ``data_at_start``), as a warning; None when it is the same, or unknown."""
     try:
-        before = json.loads((run / "run.json").read_text()).get("data")
+        saved = json.loads((run / "run.json").read_text())
+        before = saved.get("data_at_start") or saved.get("data")
     except (OSError, ValueError):
         return None
     if not before or before == data:

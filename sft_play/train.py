@@ -259,8 +259,14 @@ def data_summary(bundle: Any) -> dict[str, Any]:
 def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None) -> None:
     """``run.json``: the resolved run as it trains, with the batch split planned and trained, and
     the data's counts (:func:`data_summary`)."""
-    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict(),
-                **({"data": data} if data else {})}
+    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict()}
+    if data:
+        try:  # a resumed run keeps the counts of its first start: data_changes compares with those
+            saved = json.loads((run_dir / "run.json").read_text())
+            before = saved.get("data_at_start") or saved.get("data")
+        except (OSError, ValueError):
+            before = None
+        document.update(data=data, data_at_start=before or data)
     (run_dir / "run.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 
@@ -297,8 +303,10 @@ def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
     return (
         f"stopped at step {step}: gradients or loss were NaN or infinite for "
         f"{config.train.max_bad_steps} steps in a row (their updates were skipped). "
-        + (f"The last good checkpoint is {last} (train.resume_from={last}). " if last else "No checkpoint was kept. ")
-        + "Lower train.learning_rate, keep train.max_grad_norm on, use bf16 rather than fp16, and check the data."
+        + (f"The last good checkpoint is {last}: train.resume_from={last} continues it (a tighter train.max_grad_norm "
+           "may be set then). " if last else "No checkpoint was kept. ")
+        + "A lower train.learning_rate needs a new run (a resumed one keeps its learning rate); keep "
+        "train.max_grad_norm on, use bf16 rather than fp16, and check the data."
     )
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -318,6 +319,7 @@ def test_resume_refuses_a_new_learning_rate_the_checkpoint_would_override(tmp_pa
             checkpoints.choose_run_folder(config_module.load(None, [*named, change], check_paths=False),
                                           "configs/run_tiny.yaml")
     allowed = config_module.load(None, [*named, "train.max_steps=900", "train.save_steps=50", "train.logging_steps=5",
+                                        "train.max_grad_norm=0.5",
                                         "train.micro_batch_size=2", "train.gradient_checkpointing=true"],
                                  check_paths=False)
     assert checkpoints.choose_run_folder(allowed, "configs/run_tiny.yaml")[0] == "r"
@@ -334,6 +336,14 @@ def test_resume_warns_when_the_data_changed_since_the_run_started(tmp_path):
     grown = {**data, "examples": 374, "tokens": 12000}
     message = checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
     assert "warning: the training data changed since r started (examples 282 -> 374, tokens 9000 -> 12000)" in message
+    # a second resume still compares with the first start (run.json is rewritten at each start)
+    from sft_play.run import BatchSplit
+    from sft_play.train import record_run
+
+    split = BatchSplit(1, 1, 1, 1)
+    record_run(run, SimpleNamespace(to_dict=dict, batch=split), split, grown)
+    assert json.loads((run / "run.json").read_text())["data_at_start"] == data
+    assert "examples 282 -> 374" in checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
 
 
 def test_a_new_run_never_goes_into_a_folder_that_holds_a_run(tmp_path):
