@@ -291,6 +291,9 @@ def test_a_txt_file_is_text_records_one_per_line(tmp_path):
     records = load_records(str(path), data_config(on_invalid="skip"), stats)
     assert [r["text"] for r in records] == ["first line", "second line", "third"]
     assert stats.formats == {str(path): "text"} and stats.skipped_rows == {"<line>: not valid UTF-8": [f"{path}:4"]}
+    # a folder's .txt files are not data (LICENSE.txt, notes): only a path or glob that names them
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n")
+    assert [r["text"] for r in load_records(str(tmp_path), data_config(on_invalid="skip"), DataStats())] == ["from jsonl"]
 
 
 def test_bad_rows_are_listed_in_the_files_order(tmp_path):

@@ -34,8 +34,8 @@ def expand(entry: str) -> list[Path]:
     path = Path(os.path.expanduser(entry))
     if any(ch in entry for ch in "*?["):
         files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(entry), recursive=True))]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.is_file())
+    elif path.is_dir():  # .txt only where named: a folder's LICENSE.txt or notes.txt is no training data
+        files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.suffix != ".txt" and p.is_file())
     else:
         files = [path]
     files = [f for f in files if f.is_file()]
