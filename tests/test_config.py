@@ -133,6 +133,16 @@ def test_a_key_given_twice_is_refused(tmp_path):
         config_module.load(path)
     assert config_module.load(write(tmp_path, "train:\n  learning_rate: 1.0e-3\nlora:\n  r: 8\n"),
                               check_paths=False).train.learning_rate == 1e-3  # the same key in two sections is fine
+    # YAML's merge keys still work, a key overriding a merged one included
+    merged = write(tmp_path, "base: &base\n  learning_rate: 1.0e-3\n  max_steps: 5\n"
+                             "train:\n  <<: *base\n  learning_rate: 2.0e-3\n")
+    import yaml
+
+    from sft_play.config.loading import _UniqueKeyLoader
+
+    assert yaml.load(merged.read_text(), Loader=_UniqueKeyLoader)["train"] == {"learning_rate": 2e-3, "max_steps": 5}
+    with pytest.raises(ConfigError, match="not valid YAML"):  # an unhashable key: one clear error, no traceback
+        config_module.load(write(tmp_path, "train:\n  ? [a, b]\n  : 1\n"), check_paths=False)
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -25,7 +25,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # an unhashable key: the loader itself says what is wrong with it
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"'{key}' is given twice in one section (lines {seen[key]} and "
