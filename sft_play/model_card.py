@@ -28,9 +28,16 @@ def _what(config: dict[str, Any], run: dict[str, Any], merged: bool) -> str:
     method = (config.get("finetune") or {}).get("method", run.get("method", "full"))
     if method == "full":
         return "Every weight fine-tuned"
-    lora = run.get("lora") or config.get("lora") or {}
+    configured = config.get("lora") or {}  # config.yaml's names, where run.json is missing
+    lora = run.get("lora") or {"r": configured.get("r"), "alpha": configured.get("alpha", 0),
+                               "dora": configured.get("use_dora"), "rslora": configured.get("use_rslora"),
+                               "targets": configured.get("target_modules", "all-linear"),
+                               "modules_to_save": configured.get("modules_to_save")}
     kind = "DoRA" if lora.get("dora") else "LoRA"
-    scale = f"alpha {lora.get('alpha', 0):g}" + (" / sqrt(r)" if lora.get("rslora") else "")
+    scale = f"alpha {lora.get('alpha') or 0:g}" + (" / sqrt(r)" if lora.get("rslora") else "")
+    ratio = run.get("loraplus_lr_ratio") or configured.get("loraplus_lr_ratio")
+    if ratio:
+        scale += f", LoRA+ (B at {ratio:g}x the learning rate)"
     targets = lora.get("targets", "all-linear")
     targets = targets if isinstance(targets, str) else ", ".join(targets)
     adapter = f"{kind} r {lora.get('r')}, {scale}, on {targets}"
@@ -53,8 +60,11 @@ def _loading(method: str, merged: bool) -> str:
 
 def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
     """The card's text for `model_dir`, the model of `run_dir` (merged into its base when `merged`)."""
-    config_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
-    config = yaml.safe_load(config_text) or {}
+    try:
+        config_text = (run_dir / "config.yaml").read_text()
+        config = yaml.safe_load(config_text) or {}
+    except (OSError, yaml.YAMLError):
+        config_text, config = "", {}
     run = _read_json(run_dir / "run.json")
     summary = _read_json(run_dir / "summary.json")
     model, train, data = config.get("model") or {}, config.get("train") or {}, config.get("data") or {}
@@ -70,7 +80,7 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
     stats = summary.get("data") or {}
     paths = data.get("path")
     paths = ", ".join(paths) if isinstance(paths, list) else str(paths)
-    rows = [("data", f"{paths}: {stats.get('examples', '?'):,} examples, {stats.get('tokens_total', 0):,} tokens"
+    rows = [("data", f"{paths}: {stats.get('examples', 0):,} examples, {stats.get('tokens_total', 0):,} tokens"
                      f" (loss on {data.get('train_on', 'completion')})" if stats else paths)]
     sequence = (run.get("sequence") or {}).get("tokens", data.get("max_seq_length"))
     packed = " packed" if data.get("packing") else ""

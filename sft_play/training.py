@@ -248,9 +248,9 @@ def trainer_factory(
     from transformers import set_seed
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import SFTTrainer
 
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
+    trainer_class = _trainer_class()
     held = {"model": model, "peft_config": lora_config(run)}
     layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
@@ -264,7 +264,7 @@ def trainer_factory(
             # every rank. DDP would copy rank 0's adapter to the others anyway; FSDP2 shards each
             # rank's own, which must therefore be the same.
             set_seed(config.train.seed)
-        trainer = SFTTrainer(
+        trainer = trainer_class(
             model=held["model"],
             args=args,
             data_collator=data_collator,
@@ -279,9 +279,6 @@ def trainer_factory(
         board = trainer.pop_callback(TensorBoardCallback)
         if board is not None:
             trainer.add_callback(board)
-        # TRL writes a model card into checkpoints/ at each save ("checkpoints", fine-tuned from
-        # "None"); the run's own card goes into model/ at the end (sft_play.model_card)
-        trainer.create_model_card = lambda *args, **kwargs: None
         for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
             if trainer.pop_callback(default) is not None:
                 trainer.add_callback(ours)
@@ -289,6 +286,20 @@ def trainer_factory(
         return trainer
 
     return make
+
+
+def _trainer_class() -> type:
+    from trl import SFTTrainer
+
+    class Trainer(SFTTrainer):
+        """TRL's SFTTrainer, without the model card it writes into checkpoints/ at each save (of a
+        model named "checkpoints", fine-tuned from "None"): the run's own card goes into model/
+        when it finishes (:mod:`sft_play.model_card`)."""
+
+        def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return Trainer
 
 
 class LoraPlus:

@@ -277,3 +277,20 @@ def test_a_4bit_model_of_widths_the_fast_cpu_kernel_cannot_take_evaluates(tmp_pa
     assert linears and not any(m.support_avx512bf16_for_cpu for m in linears if m.in_features % 64 or m.out_features % 32)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9, 3]])).logits).all()
+
+
+def test_a_model_card_from_a_run_folder_with_only_its_config(tmp_path):
+    """Without run.json the card read config.yaml's lora section under run.json's names (a DoRA
+    run described as LoRA on all-linear); without summary.json's counts it must not fail."""
+    from sft_play import config as config_module
+    from sft_play import model_card
+
+    config = config_module.load(None, ["finetune.method=lora", "lora.r=8", "lora.use_dora=true",
+                                       "lora.loraplus_lr_ratio=16", "lora.target_modules=[q_proj,v_proj]"],
+                                check_paths=False)
+    (tmp_path / "config.yaml").write_text(config.to_yaml())
+    (tmp_path / "summary.json").write_text(json.dumps({"data": {"tokens_total": 10}}))
+    card = model_card.card(tmp_path, tmp_path / "model")
+    assert "An adapter: DoRA r 8, alpha 32, LoRA+ (B at 16x the learning rate), on q_proj, v_proj" in card
+    (tmp_path / "config.yaml").write_text("train: [unclosed\n")
+    assert "# " + tmp_path.name in model_card.card(tmp_path, tmp_path / "model")  # unreadable settings: a card still
