@@ -102,6 +102,21 @@ def test_text_is_learned_in_full_and_ends_with_eos(tiny_tokenizer):
     assert labels == ids and ids[-1] == tiny_tokenizer.eos_token_id
 
 
+@pytest.mark.parametrize("train_on", ["completion", "all"])
+def test_chats_tokenised_together_are_tokenised_as_one_by_one(tiny_tokenizer, train_on):
+    """Tokenising builds all chat records of a batch in one call: the same tokens and labels."""
+    from sft_play.data.tokenize import encode_chats_with_markers
+
+    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse: a b c"},
+                      {"role": "assistant", "content": "c b a"}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                      {"role": "user", "content": "again"}, {"role": "assistant", "content": "hello again"}],
+                     [{"role": "user", "content": "x " * 50}, {"role": "assistant", "content": "y"}]]
+    template = tiny_tokenizer.chat_template
+    assert encode_chats_with_markers(tiny_tokenizer, conversations, template, train_on) == [
+        encode_chat(tiny_tokenizer, c, template, train_on) for c in conversations]
+
+
 def test_train_on_all_keeps_every_token(tiny_tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
     ids, labels = encode_chat(tiny_tokenizer, messages, tiny_tokenizer.chat_template, "all")

@@ -90,6 +90,11 @@ ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what toke
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
 
 
+def dropped_reason(limit: int) -> str:
+    """The reason ``skipped_rows`` names the examples ``data.overlong: drop`` left out under."""
+    return f"longer than data.max_seq_length={limit} (data.overlong: drop)"
+
+
 def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
     """Canonical records from every source in `paths`, each with its file and row under
     :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
@@ -241,11 +246,11 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
     stats.dropped_overlong += status["dropped"]
     if status["no_answer"] or status["dropped"]:
         # what tokenising left out, named by file and row as the bad rows are
-        left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": f"longer than data.max_seq_length={limit} (data.overlong: drop)"}
+        left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit)}
         for kind, origin in zip(encoded["status"], encoded["origin"]):
             if kind in left_out:
                 where = stats.skipped_rows.setdefault(left_out[kind], [])
-                if origin and len(where) < SKIPPED_ROWS_KEPT:
+                if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
                     where.append(origin)
     if status["no_answer"]:
         stats.skipped = {**stats.skipped, NO_ANSWER_LEFT: stats.skipped.get(NO_ANSWER_LEFT, 0) + status["no_answer"]}
@@ -435,7 +440,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:
-        dropped = stats.skipped_rows.get(f"longer than data.max_seq_length={cfg.max_seq_length} (data.overlong: drop)")
+        dropped = stats.skipped_rows.get(dropped_reason(cfg.max_seq_length))
         logger.warning(
             "data: %d examples truncated and %d dropped%s at data.max_seq_length=%d",
             stats.truncated, stats.dropped_overlong,

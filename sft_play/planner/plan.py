@@ -412,7 +412,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"
         linked = all(g.nvlinks_active for g in local) if len(local) > 1 else True
         return Target(count, smallest.free_bytes, f"{count} x {smallest.name}{note}",
-                      bf16_supported=all(g.bf16_supported for g in local), gpu_model=gpu_model or smallest.name,
+                      bf16_supported=all(g.bf16_supported for g in local),
+                      gpu_model=(known_gpu_model(gpu_model) if gpu_model else None) or smallest.name,
                       interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus),
                       outside_allocator_measured=dict(hardware.outside_allocator),
                       compute_capability=tuple(smallest.compute_capability))
