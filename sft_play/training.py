@@ -142,7 +142,8 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         per_device_eval_batch_size=run.batch.micro_batch_size,
         gradient_accumulation_steps=run.batch.gradient_accumulation_steps,
         learning_rate=train.learning_rate,
-        lr_scheduler_type=train.lr_scheduler,
+        lr_scheduler_type="cosine_with_min_lr" if train.min_lr_ratio else train.lr_scheduler,
+        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio} if train.min_lr_ratio else None,
         warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,

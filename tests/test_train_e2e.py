@@ -217,6 +217,20 @@ def test_loraplus_trains_the_b_matrices_at_their_own_learning_rate(tmp_path):
                            check_paths=False)
 
 
+def test_a_cosine_schedule_with_a_floor_ends_at_its_share_of_the_learning_rate(tmp_path):
+    from sft_play import config as config_module
+    from sft_play import training
+    from sft_play.run import BatchSplit
+    from tests.conftest import tiny_trainer_factory
+
+    make = tiny_trainer_factory(tmp_path, [], "train.min_lr_ratio=0.1", "train.learning_rate=1e-3",
+                                "train.warmup_ratio=0")
+    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # 4 steps of 4: the floor, not 0
+    with pytest.raises(config_module.ConfigError, match="train.min_lr_ratio: a floor for the cosine schedule only"):
+        config_module.load(None, ["train.min_lr_ratio=0.1", "train.lr_scheduler=linear"], check_paths=False)
+
+
 def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):
     # 3 steps at train.logging_steps=10 printed "loss: 6.421 -> 6.421": only step 1 had been logged
     from sft_play import callbacks, training

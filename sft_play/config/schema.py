@@ -153,6 +153,10 @@ class TrainConfig(_Section):
         "cosine", description="Learning-rate schedule after warm-up."
     )
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, lt=1, description="cosine: the floor the learning rate decays to, as a share of train.learning_rate "
+        "(0.1 is common; transformers' cosine_with_min_lr); 0: down to zero.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 turns clipping off).")
     neftune_noise_alpha: float | None = Field(
@@ -308,6 +312,9 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "gradient for its shard (measured: grad norm 4.33 against 4.27 for DDP and one process); remove "
             "lm_head from lora.modules_to_save, or use ddp or deepspeed_* for it"
         )
+    if train.min_lr_ratio and train.lr_scheduler != "cosine":
+        problems.append(f"train.min_lr_ratio: a floor for the cosine schedule only (train.lr_scheduler is "
+                        f"{train.lr_scheduler}); set train.lr_scheduler=cosine, or leave min_lr_ratio at 0")
     if (method != "full" and config.lora.loraplus_lr_ratio and strategy.startswith("deepspeed")
             and config.distributed.offload_optimizer):
         problems.append(
