@@ -35,9 +35,37 @@ def _locate(path: Path) -> tuple[Path, RunConfig | None]:
     if (path / "config.yaml").is_file():
         if not (path / "model").is_dir():
             raise FileNotFoundError(f"{path} has no model/ folder: did the run finish? (see {path}/checkpoints)")
-        return path / "model", config_module.load(path / "config.yaml", check_paths=False)
-    run_config = path.parent / "config.yaml"
-    return path, (config_module.load(run_config, check_paths=False) if run_config.is_file() else None)
+        return path / "model", run_config(path)
+    return path, (run_config(path.parent) if (path.parent / "config.yaml").is_file() else None)
+
+
+def run_config(run: Path) -> RunConfig:
+    """A run folder's ``config.yaml``, its local paths relative to where the run trained: a
+    relative model, tokenizer or data path (``configs/tiny_model``) that does not exist from here
+    but does from the folder the run started in (``run.json``'s ``workdir``) is made absolute
+    there, so that a run is used from any folder, as a model folder would be."""
+    config = config_module.load(run / "config.yaml", check_paths=False)
+    try:
+        workdir = json.loads((run / "run.json").read_text()).get("workdir")
+    except (OSError, ValueError):
+        workdir = None
+    if not workdir:
+        return config
+
+    def moved(value: str | None) -> str | None:
+        if not value or os.path.isabs(value) or os.path.exists(value) or not os.path.exists(os.path.join(workdir, value)):
+            return value
+        return os.path.join(workdir, value)
+
+    model, data_config = config.model, config.data
+    model.name_or_path = moved(model.name_or_path) or model.name_or_path
+    model.tokenizer_name_or_path = moved(model.tokenizer_name_or_path)
+    data_config.path = [moved(p) for p in data_config.path] if isinstance(data_config.path, list) else moved(data_config.path)
+    if isinstance(data_config.validation_path, list):
+        data_config.validation_path = [moved(p) for p in data_config.validation_path]
+    else:
+        data_config.validation_path = moved(data_config.validation_path)
+    return config
 
 
 def default_device() -> str:

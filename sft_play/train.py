@@ -259,7 +259,8 @@ def data_summary(bundle: Any) -> dict[str, Any]:
 def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None) -> None:
     """``run.json``: the resolved run as it trains, with the batch split planned and trained, and
     the data's counts (:func:`data_summary`)."""
-    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict()}
+    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict(),
+                "workdir": os.getcwd()}  # what the config's relative paths are relative to (export.run_config)
     if data:
         try:  # a resumed run keeps the counts of its first start: data_changes compares with those
             saved = json.loads((run_dir / "run.json").read_text())

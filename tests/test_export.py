@@ -294,3 +294,13 @@ def test_a_model_card_from_a_run_folder_with_only_its_config(tmp_path):
     assert "An adapter: DoRA r 8, alpha 32, LoRA+ (B at 16x the learning rate), on q_proj, v_proj" in card
     (tmp_path / "config.yaml").write_text("train: [unclosed\n")
     assert "# " + tmp_path.name in model_card.card(tmp_path, tmp_path / "model")  # unreadable settings: a card still
+
+
+def test_a_run_is_used_from_any_folder(runs, tmp_path, monkeypatch):
+    """The run's config.yaml keeps the relative paths it trained with (configs/tiny_model,
+    data/tiny/...): from another folder an adapter found no base and generate no prompts."""
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer, config = export.load_trained(runs["lora"], device="cpu")
+    assert Path(config.model.name_or_path) == REPO / "configs" / "tiny_model"
+    prompts = export.held_out_prompts(config, 2)
+    assert len(prompts) == 2 and export.generate(model, tokenizer, prompts[0], max_new_tokens=4) is not None
