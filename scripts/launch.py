@@ -48,7 +48,12 @@ def main() -> int:
     parser.add_argument("--tensorboard", action="store_true", help="serve TensorBoard while training runs")
     args = parser.parse_args()
     config = config_module.load(args.config, args.overrides)  # fail before starting anything
+    if args.deepspeed and config.distributed.strategy == "fsdp2":
+        raise cli.UserError("make train-deepspeed trains with DeepSpeed, and the config says "
+                            "distributed.strategy=fsdp2: use make train-distributed for FSDP2, or set "
+                            "distributed.strategy=deepspeed_zero2 (or deepspeed_zero3)")
     if args.deepspeed and not config.distributed.strategy.startswith("deepspeed"):
+        print(f"distributed.strategy {config.distributed.strategy} -> deepspeed_zero2 (make train-deepspeed)", flush=True)
         args.overrides.append("distributed.strategy=deepspeed_zero2")
         config = config_module.load(args.config, args.overrides)
 

@@ -281,10 +281,23 @@ def test_launch_settings_are_checked():
         launch.resolve_topology(4, "0,1", 1, 0, None, None, False, 8)
     with pytest.raises(launch.LaunchError, match="NODE_RANK=2"):
         launch.resolve_topology(1, None, 2, 2, "10.0.0.1", None, True, 0)
+    for cpu in (True, False):  # NUM_GPUS=0 read as "not given" took every GPU
+        with pytest.raises(launch.LaunchError, match="NUM_GPUS=0: the processes per node must be at least 1"):
+            launch.resolve_topology(0, None, 1, 0, None, None, cpu, 8)
     with pytest.raises(launch.LaunchError, match="needs MASTER_ADDR"):
         launch.resolve_topology(1, None, 2, 1, None, None, True, 0)
     topology, _ = launch.resolve_topology(None, "0,2", 1, 0, None, None, False, 8)
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
+
+
+def test_train_deepspeed_refuses_a_config_that_says_fsdp2():
+    """make train-deepspeed rewrote any strategy but deepspeed_* to ZeRO-2: an FSDP2 config trained
+    under DeepSpeed, unsaid."""
+    done = subprocess.run([sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--deepspeed",
+                           "--config", "configs/run_tiny.yaml", "distributed.strategy=fsdp2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "distributed.strategy=fsdp2: use make train-distributed" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_commands_carry_the_topology(monkeypatch):

@@ -84,6 +84,9 @@ def resolve_topology(
     """
     messages = []
     selected = len([g for g in gpus.split(",") if g.strip()]) if gpus else visible_gpus
+    if num_gpus is not None and num_gpus < 1:  # 0 read as "not given" took every GPU
+        raise LaunchError(f"NUM_GPUS={num_gpus}: the processes per node must be at least 1 (leave NUM_GPUS out "
+                          "for every selected GPU)")
     if not cpu:
         if selected == 0:
             raise LaunchError("no CUDA GPU here: use `make train` for one CPU process, or CPU=1 NUM_GPUS=2 to try "
