@@ -74,7 +74,8 @@ def main() -> int:
                           "NUM_GPUS=8 VRAM_GIB=80 plans GPUs you do not have")
     if args.plot:
         plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
-    print(report.to_json(plan) if args.json else report.to_text(plan, args.config, args.overrides))
+    print(report.to_json(plan, args.config, args.overrides) if args.json
+          else report.to_text(plan, args.config, args.overrides))
     return 0 if plan.fits else 3
 
 

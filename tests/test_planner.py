@@ -445,6 +445,23 @@ def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combina
     assert not any("offload_optimizer" in change for change in combination["change"])
 
 
+def test_the_json_plans_remedy_commands_are_the_texts():
+    """--json's remedy commands dropped CONFIG= and the user's overrides: run as given, they trained
+    the embedded default."""
+    from sft_play.planner import report
+
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=8")
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"))
+    fitting = [r for r in json.loads(report.to_json(plan, "my/base.yaml", ["finetune.method=full"]))["remedies"]
+               if r["fits"]]
+    assert fitting and all(r["command"].startswith("make ") and "CONFIG=my/base.yaml" in r["command"] for r in fitting)
+    # the user's override stays, unless the remedy changes that setting itself (LoRA instead of full)
+    assert all("finetune.method=full" in r["command"] or any(c.startswith("finetune.method=") for c in r["change"])
+               for r in fitting)
+    text = report.to_text(plan, "my/base.yaml", ["finetune.method=full"])
+    assert all(f"run: {r['command']}" in text for r in fitting)
+
+
 def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
     config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                          "data.max_seq_length=2048")

@@ -34,8 +34,13 @@ def gib(value: int) -> str:
     return f"{value / GIB:.2f}"
 
 
-def to_json(plan: Plan) -> str:
-    return json.dumps(plan.to_dict(), indent=2)
+def to_json(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The plan as one JSON document; `config_path` and the user's `overrides` complete the
+    remedies' commands, as in :func:`to_text`."""
+    document = plan.to_dict()
+    for entry in document.get("remedies") or []:
+        entry["command"] = _command(entry, plan, config_path, overrides)
+    return json.dumps(document, indent=2)
 
 
 def duration(seconds: float) -> str:
