@@ -40,6 +40,8 @@ def main() -> int:
     parser = cli.config_parser(__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, help="GPUs to plan for, all nodes together (default: the visible ones)")
     parser.add_argument("--vram-gib", type=float, help="free memory per GPU to plan for, in GiB")
+    parser.add_argument("--nodes", type=int, help="nodes of --gpus GPUs each (as make train-distributed reads "
+                        "NNODES and NUM_GPUS); without it --gpus counts all GPUs, 8 to a node")
     parser.add_argument("--gpu-model", help="the GPU model to time the plan for (H100, A100, L40S...; default: "
                         "the detected GPU, or the one --vram-gib most often means)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -60,7 +62,8 @@ def main() -> int:
     # Nothing described and no GPU here: the CPU run make train takes on this machine
     on_this_cpu = not facts.gpus and args.gpus is None and args.vram_gib is None
     try:
-        target = planner.target_for(facts, args.gpus, args.vram_gib, gpu_model=args.gpu_model, allow_cpu=on_this_cpu)
+        target = planner.target_for(facts, args.gpus, args.vram_gib, gpu_model=args.gpu_model, allow_cpu=on_this_cpu,
+                                    nodes=args.nodes)
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)

@@ -326,7 +326,9 @@ def test_when_nothing_fits_remedies_are_ranked_with_their_peaks_and_commands():
     assert zero2["command"].startswith("make train-deepspeed NUM_GPUS=8")  # DeepSpeed needs its launcher target
     assert all(r["peak_bytes"] <= plan.budget_bytes_per_gpu for r in fitting)
     more = next(r for r in remedies if r["name"] == "more GPUs")  # the change as make takes it, not plan.py's flag
-    assert more["change"][0] == "NUM_GPUS=16" and "NUM_GPUS=16" in more["command"] and "--gpus" not in more["command"]
+    # training reads NUM_GPUS per node: 16 GPUs are two nodes of 8 (NUM_GPUS=16 asked 16 per node)
+    assert more["change"][0] == "NNODES=2 NUM_GPUS=8" and "NNODES=2 NUM_GPUS=8" in more["command"]
+    assert "--gpus" not in more["command"]
 
 
 def test_a_single_remedy_that_fits_is_offered_alone():
@@ -443,6 +445,24 @@ def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combina
     assert combination["fits"] and combination["remedies"] == ["gradient checkpointing", "8-bit AdamW", "FSDP2"]
     assert "distributed.strategy=fsdp2" in combination["change"]
     assert not any("offload_optimizer" in change for change in combination["change"])
+
+
+def test_nodes_are_planned_as_training_reads_them_and_consumer_gpus_over_pcie():
+    """make plan ignored NNODES (NUM_GPUS is per node when training), and every described GPU was
+    timed over NVLink, RTX 4090s and L4s too."""
+    from types import SimpleNamespace
+
+    from sft_play.planner import target_for
+
+    nodes = target_for(SimpleNamespace(gpus=[]), 8, 80, nodes=2)
+    assert (nodes.world_size, nodes.gpus_per_node, nodes.interconnect) == (16, 8, "nvlink")
+    assert nodes.device_name.startswith("2 node(s) x 8 x 80 GiB")
+    alone = target_for(SimpleNamespace(gpus=[]), 16, 80)  # NUM_GPUS alone: all of them, 8 to a node
+    assert (alone.world_size, alone.gpus_per_node) == (16, 8)
+    consumer = target_for(SimpleNamespace(gpus=[]), 4, 24, gpu_model="RTX 4090")
+    assert (consumer.interconnect, consumer.gpus_per_node) == ("pcie", 4)
+    with pytest.raises(ValueError, match="nodes must be at least 1"):
+        target_for(SimpleNamespace(gpus=[]), 8, 80, nodes=0)
 
 
 def test_the_json_plans_remedy_commands_are_the_texts():

@@ -24,7 +24,7 @@ from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
 from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
-from sft_play.planner.timing import PEAK_BF16, gpu_model as known_gpu_model, predict_time, total_steps
+from sft_play.planner.timing import GPUS_PER_NODE, PEAK_BF16, gpu_model as known_gpu_model, predict_time, total_steps
 from sft_play.run import BatchSplit, Run, resolve
 from sft_play.units import GIB
 
@@ -376,8 +376,12 @@ def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
     return predict(shape, run, micro).peak_bytes
 
 
+# GPUs linked by NVLink in the servers they usually come in (SXM boards); the others talk over PCIe
+NVLINK_GPUS = frozenset({"H100", "H200", "B200", "A100"})
+
+
 def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = None,
-               allow_cpu: bool = False, gpu_model: str | None = None) -> Target:
+               allow_cpu: bool = False, gpu_model: str | None = None, nodes: int | None = None) -> Target:
     """The hardware to plan for: given (``--gpus``/``--vram-gib``), else detected.
 
     Args:
@@ -387,6 +391,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         allow_cpu: on a machine without a GPU, plan against host memory instead of refusing.
         gpu_model: the GPU model described hardware has (for the time prediction); by default the
             one its memory size most often means (80 GiB: H100).
+        nodes: nodes of `gpus` GPUs each (as ``make train-distributed`` reads NNODES and NUM_GPUS);
+            without it `gpus` counts every GPU, eight to a node.
 
     Raises:
         ValueError: no GPU here and none described, or a count or size that is not positive.
@@ -399,14 +405,22 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         raise ValueError(f"GPU model '{gpu_model}' is not one the planner can time (it knows "
                          f"{', '.join(sorted(PEAK_BF16))}; GPU_MODEL=\"RTX 4090\" with the quotes for a name with a "
                          "space): leave GPU_MODEL out to time the plan as the GPU the memory size most often means")
+    if nodes is not None and nodes < 1:
+        raise ValueError(f"the number of nodes must be at least 1 (got {nodes}): NNODES=2 or --nodes 2")
     if vram_gib is not None:
-        count = gpus or 1
+        # NUM_GPUS alone: all GPUs together, 8 to a node; with NNODES: GPUs per node, as training reads it
+        per_node = (gpus or 1) if nodes else min(gpus or 1, GPUS_PER_NODE)
+        count = (gpus or 1) * (nodes or 1)
         model = known_gpu_model(gpu_model) if gpu_model else gpu_model_for_memory(vram_gib)
-        return Target(count, int(vram_gib * GIB), f"{count} x {vram_gib:g} GiB (as given; timed as {model or '?'})",
-                      source="--vram-gib", gpu_model=model,
-                      compute_capability=GPU_CAPABILITY.get(known_gpu_model(model or "") or ""))
+        where = f"{nodes} node(s) x {per_node}" if nodes else f"{count}"
+        linked = known_gpu_model(model or "") in NVLINK_GPUS
+        return Target(count, int(vram_gib * GIB),
+                      f"{where} x {vram_gib:g} GiB (as given; timed as {model or '?'}, "
+                      f"{'NVLink' if linked else 'PCIe'} within a node of {per_node})",
+                      source="--vram-gib", gpu_model=model, interconnect="nvlink" if linked else "pcie",
+                      gpus_per_node=per_node, compute_capability=GPU_CAPABILITY.get(known_gpu_model(model or "") or ""))
     if hardware.gpus:
-        count = gpus or len(hardware.gpus)
+        count = (gpus or len(hardware.gpus)) * (nodes or 1)
         local = hardware.gpus[: min(count, len(hardware.gpus))]
         smallest = min(local, key=lambda g: g.free_bytes)
         note = "" if count <= len(hardware.gpus) else " (other nodes assumed alike)"

@@ -16,6 +16,7 @@ from typing import Any
 from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
+from sft_play.planner.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
 
@@ -68,8 +69,16 @@ class Remedy:
         if self.halve_sequence:
             changes.append(f"data.max_seq_length={config.data.max_seq_length // 2}")
         if self.gpu_factor > 1:
-            changes.insert(0, f"NUM_GPUS={target.world_size * self.gpu_factor}")
+            changes.insert(0, gpus_text(target.world_size * self.gpu_factor))
         return changes
+
+
+def gpus_text(world: int) -> str:
+    """`world` GPUs as ``make train-distributed`` takes them: NUM_GPUS per node, NNODES nodes of
+    eight beyond one node."""
+    if world > GPUS_PER_NODE and world % GPUS_PER_NODE == 0:
+        return f"NNODES={world // GPUS_PER_NODE} NUM_GPUS={GPUS_PER_NODE}"
+    return f"NUM_GPUS={world}"
 
 
 def _full(config: RunConfig) -> bool:
@@ -132,12 +141,12 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
         make_target = "train-distributed"
     changed_keys = {c.split("=", 1)[0] for c in changes}
     kept = [o for o in overrides if o.split("=", 1)[0] not in changed_keys]
-    arguments = kept + [c for c in changes if not c.startswith("NUM_GPUS=")]
+    arguments = kept + [c for c in changes if not c.startswith(("NUM_GPUS=", "NNODES="))]
     parts = [f"make {make_target}"]
     if config_path:
         parts.append(f"CONFIG={config_path}")
     if world > 1:
-        parts.append(f"NUM_GPUS={world}")
+        parts.append(gpus_text(world))
     if arguments:
         parts.append(f'ARGS="{" ".join(arguments)}"')
     return " ".join(parts)
