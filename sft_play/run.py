@@ -354,6 +354,11 @@ def resolve(
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
         cuda_capability: the training GPUs' compute capability (None: unknown, taken as Hopper's).
     """
+    if config.distributed.strategy == "fsdp2" and config.distributed.offload_parameters and not on_cuda:
+        from sft_play.errors import UserError
+
+        raise UserError("distributed.offload_parameters under FSDP2 moves the shards between CPU and GPU memory "
+                        "(pinned), which CPU processes do not have: leave it out with CPU=1, or train on GPUs")
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_config(config)
     softcapping = _softcapping(facts)

@@ -44,6 +44,15 @@ def test_fsdp2_settings_that_cannot_work_are_refused_with_the_way_out():
     text = problems("distributed.strategy=fsdp2", "distributed.offload_optimizer=true")
     assert "offloads parameters, gradients and optimizer states together" in text
     assert "distributed.offload_parameters=true" in text
+    # on CPU processes FSDP2's offload crashed in pin_memory on every rank
+    from sft_play.errors import UserError
+    from sft_play.run import resolve
+
+    offloaded = load("distributed.strategy=fsdp2", "distributed.offload_parameters=true", "lora.modules_to_save=[]")
+    with pytest.raises(UserError, match="which CPU processes do not have: leave it out with CPU=1"):
+        resolve(offloaded, on_cuda=False, bf16_supported=False, world_size=2)
+    # under DDP the flag was ignored, unsaid (the plan and the run both kept the states on the GPU)
+    assert "DDP keeps the optimizer on the GPU" in problems("distributed.strategy=ddp", "distributed.offload_optimizer=true")
     # run_tiny trains copies of embed_tokens and lm_head: TRL's head reads lm_head outside its forward
     text = problems("distributed.strategy=fsdp2")
     assert "lora.modules_to_save" in text and "remove lm_head" in text

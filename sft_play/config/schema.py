@@ -312,6 +312,12 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "gradient for its shard (measured: grad norm 4.33 against 4.27 for DDP and one process); remove "
             "lm_head from lora.modules_to_save, or use ddp or deepspeed_* for it"
         )
+    if config.distributed.offload_optimizer and strategy == "ddp":
+        problems.append(
+            "distributed.offload_optimizer: DDP keeps the optimizer on the GPU (this would be ignored); DeepSpeed "
+            "offloads it: set distributed.strategy=deepspeed_zero2 (make train-deepspeed), or FSDP2 with "
+            "distributed.offload_parameters=true"
+        )
     if train.min_lr_ratio and train.lr_scheduler != "cosine":
         problems.append(f"train.min_lr_ratio: a floor for the cosine schedule only (train.lr_scheduler is "
                         f"{train.lr_scheduler}); set train.lr_scheduler=cosine, or leave min_lr_ratio at 0")
