@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play import hub
-from sft_play.errors import hub_error
+from sft_play.errors import UserError, hub_error
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ def load_model_config(name_or_path: str, revision: str | None = None, trust_remo
         shipped = hub.shipped_config(name_or_path, revision)
         if shipped is None:
             raise hub_error(name_or_path, exc, config_only=True) from None
+    except (ValueError, KeyError) as exc:  # a model_type this transformers does not know, or a broken config
+        import transformers
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot read the model config of '{name_or_path}': {first} (transformers "
+                        f"{transformers.__version__}; a newer model may need a newer transformers, or "
+                        "model.trust_remote_code=true for one that ships its own code)") from None
     logger.info("%s: the hub's config.json cannot be read here; using the copy shipped in %s", name_or_path, shipped)
     return AutoConfig.from_pretrained(shipped, trust_remote_code=trust_remote_code)
 

@@ -73,3 +73,13 @@ def test_every_bad_row_is_named(bad_files, monkeypatch, capsys):
         runpy.run_path(str(REPO / "scripts" / "data_stats.py"), run_name="__main__")
     err = capsys.readouterr().err
     assert "row 5, field 'messages[0].content': missing" in err and "row 9, field 'messages[0].role'" in err
+
+
+def test_a_model_type_transformers_does_not_know_is_one_clear_error(tmp_path):
+    """make plan, check and train printed transformers' traceback (plan.py exiting 1)."""
+    from sft_play import architecture
+    from sft_play.errors import UserError
+
+    (tmp_path / "config.json").write_text('{"model_type": "llamazzz", "hidden_size": 64}')
+    with pytest.raises(UserError, match="cannot read the model config of .*`llamazzz`.*a newer model may need"):
+        architecture.load_model_config(str(tmp_path))
