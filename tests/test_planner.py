@@ -465,6 +465,15 @@ def test_nodes_are_planned_as_training_reads_them_and_consumer_gpus_over_pcie():
         target_for(SimpleNamespace(gpus=[]), 8, 80, nodes=0)
 
 
+def test_a_safety_margin_larger_than_the_memory_is_one_clear_error():
+    """A margin of 100 GiB on 80 GiB planned a budget of -20 GiB, with remedies and hardware for it."""
+    from sft_play.errors import UserError
+
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "planner.safety_margin_gib=100")
+    with pytest.raises(UserError, match="the safety margin leaves nothing to plan with: 80.00 GiB free per GPU"):
+        make_plan(config, Target(1, 80 * GIB, "1 x H100"))
+
+
 def test_the_json_plans_remedy_commands_are_the_texts():
     """--json's remedy commands dropped CONFIG= and the user's overrides: run as given, they trained
     the embedded default."""

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.config import RunConfig
+from sft_play.errors import UserError
 from sft_play.hardware import GPU_CAPABILITY, gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
@@ -146,7 +147,13 @@ def make_plan(
     train = config.train
 
     fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.attention, target.on_cuda)
-    search = FitSearch(shape, run, budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction),
+    budget = budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction)
+    if budget <= 0 and target.source != "candidate":  # (the remedies' candidate sizes may be too small)
+        raise UserError(
+            f"the safety margin leaves nothing to plan with: {target.free_bytes / GIB:.2f} GiB free per "
+            f"{'GPU' if target.on_cuda else 'process'}, less planner.safety_margin_gib={config.planner.safety_margin_gib:g} "
+            f"or planner.safety_fraction={fraction:g} of it; lower the margin, or plan for more memory (VRAM_GIB)")
+    search = FitSearch(shape, run, budget,
                        per_process=max(1, -(-train.global_batch_size // target.world_size)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
                        else train.gradient_accumulation_steps, shorter_rows=shorter_rows)
