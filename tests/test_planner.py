@@ -465,6 +465,17 @@ def test_nodes_are_planned_as_training_reads_them_and_consumer_gpus_over_pcie():
         target_for(SimpleNamespace(gpus=[]), 8, 80, nodes=0)
 
 
+def test_a_fixed_micro_batch_that_does_not_fit_is_offered_the_planners_first():
+    """train.micro_batch_size=8 where 2 fit: the one remedy offered was ZeRO-3 with parameters offloaded."""
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.modules_to_save=[]", "train.micro_batch_size=8",
+                         "train.global_batch_size=16", "data.max_seq_length=2048", "train.gradient_checkpointing=true")
+    plan = make_plan(config, Target(1, 24 * GIB, "1 x 24 GiB"))
+    assert not plan.fits
+    first = plan.remedies[0]
+    assert first["name"] == "planner's micro-batch" and first["fits"] and first["micro_batch_size"] < 8
+    assert "train.micro_batch_size=auto" in first["command"]
+
+
 def test_a_safety_margin_larger_than_the_memory_is_one_clear_error():
     """A margin of 100 GiB on 80 GiB planned a budget of -20 GiB, with remedies and hardware for it."""
     from sft_play.errors import UserError

@@ -91,6 +91,9 @@ def _multi_gpu(target: Any) -> bool:
 
 # Cheapest change first: what a remedy costs the user (speed, fidelity, money) grows down the list
 REMEDIES: tuple[Remedy, ...] = (
+    Remedy("planner's micro-batch", "the micro-batch that fits, with more accumulation for the same global batch",
+           ("train.micro_batch_size=auto", "train.gradient_accumulation_steps=auto"), "train",
+           lambda c, t: isinstance(c.train.micro_batch_size, int) or isinstance(c.train.gradient_accumulation_steps, int)),
     Remedy("gradient checkpointing", "recompute activations in backward (about 30% slower)",
            ("train.gradient_checkpointing=true",), "train",
            lambda c, t: not c.train.gradient_checkpointing),
