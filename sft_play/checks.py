@@ -118,9 +118,12 @@ def check_model(config: RunConfig) -> list[Check]:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     checks = [Check("model", True, f"{name}: {getattr(model_config, 'model_type', '?')}, "
                                    f"{getattr(text, 'num_hidden_layers', '?')} layers, vocabulary {getattr(text, 'vocab_size', '?')}")]
-    from sft_play.model import weights_source
+    from sft_play.architecture import parameter_count
+    from sft_play.model import random_init_warning, weights_source
 
-    checks.append(Check("weights", *weights_source(config)))
+    ok, detail = weights_source(config)
+    warning = random_init_warning(name, parameter_count(model_config)) if "initialised from" in detail else None
+    checks.append(Check("weights", ok, warning or detail, warning=bool(warning)))
     try:
         tokenizer = load_tokenizer(config)
         checks.append(Check("tokenizer", True, f"{len(tokenizer)} tokens, from "

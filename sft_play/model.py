@@ -54,6 +54,20 @@ def init_weights_dir(config_dir: str, seed: int, dtype: str = "float32") -> Path
     return cache_dir() / "init_weights" / hashlib.sha256(config_bytes + salt.encode()).hexdigest()[:16]
 
 
+# A model this large without weights is more likely a download cut short than a model meant to
+# start from random weights (the embedded default has 0.9M parameters)
+RANDOM_INIT_WARNING_PARAMS = 100_000_000
+
+
+def random_init_warning(config_dir: str, parameters: int) -> str | None:
+    """What to say when a folder with a config.json and no weights holds a large model."""
+    if parameters < RANDOM_INIT_WARNING_PARAMS:
+        return None
+    return (f"{config_dir} has no weights: its {parameters / 1e9:.1f}B-parameter model starts from random weights "
+            "(training it from scratch); if you meant to fine-tune released weights, they are missing (a download "
+            "cut short? hf download <id> --local-dir DIR)")
+
+
 def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32") -> str:
     """A folder with weights initialised from ``config_dir/config.json`` under `seed`, in `dtype`.
 
@@ -69,11 +83,15 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     target = init_weights_dir(config_dir, seed, dtype)
+    model_config = AutoConfig.from_pretrained(config_dir)
+    parameters = architecture.parameter_count(model_config)
+    warning = random_init_warning(config_dir, parameters)
+    if warning:
+        logger.warning("%s", warning)
     if has_weights(str(target)):
         cache_usage.used(target)
         return str(target)
-    model_config = AutoConfig.from_pretrained(config_dir)
-    needed = architecture.parameter_count(model_config) * TORCH_DTYPES[dtype].itemsize
+    needed = parameters * TORCH_DTYPES[dtype].itemsize
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
         raise UserError(

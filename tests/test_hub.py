@@ -93,6 +93,20 @@ def test_make_check_says_whether_the_weights_can_be_loaded_here(monkeypatch, tmp
     assert weights_source(local) == (True, f"in {tmp_path}")
 
 
+def test_a_large_model_without_weights_is_a_warning_not_a_pass():
+    """An 8B folder with only config.json passed make check and would fine-tune random weights."""
+    from sft_play import checks
+    from sft_play import config as config_module
+
+    large = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        f"model.name_or_path={REPO / 'tests' / 'fixtures' / 'model_configs' / 'llama-3.1-8b'}",
+        "model.tokenizer_name_or_path=configs/tiny_model"], check_paths=False)
+    weights = next(c for c in checks.check_model(large) if c.name == "weights")
+    assert weights.line().startswith("[WARN] weights: ") and "8.0B-parameter model starts from random weights" in weights.detail
+    tiny = config_module.load(REPO / "configs" / "run_tiny.yaml")
+    assert next(c for c in checks.check_model(tiny) if c.name == "weights").line().startswith("[PASS]")
+
+
 def test_a_local_folder_missing_a_shard_is_reported_as_such_not_as_the_network(monkeypatch, tmp_path):
     """make check said [PASS] weights, and training said the hub could not be reached."""
     from sft_play import config as config_module
