@@ -202,6 +202,21 @@ def test_fsdp2_communicates_every_micro_batch():
     assert once == pytest.approx(7 / 8 * (2 * shape.total_params + 4 * shape.trainable_params))
 
 
+def test_zero_communicates_every_micro_batch_and_zero3_gathers_the_parameters():
+    """ZeRO-3's parameter gathers were not counted (a quarter of FSDP2's traffic for the same
+    weights), nor ZeRO's reduce-scatter after every micro-batch."""
+    zero3 = full_14b("distributed.strategy=deepspeed_zero3")
+    shape = model_shape(zero3)
+    run = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    one = gradient_traffic_bytes(shape, run, 1)
+    assert one == pytest.approx(7 / 8 * (2 * 2 * shape.total_params + 2 * shape.trainable_params))
+    assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(4 * one)
+    zero2 = full_14b("distributed.strategy=deepspeed_zero2")
+    run = resolve(zero2, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    # the gradients reduce-scattered once per micro-batch, the updated parameters gathered once per step
+    assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(7 / 8 * (4 + 1) * 2 * shape.trainable_params)
+
+
 def test_a_14b_full_fine_tune_on_8_gpus_is_offered_fsdp2_and_zero3_with_their_commands():
     plan = make_plan(full_14b(), Target(8, 80 * GIB, "8 x H100"))
     assert not plan.fits  # DDP replicates 14.8 B fp32 parameters with their states

@@ -476,6 +476,17 @@ def test_a_fixed_micro_batch_that_does_not_fit_is_offered_the_planners_first():
     assert "train.micro_batch_size=auto" in first["command"]
 
 
+def test_the_time_says_what_it_does_not_count():
+    """Offload printed the same time as none, and a mixture of experts the dense model's efficiency, unsaid."""
+    offloaded = plan_config("llama-3.1-8b", "finetune.method=full", "distributed.strategy=deepspeed_zero2",
+                            "distributed.offload_optimizer=true", "train.global_batch_size=8")
+    plan = make_plan(offloaded, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), with_remedies=False)
+    assert any(s.startswith("not counted: CPU offload's transfers") for s in plan.time["sources"])
+    moe = plan_config("qwen3-30b-a3b", "finetune.method=lora", "train.global_batch_size=8")
+    plan = make_plan(moe, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), with_remedies=False)
+    assert any(s.startswith("mixture of experts: timed at the efficiency measured on dense") for s in plan.time["sources"])
+
+
 def test_a_safety_margin_larger_than_the_memory_is_one_clear_error():
     """A margin of 100 GiB on 80 GiB planned a budget of -20 GiB, with remedies and hardware for it."""
     from sft_play.errors import UserError

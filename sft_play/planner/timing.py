@@ -146,6 +146,16 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
         per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
         return share * per_micro * max(1, micro_batches)
     grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
+    if run.deepspeed:
+        # ZeRO reduce-scatters the gradients after every micro-batch's backward (each rank keeps
+        # its partition only); ZeRO-2 all-gathers the updated parameters once a step, ZeRO-3 gathers
+        # the 16-bit parameters for every forward and backward instead
+        reduced = shape.trainable_params * grad_bytes * max(1, micro_batches)
+        if run.strategy == "deepspeed_zero3":
+            gathered = 2 * shape.total_params * recipe.compute_bytes * max(1, micro_batches)
+        else:
+            gathered = shape.trainable_params * grad_bytes
+        return share * (reduced + gathered)
     return 2.0 * share * shape.trainable_params * grad_bytes
 
 
@@ -177,6 +187,12 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     if traffic:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+    if run.offload_optimizer or run.offload_parameters:
+        sources.append("not counted: CPU offload's transfers over PCIe and the optimizer's step on the CPU, which "
+                       "make each step several times longer (not yet measured)")
+    if shape.num_experts:
+        sources.append("mixture of experts: timed at the efficiency measured on dense models (a routed model's "
+                       "has not been measured)")
     wall = seconds * total_steps if total_steps else None
     return StepTime(
         tokens_per_second=tokens_per_step / seconds,
