@@ -520,7 +520,12 @@ def test_70b_qlora_on_one_24_gib_gpu_says_what_hardware_would_do():
     assert not plan.fits and not any(r["fits"] for r in plan.remedies)
     # 4-bit 70B weights alone are ~37 GiB: the smallest hardware is named, not guessed
     assert plan.smallest_hardware and "GiB" in plan.smallest_hardware
+    assert plan.smallest_hardware.endswith("gradient checkpointing")  # which this config does not have
     assert any("nothing fits on 1 x 24 GiB" in note for note in plan.notes)
+    checkpointed = make_plan(plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
+                                         "data.max_seq_length=2048", "train.gradient_checkpointing=true"),
+                             Target(1, 24 * GIB, "1 x 24 GiB"))
+    assert "gradient checkpointing" not in checkpointed.smallest_hardware  # already on: not a change to name
 
 
 def test_70b_full_on_eight_24_gib_gpus_gets_a_working_remedy_or_the_hardware():

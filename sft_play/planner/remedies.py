@@ -279,6 +279,7 @@ def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConf
                                    "device_name": f"{count} x {size} GiB", "on_cuda": True, "bf16_supported": True,
                                    "gpu_model": gpu_model_for_memory(size), "source": "candidate"})
         if fits_on(candidate, hardware):
-            strategy = f" with {candidate.distributed.strategy}" if count > 1 else ""
-            return f"{count} x {size} GiB GPU(s){strategy} and gradient checkpointing"
+            changes = ([f"{candidate.distributed.strategy}"] if count > 1 else []) + (
+                [] if config.train.gradient_checkpointing else ["gradient checkpointing"])
+            return f"{count} x {size} GiB GPU(s)" + (f" with {' and '.join(changes)}" if changes else "")
     return None
