@@ -68,6 +68,18 @@ def random_init_warning(config_dir: str, parameters: int) -> str | None:
             "cut short? hf download <id> --local-dir DIR)")
 
 
+def _rough_parameter_count(model_config: Any) -> int:
+    """About how many parameters a dense decoder of this config has (attention, gated MLP,
+    embeddings and head), from its widths alone; 0 where they are missing."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    hidden, layers = getattr(text, "hidden_size", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0
+    inner, vocab = getattr(text, "intermediate_size", 0) or 0, getattr(text, "vocab_size", 0) or 0
+    heads = getattr(text, "num_attention_heads", 0) or 1
+    kv_width = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or hidden // heads)
+    tied = getattr(text, "tie_word_embeddings", False)
+    return layers * (2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * inner) + (1 if tied else 2) * vocab * hidden
+
+
 def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32") -> str:
     """A folder with weights initialised from ``config_dir/config.json`` under `seed`, in `dtype`.
 
@@ -84,14 +96,14 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
 
     target = init_weights_dir(config_dir, seed, dtype)
     model_config = AutoConfig.from_pretrained(config_dir)
-    parameters = architecture.parameter_count(model_config)
-    warning = random_init_warning(config_dir, parameters)
+    # (a rough count: no model is built here, which under ZeRO-3's zero.Init would be partitioned)
+    warning = random_init_warning(config_dir, _rough_parameter_count(model_config))
     if warning:
         logger.warning("%s", warning)
     if has_weights(str(target)):
         cache_usage.used(target)
         return str(target)
-    needed = parameters * TORCH_DTYPES[dtype].itemsize
+    needed = architecture.parameter_count(model_config) * TORCH_DTYPES[dtype].itemsize
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
         raise UserError(
