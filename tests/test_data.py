@@ -415,7 +415,11 @@ def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_
     small = data_config(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")], weights=[1, 1],
                         validation_fraction=0.05)
     records, held = _records(small, DataStats(), seed=42)
-    assert [r["text"] for r in records].count("c0") == 48 and len(held) == 5  # half of 95 + 1 and all(r["text"] != "c0" for r in held)
+    assert [r["text"] for r in records].count("c0") == 48  # half of 95 + 1
+    assert len(held) == 5 and all(r["text"] != "c0" for r in held)
+    # one record in all: it trains, and there is no validation set (an empty one would fail evaluation)
+    alone = data_config(path=str(tmp_path / "c.jsonl"), validation_fraction=0.1)
+    assert _records(alone, DataStats(), seed=42) == ([{"text": "c0", "_row": f"{tmp_path / 'c.jsonl'}:1"}], None)
 
 
 def test_weights_need_one_per_path():

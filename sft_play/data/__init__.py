@@ -369,10 +369,11 @@ def _records(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict[st
             cuts[max(range(len(parts)), key=lambda i: len(parts[i]))] = 1
         splits = [_split(part, cut, seed) for part, cut in zip(parts, cuts)]
         parts = [train for train, _ in splits]
-        held = [record for _, part in splits for record in part]
+        held = [record for _, part in splits for record in part] or None
         import random
 
-        random.Random(seed).shuffle(held)  # the held-out prompts make generate shows come from every source
+        if held:
+            random.Random(seed).shuffle(held)  # the held-out prompts make generate shows come from every source
     records = mix(parts, cfg.weights, seed)
     total = sum(len(p) for p in parts)
     shares = []
@@ -390,8 +391,9 @@ def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
     Python dicts here, of chat and prompt/completion shapes mixed."""
     if cfg.validation_path or cfg.validation_fraction <= 0:
         return records, None
-    # at least one record held out, and one left to train on
-    return _split(records, min(max(1, round(len(records) * cfg.validation_fraction)), len(records) - 1), seed)
+    # at least one record held out, and one left to train on (one record: none held out, no validation)
+    cut = min(max(1, round(len(records) * cfg.validation_fraction)), len(records) - 1)
+    return _split(records, cut, seed) if cut > 0 else (records, None)
 
 
 def _split(records: list[dict[str, Any]], cut: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
