@@ -41,6 +41,8 @@ CASES = [
     ("plan.py", ["--gpus", "-2", "--vram-gib", "80"], "the number of GPUs must be at least 1 (got -2)"),
     ("plan.py", ["--gpus", "0", "--vram-gib", "80"], "the number of GPUs must be at least 1 (got 0)"),
     ("plan.py", ["--gpus", "1", "--vram-gib", "-5"], "the GPU memory must be positive (got -5 GiB)"),
+    ("plan.py", ["--gpus", "1", "--vram-gib", "abc"], "VRAM_GIB=abc is not a number"),
+    ("plan.py", ["--gpus", "1.5", "--vram-gib", "80"], "NUM_GPUS=1.5 is not a whole number"),
     ("plan.py", ["model.name_or_path=nobody-here/no-such-model", "--gpus", "1", "--vram-gib", "24"],
      "cannot load the model 'nobody-here/no-such-model': the hub cannot be reached"),
     ("train_distributed.py", ["distributed.strategy=deepspeed_zero2"], "use make train-deepspeed"),

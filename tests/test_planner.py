@@ -487,6 +487,20 @@ def test_the_time_says_what_it_does_not_count():
     assert any(s.startswith("mixture of experts: timed at the efficiency measured on dense") for s in plan.time["sources"])
 
 
+def test_a_peak_close_to_the_budget_is_not_printed_equal_to_it():
+    """"predicted peak 23.3 GiB of 23.3 GiB FITS" read as a plan with no room at all."""
+    from types import SimpleNamespace
+
+    from sft_play.planner.plan import Plan
+
+    def described(peak: float, budget: float) -> str:
+        return Plan.describe(SimpleNamespace(split=SimpleNamespace(describe=lambda: "global 8"),
+                                             peak_bytes_per_gpu=int(peak * GIB), budget_bytes_per_gpu=int(budget * GIB)))
+
+    assert described(23.27, 23.31).endswith("predicted peak 23.27 GiB of 23.31 GiB")
+    assert described(20.0, 23.31).endswith("predicted peak 20.0 GiB of 23.3 GiB")
+
+
 def test_a_safety_margin_larger_than_the_memory_is_one_clear_error():
     """A margin of 100 GiB on 80 GiB planned a budget of -20 GiB, with remedies and hardware for it."""
     from sft_play.errors import UserError

@@ -102,10 +102,9 @@ class Plan:
 
     def describe(self) -> str:
         """The start-up line: ``global 64 = micro 4 x accum 2 x world 8; predicted peak 61.2 GiB of 79.1 GiB``."""
-        return (
-            f"{self.split.describe()}; predicted peak {self.peak_bytes_per_gpu / GIB:.1f} GiB of "
-            f"{self.budget_bytes_per_gpu / GIB:.1f} GiB"
-        )
+        peak, budget = self.peak_bytes_per_gpu / GIB, self.budget_bytes_per_gpu / GIB
+        digits = 1 if f"{peak:.1f}" != f"{budget:.1f}" else 2  # "23.3 of 23.3 GiB" read as no room at all
+        return f"{self.split.describe()}; predicted peak {peak:.{digits}f} GiB of {budget:.{digits}f} GiB"
 
 
 def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None,
