@@ -14,21 +14,15 @@ from sft_play import cli
 from sft_play import config as config_module
 
 
-def _named(stats, reason: str, count: int) -> str:
-    """The examples left out for `reason`, named by file and row."""
-    rows = stats.skipped_rows.get(reason, [])
-    return f" ({', '.join(rows)}{', ...' if count > len(rows) else ''})" if rows else ""
-
-
 def describe(name: str, stats) -> list[str]:
-    from sft_play.data import dropped_reason
+    from sft_play.data import dropped_rows
 
     lines = [
         f"{name}: {stats.examples} examples, {stats.tokens_total} tokens",
         f"  tokens per example: p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "
         f"(data.max_seq_length {stats.max_seq_length})",
         f"  truncated: {stats.truncated} ({100 * stats.truncated_share:.1f}%), dropped as too long: {stats.dropped_overlong}"
-        + _named(stats, dropped_reason(stats.max_seq_length), stats.dropped_overlong),
+        + dropped_rows(stats),
         f"  tokens that carry loss: {100 * stats.loss_token_share:.1f}%",
     ]
     if stats.packed_rows is not None:

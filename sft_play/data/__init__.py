@@ -95,6 +95,12 @@ def dropped_reason(limit: int) -> str:
     return f"longer than data.max_seq_length={limit} (data.overlong: drop)"
 
 
+def dropped_rows(stats: DataStats) -> str:
+    """`` (file:row, file:row, ...)`` for the examples dropped as too long, or "" when none is named."""
+    rows = stats.skipped_rows.get(dropped_reason(stats.max_seq_length), [])
+    return f" ({', '.join(rows)}{', ...' if stats.dropped_overlong > len(rows) else ''})" if rows else ""
+
+
 def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
     """Canonical records from every source in `paths`, each with its file and row under
     :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
@@ -442,12 +448,9 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:
-        dropped = stats.skipped_rows.get(dropped_reason(cfg.max_seq_length))
         logger.warning(
             "data: %d examples truncated and %d dropped%s at data.max_seq_length=%d",
-            stats.truncated, stats.dropped_overlong,
-            f" ({', '.join(dropped)}{', ...' if stats.dropped_overlong > len(dropped) else ''})" if dropped else "",
-            cfg.max_seq_length,
+            stats.truncated, stats.dropped_overlong, dropped_rows(stats), cfg.max_seq_length,
         )
     return bundle
 
