@@ -176,6 +176,8 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         # MoE: the load-balancing loss, with the model's own coefficient unless the config says
         router_aux_loss_coef=train.router_aux_loss_coef,
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
+        # ...tokenised, truncated and labelled too: TRL's preparation would map and filter every row again
+        dataset_kwargs={"skip_prepare_dataset": True},
         dataset_num_proc=data.num_proc,
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
         ddp_find_unused_parameters=False,
