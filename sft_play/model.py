@@ -235,7 +235,8 @@ def load_tokenizer(config: RunConfig) -> Any:
     if vocab and len(tokenizer) < vocab // 8:
         logger.warning("the tokenizer from %s has %d tokens, the model %d: is it the model's own tokenizer?",
                        source, len(tokenizer), vocab)
-    if config.data.chat_template:
+    if config.data.chat_template or not tokenizer.chat_template:
+        # the template the chats train with, saved with the run's tokenizer: what generate and chat use
         tokenizer.chat_template = resolve_chat_template(tokenizer, config.data.chat_template)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

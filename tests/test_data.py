@@ -609,3 +609,59 @@ def test_a_forced_format_that_fits_no_row_says_what_the_rows_look_like(on_invali
         load_records(path, data_config(format="alpaca", on_invalid=on_invalid), DataStats())
     # a forced format that fits some rows keeps listing the bad ones
     assert load_records(path, data_config(format="messages"), DataStats())
+
+
+def test_a_chat_template_named_is_that_template_and_an_unknown_name_is_refused_with_the_names(tiny_tokenizer):
+    """data.chat_template=chatml trained every example on the text 'chatml' (taken for Jinja)."""
+    from sft_play.chat_templates import CHATML_TEMPLATE, chat_template_names
+    from sft_play.data.tokenize import resolve_chat_template
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a b"},
+                {"role": "assistant", "content": "b a"}]
+    for name in ("chatml", "llama3", "qwen3", "gemma3", "phi3"):
+        template = resolve_chat_template(tiny_tokenizer, name)
+        ids, labels = encode_chat(tiny_tokenizer, messages, template, "completion")
+        learned = tiny_tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE_INDEX])
+        assert learned.startswith(("b a", "<think>")) and "Be brief" not in learned, (name, learned)
+    assert resolve_chat_template(tiny_tokenizer, "chatml") == CHATML_TEMPLATE
+    assert "llama3" in chat_template_names() and not any("vl" in name.split("_") for name in chat_template_names())
+    with pytest.raises(config_module.ConfigError, match=r"data.chat_template: 'chatlm' is no template name we know.*"
+                                                        r"the names: chatml, .*llama3"):
+        config_module.load(None, ["data.chat_template=chatlm"])
+
+
+def test_a_template_that_refuses_a_record_names_it_in_one_error(tmp_path, tiny_tokenizer):
+    """Gemma's template raises on a system turn: a jinja2 traceback, no row named."""
+    from sft_play.errors import UserError
+
+    path = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "system", "content": "s"}, *good["messages"]]}
+    path.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
+    for template in ("gemma", PLAIN_CHATML.replace("{%- for", "{%- if messages[0]['role'] == 'system' %}"
+                                                   "{{ raise_exception('no system role') }}{%- endif %}{%- for")):
+        with pytest.raises(UserError, match=rf"the chat template cannot render {re.escape(str(path))}:3: "
+                                            r"(System role not supported|no system role)\. Choose a template"):
+            build(data_config(path=str(path), validation_path=None, chat_template=template, cache=False), tiny_tokenizer)
+
+
+def test_a_tokenizer_without_a_chat_template_is_saved_with_the_one_it_trained_with(tmp_path):
+    """make generate on such a run failed: 'tokenizer.chat_template is not set'."""
+    import shutil
+
+    from sft_play import model
+    from sft_play.chat_templates import DEFAULT_CHAT_TEMPLATE
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # no chat_template.jinja
+        shutil.copy(REPO / "configs" / "tiny_model" / name, folder / name)
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [f"model.name_or_path={folder}"])
+    tokenizer = model.load_tokenizer(config)
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "saved")
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                        add_generation_prompt=True) == "### User:\nhi\n\n### Assistant:\n"

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from sft_play import chat_templates
 from sft_play.config.schema import RunConfig
 
 def _looks_like_local_path(text: str) -> bool:
@@ -52,8 +53,12 @@ def path_problems(config: RunConfig) -> list[str]:
             elif not os.path.exists(expanded):
                 problems.append(f"data.{key}: file '{entry}' does not exist")
     template = config.data.chat_template
-    if template and template.endswith((".jinja", ".j2")) and not os.path.isfile(template):
-        problems.append(f"data.chat_template: file '{template}' does not exist")
+    if template and template.endswith((".jinja", ".j2")):
+        if not os.path.isfile(template):
+            problems.append(f"data.chat_template: file '{template}' does not exist")
+    elif template and not chat_templates.is_inline_template(template) and chat_templates.named_template(template) is None:
+        problems.append(f"data.chat_template: '{template}' is no template name we know, nor a .jinja file, nor inline "
+                        f"Jinja; the names: {', '.join(chat_templates.chat_template_names())}")
     if config.distributed.strategy.startswith("deepspeed") and not os.path.isfile(config.distributed.deepspeed_config):
         problems.append(f"distributed.deepspeed_config: file '{config.distributed.deepspeed_config}' does not exist")
     return problems

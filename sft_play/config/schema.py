@@ -131,7 +131,11 @@ class DataConfig(_Section):
     train_on: Literal["completion", "all"] = Field(
         "completion", description="completion: loss on assistant turns / completions only; all: every token."
     )
-    chat_template: str | None = Field(None, description="Jinja template (inline or a .jinja path) to override the tokenizer's.")
+    chat_template: str | None = Field(
+        None, description="The chat template, instead of the tokenizer's: a name (chatml; plain, what a tokenizer "
+        "without one gets; or a model's as TRL ships it: llama3, qwen2_5, qwen3, gemma3, phi3...; an unknown "
+        "name is answered with the list), a .jinja file or inline Jinja. The run's tokenizer is saved with it.",
+    )
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
     num_proc: int | None = Field(None, gt=0, description="Processes for tokenisation.")
     cache: bool = Field(True, description="Reuse preprocessed data keyed by the data, tokenizer and settings ($SFT_PLAY_CACHE).")

@@ -200,13 +200,31 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
     if has_generation_markers(template):
         chats = [i for i, record in enumerate(records) if record.get("messages") is not None]
         if chats:
-            for i, encoded in zip(chats, encode_chats_with_markers(
-                    tokenizer, [records[i]["messages"] for i in chats], template, train_on)):
-                tokens[i] = encoded
-    encoded = [_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit, overlong)
-               for i, record in enumerate(records)]
+            try:
+                for i, encoded in zip(chats, encode_chats_with_markers(
+                        tokenizer, [records[i]["messages"] for i in chats], template, train_on)):
+                    tokens[i] = encoded
+            except Exception as exc:
+                if not _template_refused(exc):
+                    raise  # one by one below: the record the template refuses is named
+    encoded = []
+    for i, record in enumerate(records):
+        try:
+            encoded.append(_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit,
+                                    overlong))
+        except Exception as exc:
+            if not _template_refused(exc):
+                raise
+            raise UserError(f"the chat template cannot render {record.get(ORIGIN) or 'a record'}: {exc}. Choose a "
+                            "template that takes these turns (data.chat_template: a name, e.g. chatml, or a .jinja "
+                            "file), or change the data") from None
     return {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
             "origin": [record.get(ORIGIN) for record in records]}
+
+
+def _template_refused(exc: Exception) -> bool:
+    """An error the chat template raised (its raise_exception, or a field it lacks), not ours."""
+    return type(exc).__module__.split(".")[0] == "jinja2"
 
 
 def _limited(ids: list[int], labels: list[int], limit: int, overlong: str) -> dict[str, Any]:

@@ -17,29 +17,25 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from sft_play.chat_templates import DEFAULT_CHAT_TEMPLATE, chat_template_names, is_inline_template, named_template
+from sft_play.errors import UserError
+
 IGNORE_INDEX = -100
 
-# For tokenizers that ship no chat template; plain text markers need no new tokens.
-DEFAULT_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}{{- message['content'] + '\\n\\n' }}"
-    "{%- elif message['role'] == 'user' %}{{- '### User:\\n' + message['content'] + '\\n\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}{{- '### Assistant:\\n' }}"
-    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}{{- '\\n\\n' }}"
-    "{%- else %}{{- '### ' + message['role'] + ':\\n' + message['content'] + '\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}"
-)
-
-
 def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
-    """The template chat records go through: the config's override (inline Jinja or a .jinja
-    file), else the tokenizer's own, else :data:`DEFAULT_CHAT_TEMPLATE`."""
+    """The template chat records go through: the config's override (a name of
+    :func:`chat_template_names`, inline Jinja or a .jinja file), else the tokenizer's own, else
+    :data:`DEFAULT_CHAT_TEMPLATE`."""
     if override:
         if override.endswith((".jinja", ".j2")) and os.path.isfile(override):
             with open(override, encoding="utf-8") as f:
                 return f.read()
+        if not is_inline_template(override):
+            template = named_template(override)
+            if template is None:  # the config's check says so first; here for callers that skip it
+                raise ValueError(f"data.chat_template: '{override}' is not a template name ("
+                                 f"{', '.join(chat_template_names())}), a .jinja file or inline Jinja")
+            return template
         return override
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one
@@ -86,10 +82,11 @@ def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str) -
         ) if i else ""
         through = tokenizer.apply_chat_template(messages[: i + 1], chat_template=template, tokenize=False)
         if not (full.startswith(through) and through.startswith(before)):
-            raise ValueError(
-                "the chat template does not render a conversation's beginning as a prefix of the whole, so the "
+            raise UserError(
+                "the chat template does not render a conversation's beginning as a prefix of the whole (it "
+                "changes earlier turns as later ones come, as templates that drop past reasoning do), so the "
                 "assistant turns cannot be located; use a template with {% generation %} markers "
-                "(data.chat_template) or data.train_on=all"
+                "(data.chat_template: e.g. qwen3 is TRL's training variant of Qwen3's) or data.train_on=all"
             )
         spans.append((len(before), len(through)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
