@@ -87,8 +87,10 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
     if summary.get("global_step") is not None:
         rows.append(("steps", f"{summary['global_step']:,} optimizer steps ({summary.get('batch', '?')}) of{packed} rows "
                               f"of up to {sequence} tokens: {summary.get('tokens_seen', 0):,} tokens trained on"))
+    warmup = (f"{train['warmup_steps']} steps" if train.get("warmup_steps") is not None
+              else f"{train.get('warmup_ratio')} of the steps")
     schedule = (f"{run.get('optimizer', train.get('optimizer'))}, learning rate {train.get('learning_rate')} "
-                f"({train.get('lr_scheduler')}, warm-up {train.get('warmup_ratio')}), weight decay "
+                f"({train.get('lr_scheduler')}, warm-up {warmup}), weight decay "
                 f"{train.get('weight_decay')}, seed {train.get('seed')}")
     rows.append(("optimizer", schedule))
     precision = run.get("precision") or {}

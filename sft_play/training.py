@@ -144,7 +144,8 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         learning_rate=train.learning_rate,
         lr_scheduler_type="cosine_with_min_lr" if train.min_lr_ratio else train.lr_scheduler,
         lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio} if train.min_lr_ratio else None,
-        warmup_steps=train.warmup_ratio,  # a value below 1 is a share of the steps
+        # a value below 1 is a share of the steps
+        warmup_steps=train.warmup_steps if train.warmup_steps is not None else train.warmup_ratio,
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
         neftune_noise_alpha=train.neftune_noise_alpha,
@@ -165,7 +166,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         save_total_limit=None,  # CheckpointMarker deletes old checkpoints, once the new one is marked complete
         eval_strategy="steps" if evaluate else "no",
         eval_steps=train.eval_steps if evaluate else None,
-        report_to=["tensorboard"] if train.tensorboard else "none",
+        report_to=(["tensorboard"] if train.tensorboard else []) + list(train.report_to) or "none",
         seed=train.seed,
         data_seed=train.seed,
         full_determinism=train.deterministic,

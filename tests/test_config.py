@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,49 @@ def test_settings_the_run_does_not_use_are_said_once(caplog):
         for _ in range(2):
             config_module.load(None, ["finetune.method=full", "lora.alpha=7"], check_paths=False)
     assert caplog.text.count("lora.alpha has no effect: finetune.method is full") == 1
+
+
+@pytest.mark.parametrize("typed, said", [
+    ("train.warmup_steps=10", None),  # ours now
+    ("train.bf16=true", "did you mean 'train.mixed_precision'"),
+    ("data.cutoff_len=512", "did you mean 'data.max_seq_length'"),
+    ("train.train_on_inputs=false", "did you mean 'data.train_on'"),
+    ("train.push_to_hub=true", "a run does not upload; when it ends, `hf upload <repo id> RUN/model`"),
+    ("train.report_to=[wandb]", None),  # ours now (the package check aside)
+    ("lora.lora_target=[q_proj]", "did you mean 'lora.target_modules'"),
+])
+def test_keys_other_tools_use_point_to_ours_not_to_a_near_spelling(typed, said):
+    """train.warmup_steps was offered as train.max_steps, train.report_to as train.warmup_ratio."""
+    if said is None:
+        try:
+            config_module.load(None, [typed])
+        except ConfigError as exc:
+            assert "unknown key" not in str(exc)
+        return
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        config_module.load(None, [typed])
+
+
+def test_a_column_mapping_of_a_field_we_do_not_read_is_refused_with_the_nearest():
+    with pytest.raises(ConfigError, match=r"data.columns.promt: no such field; did you mean data.columns.prompt\? The "
+                                          r"fields: messages, conversations, .*history"):
+        config_module.load(None, ["data.columns.promt=question", "data.columns.completion=answer"])
+
+
+def test_a_list_of_strings_is_said_in_english():
+    with pytest.raises(ConfigError, match="expected 'all-linear' or a list of strings"):
+        config_module.load(None, ["lora.target_modules=5"])
+
+
+def test_warmup_steps_and_trackers_reach_the_trainer(tmp_path):
+    from sft_play import training
+    from sft_play.run import BatchSplit, resolve
+
+    config = config_module.load(None, ["train.warmup_steps=7", "train.max_steps=20", f"train.output_dir={tmp_path}"])
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(8, 1, 1, 8))
+    arguments = training.sft_arguments(config, run, tmp_path, False)
+    assert arguments.get_warmup_steps(20) == 7 and arguments.report_to == ["tensorboard"]
+    config = config_module.load(None, ["train.tensorboard=false", f"train.output_dir={tmp_path}"])
+    assert training.sft_arguments(config, run, tmp_path, False).get_warmup_steps(100) == 3  # warmup_ratio 0.03
+    with pytest.raises(ConfigError, match=r"train.report_to: wandb needs its package \(pip install wandb"):
+        config_module.load(None, ["train.report_to=[wandb]"])

@@ -665,3 +665,34 @@ def test_a_tokenizer_without_a_chat_template_is_saved_with_the_one_it_trained_wi
     reloaded = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert reloaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                         add_generation_prompt=True) == "### User:\nhi\n\n### Assistant:\n"
+
+
+def test_turns_of_either_kind_are_read_from_either_column(tmp_path):
+    """`conversations` holding role/content turns was read as ShareGPT: every row 'from' missing."""
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    for column, fmt in (("conversations", "messages"), ("messages", "messages")):
+        path = tmp_path / f"{column}.jsonl"
+        path.write_text(json.dumps({column: turns}) + "\n")
+        stats = DataStats()
+        assert load_records(str(path), data_config(), stats)[0]["messages"] == turns
+        assert stats.formats == {str(path): fmt}
+    path = tmp_path / "sharegpt_in_messages.jsonl"
+    path.write_text(json.dumps({"messages": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) + "\n")
+    assert load_records(str(path), data_config(), DataStats())[0]["messages"] == turns
+
+
+def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
+    """LLaMA-Factory's alpaca `history` was dropped without a word: only the last pair trained."""
+    path = tmp_path / "alpaca.jsonl"
+    rows = [{"instruction": "Reverse", "input": "a b c", "output": "c b a", "system": "Be brief.",
+             "history": [["Hi", "Hello!"], ["Count to 2", "1 2"]]},
+            {"instruction": "Hi", "output": "Hello!", "history": []},
+            {"instruction": "Hi", "output": "Hello!", "history": [["only the question"]]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    stats = DataStats()
+    records = load_records(str(path), data_config(on_invalid="skip"), stats)
+    assert [m["content"] for m in records[0]["messages"]] == [
+        "Be brief.", "Hi", "Hello!", "Count to 2", "1 2", "Reverse\n\na b c", "c b a"]
+    assert [m["role"] for m in records[0]["messages"]][1:] == ["user", "assistant"] * 3
+    assert len(records[1]["messages"]) == 2 and len(records) == 2
+    assert stats.skipped == {"history[]: expected an [instruction, answer] pair of strings": 1}  # grouped by field

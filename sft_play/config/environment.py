@@ -77,6 +77,10 @@ def package_problems(config: RunConfig) -> list[str]:
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "
             "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
         )
+    for tracker in train.report_to:
+        if importlib.util.find_spec(tracker) is None:
+            problems.append(f"train.report_to: {tracker} needs its package (pip install {tracker.replace('_', '-')} "
+                            "into .venv), or leave it out")
     if train.liger_kernels and importlib.util.find_spec("liger_kernel") is None:
         problems.append("train.liger_kernels: needs the liger-kernel package (pip install liger-kernel); or set it false")
     return problems

@@ -16,8 +16,42 @@ def _nearest(name: str, candidates: list[str]) -> str | None:
     return matches[0] if matches else None
 
 
+# Keys other fine-tuning tools (transformers, TRL, LLaMA-Factory, Axolotl) use: ours, or what to do instead.
+# A near spelling of one of them pointed elsewhere (warmup_steps -> train.max_steps).
+PEER_KEYS = {
+    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "tf32": "train.mixed_precision",
+    "cutoff_len": "data.max_seq_length", "max_length": "data.max_seq_length", "sequence_len": "data.max_seq_length",
+    "max_seq_len": "data.max_seq_length", "model_max_length": "data.max_seq_length",
+    "train_on_inputs": "data.train_on", "completion_only_loss": "data.train_on", "assistant_only_loss": "data.train_on",
+    "sample_packing": "data.packing", "dataset": "data.path", "datasets": "data.path", "dataset_dir": "data.path",
+    "val_set_size": "data.validation_fraction", "eval_dataset": "data.validation_path", "template": "data.chat_template",
+    "num_train_epochs": "train.num_epochs", "per_device_train_batch_size": "train.micro_batch_size",
+    "micro_batch_size": "train.micro_batch_size", "lr": "train.learning_rate", "lr_scheduler_type": "train.lr_scheduler",
+    "optim": "train.optimizer", "output_dir": "train.output_dir", "resume_from_checkpoint": "train.resume_from",
+    "eval_strategy": "train.eval_steps", "evaluation_strategy": "train.eval_steps", "save_strategy": "train.save_steps",
+    "base_model": "model.name_or_path", "model_name_or_path": "model.name_or_path",
+    "attn_implementation": "model.attn_implementation", "flash_attention": "model.attn_implementation",
+    "load_in_4bit": "finetune.method", "adapter": "finetune.method", "finetuning_type": "finetune.method",
+    "lora_r": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "lora_target": "lora.target_modules", "lora_target_modules": "lora.target_modules", "use_dora": "lora.use_dora",
+    "deepspeed": "distributed.strategy", "fsdp": "distributed.strategy",
+}
+# Theirs with no key of ours: what to do instead
+PEER_ADVICE = {
+    "push_to_hub": "a run does not upload; when it ends, `hf upload <repo id> RUN/model` (or RUN/merged after "
+                   "make merge) uploads it",
+    "hub_model_id": "a run does not upload; when it ends, `hf upload <repo id> RUN/model` uploads it",
+    "wandb_project": "set train.report_to=[wandb] and WANDB_PROJECT in the environment",
+}
+
+
 def unknown_key_message(dotted: str) -> str:
     parts = dotted.split(".")
+    leaf = parts[-1]
+    if len(parts) > 1 and leaf in PEER_ADVICE:
+        return f"unknown key '{dotted}'; {PEER_ADVICE[leaf]}"
+    if len(parts) > 1 and leaf in PEER_KEYS and PEER_KEYS[leaf] != dotted:
+        return f"unknown key '{dotted}'; did you mean '{PEER_KEYS[leaf]}'?"
     if len(parts) == 1:
         hint = _nearest(parts[0], list(SECTIONS))
         valid = ", ".join(SECTIONS)
@@ -45,7 +79,11 @@ def _expected_text(annotation: Any) -> str:
         text = " or ".join(parts)
         return text + (" or null" if type(None) in get_args(annotation) else "")
     if origin is list:
-        return "a list of " + _expected_text(get_args(annotation)[0]) + "s"
+        inner = _expected_text(get_args(annotation)[0])
+        for article in ("a ", "an "):
+            if inner.startswith(article):
+                return "a list of " + inner[len(article):] + "s"
+        return "a list, each " + inner
     if origin is dict:
         return "a mapping, e.g. data.columns.prompt=question (one entry per override) or {prompt:question,completion:answer}"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -7,6 +7,7 @@ before the stack is known to import.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal, Union
 
 import yaml
@@ -104,6 +105,10 @@ class QuantizationConfig(_Section):
     )
 
 
+# The fields a record is read from, each from the column of that name unless data.columns maps it
+DATA_FIELDS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "prompt",
+               "completion", "text")
+
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
 
 
@@ -118,7 +123,8 @@ class DataConfig(_Section):
     )
     format: DataFormat = Field("auto", description="Record format; auto detects it from the first rows.")
     columns: dict[str, str] = Field(
-        default_factory=dict, description="Map from our field names (e.g. messages, prompt) to the file's."
+        default_factory=dict, description="Map from our field names to the file's columns: " + ", ".join(DATA_FIELDS)
+        + " (history: Alpaca's earlier [instruction, answer] pairs).",
     )
     split: str = Field("train", description="Split to train on (hub datasets and folders with splits).")
     validation_path: Union[str, list[str], None] = Field(
@@ -157,6 +163,9 @@ class TrainConfig(_Section):
         "cosine", description="Learning-rate schedule after warm-up."
     )
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Share of steps spent warming up.")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Steps spent warming up, instead of warmup_ratio; null: warmup_ratio decides."
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0, lt=1, description="cosine: the floor the learning rate decays to, as a share of train.learning_rate "
         "(0.1 is common; transformers' cosine_with_min_lr); 0: down to zero.",
@@ -192,6 +201,10 @@ class TrainConfig(_Section):
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
     eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
+    report_to: list[Literal["wandb", "mlflow", "trackio", "comet_ml", "swanlab", "clearml"]] = Field(
+        default_factory=list, description="Experiment trackers to log to as well, through transformers' integrations "
+        "(their package installed and logged in: WANDB_PROJECT, MLFLOW_TRACKING_URI... as they document).",
+    )
     resume_from: str | None = Field(
         None, description="auto: continue the newest complete checkpoint (of train.run_name, or of this config's "
         "newest run); or a checkpoint folder. RESUME=auto on make targets."
@@ -286,6 +299,11 @@ def consistency_problems(config: RunConfig) -> list[str]:
     """Values that are each valid but not together (or not in range), one message each."""
     problems = []
     train, method = config.train, config.finetune.method
+    for ours in config.data.columns:
+        if ours not in DATA_FIELDS:
+            near = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
+            problems.append(f"data.columns.{ours}: no such field" + (f"; did you mean data.columns.{near[0]}?" if near
+                            else "") + f" The fields: {', '.join(DATA_FIELDS)}")
     for key in ("micro_batch_size", "gradient_accumulation_steps"):
         value = getattr(train, key)
         if isinstance(value, int) and value < 1:

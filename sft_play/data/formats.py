@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sft_play.config.schema import DATA_FIELDS
+
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -33,17 +35,7 @@ SHAREGPT_ROLES = {
 }
 
 # Our field name -> the column it is read from, unless `data.columns` maps it elsewhere.
-DEFAULT_COLUMNS = {
-    "messages": "messages",
-    "conversations": "conversations",
-    "instruction": "instruction",
-    "input": "input",
-    "output": "output",
-    "system": "system",
-    "prompt": "prompt",
-    "completion": "completion",
-    "text": "text",
-}
+DEFAULT_COLUMNS = {field: field for field in DATA_FIELDS}
 
 
 @dataclass(eq=False)
@@ -95,13 +87,13 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     """
     cols = column_map(columns)
     keys = set().union(*(r.keys() for r in rows)) if rows else set()
-    if cols["messages"] in keys:
-        first = next((r[cols["messages"]] for r in rows if r.get(cols["messages"])), None)
-        if isinstance(first, list) and first and isinstance(first[0], dict) and "from" in first[0]:
-            return "sharegpt"
-        return "messages"
-    if cols["conversations"] in keys:
-        return "sharegpt"
+    for field in ("messages", "conversations"):  # each holds turns of either kind: the first turn tells
+        if cols[field] in keys:
+            first = next((r[cols[field]] for r in rows if r.get(cols[field])), None)
+            turn = first[0] if isinstance(first, list) and first and isinstance(first[0], dict) else {}
+            if "from" in turn:
+                return "sharegpt"
+            return "messages" if "role" in turn or field == "messages" else "sharegpt"
     if cols["instruction"] in keys and cols["output"] in keys:
         return "alpaca"
     if cols["prompt"] in keys and cols["completion"] in keys:
@@ -176,6 +168,20 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
     return out
 
 
+def _history(value: Any, source: str, index: int, field: str) -> list[dict[str, str]]:
+    """Alpaca's earlier turns (LLaMA-Factory's ``history``: ``[[instruction, answer], ...]``) as chat turns."""
+    if value is None or (isinstance(value, list) and not value):
+        return []
+    if not isinstance(value, list):
+        raise InvalidRow(source, index, field, f"expected a list of [instruction, answer] pairs, got {type(value).__name__}")
+    turns = []
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise InvalidRow(source, index, f"{field}[{i}]", "expected an [instruction, answer] pair of strings")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
+
+
 def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: str, index: int) -> dict[str, Any]:
     """One raw row in `fmt` as a canonical record (see the module docstring).
 
@@ -184,7 +190,8 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
     """
     cols = column_map(columns)
     if fmt == "messages":
-        return {"messages": _chat(row.get(cols["messages"]), source, index, cols["messages"], "role", "content", None)}
+        field = cols["messages"] if cols["messages"] in row or cols["conversations"] not in row else cols["conversations"]
+        return {"messages": _chat(row.get(field), source, index, field, "role", "content", None)}
     if fmt == "sharegpt":
         field = cols["conversations"] if cols["conversations"] in row else cols["messages"]
         messages = _chat(row.get(field), source, index, field, "from", "value", SHAREGPT_ROLES)
@@ -204,6 +211,7 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
         system = _string(row, cols["system"], source, index, optional=True)
         if system:
             messages.append({"role": "system", "content": system})
+        messages += _history(row.get(cols["history"]), source, index, cols["history"])
         user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         return {"messages": messages}
