@@ -62,3 +62,27 @@ def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | N
         use_dora=spec.dora,
         use_rslora=spec.rslora,
     )
+
+
+def unmatched_modules(model: Any, lora_config: Any) -> list[str]:
+    """What in `lora_config` names no module of `model` (a meta model will do), one message each:
+    peft stops with a traceback when no target matches, and adapts the rest in silence when one of
+    several does not (``[q_proj, gate]``), as it trains no copy for a ``modules_to_save`` typo."""
+    import torch
+
+    names = [name for name, _ in model.named_modules() if name]
+
+    def absent(keys: Any) -> list[str]:
+        return [key for key in keys if not any(name == key or name.endswith("." + key) for name in names)]
+
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))})
+    problems = []
+    targets = lora_config.target_modules
+    if targets is not None and not isinstance(targets, str) and absent(sorted(targets)):
+        problems.append(f"lora.target_modules: {', '.join(absent(sorted(targets)))} names no module of this model "
+                        f"(its linears and embeddings: {', '.join(leaves)}; or all-linear)")
+    if absent(lora_config.modules_to_save or []):
+        problems.append(f"lora.modules_to_save: {', '.join(absent(lora_config.modules_to_save))} names no module of "
+                        f"this model (its linears and embeddings: {', '.join(leaves)})")
+    return problems

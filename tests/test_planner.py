@@ -65,6 +65,19 @@ def test_lora_targets_and_rank_change_the_count():
     assert shape.lora_params == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
 
 
+@pytest.mark.parametrize("override, said", [
+    ("lora.target_modules=[foo_proj]", "lora.target_modules: foo_proj names no module"),  # peft's traceback
+    ("lora.target_modules=[q_proj, gate]", "lora.target_modules: gate names no module"),  # q_proj alone, unsaid
+    ("lora.modules_to_save=[embed]", "lora.modules_to_save: embed names no module"),  # no copy trained, unsaid
+])
+def test_adapter_module_names_that_match_nothing_are_refused_with_the_models_names(override, said):
+    from sft_play.errors import UserError
+
+    with pytest.raises(UserError, match=said + r" of this model \(its linears and embeddings: down_proj, embed_tokens, "
+                                               r"gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        model_shape(plan_config("llama-3.1-8b", "finetune.method=lora", override))
+
+
 def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_weights():
     lora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "train.micro_batch_size=1",
                        "train.global_batch_size=8", "data.max_seq_length=1024")

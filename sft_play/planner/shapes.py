@@ -15,11 +15,12 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sft_play.adapters import LoraSpec, peft_config
-from sft_play.planner import cache
+from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    layer_signature, load_model_config, quantized_linears, sliding_window, text_config,
                                    with_layers)
+from sft_play.errors import UserError
+from sft_play.planner import cache
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,9 @@ def lora_counts_for_config(model_config: Any, lora_config: Any,
     ``n(L) = n(1) + (L - 1) x (n(2) - n(1))``. Different layers fall back to the whole model.
     """
     full = build_meta_model(model_config, trust_remote_code)
+    problems = unmatched_modules(full, lora_config)
+    if problems:
+        raise UserError("; ".join(problems))
     text = text_config(model_config)
     num_layers = config_int(text, "num_hidden_layers", "n_layer", "num_layers")
     layers = decoder_layers(full, num_layers) if num_layers > 2 else None
