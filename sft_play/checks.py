@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft_play.config import ConfigError, RunConfig
+from sft_play.errors import UserError
 from sft_play.hardware import HardwareInfo
 from sft_play.units import GIB, MIB
 
@@ -107,7 +108,6 @@ def check_precision(config: RunConfig, facts: HardwareInfo) -> Check:
 def check_model(config: RunConfig) -> list[Check]:
     """The model's config reads (a hub id: downloaded or cached), and its tokenizer encodes text."""
     from sft_play.architecture import load_model_config
-    from sft_play.errors import UserError
     from sft_play.model import load_tokenizer  # deferred: imports torch
 
     name = config.model.name_or_path
@@ -137,6 +137,7 @@ def check_data(config: RunConfig) -> list[Check]:
     """Every row of the training (and validation) data reads and converts; a sample tokenises."""
     from sft_play.data import DataStats, load_records
     from sft_play.data.formats import InvalidRow
+    from sft_play.data.sources import HELD_OUT
 
     checks = []
     sources = [("data.path", config.data.path)]
@@ -145,8 +146,8 @@ def check_data(config: RunConfig) -> list[Check]:
     for key, paths in sources:
         stats = DataStats()
         try:
-            records = load_records(paths, config.data, stats)
-        except (InvalidRow, ValueError, FileNotFoundError) as exc:
+            records = load_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT)
+        except (InvalidRow, ValueError, FileNotFoundError, UserError) as exc:
             checks.append(Check(key, False, str(exc)))
             continue
         formats = ", ".join(sorted(set(stats.formats.values())))
@@ -210,7 +211,6 @@ def ensure_disk_room(config: RunConfig, run_dir: Path, shape, run) -> None:
     Raises:
         UserError: with the sizes and what to do.
     """
-    from sft_play.errors import UserError
 
     check = check_disk(config, needed_disk_bytes(config, shape, run), probe=run_dir)
     if not check.ok:

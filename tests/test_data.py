@@ -696,3 +696,60 @@ def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
     assert [m["role"] for m in records[0]["messages"]][1:] == ["user", "assistant"] * 3
     assert len(records[1]["messages"]) == 2 and len(records) == 2
     assert stats.skipped == {"history[]: expected an [instruction, answer] pair of strings": 1}  # grouped by field
+
+
+def test_a_folder_of_splits_gives_training_its_split_and_validation_the_held_out_one(tmp_path):
+    """data.split did nothing for folders: s/test/ trained along with s/train/."""
+    chat = '{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "a"}]}\n'
+    for layout in (("train/a.jsonl", "test/b.jsonl"), ("train.jsonl", "validation.jsonl"), ("a.jsonl", "dev-0.jsonl")):
+        root = tmp_path / layout[1].split("/")[0].split(".")[0]
+        for name, text in zip(layout, ("trained", "held")):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(chat % text)
+        cfg = data_config(path=str(root), validation_path=str(root))
+        assert [r["messages"][0]["content"] for r in load_records(cfg.path, cfg, DataStats())] == ["trained"]
+        from sft_play.data.sources import HELD_OUT
+
+        assert [r["messages"][0]["content"] for r in load_records(cfg.path, cfg, DataStats(), HELD_OUT)] == ["held"]
+    with pytest.raises(FileNotFoundError, match=r"holds the splits test, train \(by its files' names\), not 'valid"):
+        load_records(str(tmp_path / "test"), data_config(split="valid"), DataStats())
+    plain = tmp_path / "plain"  # no split in any name: read whole, as before
+    plain.mkdir()
+    for name in ("x.jsonl", "y.jsonl"):
+        (plain / name).write_text(chat % name)
+    assert len(load_records(str(plain), data_config(), DataStats())) == 2
+
+
+def test_a_dataset_saved_by_datasets_is_read_whole_or_by_split(tmp_path):
+    """A save_to_disk folder was read as its metadata JSON; its .arrow file was a traceback."""
+    import datasets
+
+    rows = [{"instruction": "Reverse", "input": f"a {c}", "output": f"{c} a"} for c in "bcd"]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows),
+                         test=datasets.Dataset.from_list(rows[:1])).save_to_disk(str(tmp_path / "two"))
+    stats = DataStats()
+    assert len(load_records(str(tmp_path / "one"), data_config(), stats)) == 3
+    assert stats.formats == {str(tmp_path / "one"): "alpaca"}
+    arrow = next((tmp_path / "one").glob("*.arrow"))
+    assert len(load_records(str(arrow), data_config(), DataStats())) == 3
+    from sft_play.data.sources import HELD_OUT
+
+    assert len(load_records(str(tmp_path / "two"), data_config(), DataStats())) == 3
+    assert len(load_records(str(tmp_path / "two"), data_config(), DataStats(), HELD_OUT)) == 1
+    with pytest.raises(InvalidRow, match="no split 'valid' in this dataset \\(its splits: train, test\\)"):
+        load_records(str(tmp_path / "two"), data_config(split="valid"), DataStats())
+    registry = tmp_path / "llamafactory"  # LLaMA-Factory's data folder: dataset_info.json registers its datasets
+    registry.mkdir()
+    (registry / "dataset_info.json").write_text('{"alpaca_en": {"file_name": "alpaca_en.json"}}')
+    with pytest.raises(ValueError, match="a LLaMA-Factory data folder registers its datasets there; set data.path to "
+                                         "the dataset's own file"):
+        load_records(str(registry), data_config(), DataStats())
+
+
+def test_a_hub_dataset_that_cannot_be_had_offline_is_one_error():
+    from sft_play.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot load the dataset 'tatsu-lab/alpaca': the hub cannot be reached "
+                                        r"\(HF_HUB_OFFLINE=1\) and it is not in the local cache\. To use a local copy"):
+        load_records("tatsu-lab/alpaca", data_config(), DataStats())

@@ -126,7 +126,8 @@ class DataConfig(_Section):
         default_factory=dict, description="Map from our field names to the file's columns: " + ", ".join(DATA_FIELDS)
         + " (history: Alpaca's earlier [instruction, answer] pairs).",
     )
-    split: str = Field("train", description="Split to train on (hub datasets and folders with splits).")
+    split: str = Field("train", description="Split to train on (hub datasets, save_to_disk folders, and folders "
+                       "whose files or subfolders are named for splits).")
     validation_path: Union[str, list[str], None] = Field(
         None, description="Held-out data; when unset, `validation_fraction` of the training data is carved off."
     )

@@ -21,7 +21,7 @@ from sft_play.config import DataConfig
 from sft_play.data import cache
 from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detect_format, mapped_but_absent,
                                    normalise)
-from sft_play.data.sources import iter_sources
+from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
                                     resolve_chat_template)
 from sft_play.errors import UserError
@@ -101,8 +101,9 @@ def dropped_rows(stats: DataStats) -> str:
     return f" ({', '.join(rows)}{', ...' if stats.dropped_overlong > len(rows) else ''})" if rows else ""
 
 
-def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> list[dict[str, Any]]:
-    """Canonical records from every source in `paths`, each with its file and row under
+def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None) -> list[dict[str, Any]]:
+    """Canonical records from every source in `paths` (of `split` where a source holds splits:
+    ``data.split`` unless said), each with its file and row under
     :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
     row is collected and one :class:`InvalidRows` names them all; with ``skip`` they are counted
     by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
@@ -118,7 +119,7 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats) -> l
         if len(where) < SKIPPED_ROWS_KEPT:
             where.append(f"{error.source}:{error.row}")
 
-    for source, rows in iter_sources(paths, cfg.split):
+    for source, rows in iter_sources(paths, split or cfg.split):
         raw: list[tuple[int, dict[str, Any]]] = []
         unreadable: list[InvalidRow] = []  # lines that could not be read, in order with the rows' own problems
         for number, row in rows:
@@ -434,7 +435,7 @@ def validation_records(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     """The validation records a run of `cfg` held out (``data.validation_path``'s, or its seeded
     ``data.validation_fraction`` of the training records), untokenised; empty without either."""
     if cfg.validation_path:
-        return load_records(cfg.validation_path, cfg, DataStats())
+        return load_records(cfg.validation_path, cfg, DataStats(), HELD_OUT)
     if cfg.validation_fraction > 0:
         return _records(cfg, DataStats(), seed)[1] or []
     return []
@@ -446,7 +447,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     validation_stats = None
     if cfg.validation_path:
         validation_stats = DataStats()
-        validation_records = load_records(cfg.validation_path, cfg, validation_stats)
+        validation_records = load_records(cfg.validation_path, cfg, validation_stats, HELD_OUT)
     elif validation_records is not None:
         validation_stats = DataStats(formats=dict(stats.formats))
     started = time.perf_counter()

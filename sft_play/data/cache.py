@@ -29,7 +29,7 @@ from typing import Any
 
 from sft_play import cache_usage
 from sft_play.config import DataConfig
-from sft_play.data.sources import expand, is_local
+from sft_play.data.sources import HELD_OUT, expand, is_local
 from sft_play.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,10 @@ def _sources(paths: str | list[str] | None, split: str) -> list[Any]:
     described: list[Any] = []
     for entry in [paths] if isinstance(paths, str) else (paths or []):
         if is_local(entry):
-            for file in expand(entry):
-                stat = file.stat()
-                described.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
+            for found in expand(entry, split):  # a file, or a save_to_disk folder: each file in it
+                for file in sorted(found.rglob("*")) if found.is_dir() else [found]:
+                    stat = file.stat()
+                    described.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
         else:
             described.append([entry, split])
     return described
@@ -78,7 +79,7 @@ def _key(cfg: DataConfig, seed: int, tokenizer: dict[str, Any]) -> str:
         "settings": settings,
         "seed": seed,
         "train": _sources(cfg.path, cfg.split),
-        "validation": _sources(cfg.validation_path, cfg.split),
+        "validation": _sources(cfg.validation_path, HELD_OUT),
         **tokenizer,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]

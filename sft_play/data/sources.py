@@ -1,4 +1,5 @@
-"""Reading records from local files (jsonl, json, csv, parquet, txt; files, folders, globs) or the hub.
+"""Reading records from local files (jsonl, json, csv, parquet, txt, arrow; files, folders, globs, folders
+of splits, datasets' save_to_disk folders) or the hub.
 
 Local files are read row by row so that a bad row is reported with its file and row number;
 hub datasets go through ``datasets.load_dataset``.
@@ -9,14 +10,19 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sft_play.data.formats import InvalidRow
 
-EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt")
+logger = logging.getLogger(__name__)
+
+EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".arrow")
+NAMED_ONLY = (".txt", ".arrow")  # read where a path or glob names them, not from a folder
 
 
 def is_local(entry: str) -> bool:
@@ -29,22 +35,93 @@ def is_local(entry: str) -> bool:
     )
 
 
-def expand(entry: str) -> list[Path]:
-    """The data files an entry names: a file, every supported file in a folder, or a glob's matches."""
+# Split names in file and folder names (as `datasets` reads a folder's splits), to the split they are
+SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test", "validation": "validation",
+               "valid": "validation", "val": "validation", "dev": "validation", "eval": "validation"}
+_SAID: set[tuple[Path, str]] = set()
+HELD_OUT = "<held-out>"  # the split validation data takes from a folder of splits: validation, else test
+
+
+def split_of(file: Path, root: Path) -> str | None:
+    """The split `file` (inside the folder `root`) belongs to by its folders' or its own name."""
+    for part in [*file.relative_to(root).parent.parts, file.stem]:
+        for word in re.split(r"[-_.\s]+", part.lower()):
+            if word in SPLIT_NAMES:
+                return SPLIT_NAMES[word]
+    return None
+
+
+def _select_split(files: list[Path], root: Path, split: str) -> list[Path]:
+    """A folder's files of `split` where the folder holds splits by name (``train/``, ``test.jsonl``,
+    ``validation-00000.parquet``): files named for no split go with train. A folder without
+    held-out splits is read whole."""
+    splits = {f: split_of(f, root) or "train" for f in files}
+    present = set(splits.values())
+    if present == {"train"}:
+        return files
+    wanted = ("validation" if "validation" in present else "test") if split == HELD_OUT else \
+        SPLIT_NAMES.get(split.lower(), split.lower())
+    chosen = [f for f in files if splits[f] == wanted]
+    if not chosen:
+        raise FileNotFoundError(f"'{root}' holds the splits {', '.join(sorted(present))} (by its files' names), not "
+                                f"'{split}': set data.split to one of them")
+    left = [str(f) for f in files if splits[f] != wanted]
+    if (root, wanted) in _SAID:  # each time the folder is listed (the cache's key, then the reading)
+        return chosen
+    _SAID.add((root, wanted))
+    logger.info("data: %s: the %s split's files (%d); left out, as other splits: %s", root, wanted, len(chosen),
+                ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else ""))
+    return chosen
+
+
+def expand(entry: str, split: str = "train") -> list[Path]:
+    """The data files an entry names: a file, every supported file in a folder (those of `split`
+    where the folder holds splits, :func:`_select_split`), or a glob's matches."""
     path = Path(os.path.expanduser(entry))
     if any(ch in entry for ch in "*?["):
         files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(entry), recursive=True))]
     elif path.is_dir():  # .txt only where named: a folder's LICENSE.txt or notes.txt is no training data
-        files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.suffix != ".txt" and p.is_file())
+        if saved_dataset(path):
+            return [path]
+        if (path / "dataset_info.json").is_file():
+            raise ValueError(f"'{entry}' holds a dataset_info.json but is no dataset saved by datasets' save_to_disk "
+                             "(no state.json or dataset_dict.json): a LLaMA-Factory data folder registers its "
+                             "datasets there; set data.path to the dataset's own file")
+        files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.suffix not in NAMED_ONLY and p.is_file())
+        files = _select_split(files, path, split) if files else files
     else:
         files = [path]
     files = [f for f in files if f.is_file()]
     if not files:
-        raise FileNotFoundError(f"no data files found at '{entry}' (looked for {', '.join(EXTENSIONS)})")
+        raise FileNotFoundError(f"no data files found at '{entry}' (looked for {', '.join(EXTENSIONS)}, or a dataset "
+                                "saved by datasets' save_to_disk)")
     for f in files:
         if f.suffix not in EXTENSIONS:
-            raise ValueError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)}")
+            raise ValueError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)}, or a folder "
+                             "written by datasets' save_to_disk")
     return files
+
+
+def saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder ``datasets``' ``save_to_disk`` wrote (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The rows of a ``save_to_disk`` folder; of a DatasetDict, its `split`'s."""
+    import datasets
+
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        names = list(dataset)
+        wanted = (next((n for n in ("validation", "valid", "dev", "test") if n in names), None) if split == HELD_OUT
+                  else split)
+        if wanted not in names:
+            raise InvalidRow(str(path), 0, "<split>", f"no split '{split}' in this dataset (its splits: "
+                                                      f"{', '.join(names)}); set data.split to one of them")
+        dataset = dataset[wanted]
+    for number, row in enumerate(dataset, start=1):
+        yield number, row
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -144,18 +221,26 @@ def _text_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 yield number, {"text": line}
 
 
+def _arrow_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """An Arrow file as ``datasets`` writes one (a shard of a save_to_disk folder, or its cache)."""
+    import datasets
+
+    for number, row in enumerate(datasets.Dataset.from_file(str(path)), start=1):
+        yield number, row
+
+
 _READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows,
-            ".txt": _text_rows}
+            ".txt": _text_rows, ".arrow": _arrow_rows}
 
 
-def read_file(path: Path) -> Iterator[tuple[int, dict[str, Any] | InvalidRow]]:
+def read_file(path: Path, split: str = "train") -> Iterator[tuple[int, dict[str, Any] | InvalidRow]]:
     """(row number, record) pairs of one local file; row numbers count from 1 (jsonl: line numbers).
 
     A line that cannot be read comes as an :class:`InvalidRow` in place of its record, so that
     the caller can skip it and go on; a file that cannot be read at all raises it.
     """
     yielded = False
-    for item in _READERS[path.suffix](path):
+    for item in (_saved_rows(path, split) if saved_dataset(path) else _READERS[path.suffix](path)):
         yielded = True
         yield item
     if not yielded:
@@ -163,10 +248,32 @@ def read_file(path: Path) -> Iterator[tuple[int, dict[str, Any] | InvalidRow]]:
 
 
 def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row number, record) pairs of a hub dataset split (downloads through ``datasets``)."""
+    """(row number, record) pairs of a hub dataset split (downloads through ``datasets``); for
+    validation data (:data:`HELD_OUT`) its validation split, else its test split, else its train split.
+
+    Raises:
+        UserError: the dataset cannot be had (offline and not cached, not on the hub, gated), or
+            has no such split."""
     import datasets
 
-    dataset = datasets.load_dataset(name, split=split)
+    from sft_play.errors import UserError
+
+    try:
+        if split == HELD_OUT:
+            names = datasets.get_dataset_split_names(name)
+            split = next((n for n in ("validation", "valid", "dev", "test") if n in names), "train")
+        dataset = datasets.load_dataset(name, split=split)
+    except (ConnectionError, OSError) as exc:  # offline, not found, gated: datasets' errors derive from these
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        cause = ("the hub cannot be reached (HF_HUB_OFFLINE=1) and it is not in the local cache" if offline
+                 else reason)
+        raise UserError(f"cannot load the dataset '{name}': {cause}. To use a local copy: hf download {name} "
+                        "--repo-type dataset --local-dir DIR, then set data.path=DIR (its files are read as they are)"
+                        ) from None
+    except ValueError as exc:  # an unknown split
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot load the dataset '{name}' split '{split}': {reason} (data.split)") from None
     for number, row in enumerate(dataset, start=1):
         yield number, row
 
@@ -175,7 +282,7 @@ def iter_sources(paths: str | list[str], split: str) -> Iterator[tuple[str, Iter
     """(source name, rows) for every file or hub dataset that `paths` names, in order."""
     for entry in [paths] if isinstance(paths, str) else paths:
         if is_local(entry):
-            for file in expand(entry):
-                yield str(file), read_file(file)
+            for file in expand(entry, split):
+                yield str(file), read_file(file, split)
         else:
             yield f"{entry}[{split}]", read_hub(entry, split)
