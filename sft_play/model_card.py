@@ -102,7 +102,9 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
     if summary.get("last_eval_loss") is not None:
         rows.append(("validation loss", f"{summary['last_eval_loss']:.4g} (last evaluation)"))
     if summary.get("train_runtime_s"):
-        rows.append(("time", f"{summary['train_runtime_s']:.0f} s of training"))
+        segments = summary.get("segments", 1)
+        rows.append(("time", f"{summary['train_runtime_s']:.0f} s of training"
+                             + (f", in {segments} segments (stopped and resumed)" if segments > 1 else "")))
 
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
              f"# {run_dir.name}{' (merged)' if merged else ''}", "",

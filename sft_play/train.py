@@ -156,7 +156,8 @@ def train(config: RunConfig, config_path: str) -> int:
     if stop.received:
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
-            training.write_summary(trainer, run_dir, {"interrupted": stop.received, "batch": run.batch.describe()})
+            training.write_summary(trainer, run_dir, {"interrupted": stop.received,
+                                                      "batch": batch_text(run, data_summary(bundle)["rows"])})
             print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
                   + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
                   + f"\n  resume: {resume_command()}"
@@ -249,6 +250,15 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
     return run_dir, resume_checkpoint
 
 
+def batch_text(run: Any, rows: int) -> str:
+    """The run's batch split as the summary and the model card say it, with what the steps really
+    took when the data is smaller than one global batch (the plan warned of it)."""
+    text = run.batch.describe()
+    if 0 < rows < run.batch.global_batch_size:
+        text += f"; the data is {rows} row{'s' if rows != 1 else ''}, so each step took {rows}"
+    return text
+
+
 def data_summary(bundle: Any) -> dict[str, Any]:
     """What the run trains on, in counts: a resume compares them (``checkpoints.data_changes``)."""
     stats = bundle.stats
@@ -322,7 +332,7 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
     summary = training.write_summary(
-        trainer, run_dir, {"batch": run.batch.describe(), "data": bundle.stats.to_dict(),
+        trainer, run_dir, {"batch": batch_text(run, data_summary(bundle)["rows"]), "data": bundle.stats.to_dict(),
                            "world_size": state.num_processes, "weights_fingerprints": fingerprints}
     )
     model_card.write(run_dir, run_dir / "model")

@@ -502,13 +502,22 @@ def write_summary(trainer: Any, run_dir: Path, extra: dict[str, Any]) -> dict[st
     """What the run did, as ``summary.json`` in the run folder; returns the same mapping."""
     losses = loss_history(trainer)
     final = next((e for e in reversed(trainer.state.log_history) if "train_runtime" in e), {})
+    runtime, segments = final.get("train_runtime"), 1
+    try:  # a resumed run: the time of the segments before it, which the summary they stopped with kept
+        before = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        before = {}
+    if before.get("interrupted") and runtime is not None:
+        runtime += before.get("train_runtime_s") or 0.0
+        segments += before.get("segments", 1)
     summary = {
         "global_step": trainer.state.global_step,
         "first_loss": losses[0][1] if losses else None,
         "last_loss": losses[-1][1] if losses else None,
         "last_eval_loss": next((e["eval_loss"] for e in reversed(trainer.state.log_history) if "eval_loss" in e), None),
         "losses": losses,
-        "train_runtime_s": final.get("train_runtime"),
+        "train_runtime_s": runtime,  # every segment's, a resumed run's too
+        "segments": segments,
         "tokens_seen": trainer.state.num_input_tokens_seen,
         "mixed_precision": str(trainer.accelerator.mixed_precision),  # what autocast really ran
         "distributed_type": str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1],  # and how it shared the work

@@ -72,6 +72,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tm
     saved = checkpoints.newest_complete(run / "checkpoints")
     assert saved is not None and saved.name == "checkpoint-2", "train.save_steps is 0: saved on the signal only"
     assert not (run / "model").exists(), "an interrupted run has no final model"
+    first = json.loads((run / "summary.json").read_text())
+    assert first["interrupted"] == "SIGTERM" and first["segments"] == 1 and first["train_runtime_s"] > 0
 
     resumed = run_to_end(*common, "train.run_name=interrupted", "train.resume_from=auto")
     assert f"resuming {run} from {saved.name}" in resumed
@@ -80,6 +82,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_ends_like_an_uninterrupted_run(tm
     theirs = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert ours["global_step"] == theirs["global_step"] == 4
     assert ours["last_loss"] == pytest.approx(theirs["last_loss"], rel=1e-5)
+    # the time of both segments, not the last one's alone
+    assert ours["segments"] == 2 and theirs["segments"] == 1 and ours["train_runtime_s"] > first["train_runtime_s"]
+    assert "in 2 segments (stopped and resumed)" in (run / "model" / "README.md").read_text()
 
 
 def test_sigint_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):

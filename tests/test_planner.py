@@ -602,6 +602,11 @@ def test_the_plan_says_how_the_steps_cover_the_data():
     small = make_plan(config, cpu, DataStats(examples=5, tokens_p95=40, max_seq_length=256))
     assert any("the training data is 5 examples, fewer than one global batch of 12: every optimizer step is a whole "
                "epoch" in w for w in small.warnings)
+    assert not any("positions" in w for w in plan.warnings + small.warnings)
+    long = make_plan(config.model_copy(update={"data": config.data.model_copy(update={"max_seq_length": 1024})}), cpu,
+                     DataStats(examples=200, packed_rows=100, tokens_p95=600, tokens_max=700, max_seq_length=1024))
+    assert ("the longest example is 700 tokens, longer than the 512 positions the model was trained on "
+            "(max_position_embeddings)") in " ".join(long.warnings)
 
 
 # --- the interface ---------------------------------------------------------------------------

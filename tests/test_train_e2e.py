@@ -264,3 +264,15 @@ def test_a_log_line_is_one_readable_line_without_duplicates():
            "train_loss": 4.596, "epoch": 0.08368, "num_input_tokens_seen": 59081}
     assert log_line(end, 20, 20) == "trained to step 20 in 3.021 s (6.62 steps/s); mean loss over this run 4.596"
     assert log_line({"loss": float("nan"), "learning_rate": 2e-5}, 3, 5) == "step 3/5  loss nan  lr 2e-05"
+
+
+def test_the_summary_says_what_a_step_took_when_the_data_is_smaller_than_a_batch():
+    """One packed row of data trained as 'global 12 = micro 12 x accum 1' in summary.json and the card."""
+    from types import SimpleNamespace
+
+    from sft_play.run import BatchSplit
+    from sft_play.train import batch_text
+
+    run = SimpleNamespace(batch=BatchSplit(12, 1, 1, 12))
+    assert batch_text(run, 1) == "global 12 = micro 12 x accum 1 x world 1; the data is 1 row, so each step took 1"
+    assert batch_text(run, 2858) == "global 12 = micro 12 x accum 1 x world 1"

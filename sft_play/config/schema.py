@@ -198,7 +198,8 @@ class TrainConfig(_Section):
         False, description="CUDA caching allocator with expandable segments (less fragmentation; CUDA only)."
     )
     logging_steps: int = Field(10, gt=0, description="Optimizer steps between log lines.")
-    save_steps: int = Field(0, ge=0, description="Optimizer steps between checkpoints; 0 saves only at the end.")
+    save_steps: int = Field(0, ge=0, description="Optimizer steps between checkpoints; 0: none but the one a stop signal "
+                            "writes (the finished model goes to model/ either way).")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
     eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")

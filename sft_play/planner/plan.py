@@ -185,6 +185,12 @@ def make_plan(
     epoch_note, epoch_warning = epoch_notes(train, rows, getattr(data_stats, "packed_rows", None) is not None, split)
     notes += [epoch_note] if epoch_note else []
     warnings += [epoch_warning] if epoch_warning else []
+    longest = getattr(data_stats, "tokens_max", 0) or 0  # an example's positions start at 0 in a packed row too
+    if shape.max_positions and longest > shape.max_positions:
+        warnings.append(f"the longest example is {longest:,} tokens, longer than the {shape.max_positions:,} positions "
+                        "the model was trained on (max_position_embeddings): positions past them were never seen, "
+                        "and a model with learned position embeddings cannot take them; lower data.max_seq_length "
+                        f"to {shape.max_positions:,}, or extend the context (rope_scaling in the model's config)")
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)

@@ -74,6 +74,7 @@ class ModelShape:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    max_positions: int = 0  # the positions the model was trained on (max_position_embeddings); 0: unknown
 
     @property
     def active_params(self) -> int:
@@ -239,6 +240,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         num_experts=routed,
         experts_per_token=per_token,
         expert_params=expert_params,
+        max_positions=config_int(text, "max_position_embeddings", "n_positions", "max_sequence_length"),
     )
 
 
