@@ -48,10 +48,21 @@ def _what(config: dict[str, Any], run: dict[str, Any], merged: bool) -> str:
     return f"An adapter ({adapter}), merged into its base" if merged else f"An adapter: {adapter}"
 
 
-def _loading(method: str, merged: bool) -> str:
+def _loading(method: str, merged: bool, base: str, base_weights: str | None, dtype: str | None) -> str:
+    """How to load the model in Python. An adapter names its base as the run did: a relative
+    folder, or a config-only one whose weights were initialised into the cache, loads from
+    elsewhere than the adapter says, so the snippet loads the base from where the run did."""
+    in_dtype = f", dtype={dtype!r}" if dtype else ""  # the base as it trained (else its config.json's dtype)
     if method != "full" and not merged:
+        if base_weights and base_weights != base:
+            why = ("initialised from its config.json, kept in SFT-Play's cache" if "init_weights" in base_weights
+                   else "where the run loaded them from")
+            return ("from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                    f"BASE = {base_weights!r}  # the base's weights: {why}\n"
+                    f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE{in_dtype}), FOLDER)\n"
+                    "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
         return ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
-                "model = AutoPeftModelForCausalLM.from_pretrained(FOLDER)  # loads the base, then the adapter\n"
+                f"model = AutoPeftModelForCausalLM.from_pretrained(FOLDER{in_dtype})  # loads the base, then the adapter\n"
                 "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
     return ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             "model = AutoModelForCausalLM.from_pretrained(FOLDER)\n"
@@ -112,7 +123,8 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
              + ", trained with SFT-Play on TRL's SFTTrainer.", "",
              "| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows], "",
              "## Use", "", "```python", f"FOLDER = {str(model_dir)!r}",
-             _loading(method, merged), "```", "",
+             _loading(method, merged, base, run.get("base_weights"), (run.get("precision") or {}).get("weights_dtype")),
+             "```", "",
              f"In the SFT-Play workspace: `make generate RUN={run_dir}` (held-out prompts), `make chat RUN={run_dir}`, "
              f"`make eval RUN={run_dir}`.", ""]
     if config_text:

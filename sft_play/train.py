@@ -55,7 +55,7 @@ def train(config: RunConfig, config_path: str) -> int:
     stop.install()  # a stop asked for while loading is kept, not lost
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
-    model.weights_location(config)
+    base_weights = model.weights_location(config)
     where = placement(config)
     state = start_processes(config, where)
     output_dir = Path(config.train.output_dir)
@@ -81,7 +81,7 @@ def train(config: RunConfig, config_path: str) -> int:
     run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, bundle)
     if state.is_main_process:
         (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-        record_run(run_dir, run, planned, data_summary(bundle))
+        record_run(run_dir, run, planned, data_summary(bundle), base_weights)
     announce(state, run, plan)
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
@@ -122,7 +122,7 @@ def train(config: RunConfig, config_path: str) -> int:
                 for line in plan.notes[-2:]:
                     logger.info("plan: %s", line)
                 (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-                record_run(run_dir, run, planned, data_summary(bundle))
+                record_run(run_dir, run, planned, data_summary(bundle), base_weights)
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
     if callbacks.any_rank(stop.received is not None):
@@ -148,7 +148,7 @@ def train(config: RunConfig, config_path: str) -> int:
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:
-        record_run(run_dir, run, planned, data_summary(bundle))
+        record_run(run_dir, run, planned, data_summary(bundle), base_weights)
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
     if guard.stopped_at is not None:
@@ -266,11 +266,16 @@ def data_summary(bundle: Any) -> dict[str, Any]:
             "rows": stats.packed_rows if stats.packed_rows is not None else stats.examples}
 
 
-def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None) -> None:
-    """``run.json``: the resolved run as it trains, with the batch split planned and trained, and
-    the data's counts (:func:`data_summary`)."""
+def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None,
+               base_weights: str | None = None) -> None:
+    """``run.json``: the resolved run as it trains, with the batch split planned and trained, the
+    data's counts (:func:`data_summary`) and where the base weights loaded from (`base_weights`:
+    a config-only folder's initialised weights are in the cache)."""
     document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict(),
                 "workdir": os.getcwd()}  # what the config's relative paths are relative to (export.run_config)
+    if base_weights:
+        document["base_weights"] = (os.path.abspath(base_weights) if os.path.exists(base_weights)
+                                    else base_weights)  # a hub id stays one
     if data:
         try:  # a resumed run keeps the counts of its first start: data_changes compares with those
             saved = json.loads((run_dir / "run.json").read_text())

@@ -31,7 +31,7 @@ def logits(model, tokenizer, text="Reverse the letters: a b c"):
         return model(**ids).logits.float()
 
 
-def test_merged_lora_matches_the_adapter_model(runs):
+def test_merged_lora_matches_the_adapter_model(runs, tmp_path):
     merged_dir = export.merge(runs["lora"])
     assert merged_dir == runs["lora"] / "merged"
     assert (merged_dir / "model.safetensors").is_file() and (merged_dir / "tokenizer.json").is_file()
@@ -46,7 +46,20 @@ def test_merged_lora_matches_the_adapter_model(runs):
     # the model cards: what trained and how to load it, not peft's "More Information Needed" template
     card, merged_card = (runs["lora"] / "model" / "README.md").read_text(), (merged_dir / "README.md").read_text()
     assert "library_name: peft" in card and "An adapter: LoRA r 32, alpha 64" in card and "More Information" not in card
-    assert "| training loss |" in card and "24 optimizer steps" in card and "AutoPeftModelForCausalLM" in card
+    assert "| training loss |" in card and "24 optimizer steps" in card
+    # its "Use" snippet loads the trained model, run as written from another folder (the base is a
+    # config-only folder, relative to the workspace: AutoPeftModel looked for weights in neither)
+    snippet = card.split("## Use", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert "initialised from its config.json, kept in SFT-Play's cache" in snippet
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        namespace: dict = {}
+        exec(snippet, namespace)
+    finally:
+        os.chdir(here)
+    torch.testing.assert_close(logits(namespace["model"].eval(), namespace["tokenizer"]),
+                               logits(adapter_model, tokenizer), rtol=1e-4, atol=1e-4)
     assert "name_or_path: configs/tiny_model" in card  # the run's config.yaml, whole
     assert "library_name: transformers" in merged_card and "merged into its base" in merged_card
     assert f"FOLDER = '{merged_dir}'" in merged_card
