@@ -13,11 +13,15 @@ import re
 # the tokenizer's BOS where it has one, as a prompt/completion or text record does.
 DEFAULT_CHAT_TEMPLATE = (
     "{%- if bos_token %}{{- bos_token }}{%- endif %}"
+    "{%- if tools %}{{- '### Tools:\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' %}{{- message['content'] + '\\n\\n' }}"
     "{%- elif message['role'] == 'user' %}{{- '### User:\\n' + message['content'] + '\\n\\n' }}"
     "{%- elif message['role'] == 'assistant' %}{{- '### Assistant:\\n' }}"
-    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}{{- '\\n\\n' }}"
+    "{%- generation %}{{- message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}{{- '\\n<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- eos_token }}{%- endgeneration %}{{- '\\n\\n' }}"
     "{%- else %}{{- '### ' + message['role'] + ':\\n' + message['content'] + '\\n\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"

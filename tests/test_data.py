@@ -753,3 +753,49 @@ def test_a_hub_dataset_that_cannot_be_had_offline_is_one_error():
     with pytest.raises(UserError, match=r"cannot load the dataset 'tatsu-lab/alpaca': the hub cannot be reached "
                                         r"\(HF_HUB_OFFLINE=1\) and it is not in the local cache\. To use a local copy"):
         load_records("tatsu-lab/alpaca", data_config(), DataStats())
+
+
+def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, tiny_tokenizer):
+    """An assistant turn of tool calls without content was a bad row; with content, its calls and the
+    record's tools vanished unsaid; ShareGPT's function_call role was unknown."""
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    openai = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "assistant", "content": "It is mild."}], "tools": json.dumps(tools)}
+    other = {"messages": [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "Let me see.",
+                          "tool_calls": [{"name": "clock", "arguments": {"zone": "UTC"}}]},
+                          {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "Noon."}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Weather in Rome?"},
+                                  {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Rome"}}'},
+                                  {"from": "observation", "value": "21C"}, {"from": "gpt", "value": "21C."}],
+                "tools": json.dumps(tools)}
+    (tmp_path / "openai.jsonl").write_text(json.dumps(openai) + "\n" + json.dumps(other) + "\n")
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps(sharegpt) + "\n")
+    records = load_records([str(tmp_path / "openai.jsonl"), str(tmp_path / "sharegpt.jsonl")], data_config(), DataStats())
+    assert records[0]["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}, "id": "c1"}]}
+    assert records[0]["messages"][2] == {"role": "tool", "content": "18C", "tool_call_id": "c1"}
+    assert records[0]["tools"] == tools and records[2]["tools"] == tools and "tools" not in records[1]
+    assert records[2]["messages"][1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Rome"}}
+    bundle = build(data_config(path=[str(tmp_path / "openai.jsonl"), str(tmp_path / "sharegpt.jsonl")],
+                               validation_path=None, chat_template="qwen2_5", packing=False, cache=False), tiny_tokenizer)
+    texts = [tiny_tokenizer.decode(row["input_ids"]) for row in bundle.train]
+    learned = [tiny_tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX])
+               for row in bundle.train]
+    paris = next(i for i, text in enumerate(texts) if "Paris" in text)
+    assert '"name": "weather"' in texts[paris] and "Weather of a city" in texts[paris]  # the tools, in the prompt
+    assert '{"name": "weather", "arguments": {"city": "Paris"}}' in learned[paris] and "18C" not in learned[paris]
+    clock = next(i for i, text in enumerate(texts) if "clock" in text)
+    assert '"arguments": {"zone": "UTC"}' in texts[clock] and "city" not in texts[clock]  # no other call's keys
+    from sft_play.errors import UserError
+
+    with pytest.raises(UserError, match=r"openai.jsonl:1 calls tools, which the chat template does not render"):
+        build(data_config(path=str(tmp_path / "openai.jsonl"), validation_path=None, cache=False), tiny_tokenizer)
+    plain = build(data_config(path=str(tmp_path / "openai.jsonl"), validation_path=None, chat_template="plain",
+                              packing=False, cache=False), tiny_tokenizer)
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>' in tiny_tokenizer.decode(
+        plain.train[0]["input_ids"])

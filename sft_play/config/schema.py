@@ -106,7 +106,7 @@ class QuantizationConfig(_Section):
 
 
 # The fields a record is read from, each from the column of that name unless data.columns maps it
-DATA_FIELDS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "prompt",
+DATA_FIELDS = ("messages", "conversations", "tools", "instruction", "input", "output", "system", "history", "prompt",
                "completion", "text")
 
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
@@ -124,7 +124,7 @@ class DataConfig(_Section):
     format: DataFormat = Field("auto", description="Record format; auto detects it from the first rows.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Map from our field names to the file's columns: " + ", ".join(DATA_FIELDS)
-        + " (history: Alpaca's earlier [instruction, answer] pairs).",
+        + " (history: Alpaca's earlier [instruction, answer] pairs; tools: a chat's tool definitions).",
     )
     split: str = Field("train", description="Split to train on (hub datasets, save_to_disk folders, and folders "
                        "whose files or subfolders are named for splits).")

@@ -10,6 +10,7 @@ from attending to each other.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -23,7 +24,7 @@ from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detec
                                    normalise)
 from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
-                                    resolve_chat_template)
+                                    renders_tools, resolve_chat_template, uses_tools)
 from sft_play.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -196,10 +197,10 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
     thousand records rather than per record); the chat records of a template with generation
     markers go through the tokenizer together."""
     columns = list(batch)
-    records = [{c: batch[c][i] for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
     tokens: list[tuple[list[int], list[int]] | None] = [None] * len(records)
-    if has_generation_markers(template):
-        chats = [i for i, record in enumerate(records) if record.get("messages") is not None]
+    if has_generation_markers(template):  # (a record with tools renders them: one by one below)
+        chats = [i for i, record in enumerate(records) if record.get("messages") is not None and not record.get("tools")]
         if chats:
             try:
                 for i, encoded in zip(chats, encode_chats_with_markers(
@@ -221,6 +222,19 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
                             "file), or change the data") from None
     return {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
             "origin": [record.get(ORIGIN) for record in records]}
+
+
+# Columns of nested structures that go through the Arrow table as JSON text: Arrow would give every
+# tool call's arguments the keys of all others (None where absent), and templates would render them
+_JSON_COLUMNS = ("messages", "tools")
+
+
+def _to_cell(column: str, value: Any) -> Any:
+    return json.dumps(value) if column in _JSON_COLUMNS and value is not None else value
+
+
+def _from_cell(column: str, value: Any) -> Any:
+    return json.loads(value) if column in _JSON_COLUMNS and value is not None else value
 
 
 def _template_refused(exc: Exception) -> bool:
@@ -256,7 +270,13 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
     # Sources of several formats leave different fields per record: every column, None where absent
     columns = sorted(set().union(*(r.keys() for r in records))) if records else []
-    table = datasets.Dataset.from_dict({c: [r.get(c) for r in records] for c in columns})
+    if not renders_tools(template):
+        with_tools = next((r for r in records if uses_tools(r)), None)
+        if with_tools is not None:
+            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
+                            "render (it would drop them in silence): set data.chat_template to one that does (a "
+                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
+    table = datasets.Dataset.from_dict({c: [_to_cell(c, r.get(c)) for r in records] for c in columns})
     encoded = table.map(
         _encode_batch,
         batched=True,

@@ -10,6 +10,7 @@ Bad rows raise :class:`InvalidRow`, naming the file, the row and the field.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ SHAREGPT_ROLES = {
     "model": "assistant",
     "tool": "tool",
     "function_response": "tool",
+    "function_call": "assistant",  # its value is the call, as JSON text (LLaMA-Factory)
     "observation": "tool",
 }
 
@@ -156,16 +158,72 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
             allowed = ", ".join(sorted(role_map)) if role_map else ", ".join(ROLES)
             raise InvalidRow(source, index, f"{where}.{role_key}", f"unknown role {message[role_key]!r} (allowed: {allowed})")
         content = message.get(content_key)
+        calls = message.get("tool_calls")
+        if role_map and str(message[role_key]).lower() == "function_call":  # LLaMA-Factory: the call as JSON text
+            calls, content = _json_value(content, source, index, f"{where}.{content_key}"), ""
+            calls = calls if isinstance(calls, list) else [calls]
+        if calls is not None:
+            if role != "assistant":
+                raise InvalidRow(source, index, f"{where}.tool_calls", f"tool calls in a {role} turn (the assistant's)")
+            calls = _tool_calls(calls, source, index, f"{where}.tool_calls")
+            content = "" if content is None else content
         if content is None:
             raise InvalidRow(source, index, f"{where}.{content_key}", "missing")
         if not isinstance(content, str):
             raise InvalidRow(source, index, f"{where}.{content_key}", f"expected a string, got {type(content).__name__}")
-        if role == "assistant" and not content.strip():
+        if role == "assistant" and not content.strip() and not calls:
             raise InvalidRow(source, index, f"{where}.{content_key}", EMPTY_ANSWER)
-        out.append({"role": role, "content": content})
+        turn_out: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            turn_out["tool_calls"] = calls
+        if role == "tool":  # which call it answers, where the data says (templates render them)
+            turn_out.update({k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)})
+        out.append(turn_out)
     if not any(m["role"] == "assistant" for m in out):
         raise InvalidRow(source, index, field, "no assistant turn to learn from")
     return out
+
+
+def _json_value(value: Any, source: str, index: int, field: str) -> Any:
+    """`value`, or what the JSON text in it says (data that stores structures as strings)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidRow(source, index, field, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+
+
+def _tool_calls(calls: Any, source: str, index: int, field: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as chat templates take them, ``{"type": "function", "function":
+    {"name", "arguments"}}``, from OpenAI's form or the flat ``{"name", "arguments"}``; arguments
+    given as JSON text (as OpenAI's API returns them) become the mapping templates expect."""
+    if not isinstance(calls, list):
+        raise InvalidRow(source, index, field, f"expected a list of tool calls, got {type(calls).__name__}")
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{field}[{i}]"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRow(source, index, where, "expected {\"function\": {\"name\": ..., \"arguments\": ...}} or "
+                                                   "{\"name\": ..., \"arguments\": ...}")
+        arguments = _json_value(function.get("arguments", {}), source, index, f"{where}.arguments")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def tools_of(row: dict[str, Any], column: str, source: str, index: int) -> list[dict[str, Any]] | None:
+    """A record's tool definitions (a list of JSON schemas, or the JSON text of one), for the template."""
+    value = row.get(column)
+    if value is None or value == "" or value == []:
+        return None
+    value = _json_value(value, source, index, column)
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise InvalidRow(source, index, column, "expected a list of tool definitions (JSON schemas)")
+    return value
 
 
 def _history(value: Any, source: str, index: int, field: str) -> list[dict[str, str]]:
@@ -182,6 +240,10 @@ def _history(value: Any, source: str, index: int, field: str) -> list[dict[str, 
     return turns
 
 
+def _with_tools(record: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {**record, "tools": tools} if tools else record
+
+
 def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: str, index: int) -> dict[str, Any]:
     """One raw row in `fmt` as a canonical record (see the module docstring).
 
@@ -191,14 +253,15 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
     cols = column_map(columns)
     if fmt == "messages":
         field = cols["messages"] if cols["messages"] in row or cols["conversations"] not in row else cols["conversations"]
-        return {"messages": _chat(row.get(field), source, index, field, "role", "content", None)}
+        return _with_tools({"messages": _chat(row.get(field), source, index, field, "role", "content", None)},
+                           tools_of(row, cols["tools"], source, index))
     if fmt == "sharegpt":
         field = cols["conversations"] if cols["conversations"] in row else cols["messages"]
         messages = _chat(row.get(field), source, index, field, "from", "value", SHAREGPT_ROLES)
         system = row.get(cols["system"])
         if isinstance(system, str) and system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        return {"messages": messages}
+        return _with_tools({"messages": messages}, tools_of(row, cols["tools"], source, index))
     if fmt == "alpaca":
         instruction = _string(row, cols["instruction"], source, index)
         extra = _string(row, cols["input"], source, index, optional=True)

@@ -47,9 +47,11 @@ def has_generation_markers(template: str) -> bool:
     return "generation" in template and "endgeneration" in template
 
 
-def _encode_chat_with_markers(tokenizer: Any, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+def _encode_chat_with_markers(tokenizer: Any, messages: list[dict], template: str,
+                              tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     out = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        tools=tools,
     )
     ids = list(out["input_ids"])
     mask = list(out["assistant_masks"])
@@ -71,16 +73,17 @@ def encode_chats_with_markers(tokenizer: Any, conversations: list[list[dict]], t
     return encoded
 
 
-def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
-    full = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    full = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(
-            messages[:i], chat_template=template, tokenize=False, add_generation_prompt=True
+            messages[:i], chat_template=template, tokenize=False, add_generation_prompt=True, tools=tools
         ) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], chat_template=template, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[: i + 1], chat_template=template, tokenize=False, tools=tools)
         if not (full.startswith(through) and through.startswith(before)):
             raise UserError(
                 "the chat template does not render a conversation's beginning as a prefix of the whole (it "
@@ -98,12 +101,13 @@ def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str) -
     return ids, labels
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: str) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and their labels (see the module docstring)."""
+def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: str,
+                tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation (with the `tools` it may call) and their labels (see the module docstring)."""
     if has_generation_markers(template):
-        ids, labels = _encode_chat_with_markers(tokenizer, messages, template)
+        ids, labels = _encode_chat_with_markers(tokenizer, messages, template, tools)
     else:
-        ids, labels = _encode_chat_by_spans(tokenizer, messages, template)
+        ids, labels = _encode_chat_by_spans(tokenizer, messages, template, tools)
     return ids, (list(ids) if train_on == "all" else labels)
 
 
@@ -135,10 +139,19 @@ def encode_text(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
+def uses_tools(record: dict[str, Any]) -> bool:
+    return bool(record.get("tools")) or any(m.get("tool_calls") for m in record.get("messages") or [])
+
+
+def renders_tools(template: str) -> bool:
+    """Whether a chat template renders tool calls (and tools): one that does not drops them in silence."""
+    return "tool_calls" in template
+
+
 def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_on: str) -> tuple[list[int], list[int]]:
     """Tokens and labels of one canonical record (see :mod:`sft_play.data.formats`)."""
     if record.get("messages") is not None:
-        return encode_chat(tokenizer, record["messages"], template, train_on)
+        return encode_chat(tokenizer, record["messages"], template, train_on, record.get("tools"))
     if record.get("prompt") is not None:
         return encode_prompt_completion(tokenizer, record["prompt"], record["completion"], train_on)
     return encode_text(tokenizer, record["text"])
