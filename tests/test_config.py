@@ -240,3 +240,11 @@ def test_warmup_steps_and_trackers_reach_the_trainer(tmp_path):
     assert training.sft_arguments(config, run, tmp_path, False).get_warmup_steps(100) == 3  # warmup_ratio 0.03
     with pytest.raises(ConfigError, match=r"train.report_to: wandb needs its package \(pip install wandb"):
         config_module.load(None, ["train.report_to=[wandb]"])
+
+
+def test_a_package_a_process_hides_from_itself_is_still_installed(monkeypatch):
+    """make plan hides bitsandbytes (it runs no kernel), and then refused QLoRA: 'needs bitsandbytes'."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what lean_imports.without_bitsandbytes does
+    assert config_module.load(None, ["finetune.method=qlora"]).finetune.method == "qlora"

@@ -5,7 +5,7 @@ data, templates, DeepSpeed JSON) and the optional packages its settings need. Ch
 from __future__ import annotations
 
 import glob
-import importlib.util
+import importlib.machinery
 import os
 import re
 from pathlib import Path
@@ -64,23 +64,29 @@ def path_problems(config: RunConfig) -> list[str]:
     return problems
 
 
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported from this environment's paths; a process that hid it from
+    itself (``lean_imports.without_bitsandbytes``: planning runs no kernel) still sees it installed."""
+    return importlib.machinery.PathFinder.find_spec(package) is not None
+
+
 def package_problems(config: RunConfig) -> list[str]:
     """Settings that need a package this environment lacks, with how to install it."""
     problems = []
     train, method = config.train, config.finetune.method
-    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+    if method == "qlora" and _installed("bitsandbytes") is None:
         problems.append("finetune.method: qlora needs bitsandbytes; run `make install` (or pip install bitsandbytes)")
-    if train.optimizer in {"adamw_8bit", "paged_adamw_8bit"} and importlib.util.find_spec("bitsandbytes") is None:
+    if train.optimizer in {"adamw_8bit", "paged_adamw_8bit"} and _installed("bitsandbytes") is None:
         problems.append(f"train.optimizer: {train.optimizer} needs bitsandbytes; run `make install`")
-    if config.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    if config.model.attn_implementation == "flash_attention_2" and _installed("flash_attn") is None:
         problems.append(
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "
             "(pip install flash-attn --no-build-isolation); or use 'sdpa'"
         )
     for tracker in train.report_to:
-        if importlib.util.find_spec(tracker) is None:
+        if _installed(tracker) is None:
             problems.append(f"train.report_to: {tracker} needs its package (pip install {tracker.replace('_', '-')} "
                             "into .venv), or leave it out")
-    if train.liger_kernels and importlib.util.find_spec("liger_kernel") is None:
+    if train.liger_kernels and _installed("liger_kernel") is None:
         problems.append("train.liger_kernels: needs the liger-kernel package (pip install liger-kernel); or set it false")
     return problems
