@@ -19,12 +19,18 @@ class LoraSpec:
     modules_to_save: tuple[str, ...] = ()
     dora: bool = False  # weight-decomposed LoRA
     rslora: bool = False  # alpha / sqrt(r) scaling
+    # all-linear on a mixture-of-experts model: its fused expert weights (parameters, not linears)
+    # and the linears no adapter may wrap: routers, Mamba mixers (architecture.adapter_facts)
+    parameters: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, lora: Any, moe: bool = False) -> LoraSpec:
+    def from_config(cls, lora: Any, moe: bool = False, expert_parameters: tuple[str, ...] = (),
+                    excluded: tuple[str, ...] = ()) -> LoraSpec:
         """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`). On a
         mixture-of-experts model without dropout: peft cannot apply it to LoRA on fused expert
-        weights (its ``ParamWrapper`` refuses it), and "all-linear" reaches them."""
+        weights (its ``ParamWrapper`` refuses it), and "all-linear" reaches them: every family's,
+        `expert_parameters` (peft maps only some families' names onto them), but not the `excluded`."""
         targets = lora.target_modules
         if moe and lora.use_dora and targets == "all-linear":
             from sft_play.errors import UserError
@@ -33,9 +39,12 @@ class LoraSpec:
                             "which lora.target_modules=all-linear reaches (peft's ParamWrapper has no DoRA): "
                             "set lora.use_dora=false, or name the linears to adapt, e.g. "
                             "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+        every_linear = targets == "all-linear"
         return cls(r=lora.r, alpha=lora.alpha, dropout=0.0 if moe else lora.dropout,
                    targets=targets if isinstance(targets, str) else tuple(targets), bias=lora.bias,
-                   modules_to_save=tuple(lora.modules_to_save or ()), dora=lora.use_dora, rslora=lora.use_rslora)
+                   modules_to_save=tuple(lora.modules_to_save or ()), dora=lora.use_dora, rslora=lora.use_rslora,
+                   parameters=tuple(expert_parameters) if every_linear else (),
+                   exclude=tuple(excluded) if every_linear else ())
 
 
 def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | None = None,
@@ -61,6 +70,8 @@ def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | N
         init_lora_weights=initialise,
         use_dora=spec.dora,
         use_rslora=spec.rslora,
+        target_parameters=list(spec.parameters) or None,
+        exclude_modules=list(spec.exclude) or None,
     )
 
 

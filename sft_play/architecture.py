@@ -253,9 +253,53 @@ def experts(model_config: Any) -> tuple[int, int]:
     return count, config_int(text, "num_experts_per_tok", "moe_topk", "top_k", default=1)
 
 
-def attention_softcapping(model_config: Any) -> bool:
-    """Whether the model caps its attention logits (Gemma-2), which SDPA cannot run."""
-    return getattr(text_config(model_config), "attn_logit_softcapping", None) is not None
+# Model types whose Mamba mixers peft refuses to adapt, and the modules it refuses there
+# (peft.tuners.tuners_utils._check_lora_target_modules_mamba): a traceback under all-linear
+MAMBA_LORA_REFUSED = ({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}, ("conv1d", "out_proj"))
+
+
+def adapter_facts(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What LoRA's ``all-linear`` needs to know of a (meta) model beyond its linears: the fused
+    expert weights (3-D parameters of an ``experts`` module, as ``experts.gate_up_proj``), which
+    are parameters, not linears, so that all-linear reaches them only where peft maps a family's
+    names onto them (Qwen-MoE, Mixtral); and the linears no adapter may wrap: routers that subclass
+    ``nn.Linear`` but return a tuple (PhiMoE, Llama-4), and the Mamba mixers' projections peft refuses."""
+    import torch
+
+    experts, excluded = set(), set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if "expert" in leaf and "shared" not in leaf:
+            experts |= {f"{leaf}.{p}" for p, param in module.named_parameters(recurse=False) if param.ndim == 3}
+        if isinstance(module, torch.nn.Linear) and type(module) is not torch.nn.Linear and "Router" in type(module).__name__:
+            excluded.add(leaf)
+    types, refused = MAMBA_LORA_REFUSED
+    if getattr(model.config, "model_type", None) in types:
+        excluded |= set(refused)
+    return tuple(sorted(experts)), tuple(sorted(excluded))
+
+
+def lora_facts(model_config: Any, trust_remote_code: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """:func:`adapter_facts` of the model `model_config` describes, built only where there is
+    something to find (a mixture of experts)."""
+    if experts(model_config)[0] > 1:
+        return adapter_facts(build_meta_model(model_config, trust_remote_code))
+    types, refused = MAMBA_LORA_REFUSED
+    return (), (refused if getattr(text_config(model_config), "model_type", None) in types else ())
+
+
+def attention_eager_only(model_config: Any) -> bool:
+    """Whether only eager attention runs the model: it caps its attention logits (Gemma-2), which
+    SDPA cannot do, or transformers gives its class no SDPA path (gpt-oss: its attention sinks)."""
+    if getattr(text_config(model_config), "attn_logit_softcapping", None) is not None:
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except (KeyError, ValueError, ImportError):  # remote code, or a config we cannot map: as before
+        return False
+    return getattr(model_class, "_supports_sdpa", True) is False
 
 
 def hidden_size(model_config: Any) -> int:

@@ -304,9 +304,20 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     model.name_or_path = model.config.name_or_path = config.model.name_or_path
     # Training never decodes; and with a cache, transformers stops separating packed examples.
     model.config.use_cache = False
+    name_the_experts(model.config)
     if run.compile_layers:
         compile_decoder_layers(model)
     return model
+
+
+def name_the_experts(model_config: Any) -> None:
+    """TRL's load-balancing loss reads the experts' count as ``num_experts``, which some families
+    call otherwise (Granite-MoE ``num_local_experts``): training stopped there with an AttributeError.
+    The count goes under that name too (a full fine-tune's saved config.json carries it)."""
+    text = architecture.text_config(model_config)
+    count, _ = architecture.experts(model_config)
+    if count and getattr(text, "num_experts", None) is None:
+        text.num_experts = count
 
 
 def keep_cpu_4bit_inference_general(model: Any) -> None:

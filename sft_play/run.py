@@ -257,11 +257,11 @@ def sliding_mask(attention: str, masked: bool, window: int | None, tokens: int) 
     return attention == "sdpa" and not masked and window is not None and tokens >= window
 
 
-def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, softcapping: bool,
+def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, eager_only: bool,
                      local: bool = True) -> str:
     """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
     installed and usable (CUDA, 16-bit compute), else PyTorch SDPA, or eager attention for models
-    that cap their attention logits (Gemma-2), which SDPA cannot do. For hardware described
+    SDPA cannot run (Gemma-2's capped logits, gpt-oss's sinks: architecture.attention_eager_only). For hardware described
     rather than this machine's (`local` false) what is installed here says nothing: ``auto``
     plans the kernel that needs no extra package (SDPA), the larger of the two in memory."""
     choice = config.model.attn_implementation
@@ -270,7 +270,7 @@ def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, sof
     installed = local and importlib.util.find_spec("flash_attn") is not None
     if on_cuda and precision.compute_dtype != "float32" and installed:
         return "flash_attention_2"
-    return "eager" if softcapping else "sdpa"
+    return "eager" if eager_only else "sdpa"
 
 
 def experts_kernel(on_cuda: bool, precision: Precision) -> str:
@@ -361,9 +361,9 @@ def resolve(
                         "(pinned), which CPU processes do not have: leave it out with CPU=1, or train on GPUs")
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_config(config)
-    softcapping = _softcapping(facts)
+    eager_only = _eager_only(facts)
     hidden = _hidden_size(facts)
-    attention = attention_kernel(config, precision, on_cuda, softcapping, local)
+    attention = attention_kernel(config, precision, on_cuda, eager_only, local)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype
@@ -391,7 +391,7 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=LoraSpec.from_config(config.lora, moe) if method != "full" else None,
+        lora=LoraSpec.from_config(config.lora, moe, *_adapter_facts(facts, config)) if method != "full" else None,
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
@@ -414,10 +414,17 @@ def _model_config(config: RunConfig) -> Any:
                                           config.model.trust_remote_code)
 
 
-def _softcapping(facts: Any) -> bool:
-    if hasattr(facts, "attention_softcapping"):  # a ModelShape
-        return bool(facts.attention_softcapping)
-    return architecture.attention_softcapping(facts)
+def _eager_only(facts: Any) -> bool:
+    if hasattr(facts, "attention_eager_only"):  # a ModelShape
+        return bool(facts.attention_eager_only)
+    return architecture.attention_eager_only(facts)
+
+
+def _adapter_facts(facts: Any, config: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The fused expert weights and the linears all-linear leaves out (architecture.adapter_facts)."""
+    if hasattr(facts, "expert_parameters"):  # a ModelShape
+        return tuple(facts.expert_parameters), tuple(facts.lora_exclude)
+    return architecture.lora_facts(facts, config.model.trust_remote_code)
 
 
 def _experts(facts: Any) -> int:

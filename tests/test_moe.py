@@ -251,3 +251,65 @@ def test_dora_on_fused_experts_is_one_clear_error_and_dora_on_named_linears_plan
         make_plan(load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true"), gpu, with_remedies=False)
     named = load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true", "lora.target_modules=[q_proj,v_proj]")
     assert make_plan(named, gpu, with_remedies=False).fits
+
+
+# Families all-linear left half-adapted or broke (a tiny config of each, as transformers builds it)
+_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+FAMILIES = {
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention"]),  # experts frozen; sdpa chosen, unsupported
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),  # experts frozen; TRL's aux loss crashed
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),  # its router (a Linear returning a tuple) wrapped
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "falcon_h1": dict(mamba_n_heads=2, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=64,
+                      mamba_expand=2, mamba_d_ssm=64),  # peft refused its mixers' out_proj: a traceback
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_all_linear_adapts_every_familys_experts_and_leaves_what_peft_cannot_wrap(family):
+    from peft import get_peft_model
+    from transformers import AutoConfig
+
+    from sft_play.adapters import LoraSpec, peft_config
+    from sft_play.architecture import lora_facts
+    from sft_play.model import name_the_experts
+
+    model_config = AutoConfig.for_model(family, **_BASE, **FAMILIES[family])
+    lora = config_module.load(None, ["finetune.method=lora"]).lora
+    parameters, excluded = lora_facts(model_config)
+    spec = LoraSpec.from_config(lora, moe=bool(parameters), expert_parameters=parameters, excluded=excluded)
+    model = get_peft_model(build_meta_model(model_config), peft_config(spec, initialise=False), low_cpu_mem_usage=True)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    fused = [name for name, p in model.named_parameters() if p.ndim == 3 and ".experts." in name]
+    for layer in {name.split(".experts.")[0] for name in fused}:  # each fused weight of a layer, its own adapter
+        adapters = [t for t in trained if t.startswith(f"{layer}.experts.") and "lora_A" in t]
+        assert len(adapters) == len([f for f in fused if f.startswith(f"{layer}.experts.")]), (family, adapters)
+    assert bool(fused) == (family != "falcon_h1")
+    assert any("attn" in name for name in trained) and not any("router" in name for name in trained)
+    from sft_play.architecture import attention_eager_only
+
+    assert attention_eager_only(model_config) == (family == "gpt_oss")  # its attention sinks: no SDPA path
+    if family == "granitemoe":
+        name_the_experts(model_config)
+        assert model_config.num_experts == 4
+
+
+def test_the_plan_names_the_linears_all_linear_leaves_frozen(tmp_path):
+    """DeepSeek's dense first layer and shared experts trained nothing under all-linear, unsaid (peft
+    maps the names gate/up/down_proj onto the routed experts' fused weights for that family)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", **{**_BASE, "head_dim": 16}, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                         v_head_dim=32).save_pretrained(tmp_path)
+    config = config_module.load(None, [f"model.name_or_path={tmp_path}", "finetune.method=lora"], check_paths=False)
+    cpu = Target(1, 8 * 2**30, "CPU", bf16_supported=False, on_cuda=False)
+    plan = make_plan(config, cpu, None)
+    assert any(w.startswith("LoRA all-linear leaves these linears of the layers without an adapter: mlp.down_proj, "
+                            "mlp.gate_proj, mlp.shared_experts.down_proj") for w in plan.warnings), plan.warnings
+    qwen = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-qwen3-moe'}",
+                                     "finetune.method=lora"], check_paths=False)
+    assert not any("all-linear leaves" in w for w in make_plan(qwen, cpu, None).warnings)

@@ -342,6 +342,12 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
         warnings.append(f"the layers of {config.model.name_or_path} could not be traced ({STAND_INS[config.model.name_or_path]}):"
                         " planned as Llama-shaped layers of its widths, which is not a bound proven for this "
                         "architecture; training goes ahead with the out-of-memory backoff as the safety net")
+    if run.lora is not None and shape.lora_unadapted:
+        left = shape.lora_unadapted
+        warnings.append(f"LoRA all-linear leaves these linears of the layers without an adapter: "
+                        f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''} (peft gives this family's gate/up/"
+                        "down_proj names to the routed experts' fused weights, so the dense and shared-expert "
+                        "projections of those names stay frozen); the rest, the experts included, train")
     if run.lora is not None and run.lora.dropout != config.lora.dropout:
         warnings.append(f"lora.dropout={config.lora.dropout:g} is off for this mixture-of-experts model: peft cannot "
                         "apply dropout to LoRA on fused expert weights")

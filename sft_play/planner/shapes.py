@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
-from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
+from sft_play.architecture import (adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    layer_signature, load_model_config, quantized_linears, sliding_window, text_config,
                                    with_layers)
 from sft_play.errors import UserError
@@ -58,7 +58,8 @@ class ModelShape:
     # What peft trains, tensor by tensor: in the first decoder layer, and outside the layers
     lora_layer_tensors: list[int] = field(default_factory=list)
     lora_outside_tensors: list[int] = field(default_factory=list)
-    attention_softcapping: bool = False  # capped attention logits (Gemma-2): SDPA cannot run it
+    lora_unadapted: list[str] = field(default_factory=list)  # all-linear: linears of a layer peft left frozen
+    attention_eager_only: bool = False  # SDPA cannot run it (architecture.attention_eager_only): Gemma-2, gpt-oss
     # 4-D masks the backbone builds per batch where attention takes one: one per attention kind of
     # its layers (Gemma-2, Qwen2 with sliding layers: a full and a sliding-window causal mask)
     attention_masks: int = 1
@@ -75,6 +76,9 @@ class ModelShape:
     experts_per_token: int = 0
     expert_params: int = 0
     max_positions: int = 0  # the positions the model was trained on (max_position_embeddings); 0: unknown
+    # what LoRA all-linear adapts beyond linears, and the linears it leaves (architecture.adapter_facts)
+    expert_parameters: tuple[str, ...] = ()
+    lora_exclude: tuple[str, ...] = ()
 
     @property
     def active_params(self) -> int:
@@ -132,11 +136,14 @@ def count_by_kind(model: Any) -> dict[str, int]:
     return counts
 
 
-def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]], list[int], list[int]]:
+def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]], list[int], list[int], list[str]]:
     """Adapter parameters peft adds to `model` for `lora_config`; the (in, out) of each adapted
     linear of the first decoder layer (what the activation model needs); the size of each tensor
     peft trains in that layer (its linears' A and B, DoRA's magnitudes, the factors of adapters
-    on fused experts); and of each it trains outside the layers (``modules_to_save`` copies)."""
+    on fused experts); of each it trains outside the layers (``modules_to_save`` copies); and,
+    for all-linear, the linears of the layers it left without an adapter (peft gives some
+    families' gate/up/down_proj names to the routed experts, so their dense and shared-expert
+    projections of those names stay frozen)."""
     import copy
 
     from peft import get_peft_model
@@ -157,8 +164,18 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
             base = getattr(module, "base_layer", None)
             if base is not None and hasattr(base, "in_features"):
                 in_out.append((base.in_features, base.out_features))
+    unadapted = []
+    if isinstance(lora_config.target_modules, str) or lora_config.target_parameters:  # all-linear, as peft read it
+        import torch
+
+        excluded = set(lora_config.exclude_modules or ())
+        for name, module in peft_model.named_modules():
+            match = _ANY_LAYER.search(f".{name}.")
+            if (match and type(module) is torch.nn.Linear and not hasattr(module, "lora_A")
+                    and ".base_layer" not in name and ".lora_" not in name and name.rsplit(".", 1)[-1] not in excluded):
+                unadapted.append(f".{name}."[match.end():].strip("."))
     peft_model.unload()
-    return total, in_out, first_layer, outside
+    return total, in_out, first_layer, outside, sorted(set(unadapted))
 
 
 def lora_counts_for_config(model_config: Any, lora_config: Any,
@@ -179,10 +196,10 @@ def lora_counts_for_config(model_config: Any, lora_config: Any,
     layers = decoder_layers(full, num_layers) if num_layers > 2 else None
     if layers is None or len({layer_signature(layer) for layer in layers}) != 1:
         return lora_counts(full, lora_config)
-    one, in_out, first_layer, outside = lora_counts(build_meta_model(with_layers(model_config, 1), trust_remote_code),
-                                                    lora_config)
+    one, in_out, first_layer, outside, unadapted = lora_counts(
+        build_meta_model(with_layers(model_config, 1), trust_remote_code), lora_config)
     two, *_ = lora_counts(build_meta_model(with_layers(model_config, 2), trust_remote_code), lora_config)
-    return one + (num_layers - 1) * (two - one), in_out, first_layer, outside
+    return one + (num_layers - 1) * (two - one), in_out, first_layer, outside, unadapted
 
 
 def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape:
@@ -231,7 +248,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         head_dim=config_int(text, "head_dim", default=hidden // max(1, heads)),
         vocab_size=config_int(text, "vocab_size"),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-        attention_softcapping=getattr(text, "attn_logit_softcapping", None) is not None,
+        attention_eager_only=attention_eager_only(model_config),
         attention_masks=max(1, len(set(getattr(text, "layer_types", None) or ()) & ATTENTION_KINDS)),
         sliding_window=sliding_window(model_config),
         layer_tensors=layer_tensors,
@@ -241,13 +258,14 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         experts_per_token=per_token,
         expert_params=expert_params,
         max_positions=config_int(text, "max_position_embeddings", "n_positions", "max_sequence_length"),
+        **dict(zip(("expert_parameters", "lora_exclude"), adapter_facts(model))),
     )
 
 
 def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: int = 0) -> ModelShape:
     """`base` (from :func:`base_shape`) for `method`; `lora` is :func:`lora_counts`' answer for
     adapters of rank `rank`."""
-    lora_params, in_out, first_layer, outside = lora if lora is not None else (0, [], [], [])
+    lora_params, in_out, first_layer, outside, unadapted = lora if lora is not None else (0, [], [], [], [])
     return dataclasses.replace(
         base,
         trainable_params=base.total_params if method == "full" else lora_params,
@@ -258,6 +276,7 @@ def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: 
         lora_rank=0 if method == "full" else rank,
         lora_layer_tensors=[] if method == "full" else list(first_layer),
         lora_outside_tensors=[] if method == "full" else list(outside),
+        lora_unadapted=[] if method == "full" else list(unadapted),
     )
 
 
@@ -284,8 +303,9 @@ def model_shape(config: Any) -> ModelShape:
     model = config.model
     spec = None
     if config.finetune.method != "full":
-        moe = _base_shape(model.name_or_path, model.revision, model.trust_remote_code).num_experts > 1
-        spec = LoraSpec.from_config(config.lora, moe=moe)
+        base = _base_shape(model.name_or_path, model.revision, model.trust_remote_code)
+        spec = LoraSpec.from_config(config.lora, moe=base.num_experts > 1, expert_parameters=tuple(base.expert_parameters),
+                                    excluded=tuple(base.lora_exclude))
     return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec)
 
 
