@@ -261,6 +261,11 @@ FAMILIES = {
                     layer_types=["sliding_attention", "full_attention"]),  # experts frozen; sdpa chosen, unsupported
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),  # experts frozen; TRL's aux loss crashed
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),  # its router (a Linear returning a tuple) wrapped
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                        interleave_moe_layer_step=1),  # its router (a Linear returning a tuple) wrapped
+    "jamba": dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0,
+                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  use_mamba_kernels=False),  # experts frozen
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
     "falcon_h1": dict(mamba_n_heads=2, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=64,
                       mamba_expand=2, mamba_d_ssm=64),  # peft refused its mixers' out_proj: a traceback
