@@ -14,7 +14,8 @@ from sft_play import cli, lean_imports
 
 def main() -> int:
     parser = cli.run_parser(__doc__.splitlines()[0])
-    parser.add_argument("--system", help="a system message to start every conversation with")
+    parser.add_argument("--system", help="a system message to start every conversation with (default: the run's "
+                        "data.system_prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
@@ -27,7 +28,7 @@ def main() -> int:
     if plain and args.system:
         raise cli.UserError(f"{run} trained on plain prompt/completion text, without a chat template: it has no system "
                             "message to take; leave out --system")
-    start = [{"role": "system", "content": args.system}] if args.system else []
+    start = [{"role": "system", "content": args.system}] if args.system else export.system_turn(run)
     history = list(start)
     commands = "/reset starts over, /exit leaves, /help lists these"
     print(f"Chatting with {run}. {commands}.", flush=True)

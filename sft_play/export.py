@@ -175,7 +175,17 @@ def user_prompt(path: str | Path, text: str) -> Prompt:
     prompt/completion data, else a user message through the chat template."""
     if trained_on_plain_text(path):
         return Prompt(None, text, "")
-    return Prompt([{"role": "user", "content": text}], None, "")
+    return Prompt([*system_turn(path), {"role": "user", "content": text}], None, "")
+
+
+def system_turn(path: str | Path) -> list[dict[str, str]]:
+    """The system message the run at `path` trained its chats with (``data.system_prompt``), if any."""
+    try:
+        config = _locate(Path(path))[1]
+    except FileNotFoundError:
+        return []
+    prompt = config.data.system_prompt if config is not None else None
+    return [{"role": "system", "content": prompt}] if prompt else []
 
 
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:

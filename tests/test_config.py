@@ -248,3 +248,17 @@ def test_a_package_a_process_hides_from_itself_is_still_installed(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what lean_imports.without_bitsandbytes does
     assert config_module.load(None, ["finetune.method=qlora"]).finetune.method == "qlora"
+
+
+def test_an_adapter_or_run_folder_as_the_model_says_what_it_is_and_how_to_start_from_it(tmp_path):
+    """'has no config.json' was all a user starting from their last adapter learned."""
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    (run / "model" / "adapter_config.json").write_text('{"base_model_name_or_path": "org/base"}')
+    with pytest.raises(ConfigError, match=re.escape(f"'{run / 'model'}' has no config.json: it is a LoRA adapter of "
+                                                    f"'org/base'. To fine-tune on from it, merge it into its base "
+                                                    f"(make merge RUN={run}) and set model.name_or_path={run / 'merged'}")):
+        config_module.load(None, [f"model.name_or_path={run / 'model'}"])
+    with pytest.raises(ConfigError, match=re.escape(f"it is a run folder; its model is in {run / 'model'} (an adapter")):
+        config_module.load(None, [f"model.name_or_path={run}"])

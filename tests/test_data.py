@@ -799,3 +799,19 @@ def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, tiny_
                               packing=False, cache=False), tiny_tokenizer)
     assert '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>' in tiny_tokenizer.decode(
         plain.train[0]["input_ids"])
+
+
+def test_a_system_prompt_goes_to_every_chat_without_one_and_to_what_generate_asks(tmp_path):
+    from sft_play.export import user_prompt
+
+    path = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    path.write_text(json.dumps({"messages": turns}) + "\n"
+                    + json.dumps({"messages": [{"role": "system", "content": "own"}, *turns]}) + "\n")
+    records = load_records(str(path), data_config(system_prompt="Be brief."), DataStats())
+    assert [r["messages"][0] for r in records] == [{"role": "system", "content": "Be brief."},
+                                                   {"role": "system", "content": "own"}]
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("data:\n  system_prompt: Be brief.\n")
+    assert user_prompt(run, "hi").messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

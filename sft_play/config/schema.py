@@ -143,6 +143,10 @@ class DataConfig(_Section):
         "without one gets; or a model's as TRL ships it: llama3, qwen2_5, qwen3, gemma3, phi3...; an unknown "
         "name is answered with the list), a .jinja file or inline Jinja. The run's tokenizer is saved with it.",
     )
+    system_prompt: str | None = Field(
+        None, description="A system message for every chat record that has none (LLaMA-Factory's default_system); "
+        "make generate and make chat start with it too.",
+    )
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
     num_proc: int | None = Field(None, gt=0, description="Processes for tokenisation.")
     cache: bool = Field(True, description="Reuse preprocessed data keyed by the data, tokenizer and settings ($SFT_PLAY_CACHE).")

@@ -149,6 +149,8 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
                 problems.append(exc)
                 continue
             record[ORIGIN] = f"{source}:{number}"
+            if cfg.system_prompt and record.get("messages") and record["messages"][0]["role"] != "system":
+                record["messages"] = [{"role": "system", "content": cfg.system_prompt}, *record["messages"]]
             records.append(record)
         for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
             reject(error)
