@@ -313,6 +313,34 @@ class LogLastStep(TrainerCallback):
             control.should_log = True
 
 
+class EarlyStopping(TrainerCallback):
+    """Stops training when the validation loss has not improved for `patience` evaluations in a
+    row (each rank sees the same gathered loss, so all stop at the same step); ``stopped_at`` and
+    the best loss and its step say what happened. transformers' own callback needs
+    ``load_best_model_at_end``, which would keep checkpoints our marker rotates."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+        self.best: float | None = None
+        self.best_step = 0
+        self.waited = 0
+        self.stopped_at: int | None = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loss = (metrics or {}).get("eval_loss")
+        if loss is None or not math.isfinite(loss):
+            return
+        if self.best is None or loss < self.best:
+            self.best, self.best_step, self.waited = loss, state.global_step, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            self.stopped_at = state.global_step
+            control.should_training_stop = True
+            logger.info("early stop at step %d: the validation loss has not improved for %d evaluations (best %.4f "
+                        "at step %d)", state.global_step, self.waited, self.best, self.best_step)
+
+
 class TokenThroughput(TrainerCallback):
     """Logs the tokens trained on so far as ``num_tokens`` (every rank's non-padding tokens, the
     trainer's ``num_input_tokens_seen``) and ``tokens_per_second`` since the previous log line.

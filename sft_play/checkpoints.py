@@ -309,7 +309,7 @@ _MAY_CHANGE_TRAIN = frozenset({
     "output_dir", "run_name", "resume_from", "max_steps", "num_epochs", "logging_steps", "save_steps",
     "save_total_limit", "eval_steps", "tensorboard", "max_bad_steps", "record_samples", "micro_batch_size",
     "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "deterministic", "torch_compile",
-    "liger_kernels", "expandable_segments", "max_grad_norm",
+    "liger_kernels", "expandable_segments", "max_grad_norm", "early_stopping_patience", "report_to",
 })
 
 

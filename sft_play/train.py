@@ -105,9 +105,12 @@ def train(config: RunConfig, config_path: str) -> int:
     )
     faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
+    patience = config.train.early_stopping_patience
+    early = [callbacks.EarlyStopping(patience)] if patience and bundle.validation is not None else []
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
-        [*faults, callbacks.LogLastStep(), callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard],
+        [*faults, callbacks.LogLastStep(), callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard,
+         *early],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if run.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
@@ -336,13 +339,19 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
     if run.strategy not in ("deepspeed_zero3", "fsdp2"):  # their ranks hold different shards
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
+    early = next((c for c in trainer.callback_handler.callbacks
+                  if isinstance(c, callbacks.EarlyStopping) and c.stopped_at is not None), None)
     summary = training.write_summary(
         trainer, run_dir, {"batch": batch_text(run, data_summary(bundle)["rows"]), "data": bundle.stats.to_dict(),
-                           "world_size": state.num_processes, "weights_fingerprints": fingerprints}
+                           "world_size": state.num_processes, "weights_fingerprints": fingerprints,
+                           **({"early_stopped": {"step": early.stopped_at, "best_eval_loss": early.best,
+                                                 "best_step": early.best_step}} if early else {})}
     )
     model_card.write(run_dir, run_dir / "model")
     print(
         f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "
         f"{summary['last_loss']:.3f} in {summary['global_step']} steps\n"
-        f"  next: make generate RUN={run_dir}   |   make tensorboard RUN={run_dir}"
+        + (f"  stopped early at step {early.stopped_at}: validation loss best {early.best:.4f} at step "
+           f"{early.best_step}, none better in the {early.waited} evaluations since\n" if early else "")
+        + f"  next: make generate RUN={run_dir}   |   make tensorboard RUN={run_dir}"
     )

@@ -262,3 +262,19 @@ def test_an_adapter_or_run_folder_as_the_model_says_what_it_is_and_how_to_start_
         config_module.load(None, [f"model.name_or_path={run / 'model'}"])
     with pytest.raises(ConfigError, match=re.escape(f"it is a run folder; its model is in {run / 'model'} (an adapter")):
         config_module.load(None, [f"model.name_or_path={run}"])
+
+
+def test_early_stopping_stops_after_patience_evaluations_without_a_better_loss():
+    from types import SimpleNamespace
+
+    from sft_play.callbacks import EarlyStopping
+
+    stopper, control = EarlyStopping(2), SimpleNamespace(should_training_stop=False)
+    for step, loss in ((2, 5.0), (4, 4.0), (6, 4.5), (8, 3.9), (10, 4.0), (12, 4.1)):
+        stopper.on_evaluate(None, SimpleNamespace(global_step=step), control, metrics={"eval_loss": loss})
+        assert control.should_training_stop == (step == 12), step  # 6 then 8 improved: the count starts over
+    assert (stopper.stopped_at, stopper.best, stopper.best_step) == (12, 3.9, 8)
+    with pytest.raises(ConfigError, match=r"train.early_stopping_patience=3 counts evaluations: set train.eval_steps"):
+        config_module.load(None, ["train.early_stopping_patience=3", "data.validation_path=null"])
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml"  # it has validation data
+    assert config_module.load(tiny, ["train.early_stopping_patience=3", "train.eval_steps=10"]).train.eval_steps == 10

@@ -206,6 +206,10 @@ class TrainConfig(_Section):
                             "writes (the finished model goes to model/ either way).")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept; the newest is never deleted.")
     eval_steps: int = Field(0, ge=0, description="Optimizer steps between evaluations; 0: none during training.")
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop when the validation loss has not improved for this many evaluations in a row "
+        "(needs validation data and train.eval_steps); the final model is the last step's. null: off.",
+    )
     tensorboard: bool = Field(True, description="Write TensorBoard event files into the run folder.")
     report_to: list[Literal["wandb", "mlflow", "trackio", "comet_ml", "swanlab", "clearml"]] = Field(
         default_factory=list, description="Experiment trackers to log to as well, through transformers' integrations "
@@ -310,6 +314,10 @@ def consistency_problems(config: RunConfig) -> list[str]:
             near = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
             problems.append(f"data.columns.{ours}: no such field" + (f"; did you mean data.columns.{near[0]}?" if near
                             else "") + f" The fields: {', '.join(DATA_FIELDS)}")
+    if train.early_stopping_patience and not (train.eval_steps and (config.data.validation_path
+                                                                   or config.data.validation_fraction > 0)):
+        problems.append(f"train.early_stopping_patience={train.early_stopping_patience} counts evaluations: set "
+                        "train.eval_steps and validation data (data.validation_path or data.validation_fraction)")
     for key in ("micro_batch_size", "gradient_accumulation_steps"):
         value = getattr(train, key)
         if isinstance(value, int) and value < 1:
