@@ -25,12 +25,15 @@ class LoraSpec:
     exclude: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, lora: Any, moe: bool = False, expert_parameters: tuple[str, ...] = (),
+    def from_config(cls, lora: Any, expert_parameters: tuple[str, ...] = (),
                     excluded: tuple[str, ...] = ()) -> LoraSpec:
-        """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`). On a
-        mixture-of-experts model without dropout: peft cannot apply it to LoRA on fused expert
-        weights (its ``ParamWrapper`` refuses it), and "all-linear" reaches them: every family's,
-        `expert_parameters` (peft maps only some families' names onto them), but not the `excluded`."""
+        """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`) and what
+        the model holds (:func:`sft_play.architecture.adapter_facts`, the one account of it, which
+        the run and the planner both pass): "all-linear" reaches the fused expert weights
+        `expert_parameters` too (peft maps only some families' names onto them) and leaves the
+        `excluded` linears out. With fused experts, no dropout: peft cannot apply it to LoRA on
+        them (its ``ParamWrapper`` refuses it)."""
+        moe = bool(expert_parameters)
         targets = lora.target_modules
         if moe and lora.use_dora and targets == "all-linear":
             from sft_play.errors import UserError
@@ -75,6 +78,16 @@ def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | N
     )
 
 
+def peft_mapped_names(model_type: str | None) -> set[str]:
+    """The target names peft maps onto a family's fused expert weights (Qwen-MoE's gate_proj, up_proj,
+    down_proj; Mixtral's w1, w2, w3: the linears they were before transformers 5 fused them)."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:  # another peft: no names are mapped, as before it mapped them
+        return set()
+    return set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type, ""), {}))
+
+
 def unmatched_modules(model: Any, lora_config: Any) -> list[str]:
     """What in `lora_config` names no module of `model` (a meta model will do), one message each:
     peft stops with a traceback when no target matches, and adapts the rest in silence when one of
@@ -82,9 +95,11 @@ def unmatched_modules(model: Any, lora_config: Any) -> list[str]:
     import torch
 
     names = [name for name, _ in model.named_modules() if name]
+    mapped = peft_mapped_names(getattr(model.config, "model_type", None))
 
     def absent(keys: Any) -> list[str]:
-        return [key for key in keys if not any(name == key or name.endswith("." + key) for name in names)]
+        return [key for key in keys if key not in mapped
+                and not any(name == key or name.endswith("." + key) for name in names)]
 
     leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                      if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))})

@@ -273,10 +273,14 @@ def adapter_facts(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             experts |= {f"{leaf}.{p}" for p, param in module.named_parameters(recurse=False) if param.ndim == 3}
         if isinstance(module, torch.nn.Linear) and type(module) is not torch.nn.Linear and "Router" in type(module).__name__:
             excluded.add(leaf)
-    types, refused = MAMBA_LORA_REFUSED
-    if getattr(model.config, "model_type", None) in types:
-        excluded |= set(refused)
+    excluded |= set(_peft_refused(model.config))
     return tuple(sorted(experts)), tuple(sorted(excluded))
+
+
+def _peft_refused(model_config: Any) -> tuple[str, ...]:
+    """The modules peft refuses to adapt in this model (by its config's model_type, as peft reads it)."""
+    types, refused = MAMBA_LORA_REFUSED
+    return refused if getattr(model_config, "model_type", None) in types else ()
 
 
 def lora_facts(model_config: Any, trust_remote_code: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -284,8 +288,7 @@ def lora_facts(model_config: Any, trust_remote_code: bool = False) -> tuple[tupl
     something to find (a mixture of experts)."""
     if experts(model_config)[0] > 1:
         return adapter_facts(build_meta_model(model_config, trust_remote_code))
-    types, refused = MAMBA_LORA_REFUSED
-    return (), (refused if getattr(text_config(model_config), "model_type", None) in types else ())
+    return (), _peft_refused(model_config)
 
 
 def attention_eager_only(model_config: Any) -> bool:

@@ -10,7 +10,8 @@ import os
 import re
 
 # For tokenizers that ship no chat template; plain text markers need no new tokens. It starts with
-# the tokenizer's BOS where it has one, as a prompt/completion or text record does.
+# the tokenizer's BOS where it names one (a prompt/completion record gets one where the tokenizer adds
+# it to text: GPT-2's names <|endoftext|> as BOS but adds none).
 DEFAULT_CHAT_TEMPLATE = (
     "{%- if bos_token %}{{- bos_token }}{%- endif %}"
     "{%- if tools %}{{- '### Tools:\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"

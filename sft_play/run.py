@@ -21,8 +21,9 @@ describe a different run from the one that trains:
 Where the processes train (:func:`placement`: CUDA, or CPU processes) is decided before the
 process group forms, from the environment alone, and the run carries it (``on_cuda``).
 
-:func:`resolve` builds it; nothing here loads weights (the model's ``config.json`` is read for
-what decides the attention kernel).
+:func:`resolve` builds it; nothing here loads weights: the model's shape (the planner's, cached) or
+its ``config.json`` decides the attention kernel and what LoRA all-linear reaches, for which a
+mixture-of-experts model without a shape is built on the meta device.
 """
 
 from __future__ import annotations
@@ -260,8 +261,9 @@ def sliding_mask(attention: str, masked: bool, window: int | None, tokens: int) 
 def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, eager_only: bool,
                      local: bool = True) -> str:
     """The attention kernel: the configured one, or for ``auto`` FlashAttention-2 where it is
-    installed and usable (CUDA, 16-bit compute), else PyTorch SDPA, or eager attention for models
-    SDPA cannot run (Gemma-2's capped logits, gpt-oss's sinks: architecture.attention_eager_only). For hardware described
+    installed and usable (CUDA, 16-bit compute; transformers swaps in its own kernel for models with
+    attention sinks, gpt-oss), else PyTorch SDPA, or eager attention for models SDPA cannot run
+    (Gemma-2's capped logits, gpt-oss's sinks: architecture.attention_eager_only). For hardware described
     rather than this machine's (`local` false) what is installed here says nothing: ``auto``
     plans the kernel that needs no extra package (SDPA), the larger of the two in memory."""
     choice = config.model.attn_implementation
@@ -391,7 +393,7 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=LoraSpec.from_config(config.lora, moe, *_adapter_facts(facts, config)) if method != "full" else None,
+        lora=LoraSpec.from_config(config.lora, *_adapter_facts(facts, config)) if method != "full" else None,
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,

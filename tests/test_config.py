@@ -200,6 +200,7 @@ def test_settings_the_run_does_not_use_are_said_once(caplog):
     ("train.warmup_steps=10", None),  # ours now
     ("train.bf16=true", "did you mean 'train.mixed_precision'"),
     ("data.cutoff_len=512", "did you mean 'data.max_seq_length'"),
+    ("cutoff_len=512", "unknown key 'cutoff_len'; did you mean 'data.max_seq_length'"),  # where their configs put it
     ("train.train_on_inputs=false", "did you mean 'data.train_on'"),
     ("train.push_to_hub=true", "a run does not upload; when it ends, `hf upload <repo id> RUN/model`"),
     ("train.report_to=[wandb]", None),  # ours now (the package check aside)
@@ -238,8 +239,15 @@ def test_warmup_steps_and_trackers_reach_the_trainer(tmp_path):
     assert arguments.get_warmup_steps(20) == 7 and arguments.report_to == ["tensorboard"]
     config = config_module.load(None, ["train.tensorboard=false", f"train.output_dir={tmp_path}"])
     assert training.sft_arguments(config, run, tmp_path, False).get_warmup_steps(100) == 3  # warmup_ratio 0.03
-    with pytest.raises(ConfigError, match=r"train.report_to: wandb needs its package \(pip install wandb"):
-        config_module.load(None, ["train.report_to=[wandb]"])
+    from sft_play.config import environment
+
+    real = environment._installed
+    try:  # wandb as absent, whether this machine has it or not
+        environment._installed = lambda package: package != "wandb" and real(package)
+        with pytest.raises(ConfigError, match=r"train.report_to: wandb needs its package \(pip install wandb"):
+            config_module.load(None, ["train.report_to=[wandb]"])
+    finally:
+        environment._installed = real
 
 
 def test_a_package_a_process_hides_from_itself_is_still_installed(monkeypatch):
@@ -274,7 +282,9 @@ def test_early_stopping_stops_after_patience_evaluations_without_a_better_loss()
         stopper.on_evaluate(None, SimpleNamespace(global_step=step), control, metrics={"eval_loss": loss})
         assert control.should_training_stop == (step == 12), step  # 6 then 8 improved: the count starts over
     assert (stopper.stopped_at, stopper.best, stopper.best_step) == (12, 3.9, 8)
-    with pytest.raises(ConfigError, match=r"train.early_stopping_patience=3 counts evaluations: set train.eval_steps"):
-        config_module.load(None, ["train.early_stopping_patience=3", "data.validation_path=null"])
+    for without in (["train.eval_steps=0"], ["train.eval_steps=10", "data.validation_path=null",
+                                              "data.validation_fraction=0"]):  # no evaluations, or nothing to evaluate
+        with pytest.raises(ConfigError, match=r"train.early_stopping_patience=3 counts evaluations: set train.eval_steps"):
+            config_module.load(None, ["train.early_stopping_patience=3", *without])
     tiny = Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml"  # it has validation data
     assert config_module.load(tiny, ["train.early_stopping_patience=3", "train.eval_steps=10"]).train.eval_steps == 10

@@ -742,7 +742,9 @@ def test_a_dataset_saved_by_datasets_is_read_whole_or_by_split(tmp_path):
     registry = tmp_path / "llamafactory"  # LLaMA-Factory's data folder: dataset_info.json registers its datasets
     registry.mkdir()
     (registry / "dataset_info.json").write_text('{"alpaca_en": {"file_name": "alpaca_en.json"}}')
-    with pytest.raises(ValueError, match="a LLaMA-Factory data folder registers its datasets there; set data.path to "
+    from sft_play.errors import UserError
+
+    with pytest.raises(UserError, match="a LLaMA-Factory data folder registers its datasets there; set data.path to "
                                          "the dataset's own file"):
         load_records(str(registry), data_config(), DataStats())
 
@@ -766,7 +768,8 @@ def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, tiny_
             {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18C"},
         {"role": "assistant", "content": "It is mild."}], "tools": json.dumps(tools)}
-    other = {"messages": [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "Let me see.",
+    other = {"messages": [{"role": "user", "content": "Time?", "tool_calls": []},  # none (an export's empty list)
+                          {"role": "assistant", "content": "Let me see.",
                           "tool_calls": [{"name": "clock", "arguments": {"zone": "UTC"}}]},
                           {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "Noon."}]}
     sharegpt = {"conversations": [{"from": "human", "value": "Weather in Rome?"},

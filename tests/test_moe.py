@@ -273,18 +273,21 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_all_linear_adapts_every_familys_experts_and_leaves_what_peft_cannot_wrap(family):
+def test_all_linear_adapts_every_familys_experts_and_leaves_what_peft_cannot_wrap(family, tmp_path):
     from peft import get_peft_model
     from transformers import AutoConfig
 
-    from sft_play.adapters import LoraSpec, peft_config
-    from sft_play.architecture import lora_facts
+    from sft_play.adapters import peft_config
     from sft_play.model import name_the_experts
+    from sft_play.planner import model_shape
+    from sft_play.run import resolve
 
     model_config = AutoConfig.for_model(family, **_BASE, **FAMILIES[family])
-    lora = config_module.load(None, ["finetune.method=lora"]).lora
-    parameters, excluded = lora_facts(model_config)
-    spec = LoraSpec.from_config(lora, moe=bool(parameters), expert_parameters=parameters, excluded=excluded)
+    model_config.save_pretrained(tmp_path)
+    config = config_module.load(None, [f"model.name_or_path={tmp_path}", "finetune.method=lora"], check_paths=False)
+    # the adapter as a run resolves it, from the model's config and from the planner's shape alike
+    spec = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).lora
+    assert resolve(config, on_cuda=False, bf16_supported=False, world_size=1, model_facts=model_shape(config)).lora == spec
     model = get_peft_model(build_meta_model(model_config), peft_config(spec, initialise=False), low_cpu_mem_usage=True)
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     fused = [name for name, p in model.named_parameters() if p.ndim == 3 and ".experts." in name]

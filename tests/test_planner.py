@@ -78,6 +78,15 @@ def test_adapter_module_names_that_match_nothing_are_refused_with_the_models_nam
         model_shape(plan_config("llama-3.1-8b", "finetune.method=lora", override))
 
 
+def test_target_names_peft_maps_onto_fused_experts_are_not_refused():
+    """The usual list on a Qwen-MoE model: gate/up/down_proj name no module of transformers 5's
+    model, but peft maps them onto the fused expert weights (review finding: they were refused)."""
+    experts = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+    shape = model_shape(plan_config("tiny-qwen3-moe", "finetune.method=lora", experts))
+    assert shape.lora_params > model_shape(plan_config("tiny-qwen3-moe", "finetune.method=lora",
+                                                        "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")).lora_params
+
+
 def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_weights():
     lora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "train.micro_batch_size=1",
                        "train.global_batch_size=8", "data.max_seq_length=1024")

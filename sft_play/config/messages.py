@@ -47,10 +47,10 @@ PEER_ADVICE = {
 
 def unknown_key_message(dotted: str) -> str:
     parts = dotted.split(".")
-    leaf = parts[-1]
-    if len(parts) > 1 and leaf in PEER_ADVICE:
+    leaf = parts[-1]  # (LLaMA-Factory and Axolotl write their keys at the top level: cutoff_len, bf16)
+    if leaf in PEER_ADVICE:
         return f"unknown key '{dotted}'; {PEER_ADVICE[leaf]}"
-    if len(parts) > 1 and leaf in PEER_KEYS and PEER_KEYS[leaf] != dotted:
+    if leaf in PEER_KEYS and PEER_KEYS[leaf] != dotted:
         return f"unknown key '{dotted}'; did you mean '{PEER_KEYS[leaf]}'?"
     if len(parts) == 1:
         hint = _nearest(parts[0], list(SECTIONS))

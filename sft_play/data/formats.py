@@ -162,7 +162,7 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
         if role_map and str(message[role_key]).lower() == "function_call":  # LLaMA-Factory: the call as JSON text
             calls, content = _json_value(content, source, index, f"{where}.{content_key}"), ""
             calls = calls if isinstance(calls, list) else [calls]
-        if calls is not None:
+        if calls:  # (an empty list on every turn, as some exports write it, is none)
             if role != "assistant":
                 raise InvalidRow(source, index, f"{where}.tool_calls", f"tool calls in a {role} turn (the assistant's)")
             calls = _tool_calls(calls, source, index, f"{where}.tool_calls")

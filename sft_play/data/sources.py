@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play.data.formats import InvalidRow
+from sft_play.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,14 @@ def is_local(entry: str) -> bool:
 SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test", "validation": "validation",
                "valid": "validation", "val": "validation", "dev": "validation", "eval": "validation"}
 _SAID: set[tuple[Path, str]] = set()
-HELD_OUT = "<held-out>"  # the split validation data takes from a folder of splits: validation, else test
+HELD_OUT = "<held-out>"  # the split data.validation_path takes from a source of splits (held_out_split)
+_HELD_OUT_NAMES = ("validation", "valid", "val", "dev", "eval", "test")
+
+
+def held_out_split(names: Any) -> str | None:
+    """The split validation data takes from a source whose splits are `names` (a folder's, a saved
+    DatasetDict's, a hub dataset's): the first of validation, valid, val, dev, eval, test it has."""
+    return next((name for name in _HELD_OUT_NAMES if name in names), None)
 
 
 def split_of(file: Path, root: Path) -> str | None:
@@ -51,6 +59,17 @@ def split_of(file: Path, root: Path) -> str | None:
     return None
 
 
+def _held_out_or_train(names: list[str], source: str) -> str:
+    """:func:`held_out_split` of a dataset named as validation data, else its train split (a
+    dataset kept for validation alone may have only that), said: with data.path the same dataset,
+    validation would score rows that train."""
+    held_out = held_out_split(names)
+    if held_out is None:
+        logger.warning("data.validation_path: %s has no held-out split (its splits: %s): its train split is the "
+                       "validation data", source, ", ".join(names))
+    return held_out or "train"
+
+
 def _select_split(files: list[Path], root: Path, split: str) -> list[Path]:
     """A folder's files of `split` where the folder holds splits by name (``train/``, ``test.jsonl``,
     ``validation-00000.parquet``): files named for no split go with train. A folder without
@@ -59,8 +78,7 @@ def _select_split(files: list[Path], root: Path, split: str) -> list[Path]:
     present = set(splits.values())
     if present == {"train"}:
         return files
-    wanted = ("validation" if "validation" in present else "test") if split == HELD_OUT else \
-        SPLIT_NAMES.get(split.lower(), split.lower())
+    wanted = held_out_split(present) if split == HELD_OUT else SPLIT_NAMES.get(split.lower(), split.lower())
     chosen = [f for f in files if splits[f] == wanted]
     if not chosen:
         raise FileNotFoundError(f"'{root}' holds the splits {', '.join(sorted(present))} (by its files' names), not "
@@ -84,7 +102,7 @@ def expand(entry: str, split: str = "train") -> list[Path]:
         if saved_dataset(path):
             return [path]
         if (path / "dataset_info.json").is_file():
-            raise ValueError(f"'{entry}' holds a dataset_info.json but is no dataset saved by datasets' save_to_disk "
+            raise UserError(f"'{entry}' holds a dataset_info.json but is no dataset saved by datasets' save_to_disk "
                              "(no state.json or dataset_dict.json): a LLaMA-Factory data folder registers its "
                              "datasets there; set data.path to the dataset's own file")
         files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.suffix not in NAMED_ONLY and p.is_file())
@@ -97,7 +115,7 @@ def expand(entry: str, split: str = "train") -> list[Path]:
                                 "saved by datasets' save_to_disk)")
     for f in files:
         if f.suffix not in EXTENSIONS:
-            raise ValueError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)}, or a folder "
+            raise UserError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)}, or a folder "
                              "written by datasets' save_to_disk")
     return files
 
@@ -114,8 +132,7 @@ def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
         names = list(dataset)
-        wanted = (next((n for n in ("validation", "valid", "dev", "test") if n in names), None) if split == HELD_OUT
-                  else split)
+        wanted = _held_out_or_train(names, str(path)) if split == HELD_OUT else split
         if wanted not in names:
             raise InvalidRow(str(path), 0, "<split>", f"no split '{split}' in this dataset (its splits: "
                                                       f"{', '.join(names)}); set data.split to one of them")
@@ -256,12 +273,9 @@ def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
             has no such split."""
     import datasets
 
-    from sft_play.errors import UserError
-
     try:
         if split == HELD_OUT:
-            names = datasets.get_dataset_split_names(name)
-            split = next((n for n in ("validation", "valid", "dev", "test") if n in names), "train")
+            split = _held_out_or_train(datasets.get_dataset_split_names(name), name)
         dataset = datasets.load_dataset(name, split=split)
     except (ConnectionError, OSError) as exc:  # offline, not found, gated: datasets' errors derive from these
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

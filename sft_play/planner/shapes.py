@@ -304,8 +304,7 @@ def model_shape(config: Any) -> ModelShape:
     spec = None
     if config.finetune.method != "full":
         base = _base_shape(model.name_or_path, model.revision, model.trust_remote_code)
-        spec = LoraSpec.from_config(config.lora, moe=base.num_experts > 1, expert_parameters=tuple(base.expert_parameters),
-                                    excluded=tuple(base.lora_exclude))
+        spec = LoraSpec.from_config(config.lora, tuple(base.expert_parameters), tuple(base.lora_exclude))
     return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec)
 
 
