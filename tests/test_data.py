@@ -818,3 +818,23 @@ def test_a_system_prompt_goes_to_every_chat_without_one_and_to_what_generate_ask
     (run / "model").mkdir(parents=True)
     (run / "config.yaml").write_text("data:\n  system_prompt: Be brief.\n")
     assert user_prompt(run, "hi").messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+def test_train_on_last_learns_the_last_assistant_turn_only(tiny_tokenizer):
+    from sft_play.data.tokenize import encode_chats_with_markers
+
+    messages = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "b a"},
+                {"role": "user", "content": "c d"}, {"role": "assistant", "content": "d c"}]
+
+    def learned(labels):
+        return tiny_tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+
+    for template in (tiny_tokenizer.chat_template, PLAIN_CHATML):  # markers, and the span path
+        ids, every = encode_chat(tiny_tokenizer, messages, template, "completion")
+        _, last = encode_chat(tiny_tokenizer, messages, template, "last")
+        assert "b a" in learned(every) and "d c" in learned(every)
+        assert "d c" in learned(last) and "b a" not in learned(last), learned(last)
+        assert [t for t in last if t != IGNORE_INDEX] == [t for t in every if t != IGNORE_INDEX][-len(
+            [t for t in last if t != IGNORE_INDEX]):]  # the same tokens as the last turn's under completion
+    assert encode_chats_with_markers(tiny_tokenizer, [messages], tiny_tokenizer.chat_template, "last")[0] == \
+        encode_chat(tiny_tokenizer, messages, tiny_tokenizer.chat_template, "last")

@@ -135,8 +135,9 @@ class DataConfig(_Section):
     max_seq_length: int = Field(1024, gt=0, description="Longest sequence in tokens (the packed row length).")
     packing: bool = Field(True, description="Join examples into rows of max_seq_length without cross-attention.")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="What happens to longer examples.")
-    train_on: Literal["completion", "all"] = Field(
-        "completion", description="completion: loss on assistant turns / completions only; all: every token."
+    train_on: Literal["completion", "last", "all"] = Field(
+        "completion", description="completion: loss on assistant turns / completions only; last: on the last "
+        "assistant turn of each chat only (LLaMA-Factory's mask_history); all: every token."
     )
     chat_template: str | None = Field(
         None, description="The chat template, instead of the tokenizer's: a name (chatml; plain, what a tokenizer "

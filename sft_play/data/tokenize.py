@@ -2,7 +2,8 @@
 
 Labels are ``-100`` on every token the model should not learn to produce: with
 ``data.train_on: completion`` that is everything but the assistant turns (chat) or the
-completion (prompt/completion); with ``train_on: all`` no token is masked. Plain text is
+completion (prompt/completion); ``last``: but the last assistant turn (earlier turns are
+context only); with ``train_on: all`` no token is masked. Plain text is
 always learned in full.
 
 Chat records go through the chat template. Where the template marks assistant turns with
@@ -69,7 +70,8 @@ def encode_chats_with_markers(tokenizer: Any, conversations: list[list[dict]], t
     encoded = []
     for ids, mask in zip(out["input_ids"], out["assistant_masks"]):
         ids = list(ids)
-        encoded.append((ids, list(ids) if train_on == "all" else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]))
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+        encoded.append((ids, list(ids) if train_on == "all" else last_turn_only(labels) if train_on == "last" else labels))
     return encoded
 
 
@@ -108,7 +110,17 @@ def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: s
         ids, labels = _encode_chat_with_markers(tokenizer, messages, template, tools)
     else:
         ids, labels = _encode_chat_by_spans(tokenizer, messages, template, tools)
-    return ids, (list(ids) if train_on == "all" else labels)
+    return ids, (list(ids) if train_on == "all" else last_turn_only(labels) if train_on == "last" else labels)
+
+
+def last_turn_only(labels: list[int]) -> list[int]:
+    """`labels` with only the last assistant turn kept (``data.train_on: last``): each turn's
+    labelled tokens are one run, turns apart (a user or tool turn lies between), so the last run."""
+    end = max((i for i, label in enumerate(labels) if label != IGNORE_INDEX), default=-1) + 1
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return [label if start <= i < end else IGNORE_INDEX for i, label in enumerate(labels)]
 
 
 def _eos(tokenizer: Any) -> list[int]:
