@@ -390,8 +390,8 @@ def _number(value: Any) -> str:
 
 
 def log_line(logs: dict[str, Any], step: int, max_steps: int) -> str:
-    """One log entry as the terminal shows it: ``step 10/500  loss 5.091  grad_norm 0.9256  lr
-    0.001245  accuracy 0.1627  entropy 5.434  tokens 29,532  21,217 tok/s  epoch 0.04184`` for a
+    """One log entry as the terminal shows it: ``step 10/500  loss 5.73  grad_norm 1.769  lr
+    0.00072  accuracy 0.134  entropy 5.781  tokens 29,532  16,453 tok/s  epoch 0.04184`` for a
     training step, ``eval at step 10/500  loss 4.231 ...  in 0.09 s`` for an evaluation, and the
     trainer's summary at the end of training."""
     if "train_loss" in logs:
