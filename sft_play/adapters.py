@@ -105,10 +105,12 @@ def unmatched_modules(model: Any, lora_config: Any) -> list[str]:
                      if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))})
     problems = []
     targets = lora_config.target_modules
-    if targets is not None and not isinstance(targets, str) and absent(sorted(targets)):
-        problems.append(f"lora.target_modules: {', '.join(absent(sorted(targets)))} names no module of this model "
+    missing = absent(sorted(targets)) if targets is not None and not isinstance(targets, str) else []
+    if missing:
+        problems.append(f"lora.target_modules: {', '.join(missing)} names no module of this model "
                         f"(its linears and embeddings: {', '.join(leaves)}; or all-linear)")
-    if absent(lora_config.modules_to_save or []):
-        problems.append(f"lora.modules_to_save: {', '.join(absent(lora_config.modules_to_save))} names no module of "
+    missing = absent(lora_config.modules_to_save or [])
+    if missing:
+        problems.append(f"lora.modules_to_save: {', '.join(missing)} names no module of "
                         f"this model (its linears and embeddings: {', '.join(leaves)})")
     return problems

@@ -23,6 +23,7 @@ from sft_play.errors import UserError
 
 IGNORE_INDEX = -100
 
+
 def resolve_chat_template(tokenizer: Any, override: str | None) -> str:
     """The template chat records go through: the config's override (a name of
     :func:`chat_template_names`, inline Jinja or a .jinja file), else the tokenizer's own, else
@@ -70,8 +71,7 @@ def encode_chats_with_markers(tokenizer: Any, conversations: list[list[dict]], t
     encoded = []
     for ids, mask in zip(out["input_ids"], out["assistant_masks"]):
         ids = list(ids)
-        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
-        encoded.append((ids, list(ids) if train_on == "all" else last_turn_only(labels) if train_on == "last" else labels))
+        encoded.append((ids, _trained_on(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)], train_on)))
     return encoded
 
 
@@ -110,7 +110,12 @@ def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: s
         ids, labels = _encode_chat_with_markers(tokenizer, messages, template, tools)
     else:
         ids, labels = _encode_chat_by_spans(tokenizer, messages, template, tools)
-    return ids, (list(ids) if train_on == "all" else last_turn_only(labels) if train_on == "last" else labels)
+    return ids, _trained_on(ids, labels, train_on)
+
+
+def _trained_on(ids: list[int], labels: list[int], train_on: str) -> list[int]:
+    """A chat's `labels` (every assistant turn) for ``data.train_on``: all of `ids`, the last turn, or as they are."""
+    return list(ids) if train_on == "all" else last_turn_only(labels) if train_on == "last" else labels
 
 
 def last_turn_only(labels: list[int]) -> list[int]:

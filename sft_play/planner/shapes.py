@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
-from sft_play.architecture import (adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int, decoder_layers, experts,
-                                   layer_signature, load_model_config, quantized_linears, sliding_window, text_config,
-                                   with_layers)
+from sft_play.architecture import (adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
+                                   decoder_layers, experts, layer_signature, load_model_config, quantized_linears,
+                                   sliding_window, text_config, with_layers)
 from sft_play.errors import UserError
 from sft_play.planner import cache
 
