@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,13 @@ os.environ.update(
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
 )
+# `make test ARGS="tests/test_makefile.py"` exports its command-line variables to every process
+# below it (as ARGS=... in the environment and in MAKEFLAGS): the tests' own `make gpu-info` then
+# ran with ARGS=tests/test_makefile.py and failed. The targets a test runs take only the variables
+# it gives them: none of the Makefile's (`NAME ?= default`) comes from outside.
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL",
+              *re.findall(r"^([A-Z_]+) \?=", (REPO / "Makefile").read_text(), flags=re.MULTILINE)):
+    os.environ.pop(_name, None)
 sys.path.insert(0, str(REPO))
 
 # make test runs the suite in two pytest-xdist workers (pyproject's addopts, --dist loadfile): a test
