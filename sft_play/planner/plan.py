@@ -159,6 +159,13 @@ def make_plan(
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
+    # rows shorter than planned, for the micro-batches this split trains (rare: the cache's swing at
+    # a shorter length): the largest that fits is then below them, and the split is chosen again
+    rows_fitting = search.shorter_rows_fitting(min(split.micro_batch_size, fitting))
+    if rows_fitting < min(split.micro_batch_size, fitting):
+        fitting = rows_fitting
+        split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
+                             train.gradient_accumulation_steps, fitting)
     notes, warnings = split_notes(config, search, split, fitting)
     if margin_note:
         notes.append(margin_note)

@@ -108,24 +108,25 @@ class FitSearch:
         smaller = [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)]
         return self.predicted_all([(micro, accumulating, None), *smaller])
 
-    def shorter_rows_fit(self, micro: int) -> bool:
-        """`micro` and every smaller micro-batch fit with rows of every shorter length of the ladder."""
-        return all(p.fits for p in self.predicted_all([(m, None, tokens) for tokens in self.rungs()
-                                                       for m in range(1, micro + 1)]))
+    def shorter_rows_fitting(self, micro: int) -> int:
+        """The largest micro-batch up to `micro` that fits, with every smaller one, with rows of
+        every shorter length of the ladder (`micro` itself when it does; 0 when micro-batch 1 does
+        not). Only the micro-batches a run of `micro` trains are replayed: the plan covers them
+        anyway (:meth:`covered`), so this costs no replay of its own."""
+        shorter = self.predicted_all([(m, None, tokens) for tokens in self.rungs() for m in range(1, micro + 1)])
+        return min((p.micro_batch - 1 for p in shorter if not p.fits), default=micro)
 
     def largest_fitting(self) -> int:
         """The largest micro-batch up to the per-process share that fits, with every smaller one
-        fitting too, at the planned length and with rows of every shorter length of the ladder (0
-        when micro-batch 1 does not)."""
+        fitting too, at the planned length (0 when micro-batch 1 does not). Rows of the ladder's
+        shorter lengths are checked for the micro-batch the run chooses (:meth:`shorter_rows_fitting`),
+        not for larger ones it never trains: those would cost a replay per micro-batch and rung."""
         if not self.predicted(1).fits:
             return 0
         fitting = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
                                         _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
         below = self.predicted_all([(m, None, None) for m in range(1, fitting + 1)])
-        fitting = next((p.micro_batch - 1 for p in below if not p.fits), fitting)
-        while fitting and not self.shorter_rows_fit(fitting):  # rare: the cache's swing at a shorter length
-            fitting -= 1
-        return fitting
+        return next((p.micro_batch - 1 for p in below if not p.fits), fitting)
 
     def reported(self, split: BatchSplit) -> tuple[Prediction, int, dict[str, int]]:
         """The prediction for the split's micro-batch, and the peak and breakdown the plan reports
