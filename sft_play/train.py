@@ -45,6 +45,8 @@ def train(config: RunConfig, config_path: str) -> int:
                 f"make train-deepspeed CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train"
             )
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
+    else:  # an accelerate config file's DeepSpeed does not overrule the run's strategy (nor import it)
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     if config.distributed.strategy == "fsdp2" and "RANK" not in os.environ:  # FSDP shards over a process group
         raise UserError(
             f"distributed.strategy=fsdp2 runs under a launcher: use make train-distributed CONFIG={config_path} "

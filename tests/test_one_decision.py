@@ -5,6 +5,7 @@ read from one place, and the run folder says what trained."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -137,3 +138,18 @@ def test_the_run_folder_records_the_resolved_run_and_the_batch_as_planned_and_tr
     assert recorded["batch_trained"] == recorded["batch_planned"]  # no backoff in this run
     assert recorded["precision"]["mixed"] == plan["precision"]["mixed"] == "no"
     assert recorded["lora"]["r"] == 32 and recorded["attention"] == plan["attention"]
+
+
+def test_a_training_process_imports_deepspeed_only_for_a_deepspeed_strategy(monkeypatch):
+    # accelerate imports DeepSpeed in every training process where it is installed (SFTTrainer ->
+    # is_peft_model -> extract_model_from_parallel): the run's strategy decides whether it may
+    import importlib.util
+
+    from sft_play import lean_imports
+
+    for strategy, hidden in (("ddp", True), ("fsdp2", True), ("deepspeed_zero2", False), ("deepspeed_zero3", False)):
+        monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+        config = config_module.load(REPO / "configs" / "run_tiny.yaml", [f"distributed.strategy={strategy}"])
+        lean_imports.for_training(config)
+        assert (sys.modules.get("deepspeed", "unset") is None) == hidden, strategy
+        assert (importlib.util.find_spec("deepspeed") is None) == hidden, strategy  # what accelerate asks
