@@ -69,19 +69,10 @@ def hardware_line() -> str:
     from sft_play import hardware
 
     facts = hardware.detect()
-    return (f"{facts.cpu_model or 'unknown CPU'}{_cpu_generation()}, {facts.cpu_usable_cores} usable cores, vector instructions "
+    generation = hardware.cpu_family_and_model()  # a virtual machine's model name does not say it
+    return (f"{facts.cpu_model or 'unknown CPU'}{f' ({generation})' if generation else ''}, "
+            f"{facts.cpu_usable_cores} usable cores, vector instructions "
             f"{facts.cpu_capability}, native bf16: {'yes' if facts.cpu_bf16 else 'no'} ({facts.cpu_bf16_evidence})")
-
-
-def _cpu_generation() -> str:
-    """" (CPU family 25, model 1)" from /proc/cpuinfo: a virtual machine's model name ("AMD EPYC")
-    does not say which generation it is; family and model do. Empty where there is no such file."""
-    try:
-        fields = {key.strip(): value.strip() for key, value in
-                  (line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)}
-        return f" (CPU family {fields['cpu family']}, model {fields['model']})"
-    except (OSError, KeyError, ValueError):
-        return ""
 
 
 def report(rows: list[dict]) -> str:

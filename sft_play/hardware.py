@@ -163,23 +163,36 @@ def _nvml_facts(uuids: list[str]) -> tuple[dict[str, dict[str, Any]], list[GpuLi
 NATIVE_BF16_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16", "bf16": "Arm BF16"}
 
 
-def _cpu_flags_and_model() -> tuple[set[str] | None, str]:
-    """The CPU's feature flags and model name from /proc/cpuinfo (None and the platform's
-    processor string where there is no such file)."""
+def _cpuinfo() -> dict[str, str] | None:
+    """The first processor's fields in /proc/cpuinfo (None where there is no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return None, platform.processor()
-    flags: set[str] | None = None
-    model = ""
+        return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("flags", "Features") and flags is None:
-            flags = set(value.split())
-        elif key == "model name" and not model:
-            model = value.strip()
-    return flags, model or platform.processor()
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_flags_and_model() -> tuple[set[str] | None, str]:
+    """The CPU's feature flags and model name from /proc/cpuinfo (None and the platform's
+    processor string where there is no such file)."""
+    fields = _cpuinfo()
+    if fields is None:
+        return None, platform.processor()
+    flags = fields.get("flags", fields.get("Features"))
+    return (None if flags is None else set(flags.split())), fields.get("model name") or platform.processor()
+
+
+def cpu_family_and_model() -> str:
+    """"CPU family 25, model 1" (x86's /proc/cpuinfo): which generation a CPU is where its model
+    name does not say (a virtual machine's "AMD EPYC"); empty where it is not known."""
+    fields = _cpuinfo() or {}
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"CPU family {fields['cpu family']}, model {fields['model']}"
 
 
 def native_bf16(flags: set[str] | None, torch_reports_bf16: bool) -> tuple[bool, str]:

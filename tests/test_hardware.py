@@ -148,3 +148,14 @@ def test_the_cublas_workspace_is_what_pytorch_takes_on_each_gpu(monkeypatch):
     assert cublas_workspace_bytes((9, 0), ":16:8") == 128 * 2**10  # what transformers' full determinism sets
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
     assert cublas_workspace_bytes((9, 0)) == other
+
+
+def test_the_cpu_generation_comes_from_cpuinfos_family_and_model(monkeypatch):
+    # a virtual machine's model name says "AMD EPYC" of a Zen 3 and of a Zen 4 alike; the benches'
+    # reports name family and model, read by the same parser as the flags and the model name
+    fields = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fpu avx2 fma"}
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: fields)
+    assert hardware.cpu_family_and_model() == "CPU family 25, model 1"
+    assert hardware._cpu_flags_and_model() == ({"fpu", "avx2", "fma"}, "AMD EPYC")
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: {"model name": "Neoverse", "Features": "fp asimd bf16"})
+    assert hardware.cpu_family_and_model() == "" and hardware._cpu_flags_and_model()[0] == {"fp", "asimd", "bf16"}
