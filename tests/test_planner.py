@@ -953,3 +953,22 @@ def test_planning_described_hardware_does_not_depend_on_this_machines_packages(p
     assert auto.attention == "sdpa" and any("hardware described" in note for note in auto.notes)
     result = plans["flash described"]
     assert result.returncode == 0 and "attention flash_attention_2" in result.stdout, result.stderr[-2000:]
+
+
+def test_what_cannot_hold_its_weights_and_optimizer_states_is_refused_without_a_replay():
+    """The remedy search asks only whether a changed config fits; where the parameters and
+    optimizer states alone exceed the budget, the answer is no without replaying a step, and it is
+    the answer the plan itself gives."""
+    from sft_play.planner import predict
+    from sft_play.planner.plan import beyond_budget
+
+    config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16", "data.max_seq_length=2048")
+    small, large = Target(1, 24 * GIB, "1 x 24 GiB"), Target(1, 80 * GIB, "1 x 80 GiB")
+    before = predict.REPLAYS[0]
+    assert beyond_budget(config, small) and not beyond_budget(config, large)  # 4-bit 70B weights: ~37 GiB
+    assert predict.REPLAYS[0] == before
+    assert not make_plan(config, small, with_remedies=False, shorter_rows=False).fits
+    # what is not refused so is planned (it fits on 80 GiB with checkpointing: the smallest hardware)
+    checkpointed = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
+                               "data.max_seq_length=2048", "train.gradient_checkpointing=true")
+    assert not beyond_budget(checkpointed, large) and make_plan(checkpointed, large, with_remedies=False).fits

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from sft_play.config import RunConfig
@@ -22,7 +23,7 @@ from sft_play.hardware import GPU_CAPABILITY, gpu_model_for_memory
 from sft_play.planner import memory
 from sft_play.planner import remedies as remedy_catalogue
 from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
-from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for
+from sft_play.planner.predict import REPLAYS, STAND_INS, predict, recipe_for, static_lower_bound
 from sft_play.planner.search import FitSearch
 from sft_play.planner.shapes import ModelShape, model_shape
 from sft_play.planner.timing import GPUS_PER_NODE, PEAK_BF16, gpu_model as known_gpu_model, predict_time, total_steps
@@ -117,6 +118,13 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
                    cuda_capability=target.compute_capability)
 
 
+def plan_budget(config: RunConfig, target: Target, run: Run) -> tuple[int, float, str | None]:
+    """The bytes a process of `run` may hold on each GPU of `target` (its free memory less the
+    configured margin and fraction), the fraction, and the note that explains the fraction."""
+    fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.attention, target.on_cuda)
+    return budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction), fraction, margin_note
+
+
 def make_plan(
     config: RunConfig,
     target: Target,
@@ -145,8 +153,7 @@ def make_plan(
     run = run or resolve_for(config, target, data_stats, shape)
     train = config.train
 
-    fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.attention, target.on_cuda)
-    budget = budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction)
+    budget, fraction, margin_note = plan_budget(config, target, run)
     if budget <= 0 and target.source != "candidate":  # (the remedies' candidate sizes may be too small)
         raise UserError(
             f"the safety margin leaves nothing to plan with: {target.free_bytes / GIB:.2f} GiB free per "
@@ -298,6 +305,21 @@ def epoch_notes(train: Any, rows: int | None, packed: bool, split: BatchSplit) -
     return None, None
 
 
+# What a fit-only question gets where the weights and optimizer states alone exceed the budget
+_NOTHING_FITS: Any = SimpleNamespace(fits=False)
+
+
+def beyond_budget(config: RunConfig, target: Target, data_stats: Any | None = None) -> bool:
+    """Whether what `config` holds on each GPU of `target` before any activation (parameters,
+    optimizer states, buffers: :func:`sft_play.planner.predict.static_lower_bound`) alone exceeds
+    the budget, so that no plan of it fits: :func:`make_plan` would say so after a replay of the
+    whole step, which the remedy search, asking only whether something fits, does without (most
+    of the smallest-hardware candidates and of the combinations it tries are such)."""
+    shape = model_shape(config)
+    run = resolve_for(config, target, data_stats, shape)
+    return static_lower_bound(shape, run) > plan_budget(config, target, run)[0]
+
+
 def remedies_for(config: RunConfig, target: Target,
                  data_stats: Any | None) -> tuple[list[dict[str, Any]], str | None, str | None]:
     """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
@@ -306,6 +328,8 @@ def remedies_for(config: RunConfig, target: Target,
     fits and is offered is planned again as the run will plan it, covering them (the combination
     search decides on the quicker plans: remedies.plan_remedies)."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Plan:
+        if not as_run and beyond_budget(changed, changed_target, data_stats):
+            return _NOTHING_FITS  # whether it fits is all the combination search asks: no replay
         quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
         if not quick.fits or not as_run:
             return quick
@@ -315,7 +339,8 @@ def remedies_for(config: RunConfig, target: Target,
     remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
     if any(r["fits"] for r in remedies):
         return remedies, None, None
-    smallest = remedy_catalogue.smallest_hardware(config, target, lambda c, t: plan_without_remedies(c, t).fits)
+    smallest = remedy_catalogue.smallest_hardware(
+        config, target, lambda c, t: not beyond_budget(c, t, data_stats) and plan_without_remedies(c, t).fits)
     return remedies, smallest, (f"nothing fits on {target.device_name}: "
                                 + (f"the smallest hardware that would is {smallest}" if smallest else
                                    "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
