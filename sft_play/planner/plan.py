@@ -327,7 +327,8 @@ def remedies_for(config: RunConfig, target: Target,
     not fit is planned without covering shorter rows (three to five times fewer replays); what
     fits and is offered is planned again as the run will plan it, covering them (the combination
     search decides on the quicker plans: remedies.plan_remedies)."""
-    def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Plan:
+    def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Any:
+        """A Plan; with `as_run` False, something whose `fits` says whether it fits (a quick Plan)."""
         if not as_run and beyond_budget(changed, changed_target, data_stats):
             return _NOTHING_FITS  # whether it fits is all the combination search asks: no replay
         quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)

@@ -161,8 +161,9 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dic
     order until the plan fits, then any that are not needed taken out again. Those that fit come
     first, cheapest first (a combination costs what its dearest remedy costs), then those that do
     not, in cost order. `plan_for(config, target, as_run)` plans without remedies: with `as_run`
-    False it may leave out what only narrows a plan that fits (the shorter rows' coverage), to
-    decide quickly whether something fits; what is offered is planned with `as_run` True."""
+    False it only answers whether something fits (its `fits` is all that is read), and may leave
+    out what only narrows a plan that fits (the shorter rows' coverage) or, where the weights alone
+    do not fit, the plan itself; what is offered is planned with `as_run` True."""
     applicable = [r for r in REMEDIES if r.applies(config, target)]
     entries = []
     for remedy in applicable:
