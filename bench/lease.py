@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, lean, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, import_training_stack, lean, run_worker, versions, worker_env  # bench/ is the script's folder
 
 GIB = 1024**3
 MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)
@@ -566,6 +566,7 @@ def main() -> int:
         spec = json.loads(args.worker)
         task = spec["task"]
         lean(task["case"]["method"] if "case" in task else task["shape"]["method"])
+        import_training_stack()
         print(json.dumps(run_task(spec["task"], Path(spec["state"]), Path(spec["output"]), spec["on_cuda"])))
         return 0
     try:

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, import_training_stack, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
 from sft_play.units import GIB
 
 
@@ -253,6 +253,7 @@ def main() -> int:
         spec = json.loads(args.worker)
         case = Case(**{**spec["case"], "micro_batches": tuple(spec["case"]["micro_batches"])})
         lean(case.method)
+        import_training_stack()
         print(json.dumps(_worker(case, spec["micro"], spec["output_dir"])))
         return 0
     lean()  # the measurements run in workers; planning never needs bitsandbytes

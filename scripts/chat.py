@@ -22,7 +22,8 @@ def main() -> int:
     run = cli.chosen_run(args)
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
-    from sft_play import export
+    with cli.importing():
+        from sft_play import export
     trained, tokenizer, _ = export.load_trained(run)
     plain = export.trained_on_plain_text(run)
     if plain and args.system:

@@ -13,7 +13,8 @@ from sft_play import cli
 def main() -> int:
     args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
 
-    from sft_play import checks, hardware
+    with cli.importing():
+        from sft_play import checks, hardware
 
     config, config_check = checks.check_config(args.config, args.overrides)
     results = [config_check, checks.check_python(), *checks.check_packages(config)]

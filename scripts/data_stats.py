@@ -42,7 +42,8 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging(quiet=args.json)
 
-    from sft_play import data, model
+    with cli.importing():
+        from sft_play import data, model
 
     config = config_module.load(args.config, args.overrides)
     bundle = data.build(config.data, model.load_tokenizer(config), seed=config.train.seed)

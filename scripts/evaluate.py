@@ -20,7 +20,8 @@ def main() -> int:
     run = cli.chosen_run(args)
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
-    from sft_play import export
+    with cli.importing():
+        from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens)
     print(f"Run: {run}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
           f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")

@@ -22,7 +22,8 @@ def main() -> int:
     run = cli.chosen_run(args)
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
-    from sft_play import export
+    with cli.importing():
+        from sft_play import export
     trained, tokenizer, config = export.load_trained(run)
     if args.prompt:
         prompts = [export.user_prompt(run, args.prompt)]  # as the run's data was: plain, or through the chat template

@@ -19,7 +19,8 @@ def main() -> int:
     run = cli.chosen_run(args)
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
-    from sft_play import export
+    with cli.importing():
+        from sft_play import export
     merged = export.merge(run, args.output)
     print(f"Merged model: {merged}\n  load it: AutoModelForCausalLM.from_pretrained('{merged}')\n"
           f"  try it:  make generate RUN={merged}")

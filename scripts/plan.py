@@ -22,7 +22,8 @@ def read_data_stats(config):
     remembered = data.remembered_stats(config.data, source, seed=config.train.seed)
     if remembered is not None:  # measured before (make train, make plan): no tokenizer to load
         return remembered, None
-    from sft_play import model
+    with cli.importing():
+        from sft_play import model
     from sft_play.data.formats import InvalidRow
     from sft_play.errors import UserError
 
@@ -64,9 +65,10 @@ def main() -> int:
     cli.setup_logging(quiet=args.json)
     lean_imports.without_bitsandbytes()  # planning never runs its kernels
 
-    from sft_play import config as config_module
-    from sft_play import hardware, planner
-    from sft_play.planner import report
+    with cli.importing():
+        from sft_play import config as config_module
+        from sft_play import hardware, planner
+        from sft_play.planner import report
 
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
     # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it

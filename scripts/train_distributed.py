@@ -23,7 +23,8 @@ def main() -> int:
     lean_imports.for_training(config)  # bitsandbytes and DeepSpeed only where the run uses them
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before DeepSpeed is imported: it cannot parse "9.0a"
         os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
-    from sft_play.train import train  # after the environment is right: it imports the libraries
+    with cli.importing():  # after the environment is right: it imports the libraries
+        from sft_play.train import train
 
     return train(config, args.config)
 

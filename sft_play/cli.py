@@ -4,12 +4,14 @@ turning user errors into a clear message and a non-zero exit instead of a traceb
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib.util
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sft_play import checkpoints
@@ -81,6 +83,30 @@ def setup_logging(quiet: bool = False) -> None:
     quiet_libraries()
 
 
+@contextlib.contextmanager
+def importing() -> Iterator[None]:
+    """Import the libraries a command needs with Python's cyclic garbage collector paused, then
+    freeze what the imports made (``gc.freeze``) and let it collect again.
+
+    torch, transformers, TRL, PEFT and datasets make ~450,000 Python objects on import, and they
+    live as long as the process. While they are made the collector walks all of them again each
+    time they have grown by a quarter: ~1.2 s of CPU per process, 12-15% of a 4-step tiny run
+    (measured on a 2-core AMD EPYC: 1.15-1.39 s of 8.5-9.8 s; every command and every rank pays
+    it). Frozen, they are skipped by every later collection too. The price: the few cycles the
+    imports left unreachable (~13,000 objects, a few MB) are never freed.
+
+    Used around a command's imports only, never around work that makes garbage; nested uses
+    leave the freezing to the outermost."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.freeze()
+            gc.enable()
+
+
 def quiet_libraries() -> None:
     """Silence what the stack prints on every command without telling the user anything, and
     nothing else (their other warnings stay):
@@ -119,7 +145,8 @@ def quiet_libraries() -> None:
 def run(main: Callable[[], int | None]) -> None:
     """Call `main` and exit with its status; user errors print a message and exit 2. The
     libraries' noise is silenced first (:func:`quiet_libraries`)."""
-    quiet_libraries()
+    with importing():  # torch, where it is installed
+        quiet_libraries()
     try:
         status = main()
     except USER_ERRORS as exc:

@@ -59,6 +59,17 @@ if WORKERS > 1:
         sys.modules["torch"].set_num_threads(CORES)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collect (import the test modules, and with them torch, transformers...) as every command
+    imports its libraries (:func:`sft_play.cli.importing`): the collector paused, what was made
+    frozen after."""
+    from sft_play import cli
+
+    with cli.importing():
+        return (yield)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

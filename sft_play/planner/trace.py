@@ -565,12 +565,14 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
         return out[0] if isinstance(out, tuple) else out
 
     # Releases must follow reference counts alone: no cyclic collection in the middle of a trace
+    collecting = gc.isenabled()
     gc.disable()
     try:
         with recorder:
             return _record(module, call, recorder, _Autocast(compute), leaf)
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
 
 
 @functools.lru_cache(maxsize=64)
