@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.zygote import READ_AT_RUN_TIME
+
+# pytest imports this file as "conftest" and the test modules import their helpers from
+# "tests.conftest": one module, not two copies with two of everything below (a session folder,
+# a zygote)
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -57,6 +64,7 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(CORES)  # read by torch here and by every process the tests start
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(CORES)
+_BASE_ENV = dict(os.environ)  # what every test starts with (tests/zygote.py is started with it)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -68,6 +76,18 @@ def pytest_collection(session):
 
     with cli.importing():
         return (yield)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """What a test sets in this process's environment (a script run in-process: cli.run sets
+    DS_ACCELERATOR and HF_DATASETS_DISABLE_PROGRESS_BARS) ends with it: the next test, and the
+    scripts it starts, begin from the same environment."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="session")
@@ -87,24 +107,157 @@ def tiny_tokenizer():
     return AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
 
 
+class _Forked:
+    """A script forked by the zygote (tests/zygote.py), as much of ``subprocess.Popen`` as the
+    helpers below use: pid, args, returncode, poll, wait, send_signal, kill."""
+
+    def __init__(self, zygote: _Zygote, pid: int, args: list[str]):
+        self._zygote, self.pid, self.args, self.returncode = zygote, pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._zygote.read(0)
+            self.returncode = self._zygote.ended.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._zygote.read(left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not a pid the system may have given to another process since
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """tests/zygote.py, started on first use in each pytest process: scripts forked from it
+    start with torch, transformers, datasets and accelerate imported (see there what it does
+    and does not share with a fresh interpreter)."""
+
+    def __init__(self):
+        import json
+
+        self._json = json
+        self.env = _BASE_ENV  # not what a test has set at the moment it is started
+        log = open(_SESSION_DIR / f"zygote-{os.getpid()}.log", "w")
+        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py")], cwd=REPO, env=self.env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        self.ended: dict[int, int] = {}
+        self._messages: list[dict] = []
+        self._buffer = b""
+
+    def read(self, timeout: float | None) -> None:
+        """Take what the zygote has said (waiting up to `timeout` seconds for something)."""
+        import select
+
+        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not readable:
+            return
+        chunk = os.read(self.process.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError(f"the test zygote ended (see {_SESSION_DIR}/zygote-*.log)")
+        self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            message = self._json.loads(line)
+            if "ended" in message:
+                self.ended[message["ended"]] = message["returncode"]
+            else:
+                self._messages.append(message)
+
+    def _next(self, timeout: float) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self._messages:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the test zygote did not answer")
+            self.read(left)
+        return self._messages.pop(0)
+
+    def close(self) -> None:
+        """Closing its input ends it (what it started has been waited for or killed by then)."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    def serves(self, env: dict) -> bool:
+        """Whether a script with `env` may be forked from here: its environment differs from the
+        zygote's only in what the libraries read when a script runs, not when they are imported."""
+        keys = set(env) | set(self.env)
+        return all(env.get(key) == self.env.get(key) for key in keys - READ_AT_RUN_TIME)
+
+    def start(self, args: list[str], env: dict, stdout: str, stderr: str) -> _Forked:
+        request = {"argv": args[1:], "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
+        self.process.stdin.write((self._json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        return _Forked(self, self._next(60)["pid"], args)
+
+
+_ZYGOTE: list = []  # [the zygote] once started, [None] where it could not start or is not wanted
+
+
+def _zygote() -> _Zygote | None:
+    if not _ZYGOTE:
+        _ZYGOTE.append(None)
+        # fork after importing torch: Linux only (macOS's system libraries are not fork-safe)
+        if os.environ.get("SFT_PLAY_TESTS_FRESH") != "1" and sys.platform.startswith("linux"):
+            try:
+                zygote = _Zygote()
+                zygote._next(300)  # {"ready": true}: imported
+                _ZYGOTE[0] = zygote
+                import atexit
+
+                atexit.register(zygote.close)
+            except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+                import warnings
+
+                warnings.warn(f"scripts start as fresh interpreters: the test zygote did not start ({exc})")
+    return _ZYGOTE[0]
+
+
+def start_script(args: list[str], env: dict, stdout, stderr):
+    """Start ``python SCRIPT ARGS`` (`args`, from the repo root, output to the open files `stdout`
+    and `stderr`): forked from the zygote where its environment allows (tests/zygote.py), else a
+    fresh interpreter. ``SFT_PLAY_TESTS_FRESH=1`` starts every one fresh."""
+    zygote = _zygote()
+    if zygote is not None and zygote.serves(env):
+        return zygote.start(args, env, stdout.name, stderr.name)
+    if zygote is not None:  # which scripts start fresh, and why: the session folder's fresh.log
+        differing = sorted(k for k in set(env) | set(zygote.env)
+                           if k not in READ_AT_RUN_TIME and env.get(k) != zygote.env.get(k))
+        with open(_SESSION_DIR / "fresh.log", "a") as log:
+            log.write(f"{' '.join(args[1:3])}: {differing}\n")
+    return subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, text=True, env=env)
+
+
 def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run one of scripts/ with this interpreter from the repo root; output captured as text."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return run_scripts_together((script, *args, env or {}), timeout=timeout)[0]
 
 
 def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subprocess.CompletedProcess]:
     """Run several of scripts/ (or ``bench/x.py``) at once, each ``(script, *args)`` or ``(script, *args, {env})``,
     and return their finished processes in order, output captured as text.
 
-    Independent processes of a test module overlap their start-up (about 4 s of single-threaded
-    imports each) on the machine's cores. Each computes on its share of the cores
+    Independent processes of a test module overlap their start-up (imports, single-threaded) on
+    the machine's cores; each is forked from the zygote where it can be (:func:`start_script`).
+    Each computes on its share of the cores
     (``OMP_NUM_THREADS``): OpenMP threads of several processes spinning on the same two cores
     run several times slower than the same work one process after another (measured: two tiny
     trainings at once took 69 s with two threads each, 8 s with one, 15 s one after the other).
@@ -122,8 +275,8 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
             script, *args = command[:-1] if isinstance(command[-1], dict) else command
             out, err = (stack.enter_context(open(folder / f"{i}.{kind}", "w+")) for kind in ("out", "err"))
             path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
-            process = subprocess.Popen([sys.executable, str(path), *args], cwd=REPO, stdout=out, stderr=err, text=True,
-                                       env={**os.environ, "OMP_NUM_THREADS": threads, **env})
+            environment = {**os.environ, "OMP_NUM_THREADS": threads, **env}
+            process = start_script([sys.executable, str(path), *args], environment, out, err)
             stack.callback(lambda p=process: p.poll() is None and p.kill())  # none outlives a failure or a timeout
             started.append((process, [sys.executable, script, *args], out, err))
         deadline = time.monotonic() + timeout  # one deadline for them all

@@ -4,6 +4,9 @@ what they made is frozen (sft_play.cli.importing)."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -52,3 +55,58 @@ def test_a_command_imports_torch_frozen_and_collects_after():
     enabled, frozen = result.stdout.split()
     assert enabled == "True" and int(frozen) > 100_000, result.stdout
 
+
+
+# --- the scripts the tests start (tests/zygote.py) -------------------------------------------
+
+PROBE = """import json, os, sys, threading, time
+import torch
+late = threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True)))  # waited for at exit
+late.start()
+print(json.dumps({"name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(),
+                  "threads": torch.get_num_threads(), "marker": os.environ.get("ACCELERATE_MIXED_PRECISION"),
+                  "stdin": sys.stdin.read()}))
+print("to stderr", file=sys.stderr)
+sys.exit(sys.argv[1] if sys.argv[1] != "0" else 0)
+"""
+
+
+def test_a_script_forked_by_the_zygote_runs_as_a_fresh_interpreter_would(tmp_path):
+    from tests.conftest import _zygote, run_scripts_together, start_script
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    zygote = _zygote()
+    assert zygote is not None, "the test zygote did not start"
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        forked = start_script([sys.executable, str(script), "0", "two"], env, out, err)
+        assert not isinstance(forked, subprocess.Popen)  # served by the zygote
+        assert forked.wait(timeout=120) == 0
+        said = json.loads(out.read().splitlines()[0])
+    fresh = subprocess.run([sys.executable, str(script), "0", "two"], cwd=REPO, env=env, capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, timeout=120)
+    expected = json.loads(fresh.stdout.splitlines()[0])
+    assert said["pid"] == forked.pid and said["pid"] != expected["pid"]
+    del said["pid"], expected["pid"]
+    assert said == expected == {"name": "__main__", "argv": ["0", "two"], "cwd": str(REPO), "path0": str(tmp_path),
+                                "threads": 1, "marker": "bf16", "stdin": ""}
+    assert (tmp_path / "out").read_text().splitlines()[1:] == fresh.stdout.splitlines()[1:] == ["thread done"]
+    assert (tmp_path / "err").read_text() == fresh.stderr == "to stderr\n"
+    # exit statuses: a number, a message (status 1), a signal
+    message, = run_scripts_together((str(script), "stopped here"))
+    assert message.returncode == 1 and message.stderr.endswith("to stderr\nstopped here\n")
+    with open(tmp_path / "out2", "w") as out, open(tmp_path / "err2", "w") as err:
+        killed = start_script([sys.executable, str(script), "3"], env, out, err)
+        killed.kill()
+        assert killed.wait(timeout=60) in (-signal.SIGKILL, 3)
+
+
+def test_an_environment_the_libraries_read_on_import_gets_a_fresh_interpreter(tmp_path):
+    from tests.conftest import _zygote, start_script
+
+    assert _zygote() is not None
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        started = start_script([sys.executable, "-c", "pass"], {**os.environ, "HF_HUB_OFFLINE": "0"}, out, err)
+        assert isinstance(started, subprocess.Popen)
+        assert started.wait(timeout=60) == 0
