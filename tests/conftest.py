@@ -210,13 +210,14 @@ class _Zygote:
 
 
 _ZYGOTE: list = []  # [the zygote] once started, [None] where it could not start or is not wanted
+# fork after importing torch: Linux only (macOS's system libraries are not fork-safe)
+ZYGOTE_WANTED = os.environ.get("SFT_PLAY_TESTS_FRESH") != "1" and sys.platform.startswith("linux")
 
 
 def _zygote() -> _Zygote | None:
     if not _ZYGOTE:
         _ZYGOTE.append(None)
-        # fork after importing torch: Linux only (macOS's system libraries are not fork-safe)
-        if os.environ.get("SFT_PLAY_TESTS_FRESH") != "1" and sys.platform.startswith("linux"):
+        if ZYGOTE_WANTED:
             try:
                 zygote = _Zygote()
                 zygote._next(300)  # {"ready": true}: imported

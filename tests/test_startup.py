@@ -1,5 +1,6 @@
 """How a command starts: its libraries are imported with Python's garbage collector paused, and
-what they made is frozen (sft_play.cli.importing)."""
+what they made is frozen (sft_play.cli.importing); and how the scripts the tests run start: forked
+from a process that has imported the libraries, as a fresh interpreter would run them (tests/zygote.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from sft_play import cli
-from tests.conftest import REPO
+from tests.conftest import REPO, ZYGOTE_WANTED
 
 
 def test_imports_are_made_without_collections_and_frozen_after():
@@ -71,6 +74,10 @@ sys.exit(sys.argv[1] if sys.argv[1] != "0" else 0)
 """
 
 
+needs_zygote = pytest.mark.skipif(not ZYGOTE_WANTED, reason="scripts start fresh here (SFT_PLAY_TESTS_FRESH=1, or not Linux)")
+
+
+@needs_zygote
 def test_a_script_forked_by_the_zygote_runs_as_a_fresh_interpreter_would(tmp_path):
     from tests.conftest import _zygote, run_scripts_together, start_script
 
@@ -102,6 +109,7 @@ def test_a_script_forked_by_the_zygote_runs_as_a_fresh_interpreter_would(tmp_pat
         assert killed.wait(timeout=60) in (-signal.SIGKILL, 3)
 
 
+@needs_zygote
 def test_an_environment_the_libraries_read_on_import_gets_a_fresh_interpreter(tmp_path):
     from tests.conftest import _zygote, start_script
 
