@@ -83,6 +83,11 @@ def setup_logging(quiet: bool = False) -> None:
     quiet_libraries()
 
 
+# Whether importing() freezes: a process that runs commands in itself, one after another (the
+# test suite), sets it False after its own imports, since a freeze keeps whatever garbage is left then
+FREEZE_IMPORTS = True
+
+
 @contextlib.contextmanager
 def importing() -> Iterator[None]:
     """Import the libraries a command needs with Python's cyclic garbage collector paused, then
@@ -103,7 +108,8 @@ def importing() -> Iterator[None]:
         yield
     finally:
         if collecting:
-            gc.freeze()
+            if FREEZE_IMPORTS:
+                gc.freeze()
             gc.enable()
 
 

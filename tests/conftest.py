@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.zygote import READ_AT_RUN_TIME
-
 # pytest imports this file as "conftest" and the test modules import their helpers from
 # "tests.conftest": one module, not two copies with two of everything below (a session folder,
 # a zygote)
@@ -53,6 +51,8 @@ for _name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL",
     os.environ.pop(_name, None)
 sys.path.insert(0, str(REPO))
 
+from tests.zygote import READ_AT_RUN_TIME  # noqa: E402 (the repo is importable from here on)
+
 # make test runs the suite in two pytest-xdist workers (pyproject's addopts, --dist loadfile): a test
 # module runs in one worker, in order, while another module runs in the other, so the second core is
 # busy when a test is planning in-process or waiting for one training process. Each worker computes on
@@ -75,7 +75,11 @@ def pytest_collection(session):
     from sft_play import cli
 
     with cli.importing():
-        return (yield)
+        result = yield
+    # From here this process runs commands in itself (cli.run through runpy): a freeze there would
+    # keep whatever garbage the tests before had left
+    cli.FREEZE_IMPORTS = False
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -175,6 +179,9 @@ class _Zygote:
             if "ended" in message:
                 self.ended[message["ended"]] = message["returncode"]
             else:
+                # a pid given again (after a script that was killed, never waited for, had it): its
+                # ended record is the earlier script's
+                self.ended.pop(message.get("pid"), None)
                 self._messages.append(message)
 
     def _next(self, timeout: float) -> dict:
@@ -218,6 +225,7 @@ def _zygote() -> _Zygote | None:
     if not _ZYGOTE:
         _ZYGOTE.append(None)
         if ZYGOTE_WANTED:
+            zygote = None
             try:
                 zygote = _Zygote()
                 zygote._next(300)  # {"ready": true}: imported
@@ -226,6 +234,8 @@ def _zygote() -> _Zygote | None:
 
                 atexit.register(zygote.close)
             except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+                if zygote is not None:
+                    zygote.process.kill()
                 import warnings
 
                 warnings.warn(f"scripts start as fresh interpreters: the test zygote did not start ({exc})")
@@ -238,7 +248,15 @@ def start_script(args: list[str], env: dict, stdout, stderr):
     fresh interpreter. ``SFT_PLAY_TESTS_FRESH=1`` starts every one fresh."""
     zygote = _zygote()
     if zygote is not None and zygote.serves(env):
-        return zygote.start(args, env, stdout.name, stderr.name)
+        try:
+            return zygote.start(args, env, stdout.name, stderr.name)
+        except (OSError, RuntimeError, TimeoutError) as exc:  # it ended or stopped answering: fresh from now on
+            import warnings
+
+            warnings.warn(f"scripts start as fresh interpreters from here: the test zygote failed ({exc})")
+            _ZYGOTE[0] = None
+            zygote.process.kill()
+            zygote = None
     if zygote is not None:  # which scripts start fresh, and why: the session folder's fresh.log
         differing = sorted(k for k in set(env) | set(zygote.env)
                            if k not in READ_AT_RUN_TIME and env.get(k) != zygote.env.get(k))

@@ -17,7 +17,8 @@ from sft_play import cli
 from tests.conftest import REPO, ZYGOTE_WANTED
 
 
-def test_imports_are_made_without_collections_and_frozen_after():
+def test_imports_are_made_without_collections_and_frozen_after(monkeypatch):
+    monkeypatch.setattr(cli, "FREEZE_IMPORTS", True)  # as in a command (conftest turns it off in the suite)
     frozen, collections = gc.get_freeze_count(), []
 
     def count(phase, info):
