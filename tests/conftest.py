@@ -147,8 +147,8 @@ class _Forked:
 
 class _Zygote:
     """tests/zygote.py, started on first use in each pytest process: scripts forked from it
-    start with torch, transformers, datasets and accelerate imported (see there what it does
-    and does not share with a fresh interpreter)."""
+    start with torch, transformers and accelerate imported (see there what it does and does not
+    share with a fresh interpreter)."""
 
     def __init__(self):
         import json
@@ -203,11 +203,11 @@ class _Zygote:
         except subprocess.TimeoutExpired:
             self.process.kill()
 
-    def serves(self, env: dict) -> bool:
-        """Whether a script with `env` may be forked from here: its environment differs from the
-        zygote's only in what the libraries read when a script runs, not when they are imported."""
-        keys = set(env) | set(self.env)
-        return all(env.get(key) == self.env.get(key) for key in keys - READ_AT_RUN_TIME)
+    def differing(self, env: dict) -> list[str]:
+        """What `env` sets otherwise than the zygote's environment, beyond what the libraries read
+        when a script runs (:data:`READ_AT_RUN_TIME`): a script with it is not forked from here."""
+        return sorted(key for key in (set(env) | set(self.env)) - READ_AT_RUN_TIME
+                      if env.get(key) != self.env.get(key))
 
     def start(self, args: list[str], env: dict, stdout: str, stderr: str) -> _Forked:
         request = {"argv": args[1:], "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
@@ -247,7 +247,7 @@ def start_script(args: list[str], env: dict, stdout, stderr):
     and `stderr`): forked from the zygote where its environment allows (tests/zygote.py), else a
     fresh interpreter. ``SFT_PLAY_TESTS_FRESH=1`` starts every one fresh."""
     zygote = _zygote()
-    if zygote is not None and zygote.serves(env):
+    if zygote is not None and not zygote.differing(env):
         try:
             return zygote.start(args, env, stdout.name, stderr.name)
         except (OSError, RuntimeError, TimeoutError) as exc:  # it ended or stopped answering: fresh from now on
@@ -258,10 +258,8 @@ def start_script(args: list[str], env: dict, stdout, stderr):
             zygote.process.kill()
             zygote = None
     if zygote is not None:  # which scripts start fresh, and why: the session folder's fresh.log
-        differing = sorted(k for k in set(env) | set(zygote.env)
-                           if k not in READ_AT_RUN_TIME and env.get(k) != zygote.env.get(k))
         with open(_SESSION_DIR / "fresh.log", "a") as log:
-            log.write(f"{' '.join(args[1:3])}: {differing}\n")
+            log.write(f"{' '.join(args[1:3])}: {zygote.differing(env)}\n")
     return subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, text=True, env=env)
 
 
