@@ -176,7 +176,7 @@ def planned_order(fields: dict, threshold: int = COMPARE_FROM) -> list[tuple[str
 
     sys.path.insert(0, str(REPO))
     from sft_play.planner import Target
-    from sft_play.planner.predict import _replay
+    from sft_play.planner.predict import replay_step
 
     shape = lease.Shape(**fields)
     folder = lease.model_folder(lease.shape_task(shape, 1))
@@ -184,7 +184,7 @@ def planned_order(fields: dict, threshold: int = COMPARE_FROM) -> list[tuple[str
     # the order does not depend on the GPU's size: any CUDA target resolves the same run
     _, model, run = planner_accuracy.resolved(case, shape.micro, Target(1, 80 << 30, "NVIDIA H100 80GB HBM3"))
     log: list = []
-    _replay(model, run, shape.micro, False, None, log=log)
+    replay_step(model, run, shape.micro, False, None, log=log)
     sizes: dict = {}
     order = []
     for entry in log:

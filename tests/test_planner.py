@@ -110,7 +110,7 @@ def test_neftune_draws_its_noise_beside_the_embedding_output():
     """transformers' NEFTune hook adds zeros_like(output).uniform_() to the embedding output: two
     tensors of the output's size while the original is alive, neither kept for backward."""
     from sft_play.planner import resolve_for
-    from sft_play.planner.predict import _replay
+    from sft_play.planner.predict import replay_step
 
     overrides = ("finetune.method=lora", "lora.r=16", "train.micro_batch_size=2", "data.max_seq_length=1024")
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
@@ -121,7 +121,7 @@ def test_neftune_draws_its_noise_beside_the_embedding_output():
         run = resolve_for(config, gpu, None, shape)
         assert run.neftune == bool(alpha)
         logs[alpha] = []
-        _replay(shape, run, 2, False, None, logs[alpha])
+        replay_step(shape, run, 2, False, None, logs[alpha])
     embedding_output = 2 * 1024 * 4096 * 2  # b x s x h in bf16 (the LoRA base's dtype)
     sized = {alpha: sum(1 for e in log if e[0] == "a" and e[2] == embedding_output) for alpha, log in logs.items()}
     assert sized[5] == sized[None] + 2 * 2  # noise and noised output, in each of the two replayed steps

@@ -181,7 +181,7 @@ REPLAYS = [0]  # allocator replays so far in this process: what planning costs, 
 def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
     recipe = recipe_for(run)
     outside = memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured)
-    unlimited = _replay(shape, run, micro_batch, accumulating, None)
+    unlimited = replay_step(shape, run, micro_batch, accumulating, None)
     fits = None
     result = unlimited
     if budget is not None:
@@ -189,7 +189,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
         if not fits and unlimited.peak_allocated + outside <= budget:
             # The live tensors fit but the cache does not: the real allocator releases its cache
             # before it gives up, so replay with the budget as the limit
-            limited = _replay(shape, run, micro_batch, accumulating, max(0, budget - outside))
+            limited = replay_step(shape, run, micro_batch, accumulating, max(0, budget - outside))
             fits = not limited.out_of_memory
             if fits:
                 result = limited
@@ -208,8 +208,10 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits)
 
 
-def _replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None,
-            log: list | None = None):
+def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None,
+                log: list | None = None):
+    """One training step of `run` at `micro_batch` replayed through the simulated allocator
+    (`capacity` bytes, None: unlimited); `log` collects its allocation events when given."""
     REPLAYS[0] += 1
     trace = traced_layers(trace_spec(run, micro_batch), run.sequence.tokens)
     spec = StepSpec(
