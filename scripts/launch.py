@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sft_play import cli, launch
 from sft_play import config as config_module
+from sft_play.parallelism import Strategy
 
 
 def visible_gpu_count() -> int:
@@ -48,11 +49,11 @@ def main() -> int:
     parser.add_argument("--tensorboard", action="store_true", help="serve TensorBoard while training runs")
     args = parser.parse_args()
     config = config_module.load(args.config, args.overrides)  # fail before starting anything
-    if args.deepspeed and config.distributed.strategy == "fsdp2":
+    if args.deepspeed and Strategy(config.distributed.strategy).fsdp:
         raise cli.UserError("make train-deepspeed trains with DeepSpeed, and the config says "
                             "distributed.strategy=fsdp2: use make train-distributed for FSDP2, or set "
                             "distributed.strategy=deepspeed_zero2 (or deepspeed_zero3)")
-    if args.deepspeed and not config.distributed.strategy.startswith("deepspeed"):
+    if args.deepspeed and not Strategy(config.distributed.strategy).deepspeed:
         print(f"distributed.strategy {config.distributed.strategy} -> deepspeed_zero2 (make train-deepspeed)", flush=True)
         args.overrides.append("distributed.strategy=deepspeed_zero2")
         config = config_module.load(args.config, args.overrides)
@@ -73,7 +74,7 @@ def main() -> int:
             print(message, flush=True)
         if args.launcher == "accelerate":
             command = launch.accelerate_command(topology, args.config, args.overrides, Path(args.accelerate_config),
-                                                timeouts, sharded=config.distributed.strategy == "fsdp2")
+                                                timeouts, sharded=Strategy(config.distributed.strategy).fsdp)
         else:
             command = launch.torchrun_command(topology, args.config, args.overrides, timeouts)
         print(f"launching {topology.world_size} process(es) on {topology.nnodes} node(s) "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play.config import load
+from sft_play.parallelism import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +387,7 @@ def layout_differences(checkpoint: Path, world_size: int, strategy: str) -> list
         changed.append(f"processes: {saved_world} wrote it, {world_size} now (NUM_GPUS x NNODES)")
     if saved_strategy is not None:
         same = (saved_strategy == strategy if saved_strategy != "deepspeed"
-                else strategy.startswith("deepspeed"))
+                else Strategy(strategy).deepspeed)  # an older marker names only the family
         if not same:
             changed.append(f"distributed.strategy: {saved_strategy!r} wrote it, {strategy!r} now")
     return changed

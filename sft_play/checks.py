@@ -14,6 +14,7 @@ from pathlib import Path
 from sft_play.config import ConfigError, RunConfig
 from sft_play.errors import UserError
 from sft_play.hardware import HardwareInfo
+from sft_play.parallelism import Strategy
 from sft_play.units import GIB, MIB
 
 REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"
@@ -77,7 +78,7 @@ def _needs(config: RunConfig, package: str) -> bool:
     if package == "bitsandbytes":
         return config.finetune.method == "qlora" or "8bit" in config.train.optimizer
     if package == "deepspeed":
-        return config.distributed.strategy.startswith("deepspeed")
+        return Strategy(config.distributed.strategy).deepspeed
     return True
 
 

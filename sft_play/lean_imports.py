@@ -1,14 +1,15 @@
 """A process does not import the kernel packages it will not use.
 
-bitsandbytes costs about 2 s of every process's start on 2 cores (on import it registers its CPU
-operators through torch's inductor), and peft imports it whenever it is installed. Only QLoRA and
-the 8-bit optimizers use it; a planning process never does (QLoRA is planned from transformers'
-rule for which linears it would quantise, on meta-device linears). Such processes see it as
-absent: ``importlib.util.find_spec`` answers None, as peft and transformers ask.
+bitsandbytes is slow to import (on import it registers its CPU operators through torch's
+inductor), and peft imports it whenever it is installed. Only QLoRA and the 8-bit optimizers use
+it; a planning process never does (QLoRA is planned from transformers' rule for which linears it
+would quantise, on meta-device linears). Such processes see it as absent:
+``importlib.util.find_spec`` answers None, as peft and transformers ask.
 
 DeepSpeed the same way: accelerate imports it in every training process where it is installed
-(``extract_model_from_parallel``, which TRL's SFTTrainer calls through ``is_peft_model``), about
-0.5 s of CPU on 2 cores of an AVX2-only EPYC; only the DeepSpeed strategies use it.
+(``extract_model_from_parallel``, which TRL's SFTTrainer calls through ``is_peft_model``); only
+the DeepSpeed strategies use it. What each import costs a process's start is measured in
+docs/reports/test_suite.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play import config as config_module
+from sft_play.parallelism import Strategy
 
 
 def needs_bitsandbytes(config: Any) -> bool:
@@ -28,7 +30,7 @@ def needs_bitsandbytes(config: Any) -> bool:
 
 def needs_deepspeed(config: Any) -> bool:
     """Whether training `config` uses DeepSpeed: its strategy, the one place that decides it."""
-    return config.distributed.strategy.startswith("deepspeed")
+    return Strategy(config.distributed.strategy).deepspeed
 
 
 def for_training(config: Any) -> None:

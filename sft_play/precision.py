@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sft_play.config import RunConfig
+from sft_play.parallelism import Strategy
 
 MixedPrecision = Literal["bf16", "fp16", "no"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -65,7 +66,7 @@ def resolve_precision(config: RunConfig, has_gpu: bool, bf16_supported: bool) ->
     """
     mixed = config.train.mixed_precision
     warning = None
-    if not has_gpu and config.distributed.strategy.startswith("deepspeed"):
+    if not has_gpu and Strategy(config.distributed.strategy).deepspeed:
         # DeepSpeed without GPUs (its CPU accelerator, for trying the launch path) trains in fp32:
         # transformers allows 16-bit autocast without a GPU only with use_cpu, which DeepSpeed's
         # process group cannot use

@@ -11,7 +11,7 @@ describe a different run from the one that trains:
 | optimizer | trainer arguments, planner, disk check |
 | attention kernel | loader, collator, planner |
 | batch layout and whether attention gets a mask | collator, planner |
-| world size, strategy, offload, DeepSpeed bucket sizes, FSDP2 resharding | trainer arguments, planner |
+| parallelism (:class:`sft_play.parallelism.Parallelism`: strategy, world size, offload, ZeRO buckets, FSDP2 resharding) | trainer arguments, planner |
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
 | kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
@@ -39,6 +39,7 @@ from typing import Any, Literal
 from sft_play import architecture, hardware
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
+from sft_play.parallelism import Parallelism, Strategy
 from sft_play.precision import Precision, resolve_optimizer, resolve_precision
 
 CPU_ENV = "SFT_PLAY_CPU"  # "1": train in CPU processes even where GPUs are visible (the launchers' CPU=1)
@@ -84,25 +85,24 @@ class Placement:
     """Where the training processes run, decided before the process group forms."""
 
     on_cuda: bool
-    deepspeed: bool
-    fsdp: bool = False
-    fsdp_offload: bool = False  # FSDP2 keeps parameters, gradients and states in CPU memory
+    strategy: Strategy = Strategy()
+    offload_parameters: bool = False  # FSDP2: parameters, gradients and states in CPU memory
 
     @property
     def fsdp_on_cpu(self) -> bool:
         """FSDP2 in CPU processes: accelerate turns FSDP on only for GPU-type processes, so the
         trainer configures it (:func:`sft_play.training.shard_on_cpu`)."""
-        return not self.on_cuda and self.fsdp
+        return not self.on_cuda and self.strategy.fsdp
 
     @property
     def cpu_processes(self) -> bool:
         """accelerate's ``cpu`` (gloo DDP without CUDA). DeepSpeed brings its own CPU accelerator
         (``DS_ACCELERATOR=cpu``) and must not be told."""
-        return not self.on_cuda and not self.deepspeed
+        return not self.on_cuda and not self.strategy.deepspeed
 
     @property
     def deepspeed_on_cpu(self) -> bool:
-        return not self.on_cuda and self.deepspeed
+        return not self.on_cuda and self.strategy.deepspeed
 
     @property
     def backend(self) -> str | None:
@@ -112,7 +112,7 @@ class Placement:
         accelerate's choice (nccl on GPUs, gloo on CPUs)."""
         if self.deepspeed_on_cpu:
             return "gloo"
-        if self.on_cuda and self.fsdp and self.fsdp_offload:
+        if self.on_cuda and self.strategy.fsdp and self.offload_parameters:
             return "cuda:nccl,cpu:gloo"
         return None
 
@@ -124,9 +124,7 @@ def placement(config: RunConfig) -> Placement:
     import torch
 
     on_cuda = torch.cuda.is_available() and os.environ.get(CPU_ENV) != "1"
-    strategy = config.distributed.strategy
-    return Placement(on_cuda=on_cuda, deepspeed=strategy.startswith("deepspeed"), fsdp=strategy == "fsdp2",
-                     fsdp_offload=strategy == "fsdp2" and config.distributed.offload_parameters)
+    return Placement(on_cuda, Strategy(config.distributed.strategy), config.distributed.offload_parameters)
 
 
 def allocator_settings(config: RunConfig, on_cuda: bool) -> str | None:
@@ -155,10 +153,7 @@ class Run:
     attention: str  # flash_attention_2, flex_attention, sdpa or eager
     collator: Collator
     uniform_rows: bool  # every row one example of one length: no packing boundaries, no padding
-    world_size: int
-    strategy: str
-    offload_optimizer: bool
-    offload_parameters: bool
+    parallel: Parallelism
     on_cuda: bool
     gradient_checkpointing: bool
     sequence: SequenceLength
@@ -170,11 +165,8 @@ class Run:
     compile_layers: bool = False  # torch.compile each decoder layer
     liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
     expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
-    reduce_bucket_elements: int | None = None  # DeepSpeed reduce_bucket_size, as the trainer fills it
-    allgather_bucket_elements: int | None = None
     batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
     experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
-    reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
     # What was measured on the GPUs that train outside PyTorch's allocator, as pairs of
     # (processes of the measuring run, or "probe"; bytes): hardware.HardwareInfo.outside_allocator.
     # Empty: nothing measured (the planner's constants); planner.memory.outside_allocator decides
@@ -186,35 +178,21 @@ class Run:
     loraplus_lr_ratio: float | None = None  # LoRA+: the B matrices' learning rate over the A matrices'
 
     @property
-    def deepspeed(self) -> bool:
-        return self.strategy.startswith("deepspeed")
-
-    @property
-    def fsdp(self) -> bool:
-        return self.strategy == "fsdp2"
-
-    @property
     def fsdp_checkpointing(self) -> bool:
         """Activation checkpointing by FSDP's own wrapper (accelerate's: it does not preserve the
         random state, so a recomputed dropout would draw other masks than the forward did);
         with LoRA dropout on, transformers' non-reentrant checkpointing, which preserves it, at
         the cost of one more all-gather per layer in backward."""
-        return self.fsdp and self.gradient_checkpointing and not (self.lora is not None and self.lora.dropout > 0)
-
-    @property
-    def computes_in_gathered_copies(self) -> bool:
-        """The layers compute on 16-bit copies of the parameters (with mixed precision): DeepSpeed
-        casts the module to the compute dtype, FSDP2 all-gathers in it (its ``param_dtype``)."""
-        return self.deepspeed or self.fsdp
+        return self.parallel.fsdp and self.gradient_checkpointing and not (self.lora is not None and self.lora.dropout > 0)
 
     @property
     def placement(self) -> Placement:
-        return Placement(on_cuda=self.on_cuda, deepspeed=self.deepspeed, fsdp=self.fsdp,
-                         fsdp_offload=self.fsdp and self.offload_parameters)
+        return Placement(self.on_cuda, self.parallel.strategy, self.parallel.offload_parameters)
 
     def to_dict(self) -> dict[str, Any]:
         """The run as JSON-ready data (``run.json`` in the run folder)."""
         data = dataclasses.asdict(self)
+        data["parallel"]["strategy"] = self.parallel.strategy.name
         data["precision"]["compute_dtype"] = self.precision.compute_dtype
         return data
 
@@ -314,7 +292,7 @@ def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, 
     """ZeRO's reduce and all-gather bucket sizes in elements, as the trainer will fill them:
     transformers replaces ``reduce_bucket_size: "auto"`` by hidden_size^2; the all-gather bucket
     is read from the JSON (DeepSpeed's default 5e8 when absent)."""
-    if not config.distributed.strategy.startswith("deepspeed"):
+    if not Strategy(config.distributed.strategy).deepspeed:
         return None, None
     try:
         zero = json.loads(Path(config.distributed.deepspeed_config).read_text()).get("zero_optimization", {})
@@ -356,7 +334,7 @@ def resolve(
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
         cuda_capability: the training GPUs' compute capability (None: unknown, taken as Hopper's).
     """
-    if config.distributed.strategy == "fsdp2" and config.distributed.offload_parameters and not on_cuda:
+    if Strategy(config.distributed.strategy).fsdp and config.distributed.offload_parameters and not on_cuda:
         from sft_play.errors import UserError
 
         raise UserError("distributed.offload_parameters under FSDP2 moves the shards between CPU and GPU memory "
@@ -373,7 +351,6 @@ def resolve(
         adapter = "bfloat16"  # TRL casts QLoRA adapters to bf16 (QLoRA paper, section 3)
     else:
         adapter = "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
-    reduce_bucket, allgather_bucket = deepspeed_buckets(config, hidden)
     moe = _experts(facts) > 1
     return Run(
         method=method,
@@ -383,10 +360,7 @@ def resolve(
         attention=attention,
         collator=collator_kind(config.data.packing, attention),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
-        world_size=world_size,
-        strategy=config.distributed.strategy,
-        offload_optimizer=config.distributed.offload_optimizer or config.distributed.offload_parameters,
-        offload_parameters=config.distributed.offload_parameters,
+        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, hidden)),
         on_cuda=on_cuda,
         gradient_checkpointing=config.train.gradient_checkpointing,
         sequence=sequence_length(config, data_stats),
@@ -398,10 +372,7 @@ def resolve(
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
         expandable_segments=allocator_settings(config, on_cuda) is not None,
-        reduce_bucket_elements=reduce_bucket,
-        allgather_bucket_elements=allgather_bucket,
         experts=experts_kernel(on_cuda, precision) if moe else None,
-        reshard_after_forward=config.distributed.reshard_after_forward,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
         cublas_workspace_bytes=hardware.cublas_workspace_bytes(

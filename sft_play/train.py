@@ -28,6 +28,7 @@ from sft_play import callbacks, checkpoints, checks, data, hardware, memory_chec
 from sft_play.config import RunConfig
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
+from sft_play.parallelism import Strategy
 from sft_play.planner import report
 from sft_play.run import Placement, Run, allocator_settings, placement
 from sft_play.stopping import EXIT_INTERRUPTED, EXIT_LOST_PEER, resume_command
@@ -38,7 +39,7 @@ logger = logging.getLogger("sft_play.train")
 def train(config: RunConfig, config_path: str) -> int:
     """Train the run `config` describes; returns the exit status (0, or 75 after a stop that
     saved). User errors are raised as :class:`sft_play.errors.UserError`."""
-    if config.distributed.strategy.startswith("deepspeed"):
+    if Strategy(config.distributed.strategy).deepspeed:
         if "RANK" not in os.environ:  # DeepSpeed needs a launcher to form its process group
             raise UserError(
                 f"distributed.strategy={config.distributed.strategy} runs under a launcher: use "
@@ -47,7 +48,7 @@ def train(config: RunConfig, config_path: str) -> int:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
     else:  # an accelerate config file's DeepSpeed does not overrule the run's strategy (nor import it)
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
-    if config.distributed.strategy == "fsdp2" and "RANK" not in os.environ:  # FSDP shards over a process group
+    if Strategy(config.distributed.strategy).fsdp and "RANK" not in os.environ:  # FSDP shards over a process group
         raise UserError(
             f"distributed.strategy=fsdp2 runs under a launcher: use make train-distributed CONFIG={config_path} "
             "(NUM_GPUS=N; CPU=1 without GPUs), not make train"
@@ -92,7 +93,7 @@ def train(config: RunConfig, config_path: str) -> int:
     # only its partition, instead of every process holding the whole model in host memory
     # (kept alive to the end: transformers holds only a weak reference to the config)
     zero3_arguments = (training.sft_arguments(config, run, run_dir, bundle.validation is not None)
-                       if run.strategy == "deepspeed_zero3" else None)
+                       if run.parallel.strategy.zero3 else None)
     base = model.load_model(config, run, device=f"cuda:{state.local_process_index}" if where.on_cuda else "cpu")
     if zero3_arguments is not None and state.is_main_process:
         partitioned = all(hasattr(p, "ds_id") for p in base.parameters())
@@ -103,10 +104,10 @@ def train(config: RunConfig, config_path: str) -> int:
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,
-        watch_gradients=not (run.deepspeed or run.fsdp) and run.precision.mixed != "fp16",
+        watch_gradients=not run.parallel.strategy.shards_states and run.precision.mixed != "fp16",
     )
     faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
-    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.strategy)
+    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.parallel.strategy.name)
     patience = config.train.early_stopping_patience
     early = [callbacks.EarlyStopping(patience)] if patience and bundle.validation is not None else []
     make_trainer = training.trainer_factory(
@@ -115,7 +116,7 @@ def train(config: RunConfig, config_path: str) -> int:
          *early],
     )
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
-        if run.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
+        if run.parallel.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
             if state.is_main_process:
                 logger.warning("planner.calibrate is not done under FSDP2 (it shards the model in place); "
                                "planning analytically")
@@ -306,7 +307,7 @@ def announce(state: PartialState, run: Run, plan: Any) -> None:
     logger.info(
         "%d process(es) on %d node(s), %s, strategy %s, mixed precision %s (%s), weights %s, attention %s, "
         "optimizer %s",
-        state.num_processes, nodes, state.distributed_type, run.strategy, precision.mixed, precision.reason,
+        state.num_processes, nodes, state.distributed_type, run.parallel.strategy.name, precision.mixed, precision.reason,
         precision.weights_dtype, run.attention, run.optimizer,
     )
     if precision.warning:
@@ -338,7 +339,7 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
     if not state.is_main_process:
         return
     in_step = len(set(fingerprints)) == 1
-    if run.strategy not in ("deepspeed_zero3", "fsdp2"):  # their ranks hold different shards
+    if not run.parallel.strategy.shards_parameters:  # their ranks hold different shards
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
     early = next((c for c in trainer.callback_handler.callbacks

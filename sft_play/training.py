@@ -35,19 +35,18 @@ def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
     config: micro-batch, accumulation, clipping, precision, bucket sizes), switched to stage 3
     for ``deepspeed_zero3`` and with optimizer states in CPU memory for
     ``distributed.offload_optimizer``. None for DDP."""
-    strategy = run.strategy
-    if not run.deepspeed:
+    if not run.parallel.deepspeed:
         return None
     ds = json.loads(Path(config.distributed.deepspeed_config).read_text())
     zero = ds.setdefault("zero_optimization", {})
-    if strategy == "deepspeed_zero3":
+    if run.parallel.strategy.zero3:
         zero["stage"] = 3
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             zero.setdefault(key, "auto")
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
-    if run.offload_parameters:
+    if run.parallel.offload_parameters:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if run.offload_optimizer:
+    if run.parallel.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
@@ -55,7 +54,7 @@ def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
     if "optimizer" in ds and run.loraplus_lr_ratio:
         # DeepSpeed then builds the optimizer itself, from this block, without LoRA+'s groups
         raise UserError(f"lora.loraplus_lr_ratio needs the optimizer the trainer makes, and DeepSpeed builds its own "
-                        f"here ({'optimizer offload' if run.offload_optimizer else 'the optimizer block of ' + config.distributed.deepspeed_config}): "
+                        f"here ({'optimizer offload' if run.parallel.offload_optimizer else 'the optimizer block of ' + config.distributed.deepspeed_config}): "
                         "leave LoRA+ out, or train without optimizer offload (and without an optimizer block)")
     return ds
 
@@ -81,7 +80,7 @@ def pin_mixed_precision(run: Run) -> None:
     os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
     # The same for FSDP: an accelerate config file that says FSDP exports ACCELERATE_USE_FSDP,
     # which turns FSDP on for a ddp run; an fsdp2 run passes its own plugin (fsdp_settings)
-    os.environ["ACCELERATE_USE_FSDP"] = "true" if run.fsdp else "false"
+    os.environ["ACCELERATE_USE_FSDP"] = "true" if run.parallel.fsdp else "false"
 
 
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
@@ -94,15 +93,15 @@ def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
     sharded checkpoints (``torch.distributed.checkpoint``: every rank writes its own shard);
     parameters, gradients and optimizer states in CPU memory with
     ``offload_parameters``."""
-    if not run.fsdp:
+    if not run.parallel.fsdp:
         return None
     return {
         "version": 2,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "transformer_layer_cls_to_wrap": layer_classes,
-        "reshard_after_forward": run.reshard_after_forward,
+        "reshard_after_forward": run.parallel.reshard_after_forward,
         "activation_checkpointing": run.fsdp_checkpointing,
-        "cpu_offload": run.offload_parameters,
+        "cpu_offload": run.parallel.offload_parameters,
         "state_dict_type": "SHARDED_STATE_DICT",
     }
 
@@ -113,7 +112,7 @@ def fsdp_mixed_precision(run: Run, quant_storage: str | None = None) -> dict[str
     fp32 keeps FSDP2's loss with theirs). QLoRA gathers in the packed weights' storage dtype
     (`quant_storage`): FSDP2 casts what it gathers to ``param_dtype`` by value, which would
     destroy packed 4-bit weights stored in another dtype."""
-    if not run.fsdp or run.precision.mixed == "no":
+    if not run.parallel.fsdp or run.precision.mixed == "no":
         return None
     import torch
 
@@ -186,7 +185,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         dataloader_pin_memory=run.on_cuda,
         use_cpu=run.placement.cpu_processes,
         deepspeed=deepspeed_config(config, run),
-        fsdp=True if run.fsdp else None,
+        fsdp=True if run.parallel.fsdp else None,
         fsdp_config=fsdp_settings(run, layer_classes or []),
         accelerator_config=accelerator_settings(run),
     )
@@ -203,7 +202,7 @@ def accelerator_settings(run: Run) -> dict[str, Any] | None:
         # keep the process group (and, for FSDP2, the state shard_on_cpu configures) the training
         # flow set up: transformers would otherwise re-form it and see one process or plain DDP
         settings["use_configured_state"] = True
-    if run.fsdp:
+    if run.parallel.fsdp:
         # Reduce-scatter every micro-batch: each rank keeps only its gradient shard. Without it
         # accelerate skips the sync between micro-batches, and FSDP2 then holds every layer's
         # unsharded gradient until the step: the whole model's gradients on each GPU.
@@ -256,7 +255,7 @@ def trainer_factory(
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
     trainer_class = _trainer_class()
     held = {"model": model, "peft_config": lora_config(run)}
-    layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.fsdp else None
+    layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.parallel.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
 
     def make(this_run: Run, **overrides: Any) -> Any:
@@ -339,7 +338,7 @@ def measure_peaks(make_trainer: Callable[..., Any], run: Run, micros: tuple[int,
 
     peaks = {}
     for micro in micros:
-        trial = run.with_changes(batch=BatchSplit(micro, 1, run.world_size, micro * run.world_size))
+        trial = run.with_changes(batch=BatchSplit(micro, 1, run.parallel.world_size, micro * run.parallel.world_size))
         trainer = make_trainer(trial, max_steps=steps, learning_rate=0.0,
                                save_strategy="no", report_to="none", logging_strategy="no", eval_strategy="no")
         torch.cuda.empty_cache()

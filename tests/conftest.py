@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -411,3 +412,12 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     make = training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, collator, callbacks)
     make.run = run  # the resolved run; tests give it a batch split: make.run.with_changes(batch=...)
     return make
+
+
+def with_parallel(recipe, strategy: str | None = None, **changes):
+    """`recipe` (a planner recipe or a run) with its parallelism changed: ``strategy`` by name."""
+    from sft_play.parallelism import Strategy
+
+    if strategy is not None:
+        changes["strategy"] = Strategy(strategy)
+    return dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, **changes))

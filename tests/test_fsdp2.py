@@ -22,7 +22,7 @@ from sft_play.planner.shapes import model_shape
 from sft_play.planner.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
 from sft_play.units import GIB
-from tests.conftest import LORA, PINNED, REPO, TINY_FULL
+from tests.conftest import LORA, PINNED, REPO, TINY_FULL, with_parallel
 
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
 
@@ -182,9 +182,9 @@ def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
     root = shape.params_by_kind["lm_head"] + shape.hidden_size
     assert sum(memory.fsdp_step_gathered_tensors(shape)) == root
     assert memory.weights_bytes(shape, recipe) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
-    kept = dataclasses.replace(recipe, reshard_after_forward=False)
+    kept = with_parallel(recipe, reshard_after_forward=False)
     assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + root) * 2
-    offloaded = dataclasses.replace(recipe, offload_parameters=True)
+    offloaded = with_parallel(recipe, offload_parameters=True)
     assert memory.weights_bytes(shape, offloaded) == (2 * layer + root) * 2
     assert memory.gradient_bytes(shape, offloaded) == memory.optimizer_state_bytes(shape, offloaded) == 0
     assert 0 < memory.fsdp_buffer_bytes(shape, recipe) < layer * 8
@@ -198,7 +198,7 @@ def test_fsdp2_communicates_every_micro_batch():
     # all-gathers for forward and backward in bf16, the reduce-scatter in fp32, 7/8 of each
     assert one == pytest.approx(7 / 8 * (2 * 2 * shape.total_params + 4 * shape.trainable_params))
     assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(4 * one)
-    once = gradient_traffic_bytes(shape, run.with_changes(reshard_after_forward=False), 1)
+    once = gradient_traffic_bytes(shape, with_parallel(run, reshard_after_forward=False), 1)
     assert once == pytest.approx(7 / 8 * (2 * shape.total_params + 4 * shape.trainable_params))
 
 

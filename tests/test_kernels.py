@@ -159,12 +159,12 @@ def test_expandable_segments_are_set_before_cuda_starts(monkeypatch):
     monkeypatch.setattr(train_flow, "PartialState", lambda **kwargs: seen.append(
         (kwargs, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=True, deepspeed=False))
+    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=True))
     assert seen[-1][1] == "max_split_size_mb:512,expandable_segments:True"
     assert seen[-1][0]["cpu"] is False
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
-    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=False, deepspeed=False))
+    train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=False))
     assert seen[-1][1] == "" and seen[-1][0]["cpu"] is True  # no CUDA: nothing to set
     run = resolve(load("train.expandable_segments=true"), on_cuda=True, bf16_supported=True, world_size=1)
     assert run.expandable_segments  # what the plan's notes read

@@ -184,7 +184,7 @@ def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_run
     assert "2 process(es) on 1 node(s), DistributedType.MULTI_CPU" in output
     check_two_rank_run(run_dir, output)  # identical weights, disjoint rows, checkpoints, one report
     recorded = json.loads((run_dir / "run.json").read_text())
-    assert recorded["experts"] == "eager" and recorded["world_size"] == 2
+    assert recorded["experts"] == "eager" and recorded["parallel"]["world_size"] == 2
     adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
 

@@ -59,7 +59,7 @@ def test_cpu_processes_beside_a_visible_gpu(monkeypatch):
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env[CPU_ENV] == "1" and env["DS_ACCELERATOR"] == "cpu"
     monkeypatch.setenv(CPU_ENV, "1")  # what the training processes see
     ddp, zero2 = placement(load()), placement(load("distributed.strategy=deepspeed_zero2"))
-    assert ddp == Placement(on_cuda=False, deepspeed=False) and ddp.cpu_processes and ddp.backend is None
+    assert ddp == Placement(on_cuda=False) and ddp.cpu_processes and ddp.backend is None
     assert not zero2.on_cuda and zero2.deepspeed_on_cpu and zero2.backend == "gloo" and not zero2.cpu_processes
     # and what the trainer is told follows from it
     config = load()

@@ -13,7 +13,7 @@ from sft_play.planner import Target, make_plan, memory, model_shape, target_for
 from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.search import shorter_lengths
 from sft_play.planner.shapes import ModelShape
-from tests.conftest import run_scripts_together
+from tests.conftest import run_scripts_together, with_parallel
 
 GIB = 1024**3
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model_configs"
@@ -191,44 +191,44 @@ def test_gradients_and_optimizer_states():
 
 
 def test_zero_shards_gradients_states_masters_and_parameters():
-    zero2 = dataclasses.replace(FULL, world_size=4, strategy="deepspeed_zero2")
+    zero2 = with_parallel(FULL, world_size=4, strategy="deepspeed_zero2")
     assert memory.weights_bytes(SHAPE, zero2) == 2_000_000  # DeepSpeed holds the 16-bit copy
     assert memory.gradient_bytes(SHAPE, zero2) == 2_000_000 // 4
     assert memory.optimizer_state_bytes(SHAPE, zero2) == 8_000_000 // 4
     assert memory.master_weights_bytes(SHAPE, zero2) == 4_000_000 // 4
     # reduce bucket (h^2 by default, double-buffered) and all-gather bucket, both in 16 bits
     assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64 + 2 * 64 * 64
-    sized = dataclasses.replace(zero2, reduce_bucket_elements=10_000, allgather_bucket_elements=5 * 10**8)
+    sized = with_parallel(zero2, reduce_bucket_elements=10_000, allgather_bucket_elements=5 * 10**8)
     assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 10_000 + 2 * 1_000_000  # capped at the parameters
-    offload = dataclasses.replace(zero2, offload_optimizer=True)
+    offload = with_parallel(zero2, offload_optimizer=True)
     assert memory.optimizer_state_bytes(SHAPE, offload) == memory.master_weights_bytes(SHAPE, offload) == 0
     # the gradient partition lives in CPU memory too: ZeRO-2 stages through one GPU buffer of the
     # largest trainable tensor (16-bit), ZeRO-3 holds none on the GPU
     tensors = dataclasses.replace(SHAPE, other_tensors=[100_000, 100_000],  # embeddings, head; 2 layers of 400,000:
                                   layer_tensors=[(150_000, True), (150_000, True), (100_000, True)])
     assert memory.gradient_bytes(tensors, offload) == 2 * 150_000 < memory.gradient_bytes(tensors, zero2)
-    assert memory.gradient_bytes(tensors, dataclasses.replace(offload, strategy="deepspeed_zero3")) == 0
-    zero3 = dataclasses.replace(zero2, strategy="deepspeed_zero3")
+    assert memory.gradient_bytes(tensors, with_parallel(offload, strategy="deepspeed_zero3")) == 0
+    zero3 = with_parallel(zero2, strategy="deepspeed_zero3")
     deep = dataclasses.replace(SHAPE, num_layers=32)  # ZeRO-3 gathers two layers at a time
     per_layer = (2_000_000 - 2 * 100_000) // 32
     assert memory.weights_bytes(deep, zero3) == 2_000_000 // 4 + 2 * per_layer
-    offloaded = dataclasses.replace(zero3, offload_parameters=True)  # only the gathered layers stay
+    offloaded = with_parallel(zero3, offload_parameters=True)  # only the gathered layers stay
     assert memory.weights_bytes(deep, offloaded) == 2 * per_layer
 
 
 def test_host_memory_per_node_while_loading_and_while_offloaded():
     # 1,000,000 parameters on 2 nodes of 4 processes: a node holds half the partitions
-    world = dataclasses.replace(FULL, world_size=8)
+    world = with_parallel(FULL, world_size=8)
     assert memory.host_bytes_per_node(SHAPE, world, 4) == (0, 0)  # DDP: loaded straight onto each GPU
-    zero3 = dataclasses.replace(world, strategy="deepspeed_zero3")
+    zero3 = with_parallel(world, strategy="deepspeed_zero3")
     # under zero.Init each process gathers a layer at a time: (1,000,000 - 100,000 embeddings) / 2 layers, fp32
     assert memory.host_bytes_per_node(SHAPE, zero3, 4) == (4 * 450_000 * 4, 0)
-    offload = dataclasses.replace(world, strategy="deepspeed_zero2", offload_optimizer=True)
+    offload = with_parallel(world, strategy="deepspeed_zero2", offload_optimizer=True)
     # fp32 masters, gradients and Adam's two states, and a 16-bit gradient partition
     assert memory.host_bytes_per_node(SHAPE, offload, 4) == (0, (16 + 2) * 1_000_000 // 2)
-    parameters = dataclasses.replace(zero3, offload_optimizer=True, offload_parameters=True)
+    parameters = with_parallel(zero3, offload_optimizer=True, offload_parameters=True)
     assert memory.host_bytes_per_node(SHAPE, parameters, 4) == (4 * 450_000 * 4, (16 + 2 + 2) * 1_000_000 // 2)
-    fsdp = dataclasses.replace(LORA, world_size=8, strategy="fsdp2", offload_parameters=True)
+    fsdp = with_parallel(LORA, world_size=8, strategy="fsdp2", offload_parameters=True)
     frozen = LORA_SHAPE.total_params - LORA_SHAPE.trainable_params
     assert memory.host_bytes_per_node(LORA_SHAPE, fsdp, 4) == (0, (16 * 10_000 + 2 * frozen) // 2)
 
@@ -251,8 +251,8 @@ def test_a_plan_says_the_host_memory_a_node_needs():
 
 def test_ddp_buckets_and_nccl_only_with_several_processes():
     assert memory.ddp_bucket_bytes(SHAPE, FULL) == 0
-    assert memory.ddp_bucket_bytes(SHAPE, dataclasses.replace(FULL, world_size=2)) == 4_000_000
-    two = dataclasses.replace(FULL, world_size=2)
+    assert memory.ddp_bucket_bytes(SHAPE, with_parallel(FULL, world_size=2)) == 4_000_000
+    two = with_parallel(FULL, world_size=2)
     assert memory.outside_allocator_bytes(two) - memory.outside_allocator_bytes(FULL) == memory.NCCL_BYTES
     assert memory.outside_allocator_bytes(FULL, on_cuda=False) == 0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sft_play import chat_templates
 from sft_play.config.schema import RunConfig
+from sft_play.parallelism import Strategy
 
 def _looks_like_local_path(text: str) -> bool:
     return (
@@ -81,7 +82,7 @@ def path_problems(config: RunConfig) -> list[str]:
     elif template and not chat_templates.is_inline_template(template) and chat_templates.named_template(template) is None:
         problems.append(f"data.chat_template: '{template}' is no template name we know, nor a .jinja file, nor inline "
                         f"Jinja; the names: {', '.join(chat_templates.chat_template_names())}")
-    if config.distributed.strategy.startswith("deepspeed") and not os.path.isfile(config.distributed.deepspeed_config):
+    if Strategy(config.distributed.strategy).deepspeed and not os.path.isfile(config.distributed.deepspeed_config):
         problems.append(f"distributed.deepspeed_config: file '{config.distributed.deepspeed_config}' does not exist")
     return problems
 

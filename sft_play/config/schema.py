@@ -13,6 +13,8 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from sft_play.parallelism import Strategy, StrategyName
+
 Auto = Literal["auto"]
 
 
@@ -236,7 +238,7 @@ class TrainConfig(_Section):
 class DistributedConfig(_Section):
     """How work is shared between processes."""
 
-    strategy: Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"] = Field(
+    strategy: StrategyName = Field(
         "ddp", description="ddp: replicate; deepspeed_zero2: shard gradients and optimizer states; deepspeed_zero3: "
         "shard the parameters too (deepspeed_* run with make train-deepspeed); fsdp2: PyTorch's own full "
         "sharding of parameters, gradients and optimizer states, per decoder layer (make train-distributed)."
@@ -330,26 +332,26 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "
             "needs float32 master weights); use torch_dtype float32 or bfloat16"
         )
-    strategy = config.distributed.strategy
-    if method == "qlora" and strategy in ("deepspeed_zero3", "fsdp2") and config.quantization.quant_storage == "uint8":
+    strategy = Strategy(config.distributed.strategy)
+    if method == "qlora" and strategy.shards_parameters and config.quantization.quant_storage == "uint8":
         problems.append(
-            f"quantization.quant_storage: QLoRA under {'ZeRO-3' if strategy == 'deepspeed_zero3' else 'FSDP2'} needs "
+            f"quantization.quant_storage: QLoRA under {strategy.label} needs "
             "the packed 4-bit weights stored in the compute dtype so they can be sharded; set "
             "quantization.quant_storage=bfloat16"
         )
-    if config.distributed.offload_parameters and strategy not in ("deepspeed_zero3", "fsdp2"):
+    if config.distributed.offload_parameters and not strategy.shards_parameters:
         problems.append(
             "distributed.offload_parameters: parameters are offloaded by ZeRO-3 or FSDP2 only; set "
             "distributed.strategy=deepspeed_zero3 (make train-deepspeed) or fsdp2 (make train-distributed)"
         )
-    if strategy == "fsdp2" and method != "full" and "lm_head" in (config.lora.modules_to_save or []):
+    if strategy.fsdp and method != "full" and "lm_head" in (config.lora.modules_to_save or []):
         problems.append(
             "lora.modules_to_save: under FSDP2 a trainable copy of lm_head is sharded on its own, and TRL's loss "
             "reads its weight outside its forward (gathered by hand), so each rank keeps its own unaveraged "
             "gradient for its shard (measured: grad norm 4.33 against 4.27 for DDP and one process); remove "
             "lm_head from lora.modules_to_save, or use ddp or deepspeed_* for it"
         )
-    if config.distributed.offload_optimizer and strategy == "ddp":
+    if config.distributed.offload_optimizer and not strategy.shards_states:
         problems.append(
             "distributed.offload_optimizer: DDP keeps the optimizer on the GPU (this would be ignored); DeepSpeed "
             "offloads it: set distributed.strategy=deepspeed_zero2 (make train-deepspeed), or FSDP2 with "
@@ -358,13 +360,13 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.min_lr_ratio and train.lr_scheduler != "cosine":
         problems.append(f"train.min_lr_ratio: a floor for the cosine schedule only (train.lr_scheduler is "
                         f"{train.lr_scheduler}); set train.lr_scheduler=cosine, or leave min_lr_ratio at 0")
-    if (method != "full" and config.lora.loraplus_lr_ratio and strategy.startswith("deepspeed")
+    if (method != "full" and config.lora.loraplus_lr_ratio and strategy.deepspeed
             and config.distributed.offload_optimizer):
         problems.append(
             "lora.loraplus_lr_ratio: with distributed.offload_optimizer DeepSpeed builds its own optimizer on the "
             "CPU, without LoRA+'s parameter groups; leave one of them out"
         )
-    if strategy == "fsdp2" and config.distributed.offload_optimizer and not config.distributed.offload_parameters:
+    if strategy.fsdp and config.distributed.offload_optimizer and not config.distributed.offload_parameters:
         problems.append(
             "distributed.offload_optimizer: FSDP2 offloads parameters, gradients and optimizer states together; "
             "set distributed.offload_parameters=true instead"

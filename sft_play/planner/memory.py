@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from sft_play.parallelism import Parallelism
 from sft_play.planner.shapes import ModelShape
 from sft_play.units import MIB
 
@@ -33,8 +34,6 @@ NCCL_BYTES = 320 * MIB
 # FSDP2): the one computing and the one prefetched
 LAYERS_IN_FLIGHT = 2
 
-Strategy = Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"]
-
 
 @dataclass(frozen=True)
 class Recipe:
@@ -48,17 +47,11 @@ class Recipe:
     compute_bytes: int  # bytes of activations under autocast (2) or in fp32 (4)
     mixed_precision: bool  # autocast on
     optimizer: str
-    world_size: int = 1
-    strategy: Strategy = "ddp"
-    offload_optimizer: bool = False
-    offload_parameters: bool = False  # ZeRO-3 keeps the parameters in CPU memory (FSDP2: with gradients and states)
-    reshard_after_forward: bool = True  # FSDP2: a layer's gathered parameters are freed after its forward
+    parallel: Parallelism = Parallelism()  # ZeRO's buckets None: hidden_size^2, as transformers fills 'auto'
     double_quant: bool = True
     lora_dropout: bool = False
     lora_rank: int = 0
     adapter_bytes: int = 4  # peft keeps LoRA weights in fp32; TRL casts QLoRA's to bf16
-    reduce_bucket_elements: int = 0  # ZeRO's reduce_bucket_size (elements); 0: hidden_size^2
-    allgather_bucket_elements: int = 0  # ZeRO's allgather_bucket_size (elements); 0: hidden_size^2
 
     @property
     def trainable_bytes(self) -> int:
@@ -70,22 +63,18 @@ class Recipe:
         fp32 before sharding them (accelerate's ``fsdp2_prepare_model``; not QLoRA's), and
         computes on 16-bit gathered copies.
         """
-        if self.deepspeed:
+        if self.parallel.deepspeed:
             return self.compute_bytes
-        if self.fsdp and self.mixed_precision and self.method != "qlora":
+        if self.parallel.fsdp and self.mixed_precision and self.method != "qlora":
             return 4
         return self.weight_bytes if self.method == "full" else self.adapter_bytes
 
     @property
-    def fsdp(self) -> bool:
-        return self.strategy == "fsdp2"
-
-    @property
     def stored_bytes(self) -> int:
         """Bytes per element of the frozen or full weights as stored on the GPU (or their shards)."""
-        if self.deepspeed:
+        if self.parallel.deepspeed:
             return self.compute_bytes
-        if self.fsdp and self.method == "full":
+        if self.parallel.fsdp and self.method == "full":
             return self.trainable_bytes
         return self.weight_bytes
 
@@ -94,33 +83,9 @@ class Recipe:
         """Bytes per element of a layer's parameters while it computes: ZeRO-3 gathers the 16-bit
         copies it holds; FSDP2 all-gathers in its ``param_dtype`` (the compute dtype with mixed
         precision, the stored dtype without)."""
-        if self.fsdp and self.mixed_precision:
+        if self.parallel.fsdp and self.mixed_precision:
             return self.compute_bytes
         return self.stored_bytes
-
-    @property
-    def deepspeed(self) -> bool:
-        return self.strategy.startswith("deepspeed")
-
-    @property
-    def shards(self) -> int:
-        """How many ways ZeRO splits gradients and optimizer states (1 under DDP)."""
-        return self.world_size if self.deepspeed or self.fsdp else 1
-
-    @property
-    def weight_shards(self) -> int:
-        """How many ways the parameters themselves are split (ZeRO-3 and FSDP2)."""
-        return self.world_size if self.strategy in ("deepspeed_zero3", "fsdp2") else 1
-
-    @property
-    def sharded_gradients(self) -> bool:
-        """Each parameter's gradient leaves the GPU's working set as its layer finishes backward,
-        reduced into this rank's shard (ZeRO's partition, FSDP2's reduce-scatter every micro-batch)."""
-        return self.deepspeed or self.fsdp
-
-    @property
-    def parameters_on_gpu(self) -> bool:
-        return not self.offload_parameters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,19 +112,19 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
         stored = shape.quantized_params // 2 + quantization_constants_bytes(shape, recipe) + rest * recipe.weight_bytes
     else:
         stored = shape.total_params * base_bytes
-    if recipe.weight_shards > 1 or recipe.offload_parameters:
-        kept = 0 if recipe.offload_parameters else stored // recipe.weight_shards
-        if recipe.fsdp:
-            layers = shape.num_layers if not recipe.reshard_after_forward else LAYERS_IN_FLIGHT
-            if recipe.method == "qlora" and not recipe.offload_parameters:  # the constants are not sharded
+    if recipe.parallel.weight_shards > 1 or recipe.parallel.offload_parameters:
+        kept = 0 if recipe.parallel.offload_parameters else stored // recipe.parallel.weight_shards
+        if recipe.parallel.fsdp:
+            layers = shape.num_layers if not recipe.parallel.reshard_after_forward else LAYERS_IN_FLIGHT
+            if recipe.method == "qlora" and not recipe.parallel.offload_parameters:  # the constants are not sharded
                 constants = quantization_constants_bytes(shape, recipe)
-                kept = (stored - constants) // recipe.weight_shards + constants
+                kept = (stored - constants) // recipe.parallel.weight_shards + constants
             root = sum(fsdp_step_gathered_tensors(shape))
             stored = kept + layers * gathered_layer_bytes(shape, recipe) + root * recipe.gathered_bytes
         else:
             per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
             stored = kept + LAYERS_IN_FLIGHT * per_layer
-    return stored + adapters // (recipe.weight_shards if recipe.fsdp else 1)
+    return stored + adapters // (recipe.parallel.weight_shards if recipe.parallel.fsdp else 1)
 
 
 def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
@@ -220,13 +185,13 @@ def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
     through one GPU staging buffer the size of the largest trainable tensor in the 16-bit dtype
     (``temp_grad_buffer_for_gpu_offload``, ``stage_1_and_2.py``; for LoRA the adapters beyond the
     linears count as one tensor here, so the buffer is over- rather than underestimated)."""
-    if recipe.fsdp and recipe.offload_parameters:
+    if recipe.parallel.fsdp and recipe.parallel.offload_parameters:
         return 0
-    if recipe.deepspeed and recipe.offload_optimizer:
-        if recipe.strategy == "deepspeed_zero3":
+    if recipe.parallel.deepspeed and recipe.parallel.offload_optimizer:
+        if recipe.parallel.strategy.zero3:
             return 0
         return max(trainable_tensors(shape, recipe), default=0) * recipe.trainable_bytes
-    return shape.trainable_params * recipe.trainable_bytes // recipe.shards
+    return shape.trainable_params * recipe.trainable_bytes // recipe.parallel.state_shards
 
 
 def linear_adapter_tensors(shape: ModelShape) -> list[int]:
@@ -279,10 +244,10 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
     SGD without momentum: none. Adafactor: factored second moments, about 4 bytes x (rows +
     columns) per matrix, taken as 4 bytes x trainable / h. Offloaded to the CPU: none on the GPU.
     """
-    if (recipe.offload_optimizer and recipe.deepspeed) or (recipe.fsdp and recipe.offload_parameters):
+    if (recipe.parallel.offload_optimizer and recipe.parallel.deepspeed) or (recipe.parallel.fsdp and recipe.parallel.offload_parameters):
         return 0
     n = shape.trainable_params
-    state = 4 if recipe.deepspeed else recipe.trainable_bytes
+    state = 4 if recipe.parallel.deepspeed else recipe.trainable_bytes
     per_param = {
         "adamw_torch": 2 * state,
         "adamw_torch_fused": 2 * state,
@@ -291,8 +256,8 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
         "sgd": 0,
     }.get(recipe.optimizer)
     if per_param is None:  # adafactor
-        return 4 * n // max(1, shape.hidden_size) // recipe.shards
-    return int(n * per_param) // recipe.shards
+        return 4 * n // max(1, shape.hidden_size) // recipe.parallel.state_shards
+    return int(n * per_param) // recipe.parallel.state_shards
 
 
 def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: int) -> tuple[int, int]:
@@ -310,15 +275,15 @@ def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: i
     FSDP2 with ``offload_parameters`` its parameter, gradient and state shards. DeepSpeed's own
     estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
     add a buffer factor of 1.5 on top of such terms."""
-    share = processes_per_node / max(1, recipe.world_size)  # of the partitions, on this node
+    share = processes_per_node / max(1, recipe.parallel.world_size)  # of the partitions, on this node
     loading = (largest_layer_params(shape) * recipe.weight_bytes * processes_per_node
-               if recipe.strategy == "deepspeed_zero3" else 0)
+               if recipe.parallel.strategy.zero3 else 0)
     training = 0
-    if recipe.deepspeed and recipe.offload_optimizer:
+    if recipe.parallel.deepspeed and recipe.parallel.offload_optimizer:
         training = (16 + recipe.compute_bytes) * shape.trainable_params
-        if recipe.offload_parameters:
+        if recipe.parallel.offload_parameters:
             training += recipe.compute_bytes * shape.total_params
-    elif recipe.fsdp and recipe.offload_parameters:
+    elif recipe.parallel.fsdp and recipe.parallel.offload_parameters:
         frozen = shape.total_params - shape.trainable_params
         training = 16 * shape.trainable_params + frozen * recipe.weight_bytes
     return int(loading), int(training * share)
@@ -328,9 +293,9 @@ def master_weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """fp32 master copy of the trainable parameters. Our DDP recipe has none (full fine-tuning
     trains fp32 weights directly; adapters are their own masters); DeepSpeed keeps one in its
     optimizer, partitioned across ranks (and in CPU memory with offload)."""
-    if not recipe.deepspeed or (recipe.offload_optimizer and recipe.deepspeed):
+    if not recipe.parallel.deepspeed or (recipe.parallel.offload_optimizer and recipe.parallel.deepspeed):
         return 0
-    return shape.trainable_params * 4 // recipe.shards
+    return shape.trainable_params * 4 // recipe.parallel.state_shards
 
 
 def optimizer_step_bytes(shape: ModelShape, recipe: Recipe) -> int:
@@ -338,10 +303,10 @@ def optimizer_step_bytes(shape: ModelShape, recipe: Recipe) -> int:
     builds one state-sized intermediate for a parameter group (``_foreach_sqrt`` of exp_avg_sq,
     then updated in place); the fused kernel works in place; DeepSpeed converts this rank's
     gradient partition to fp32 first."""
-    n = shape.trainable_params // recipe.shards
-    if recipe.deepspeed:
-        return 0 if recipe.offload_optimizer else 4 * n
-    if recipe.fsdp and recipe.offload_parameters:
+    n = shape.trainable_params // recipe.parallel.state_shards
+    if recipe.parallel.deepspeed:
+        return 0 if recipe.parallel.offload_optimizer else 4 * n
+    if recipe.parallel.fsdp and recipe.parallel.offload_parameters:
         return 0
     if recipe.optimizer == "adamw_torch":
         return n * recipe.trainable_bytes
@@ -356,7 +321,7 @@ def ddp_bucket_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """DDP's reducer keeps flat gradient buckets covering every trainable parameter (a second copy
     of the gradients, since transformers leaves ``gradient_as_bucket_view`` off); one process
     needs none (PyTorch ``DistributedDataParallel``, ``reducer.cpp``)."""
-    if recipe.world_size <= 1 or recipe.sharded_gradients:
+    if recipe.parallel.world_size <= 1 or recipe.parallel.strategy.shards_states:
         return 0
     return shape.trainable_params * recipe.trainable_bytes
 
@@ -366,12 +331,12 @@ def fsdp_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
     dtype (fp32: :func:`sft_play.training.fsdp_mixed_precision`) while the 16-bit one it came
     from is freed, plus the shard it produces; the all-gather input (the layer's shard in the
     ``param_dtype``). PyTorch ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``."""
-    if not recipe.fsdp:
+    if not recipe.parallel.fsdp:
         return 0
     layer = largest_layer_params(shape)
     trainable_layer = layer if recipe.method == "full" else shape.lora_params // max(1, shape.num_layers)
     reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
-    world = max(1, recipe.world_size)
+    world = max(1, recipe.parallel.world_size)
     return trainable_layer * reduce_bytes * (world + 1) // world + layer * recipe.gathered_bytes // world
 
 
@@ -380,18 +345,18 @@ def zero_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
     (``reduce_bucket_size``, as the run resolves it: transformers fills 'auto' with h^2) and the
     all-gather bucket for the updated parameters (``allgather_bucket_size``), in the 16-bit dtype
     (deepspeed/runtime/zero/stage_1_and_2.py), neither larger than the trainable parameters."""
-    if not recipe.deepspeed:
+    if not recipe.parallel.deepspeed:
         return 0
     squared = shape.hidden_size * shape.hidden_size
-    reduce_bucket = min(recipe.reduce_bucket_elements or squared, shape.trainable_params)
-    allgather_bucket = min(recipe.allgather_bucket_elements or squared, shape.trainable_params)
+    reduce_bucket = min(recipe.parallel.reduce_bucket_elements or squared, shape.trainable_params)
+    allgather_bucket = min(recipe.parallel.allgather_bucket_elements or squared, shape.trainable_params)
     return 2 * (2 * reduce_bucket) + 2 * allgather_bucket
 
 
 def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True, measured: tuple | dict = ()) -> int:
     """What a process holds outside PyTorch's allocator (the CUDA context, NCCL's buffers), from
     what was measured on the GPUs that train (:func:`outside_allocator`)."""
-    return outside_allocator(recipe.world_size, on_cuda, measured)[0]
+    return outside_allocator(recipe.parallel.world_size, on_cuda, measured)[0]
 
 
 def outside_allocator(world_size: int, on_cuda: bool, measured: tuple | dict = ()) -> tuple[int, str]:

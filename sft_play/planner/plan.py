@@ -365,7 +365,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
                      "model.attn_implementation=flex_attention, runs the window without one")
     notes.extend(kernel_notes(config, run))
     if target.on_cuda and target.source == "detected":
-        outside, source = memory.outside_allocator(run.world_size, True, run.outside_allocator_measured)
+        outside, source = memory.outside_allocator(run.parallel.world_size, True, run.outside_allocator_measured)
         notes.append(f"outside PyTorch's allocator: {outside / GIB:.2f} GiB per process, {source}")
     if config.model.attn_implementation == "auto" and target.source not in ("detected", "host memory") \
             and run.attention == "sdpa" and run.on_cuda:
@@ -396,7 +396,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     if shape.num_experts and run.method == "qlora":
         notes.append(f"QLoRA quantises the linear layers only: the {shape.expert_params:,} parameters of the fused "
                      f"experts (3-D tensors bitsandbytes does not quantise) stay in {run.precision.weights_dtype}")
-    if shape.num_experts and run.world_size > 1:
+    if shape.num_experts and run.parallel.world_size > 1:
         notes.append("experts are replicated (DDP) or sharded like any weight (ZeRO); expert parallelism is not "
                      "offered: for a model whose experts do not fit, ZeRO-3 shards them")
     return notes, warnings
@@ -418,7 +418,7 @@ def host_memory(shape: ModelShape, run: Run, target: Target) -> tuple[int, str |
         parts.append(f"{training / GIB:.1f} GiB offloaded while training")
     if not parts:
         return 0, None
-    allowance = " (DeepSpeed's own estimators allow 1.5x that)" if recipe.deepspeed else ""
+    allowance = " (DeepSpeed's own estimators allow 1.5x that)" if recipe.parallel.deepspeed else ""
     return max(loading, training), "host memory per node: " + "; ".join(parts) + allowance
 
 

@@ -51,17 +51,11 @@ def recipe_for(run: Run) -> memory.Recipe:
         compute_bytes=DTYPE_BYTES[precision.compute_dtype],
         mixed_precision=precision.mixed != "no",
         optimizer=run.optimizer,
-        world_size=run.world_size,
-        strategy=run.strategy,  # type: ignore[arg-type]
-        offload_optimizer=run.offload_optimizer,
-        offload_parameters=run.offload_parameters,
-        reshard_after_forward=run.reshard_after_forward,
+        parallel=run.parallel,
         double_quant=run.double_quant,
         lora_dropout=bool(run.lora and run.lora.dropout > 0),
         lora_rank=run.lora.r if run.lora else 0,
         adapter_bytes=DTYPE_BYTES[run.adapter_dtype],
-        reduce_bucket_elements=run.reduce_bucket_elements or 0,
-        allgather_bucket_elements=run.allgather_bucket_elements or 0,
     )
 
 
@@ -73,14 +67,14 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
     return (memory.weights_bytes(shape, recipe) + memory.optimizer_state_bytes(shape, recipe)
             + memory.master_weights_bytes(shape, recipe) + memory.ddp_bucket_bytes(shape, recipe)
             + memory.zero_buffer_bytes(shape, recipe) + memory.fsdp_buffer_bytes(shape, recipe)
-            + (memory.gradient_bytes(shape, recipe) if recipe.fsdp else 0)
+            + (memory.gradient_bytes(shape, recipe) if recipe.parallel.fsdp else 0)
             + memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured))
 
 
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
     precision = run.precision
     residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
-    if run.computes_in_gathered_copies:  # DeepSpeed casts the module to the compute dtype, FSDP2 gathers in it
+    if run.parallel.computes_in_gathered_copies:  # DeepSpeed casts the module to the compute dtype, FSDP2 gathers in it
         residual = precision.compute_dtype
     return TraceSpec(
         name_or_path=run.model,
@@ -88,7 +82,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         trust_remote_code=run.trust_remote_code,
         method=run.method,
         weights_dtype=residual,
-        adapter_dtype=(precision.compute_dtype if run.computes_in_gathered_copies and run.method != "full"
+        adapter_dtype=(precision.compute_dtype if run.parallel.computes_in_gathered_copies and run.method != "full"
                        else run.adapter_dtype),
         compute_dtype=precision.compute_dtype if precision.mixed != "no" else None,
         attention=run.attention,

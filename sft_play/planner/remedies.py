@@ -16,6 +16,7 @@ from typing import Any
 from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
+from sft_play.parallelism import Strategy
 from sft_play.planner.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
@@ -89,6 +90,10 @@ def _multi_gpu(target: Any) -> bool:
     return target.world_size > 1
 
 
+def _strategy(config: RunConfig) -> Strategy:
+    return Strategy(config.distributed.strategy)
+
+
 # Cheapest change first: what a remedy costs the user (speed, fidelity, money) grows down the list
 REMEDIES: tuple[Remedy, ...] = (
     Remedy("planner's micro-batch", "the micro-batch that fits, with more accumulation for the same global batch",
@@ -104,16 +109,16 @@ REMEDIES: tuple[Remedy, ...] = (
            ("model.torch_dtype=bfloat16",), "train",
            lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t)),
     Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
-           "train-deepspeed", lambda c, t: _multi_gpu(t) and c.distributed.strategy == "ddp"),
+           "train-deepspeed", lambda c, t: _multi_gpu(t) and not _strategy(c).shards_states),
     Remedy("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
            ("distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"), "train-deepspeed",
            lambda c, t: _full(c) and not c.distributed.offload_optimizer),
     Remedy("ZeRO-3", "shard the parameters too (DeepSpeed stage 3)", ("distributed.strategy=deepspeed_zero3",),
            "train-deepspeed",
-           lambda c, t: _multi_gpu(t) and c.distributed.strategy != "deepspeed_zero3" and c.finetune.method != "qlora"),
+           lambda c, t: _multi_gpu(t) and not _strategy(c).zero3 and c.finetune.method != "qlora"),
     Remedy("FSDP2", "shard parameters, gradients and optimizer states with PyTorch's FSDP2 (no DeepSpeed)",
            ("distributed.strategy=fsdp2",), "train-distributed",
-           lambda c, t: _multi_gpu(t) and c.distributed.strategy != "fsdp2" and c.finetune.method != "qlora"
+           lambda c, t: _multi_gpu(t) and not _strategy(c).fsdp and c.finetune.method != "qlora"
            and not (c.finetune.method == "lora" and "lm_head" in (c.lora.modules_to_save or []))),
     Remedy("parameter offload", "ZeRO-3 with parameters and optimizer states in CPU memory (much slower; "
            "needs CPU memory for them)",
@@ -123,11 +128,11 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
            lambda c, t: _full(c)),
     Remedy("QLoRA instead of LoRA", "adapters on a 4-bit base", ("finetune.method=qlora",), "train",
-           lambda c, t: c.finetune.method == "lora" and c.distributed.strategy != "deepspeed_zero3"),
+           lambda c, t: c.finetune.method == "lora" and not _strategy(c).zero3),
     Remedy("shorter sequences", "halve data.max_seq_length", (), "train",
            lambda c, t: c.data.max_seq_length > 256, halve_sequence=True),
     Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding", ("distributed.strategy=deepspeed_zero2",),
-           "train-deepspeed", lambda c, t: c.distributed.strategy == "ddp", gpu_factor=2),
+           "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),
 )
 
 

@@ -124,8 +124,8 @@ def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) 
 def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
     """Parameters as loaded, adapters, and the buffers distributed training allocates up front."""
     base_bytes = recipe.stored_bytes
-    shards = recipe.weight_shards
-    if recipe.parameters_on_gpu:
+    shards = recipe.parallel.weight_shards
+    if not recipe.parallel.offload_parameters:
         for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
             run.new(numel * base_bytes / shards, "weights")
         for index in range(shape.num_layers):
@@ -135,24 +135,24 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
                     run.new(_quant_constant_bytes(numel, recipe), "weights")
                 else:
                     run.new(numel * base_bytes / shards, "weights")
-    adapter_shards = shards if recipe.fsdp else 1
+    adapter_shards = shards if recipe.parallel.fsdp else 1
     for numel in memory.adapter_tensors(shape):
         run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
-    if shards > 1 or not recipe.parameters_on_gpu:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
+    if shards > 1 or recipe.parallel.offload_parameters:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
         layer = memory.largest_layer_params(shape)
         gathered = memory.LAYERS_IN_FLIGHT
-        if recipe.fsdp and not recipe.reshard_after_forward:
+        if recipe.parallel.fsdp and not recipe.parallel.reshard_after_forward:
             gathered = shape.num_layers  # each kept from its forward to its backward
-        layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.fsdp else layer * recipe.gathered_bytes
+        layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.parallel.fsdp else layer * recipe.gathered_bytes
         for _ in range(gathered):
             run.new(layer_bytes, "weights")
-        if recipe.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
+        if recipe.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
             for numel in memory.fsdp_step_gathered_tensors(shape):
                 run.new(numel * recipe.gathered_bytes, "weights")
-    if recipe.fsdp:
+    if recipe.parallel.fsdp:
         _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's shard
         _chunked(run, memory.fsdp_buffer_bytes(shape, recipe), "fsdp_buffers")
-    if recipe.deepspeed:
+    if recipe.parallel.deepspeed:
         _chunked(run, memory.master_weights_bytes(shape, recipe), "master_weights")
         _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's averaged partition
         _chunked(run, memory.zero_buffer_bytes(shape, recipe), "zero_buffers")
@@ -179,7 +179,7 @@ def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) ->
     total = memory.optimizer_state_bytes(shape, recipe)
     if not total:
         return
-    if recipe.deepspeed:
+    if recipe.parallel.deepspeed:
         _chunked(run, total, "optimizer_states")
         return
     tensors = memory.trainable_tensors(shape, recipe)
@@ -192,7 +192,7 @@ def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) ->
 def _held_gradients(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> list:
     """The gradients earlier micro-batches of the step left (ZeRO and FSDP2 keep only their
     shard, already counted)."""
-    if recipe.sharded_gradients:
+    if recipe.parallel.strategy.shards_states:
         return []
     return [run.new(numel * recipe.trainable_bytes, "gradients") for numel in memory.trainable_tensors(shape, recipe)]
 
@@ -215,7 +215,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     recipe = spec.recipe
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     residual = 2 if recipe.method == "qlora" else (
-        recipe.compute_bytes if recipe.deepspeed else recipe.gathered_bytes if recipe.fsdp else recipe.weight_bytes)
+        recipe.compute_bytes if recipe.parallel.deepspeed else recipe.gathered_bytes if recipe.parallel.fsdp else recipe.weight_bytes)
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
@@ -277,7 +277,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(run, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
         parameter_grads = [_name(names, g, i) for g in layer.persistent]
-        if recipe.sharded_gradients or not keep_grads:
+        if recipe.parallel.strategy.shards_states or not keep_grads:
             # ZeRO copies them into its reduction bucket, FSDP2 reduce-scatters them into its
             # shard; a later micro-batch adds them into the gradients of the first: either way
             # they go as the layer finishes
@@ -285,22 +285,22 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         else:
             grads += parameter_grads
     run.free(incoming)
-    if recipe.method == "full" and not recipe.deepspeed:
+    if recipe.method == "full" and not recipe.parallel.deepspeed:
         # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
         # FSDP2 gathers an untied embedding again for its backward and reduce-scatters the
         # gradient (transients in its param_dtype)
         gathered_embedding = _gather_embedding(run, shape, recipe)
-        embedding = run.new(shape.vocab_size * h * (recipe.gathered_bytes if recipe.fsdp else recipe.trainable_bytes),
+        embedding = run.new(shape.vocab_size * h * (recipe.gathered_bytes if recipe.parallel.fsdp else recipe.trainable_bytes),
                             "gradients")
         run.free(gathered_embedding)
-        if shape.tie_word_embeddings or recipe.fsdp:
+        if shape.tie_word_embeddings or recipe.parallel.fsdp:
             run.free(embedding)
         else:
             grads.append(embedding)
     run.free(*rotary, *masks, *batch)
     if layers[0].input_kept:
         run.free(embeddings)
-    if recipe.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
+    if recipe.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
         run.free(*grads)
         return []
     return grads
@@ -309,7 +309,7 @@ def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
 def _gather_embedding(run: _Replay, shape: ModelShape, recipe: memory.Recipe):
     """FSDP2 (accelerate's units): an untied input embedding is a unit of its own, gathered
     around its own passes only. None otherwise."""
-    if not recipe.fsdp or shape.tie_word_embeddings:
+    if not recipe.parallel.fsdp or shape.tie_word_embeddings:
         return None
     return run.new(shape.params_by_kind.get("embeddings", 0) * recipe.gathered_bytes, "weights")
 
@@ -389,8 +389,8 @@ def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, 
 def _tile_casts(run: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
     h, c = shape.hidden_size, spec.recipe.compute_bytes
     recipe = spec.recipe
-    weight_bytes = recipe.gathered_bytes if recipe.fsdp else (
-        recipe.weight_bytes if recipe.method == "full" and not recipe.deepspeed else 2)
+    weight_bytes = recipe.gathered_bytes if recipe.parallel.fsdp else (
+        recipe.weight_bytes if recipe.method == "full" and not recipe.parallel.deepspeed else 2)
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
         chunk = run.new(rows * h * c, "logits_loss") if residual != c else None
@@ -416,12 +416,12 @@ def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
         head_grad = run.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
         # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
         # FSDP2 the weight is the gathered copy, in its param_dtype)
-        grad_bytes = recipe.gathered_bytes if recipe.fsdp else recipe.trainable_bytes
+        grad_bytes = recipe.gathered_bytes if recipe.parallel.fsdp else recipe.trainable_bytes
         if grad_bytes != 4:
             kept = run.new(shape.vocab_size * h * grad_bytes, "gradients")
             run.free(head_grad)
             head_grad = kept
-        if keep_grads and not recipe.deepspeed:
+        if keep_grads and not recipe.parallel.deepspeed:
             grads.append(head_grad)
         else:  # accumulated into the existing gradient, or reduced by ZeRO
             run.free(head_grad)

@@ -135,23 +135,23 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
     parameters all-gathered for the forward and again for the backward (once with
     ``reshard_after_forward`` off) in its ``param_dtype``, and the gradients reduce-scattered in
     fp32, (W - 1) / W of each."""
-    if run.world_size <= 1:
+    if run.parallel.world_size <= 1:
         return 0.0
     recipe = recipe_for(run)
-    share = (run.world_size - 1) / run.world_size
-    if run.fsdp:
-        gathers = 2 if run.reshard_after_forward else 1
+    share = (run.parallel.world_size - 1) / run.parallel.world_size
+    if run.parallel.fsdp:
+        gathers = 2 if run.parallel.reshard_after_forward else 1
         reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
         gathered = memory.fsdp_gathered_bytes(shape.total_params, shape.quantized_params, recipe)
         per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
         return share * per_micro * max(1, micro_batches)
     grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
-    if run.deepspeed:
+    if run.parallel.deepspeed:
         # ZeRO reduce-scatters the gradients after every micro-batch's backward (each rank keeps
         # its partition only); ZeRO-2 all-gathers the updated parameters once a step, ZeRO-3 gathers
         # the 16-bit parameters for every forward and backward instead
         reduced = shape.trainable_params * grad_bytes * max(1, micro_batches)
-        if run.strategy == "deepspeed_zero3":
+        if run.parallel.strategy.zero3:
             gathered = 2 * shape.total_params * recipe.compute_bytes * max(1, micro_batches)
         else:
             gathered = shape.trainable_params * grad_bytes
@@ -177,17 +177,17 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     if peak is None or not run.on_cuda:
         return None
     mfu, source = efficiency(run, device_name)
-    compute = tokens_per_step * flops_per_token(shape, run) / (run.world_size * peak * mfu)
-    link = "network" if run.world_size > gpus_per_node else interconnect
+    compute = tokens_per_step * flops_per_token(shape, run) / (run.parallel.world_size * peak * mfu)
+    link = "network" if run.parallel.world_size > gpus_per_node else interconnect
     traffic = gradient_traffic_bytes(shape, run, micro_batches)
     # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
-    communication = traffic / BANDWIDTH[link] * (0.25 if run.world_size > 1 else 0.0)
+    communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
     seconds = compute + communication
     sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})"]
     if traffic:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
-    if run.offload_optimizer or run.offload_parameters:
+    if run.parallel.offload_optimizer or run.parallel.offload_parameters:
         sources.append("not counted: CPU offload's transfers over PCIe and the optimizer's step on the CPU, which "
                        "make each step several times longer (not yet measured)")
     if shape.num_experts:
@@ -203,7 +203,7 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
         peak_flops=peak,
         steps=total_steps,
         wall_seconds=wall,
-        gpu_hours=wall * run.world_size / 3600 if wall else None,
+        gpu_hours=wall * run.parallel.world_size / 3600 if wall else None,
         sources=sources,
     )
 

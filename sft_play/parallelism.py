@@ -1,0 +1,118 @@
+"""How the processes of a run share the work, and what follows from it.
+
+Every question about the strategy ("is this DeepSpeed?", "are the parameters sharded?", "which make
+target launches it?") is answered here, once, by a property; the rest of the package asks, and
+never compares the strategy's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+StrategyName = Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"]
+STRATEGIES: tuple[StrategyName, ...] = ("ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One of :data:`STRATEGIES` and its facts."""
+
+    name: StrategyName = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.name!r}; expected one of {', '.join(STRATEGIES)}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def deepspeed(self) -> bool:
+        """Run by DeepSpeed's engine (ZeRO-2 or ZeRO-3), launched by ``make train-deepspeed``."""
+        return self.name.startswith("deepspeed")
+
+    @property
+    def fsdp(self) -> bool:
+        """PyTorch's FSDP2, through accelerate."""
+        return self.name == "fsdp2"
+
+    @property
+    def zero3(self) -> bool:
+        return self.name == "deepspeed_zero3"
+
+    @property
+    def shards_states(self) -> bool:
+        """Gradients and optimizer states are split across the processes (ZeRO, FSDP2)."""
+        return self.deepspeed or self.fsdp
+
+    @property
+    def shards_parameters(self) -> bool:
+        """The parameters themselves are split, and gathered layer by layer (ZeRO-3, FSDP2)."""
+        return self.zero3 or self.fsdp
+
+    @property
+    def label(self) -> str:
+        return {"ddp": "DDP", "deepspeed_zero2": "ZeRO-2", "deepspeed_zero3": "ZeRO-3", "fsdp2": "FSDP2"}[self.name]
+
+    @property
+    def make_target(self) -> str:
+        """The target that launches it on several processes."""
+        return "train-deepspeed" if self.deepspeed else "train-distributed"
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The run's share of the work: the strategy, the processes, what is offloaded and how
+    ZeRO buckets its communication."""
+
+    strategy: Strategy = Strategy()
+    world_size: int = 1
+    offload_optimizer: bool = False  # optimizer states in CPU memory (implied by offloaded parameters)
+    offload_parameters: bool = False  # ZeRO-3 / FSDP2: parameters in CPU memory (FSDP2: gradients, states too)
+    reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
+    reduce_bucket_elements: int | None = None  # ZeRO's reduce_bucket_size, as the trainer fills it
+    allgather_bucket_elements: int | None = None  # ZeRO's allgather_bucket_size
+
+    @classmethod
+    def from_config(cls, distributed: Any, world_size: int = 1,
+                    buckets: tuple[int | None, int | None] = (None, None)) -> Parallelism:
+        """From the config's ``distributed`` section (:class:`sft_play.config.schema.DistributedConfig`)."""
+        return cls(
+            strategy=Strategy(distributed.strategy),
+            world_size=world_size,
+            offload_optimizer=distributed.offload_optimizer or distributed.offload_parameters,
+            offload_parameters=distributed.offload_parameters,
+            reshard_after_forward=distributed.reshard_after_forward,
+            reduce_bucket_elements=buckets[0],
+            allgather_bucket_elements=buckets[1],
+        )
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.strategy.deepspeed
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy.fsdp
+
+    @property
+    def state_shards(self) -> int:
+        """How many ways gradients and optimizer states are split (1 under DDP)."""
+        return self.world_size if self.strategy.shards_states else 1
+
+    @property
+    def weight_shards(self) -> int:
+        """How many ways the parameters themselves are split (ZeRO-3 and FSDP2)."""
+        return self.world_size if self.strategy.shards_parameters else 1
+
+    @property
+    def computes_in_gathered_copies(self) -> bool:
+        """The layers compute on 16-bit copies of the parameters (with mixed precision): DeepSpeed
+        casts the module to the compute dtype, FSDP2 all-gathers in it (its ``param_dtype``)."""
+        return self.strategy.shards_states
+
+    @property
+    def fsdp_offload(self) -> bool:
+        """FSDP2 keeps parameters, gradients and optimizer states in CPU memory."""
+        return self.fsdp and self.offload_parameters
