@@ -109,13 +109,13 @@ planner-check: $(STAMP) ## The planner's error on your hardware: every run's pre
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)
 
-bench-gpu: $(STAMP) ## GPU truth in one lease: speed, memory, time; every figure kept as it comes, a second call goes on (CPU: a smoke run); writes docs/gpu_lease.md
+bench-gpu: $(STAMP) ## GPU truth in one lease: speed, memory, time; every figure kept as it comes, a second call goes on (CPU: a smoke run); writes docs/reports/gpu_lease.md
 	$(PY) bench/lease.py $(ARGS)
 
-bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/planner_accuracy.md
+bench-planner: $(STAMP) ## Measure the planner's accuracy on this GPU (CPU: a smoke run); writes docs/reports/planner_accuracy.md
 	$(PY) bench/planner_accuracy.py $(ARGS)
 
-bench-tiny: $(STAMP) ## make train's time and held-out answers per seed and CPU precision path (~15 min on 2 cores); writes docs/tiny_default.md
+bench-tiny: $(STAMP) ## make train's time and held-out answers per seed and CPU precision path (~15 min on 2 cores); writes docs/reports/tiny_default.md
 	$(PY) bench/tiny_default.py $(ARGS)
 
 clean: ## Remove run folders and pytest's cache (keeps .venv, and the data and planner caches in $SFT_PLAY_CACHE or ~/.cache/sft_play)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
+REPORTS = REPO / "docs" / "reports"  # where every bench writes its report by default
 
 
 def worker_env() -> dict[str, str]:

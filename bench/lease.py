@@ -32,12 +32,12 @@ Llama-3.1-8B LoRA, then P for six shapes of five families, two of them never mea
 --shape adds any config folder as a P task, first in phase 1. Without a GPU the same code runs a
 tiny shape on the CPU (phase 1: B, T, P; phase 2: A) and the report says no GPU figure exists.
 
-Usage: python bench/lease.py [--minutes 8] [--phase 1|all] [--state docs/gpu_lease.jsonl]
-                             [--output docs/gpu_lease.md] [--max-tasks N] [--keep-weights]
+Usage: python bench/lease.py [--minutes 8] [--phase 1|all] [--state docs/reports/gpu_lease.jsonl]
+                             [--output docs/reports/gpu_lease.md] [--max-tasks N] [--keep-weights]
                              [--shape FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N] ...]
 On the lent GPU machine (see docs/PLANNER.md, "Measuring on a GPU"): a second call continues
 from the rows of the first when they travel with it:
-  cp docs/gpu_lease.jsonl $OUT/ 2>/dev/null; python bench/lease.py --state $OUT/gpu_lease.jsonl --output $OUT/gpu_lease.md
+  cp docs/reports/gpu_lease.jsonl $OUT/ 2>/dev/null; python bench/lease.py --state $OUT/gpu_lease.jsonl --output $OUT/gpu_lease.md
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, import_training_stack, lean, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, run_worker, versions, worker_env  # bench/ is the script's folder
 
 GIB = 1024**3
 MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)
@@ -111,7 +111,7 @@ def gpu_plan() -> list[dict]:
     tasks += [shape_task(shape, 1) for shape in (
         Shape("gemma-2-9b", "lora", 2048, True, 8, layers=12),  # never measured: soft-capped logits, big vocabulary
         Shape("qwen3-30b-a3b", "lora", 2048, True, 8, layers=6),  # never measured: routed experts
-        Shape("llama-3.2-3b", "full", 2048, True, 4),  # full fine-tuning with checkpointing (issue 22's swing)
+        Shape("llama-3.2-3b", "full", 2048, True, 4),  # full fine-tuning with checkpointing (its predicted peak swung from one shape to the next)
         Shape("qwen2.5-0.5b", "full", 2048, True, 16),
         Shape("llama-3.1-8b", "lora", 4096, True, 2),
         Shape("mistral-7b-v0.1", "qlora", 2048, True, 4),
@@ -501,7 +501,7 @@ def render(rows: list[dict], state: Path) -> str:
                 lines += ["", "  The planner's order of allocations and frees of 16 MiB or more against the GPU's:", "",
                           "  ```", *(f"  {line}" for line in result["order"][:30]), "  ```", ""]
         lines.append("")
-    lines += ["Targets (issue 25, one H100): B >= 1.3x the best tuned TRL baseline on every row, with matching losses;",
+    lines += ["Targets (one H100): B >= 1.3x the best tuned TRL baseline on every row, with matching losses;",
               "MFU >= 45 % for 8B LoRA and >= 40 % for 0.5B full; predicted seconds per step within 15 % of measured;",
               "the planner's peak within its measured error (docs/PLANNER.md, section 6).", ""]
     built = [row for row in rows if row.get("kind") == "W"]
@@ -553,8 +553,8 @@ def main() -> int:
                         help="start no task after this many minutes, cut the one running (default 8 on a GPU)")
     parser.add_argument("--phase", choices=["1", "all"], default="all",
                         help="1: only the first report's tasks; all (default): phase 2 after them while time is left")
-    parser.add_argument("--state", default=str(REPO / "docs" / "gpu_lease.jsonl"), help="the rows (JSON lines)")
-    parser.add_argument("--output", default=str(REPO / "docs" / "gpu_lease.md"), help="the report")
+    parser.add_argument("--state", default=str(REPORTS / "gpu_lease.jsonl"), help="the rows (JSON lines)")
+    parser.add_argument("--output", default=str(REPORTS / "gpu_lease.md"), help="the report")
     parser.add_argument("--shape", action="append", default=[], metavar="SPEC",
                         help="also measure the planner on a config folder: FOLDER[,method=lora][,seq=2048][,ckpt=on]"
                              "[,micro=2][,layers=N] (first in phase 1; repeatable)")

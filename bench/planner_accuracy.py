@@ -21,7 +21,7 @@ exclude imports), reported as the median and the range of `--timing-runs` runs.
 
 Usage:
   python bench/planner_accuracy.py [--grid default|quick|cpu] [--search] [--timing-runs 5]
-                                   [--output docs/planner_accuracy.md]
+                                   [--output docs/reports/planner_accuracy.md]
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, import_training_stack, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
+from sft_play.parallelism import Strategy
 from sft_play.units import GIB
 
 
@@ -114,7 +115,7 @@ def _stats(case: Case, micro: int):
 
 def _single_process_launcher(config) -> None:
     """DeepSpeed forms its process group from a launcher's variables: one process's worth."""
-    if config.distributed.strategy.startswith("deepspeed"):
+    if Strategy(config.distributed.strategy).deepspeed:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 1000)})
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -155,7 +156,7 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows})
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, dataset, None, collator)
-    trainer = make(run.with_changes(batch=BatchSplit(micro, 1, 1, micro)))
+    trainer = make(BatchSplit(micro, 1, 1, micro))
     result: dict = {"ok": True, "context_bytes": int(context)}
     if on_cuda:
         result["weights_bytes"] = int(torch.cuda.memory_allocated())  # the model and its adapters, on the GPU
@@ -238,7 +239,7 @@ def largest_real_micro(case: Case, start: int, timeout: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default on a GPU, cpu without one")
-    parser.add_argument("--output", default=str(REPO / "docs" / "planner_accuracy.md"))
+    parser.add_argument("--output", default=str(REPORTS / "planner_accuracy.md"))
     parser.add_argument("--rows", help="also write the raw rows as JSON here (a fixture for the tests)")
     parser.add_argument("--search", action="store_true", help="also search the largest micro-batch that really fits")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
@@ -418,7 +419,7 @@ def render(rows, choices, facts, on_cuda, seconds, timings=(), device=None, vers
                       f"| wall seconds | {statistics.median(wall):.2f} | {wall[0]:.2f} | {wall[-1]:.2f} |",
                       "", f"Allocator replays per plan: {good[0]['replays']}."]
         lines += [f"Failed: {t['error']}" for t in timings if "error" in t]
-    lines += ["", "Targets (issue 11): peak median absolute error <= 3%, max <= 6%; no planned micro-batch that runs out",
+    lines += ["", "Targets: peak median absolute error <= 3%, max <= 6%; no planned micro-batch that runs out",
               "of memory; the planner's micro-batch >= 95% of the largest that really trains; planning a 70B",
               "config < 1 s on 2 CPU cores."]
     return "\n".join(lines) + "\n"

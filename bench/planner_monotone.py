@@ -11,13 +11,13 @@ checkpointing on and off, plans one 80 GiB GPU at micro-batches 1-4 and rows of 
 - the breakdown's terms add up to the peak.
 
 Planning is CPU work: the result does not depend on a GPU. `tests/test_planner_monotone.py`
-asserts the same on the cases that broke before the envelope (issue 22); this sweeps them all
-(7 min on 2 cores of an AMD EPYC, last run). Each combination's result is kept in `docs/planner_monotone.json`
-as it comes, with a hash of the planner's code: a second call goes on where the first stopped,
-and starts over when the code changed.
+asserts the same on the cases that broke before the envelope; this sweeps them all (minutes on 2
+cores; the report gives the time). Each combination's result is kept in
+`docs/reports/planner_monotone.json` as it comes, with a hash of the planner's code: a second call
+goes on where the first stopped, and starts over when the code changed.
 
 Usage:
-  python bench/planner_monotone.py [--output docs/planner_monotone.md] [--fresh]
+  python bench/planner_monotone.py [--output docs/reports/planner_monotone.md] [--fresh]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import CONFIGS, REPO, versions  # bench/ is the script's folder
+from _common import CONFIGS, REPO, REPORTS, versions  # bench/ is the script's folder
 from tiny_default import hardware_line
 
 from sft_play import config as config_module
@@ -84,7 +84,7 @@ def planner_code() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=REPO / "docs" / "planner_monotone.md")
+    parser.add_argument("--output", type=Path, default=REPORTS / "planner_monotone.md")
     parser.add_argument("--fresh", action="store_true", help="discard the rows kept by an earlier call")
     args = parser.parse_args(argv)
     kept_path = args.output.with_suffix(".json")

@@ -24,7 +24,7 @@ for B the planner's predicted peak and seconds per step. MFU: model FLOPs per to
 gradients) x tokens/s over the GPU's dense bf16 peak (peak_flops).
 
 `make bench-gpu` (bench/lease.py) runs these sides, each in a fresh process, most telling first,
-and writes the report (docs/gpu_lease.md); without a GPU the same code runs a tiny shape.
+and writes the report (docs/reports/gpu_lease.md); without a GPU the same code runs a tiny shape.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     collator = collate.make_collator(0, run.collator)
     timer = StepTimer(warmup)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, packed, None, collator, [timer])
-    trainer = make(run.with_changes(batch=split))
+    trainer = make(split)
     predicted = {  # the plan's peak covers smaller batches too; the measurement is of this one
         "predicted_peak": plan.peak_bytes_per_gpu - plan.breakdown.get("smaller_batch", 0),
         "predicted_peak_plan": plan.peak_bytes_per_gpu}

@@ -1,5 +1,5 @@
 """The embedded default on this machine: what `make train` takes and what it learned, for each
-seed and each precision path a CPU can take; writes docs/tiny_default.md.
+seed and each precision path a CPU can take; writes docs/reports/tiny_default.md.
 
 For every seed and path it trains configs/run_tiny.yaml as `make train` does (a fresh process,
 timed from start to exit), then scores the run: `make generate`'s five held-out prompts and all
@@ -13,7 +13,7 @@ Paths:
                  and the matmuls run AVX2 kernels, as on an AVX2-only CPU (whose own clock and
                  memory still differ: a real one is slower)
 
-Usage: python bench/tiny_default.py [--seeds 42 1 2] [--paths auto without-bf16] [--out docs/tiny_default.md]
+Usage: python bench/tiny_default.py [--seeds 42 1 2] [--paths auto without-bf16] [--out docs/reports/tiny_default.md]
        [--steps N --count N]   (fewer steps and held-out puzzles: a smoke run, as the tests do)
 """
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, margins, versions, worker_env
+from _common import REPO, REPORTS, margins, versions, worker_env
 
 CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 PATHS = {"auto": {}, "without-bf16": CAPPED}
@@ -97,7 +97,7 @@ def report(rows: list[dict]) -> str:
     if any(r["path"] == "without-bf16" for r in rows):
         lines += ["", "The without-bf16 rows are this CPU capped at AVX2 (oneDNN and ATen): the arithmetic of a CPU",
                   "without native bf16, at this CPU's speed. A real one, an AMD EPYC of the Zen 3 generation (AVX2",
-                  "only), is measured in docs/tiny_default_zen3.md (its `auto` path is fp32)."]
+                  "only), is measured in docs/reports/tiny_default_zen3.md (its `auto` path is fp32)."]
     return "\n".join([*lines, ""])
 
 
@@ -105,7 +105,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2])
     parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["auto", "without-bf16"])
-    parser.add_argument("--out", default=str(REPO / "docs" / "tiny_default.md"))
+    parser.add_argument("--out", default=str(REPORTS / "tiny_default.md"))
     parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
     parser.add_argument("--count", type=int, default=200, help="held-out puzzles to score (default all 200)")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """Recipes for the embedded default: how near each comes to answering every letter puzzle, and how
-much margin its answers have; writes docs/tiny_recipes.md.
+much margin its answers have; writes docs/reports/tiny_recipes.md.
 
 Each recipe is `configs/run_tiny.yaml` with a few changes (overrides, a reshaped model config, or
 another mix of training puzzles), trained with each seed of --seeds (42 unless given) in a fresh process on
@@ -19,7 +19,7 @@ held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn b
 `scripts/build_tiny_default.py`'s generator with another seed.
 
 Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--path auto|without-bf16|fp32]
-       [--steps N] [--fresh N] [--out docs/tiny_recipes.md]
+       [--steps N] [--fresh N] [--out docs/reports/tiny_recipes.md]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import REPO, margins, versions, worker_env
+from _common import REPO, REPORTS, margins, versions, worker_env
 from tiny_default import CAPPED, hardware_line
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -192,7 +192,7 @@ def main() -> int:
     parser.add_argument("--path", choices=["without-bf16", "auto", "fp32"], default="without-bf16",
                         help="without-bf16 (default): fp32 capped at AVX2; auto: what this CPU takes (bf16 where native); "
                              "fp32: fp32 on this CPU's own kernels")
-    parser.add_argument("--out", default=str(REPO / "docs" / "tiny_recipes.md"))
+    parser.add_argument("--out", default=str(REPORTS / "tiny_recipes.md"))
     args = parser.parse_args()
     from sft_play.cli import quiet_libraries
 

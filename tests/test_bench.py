@@ -254,7 +254,7 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "are no baseline" in text
     assert "- T qwen2.5-0.5b-full: 32: out of memory" in text  # a failed try trained nothing: no setup to blame
     # the H200 lease's rows: their T ran the old setup, and the report counts them as left to measure
-    rows = lease.read_rows(REPO / "docs" / "gpu_lease.jsonl")
+    rows = lease.read_rows(REPO / "docs" / "reports" / "gpu_lease.jsonl")
     left = lease.render(rows, tmp_path / "rows.jsonl").split("## Not measured yet")[1]
     assert "T qwen2.5-0.5b-full, " in left and "T llama-3.1-8b-lora, " in left and "B qwen2.5-0.5b-full," not in left
     assert "| B qwen2.5-0.5b-full | 1.100 / 1.000 | +10.0% | 55.00 / 54.00 | +1.9% |" in text
