@@ -51,50 +51,15 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import REPO, REPORTS, import_training_stack, lean, run_worker, versions  # bench/ is the script's folder
+from shapes import Shape, build_weights, model_folder, shape_task, weights_for
+from shapes import cut_layers  # noqa: F401 - tests/test_planner_measured.py still reaches it as lease.cut_layers
 
 GIB = 1024**3
 MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A P task: one model shape, method and workload at one micro-batch."""
-
-    model: str  # a fixture name (tests/fixtures/model_configs) or a config folder
-    method: str = "lora"
-    seq_len: int = 2048
-    checkpointing: bool = True
-    micro: int = 2
-    layers: int | None = None  # keep only the first N decoder layers (a shape a short lease can build)
-
-    @property
-    def label(self) -> str:
-        cut = f" ({self.layers} layers)" if self.layers else ""
-        return f"{Path(self.model).name}{cut} {self.method} {self.seq_len} ckpt {'on' if self.checkpointing else 'off'}" \
-               f" micro {self.micro}"
-
-    @classmethod
-    def parse(cls, text: str) -> "Shape":
-        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N]``"""
-        folder, *fields = text.split(",")
-        values: dict = {"model": folder}
-        for field in fields:
-            key, _, value = field.partition("=")
-            key = {"seq": "seq_len", "ckpt": "checkpointing"}.get(key.strip(), key.strip())
-            if key not in {"method", "seq_len", "checkpointing", "micro", "layers"} or not value:
-                raise ValueError(f"--shape {text}: '{field}' is not one of method=, seq=, ckpt=, micro=, layers=")
-            values[key] = (value.lower() in {"on", "true", "1", "yes"} if key == "checkpointing" else
-                           value if key == "method" else int(value))
-        if values.get("method", "lora") not in {"full", "lora", "qlora"}:
-            raise ValueError(f"--shape {text}: method must be full, lora or qlora")
-        if not (CONFIGS / folder).is_dir() and not (Path(folder) / "config.json").is_file():
-            raise ValueError(f"--shape {text}: '{folder}' is neither a folder with a config.json nor a fixture of "
-                             f"{CONFIGS.relative_to(REPO)}")
-        return cls(**values)
 
 
 def gpu_plan() -> list[dict]:
@@ -155,10 +120,6 @@ def throughput_task(kind: str, case, phase: int, global_batch: int, lever: str =
             "lever": lever}
 
 
-def shape_task(shape: Shape, phase: int) -> dict:
-    return {"key": f"P {shape.label}", "kind": "P", "phase": phase, "shape": asdict(shape)}
-
-
 def snapshot_task(shape: Shape, phase: int) -> dict:
     """S: bench/memory_snapshot.py on a shape: the GPU's allocations replayed through the simulation."""
     return {"key": f"S {shape.label}", "kind": "S", "phase": phase, "shape": asdict(shape)}
@@ -200,71 +161,6 @@ def pending(tasks: list[dict], rows: list[dict]) -> list[dict]:
             and not (on_cuda and row["kind"] == "T" and row["result"].get("ok", True) is not False
                      and "setup" not in row["result"])}
     return [task for task in tasks if task["key"] not in done]
-
-
-# --- weights --------------------------------------------------------------------------------------
-
-def model_folder(task: dict) -> str:
-    """The config folder a task trains (a layer cut is written once into the cache, from the fixture)."""
-    if "shape" not in task:
-        return task["case"]["model"]
-    shape = Shape(**task["shape"])
-    folder = CONFIGS / shape.model if (CONFIGS / shape.model).is_dir() else Path(shape.model)
-    return str(cut_layers(folder, shape.layers) if shape.layers else folder)
-
-
-def cut_layers(folder: Path, layers: int) -> Path:
-    """A copy of `folder`'s config.json that keeps only the first `layers` decoder layers (lists
-    with one entry per layer cut to match)."""
-    from sft_play.paths import cache_dir
-
-    config = json.loads((folder / "config.json").read_text())
-    for section in [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else []):
-        if "num_hidden_layers" not in section:
-            continue
-        total = section["num_hidden_layers"]
-        section["num_hidden_layers"] = min(layers, total)
-        for key, value in list(section.items()):
-            if isinstance(value, list) and len(value) == total:
-                section[key] = value[:layers]
-        if isinstance(section.get("mlp_only_layers"), list):
-            section["mlp_only_layers"] = [i for i in section["mlp_only_layers"] if i < layers]
-    target = cache_dir() / "lease_configs" / f"{folder.name}-{layers}-layers"
-    target.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
-    if not (target / "config.json").exists() or (target / "config.json").read_text() != text:
-        (target / "config.json").write_text(text)
-    return target
-
-
-def weights_for(task: dict) -> tuple[str, str, Path | None]:
-    """(config folder, dtype, the folder SFT-Play loads its random weights from; None when the
-    folder has weights of its own, which the workers load as they are)."""
-    from sft_play import config as config_module
-    from sft_play.model import has_weights, init_weights_dir
-    from sft_play.precision import init_weights_dtype
-
-    folder = model_folder(task)
-    if has_weights(folder):
-        return folder, "", None
-    method = task["shape"]["method"] if "shape" in task else task["case"]["method"]
-    config = config_module.load(None, [f"model.name_or_path={folder}", f"finetune.method={method}"],
-                                check_paths=False, check_packages=False)  # this process skips bitsandbytes (lean)
-    dtype = init_weights_dtype(config)
-    return folder, dtype, init_weights_dir(folder, config.model.init_seed, dtype)
-
-
-def build_weights(folder: str, dtype: str, timeout: int) -> str:
-    """bench/prepare_weights.py in a fresh process (its CUDA context leaves with it): what it said."""
-    import subprocess
-
-    try:
-        result = subprocess.run([sys.executable, str(REPO / "bench" / "prepare_weights.py"), f"{folder}:{dtype}"],
-                                capture_output=True, text=True, timeout=timeout, env=worker_env())
-    except subprocess.TimeoutExpired:
-        return "timed out"
-    said = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or ["no output"])[-1]
-    return said if result.returncode == 0 else f"failed: {said[:300]}"
 
 
 # --- workers ------------------------------------------------------------------------------------

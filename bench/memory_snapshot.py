@@ -11,9 +11,9 @@ reserve what the GPU reserved?
 - no: a rule of the allocator differs; the replay names the first allocation after which the
   simulation and the GPU hold different reserved memory (more than 64 MiB apart).
 
-On a GPU the script trains a shape (bench/lease.py's --shape syntax) for planner_accuracy's
-3 steps with ``torch.cuda.memory._record_memory_history`` on, and writes the GPU's trace compactly
-(--output, gzipped JSON): every allocation, completed free and segment of the allocator with its
+On a GPU the script trains a shape (bench/lease.py's --shape syntax, bench/shapes.py) for
+planner_accuracy's 3 steps with ``torch.cuda.memory._record_memory_history`` on, and writes the
+GPU's trace compactly (--output, gzipped JSON): every allocation, completed free and segment of the allocator with its
 size and address, the Python line that made each allocation of 1 MiB or more, and the
 allocator's statistics; then it replays the trace and prints the verdict. Anywhere, --replay
 FILE replays a written trace. Random weights are built on the GPU first (bench/prepare_weights.py),
@@ -35,7 +35,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from _common import REPO, lean  # bench/ is the script's folder
+from _common import lean  # bench/ is the script's folder
+from shapes import Shape, build_weights, model_folder, shape_task, weights_for
 
 MAX_ENTRIES = 4_000_000  # trace entries kept; a trace that reached it lost its start and cannot be replayed
 FRAME_FROM = 1 << 20  # allocations this large keep the Python line that made them
@@ -87,7 +88,6 @@ def replay(trace: dict) -> dict:
     a failed cudaMalloc; both hand back every completely free segment, and so does the
     simulation there. The peaks are those after the last such release (training, not loading),
     and a new segment starts at the GPU's address for it, which orders equal-sized blocks."""
-    sys.path.insert(0, str(REPO))
     from sft_play.planner.allocator import CachingAllocator
 
     sim = CachingAllocator()
@@ -168,18 +168,16 @@ def gpu_order(trace: dict, threshold: int = COMPARE_FROM) -> list[tuple[str, int
 
 
 def planned_order(fields: dict, threshold: int = COMPARE_FROM) -> list[tuple[str, int, str]]:
-    """The planner's order for the same shape (bench/lease.py Shape fields): its replay's
+    """The planner's order for the same shape (bench/shapes.py Shape fields): its replay's
     allocations and frees of at least COMPARE_FROM bytes, with their categories, leaving out the
     weights and the optimizer's states (allocated before training on the GPU)."""
-    import lease
     import planner_accuracy
 
-    sys.path.insert(0, str(REPO))
     from sft_play.planner import Target
     from sft_play.planner.predict import replay_step
 
-    shape = lease.Shape(**fields)
-    folder = lease.model_folder(lease.shape_task(shape, 1))
+    shape = Shape(**fields)
+    folder = model_folder(shape_task(shape, 1))
     case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
     # the order does not depend on the GPU's size: any CUDA target resolves the same run
     _, model, run = planner_accuracy.resolved(case, shape.micro, Target(1, 80 << 30, "NVIDIA H100 80GB HBM3"))
@@ -262,25 +260,23 @@ def verdict(result: dict) -> str:
 
 def record(spec: str, output: Path) -> dict:
     """Parse `spec` (bench/lease.py's --shape syntax), build the weights it needs, and record it."""
-    import lease
-
-    shape = lease.Shape.parse(spec)
+    shape = Shape.parse(spec)
     lean(shape.method)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("error: recording the allocator's history needs a CUDA GPU (--replay works anywhere)")
-    task = lease.shape_task(shape, 1)
-    folder, dtype, target = lease.weights_for(task)
+    task = shape_task(shape, 1)
+    folder, dtype, target = weights_for(task)
     if target is not None and not target.exists():
-        print(lease.build_weights(folder, dtype, 900), flush=True)
-    trace = record_shape(shape, lease.model_folder(task), output)
+        print(build_weights(folder, dtype, 900), flush=True)
+    trace = record_shape(shape, model_folder(task), output)
     print(f"trace of {spec}: {len(trace['events']):,} events -> {output}")
     return trace
 
 
 def record_shape(shape, folder: str, output: Path) -> dict:
-    """Train `shape` (a bench/lease.py Shape, its weights built) from `folder` with the allocator's
+    """Train `shape` (a bench/shapes.py Shape, its weights built) from `folder` with the allocator's
     history on; write the compact trace to `output` and return it."""
     import planner_accuracy
     import torch

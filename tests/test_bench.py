@@ -134,6 +134,7 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(bench_r
 def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     import lease
+    import shapes
 
     tasks = [{"key": "B x"}, {"key": "T x"}, {"key": "P y"}]
     rows = [{"task": "B x", "kind": "B", "result": {"ok": False, "error": "out of memory"}},
@@ -149,17 +150,17 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
     lease.append_row(path, rows[0])
     path.write_text(path.read_text() + '{"task": "T x", "ki')  # the lease ended mid-line
     assert [row["task"] for row in lease.read_rows(path)] == ["B x"]
-    shape = lease.Shape.parse("gemma-2-9b,method=lora,seq=4096,ckpt=off,micro=3,layers=12")
+    shape = shapes.Shape.parse("gemma-2-9b,method=lora,seq=4096,ckpt=off,micro=3,layers=12")
     assert (shape.model, shape.seq_len, shape.checkpointing, shape.micro, shape.layers) == ("gemma-2-9b", 4096, False,
                                                                                              3, 12)
     with pytest.raises(ValueError, match="neither a folder"):
-        lease.Shape.parse("no-such-model")
+        shapes.Shape.parse("no-such-model")
     with pytest.raises(ValueError, match="batch=4"):
-        lease.Shape.parse("gemma-2-9b,batch=4")
+        shapes.Shape.parse("gemma-2-9b,batch=4")
     snapshot = lease.gpu_plan()[0]  # a GPU's first task: the allocator on the GPU's own order, for Gemma-2
     assert snapshot["kind"] == "S" and snapshot["shape"]["model"] == "gemma-2-9b" and snapshot["shape"]["layers"] == 12
-    assert json.loads((Path(lease.model_folder(snapshot)) / "config.json").read_text())["num_hidden_layers"] == 12
-    cut = lease.cut_layers(REPO / "tests" / "fixtures" / "model_configs" / "qwen3-30b-a3b", 6)
+    assert json.loads((Path(shapes.model_folder(snapshot)) / "config.json").read_text())["num_hidden_layers"] == 12
+    cut = shapes.cut_layers(REPO / "tests" / "fixtures" / "model_configs" / "qwen3-30b-a3b", 6)
     config = json.loads((cut / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and all(len(v) == 6 for v in config.values() if isinstance(v, list)
                                                     and len(v) > 1)
@@ -394,9 +395,9 @@ def test_the_memory_snapshot_records_a_shape_with_the_allocators_history_on(tmp_
     sys.path.insert(0, str(REPO / "bench"))
     import gzip
 
-    import lease
     import memory_snapshot
     import planner_accuracy
+    import shapes
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw.get("enabled")))
@@ -406,7 +407,7 @@ def test_the_memory_snapshot_records_a_shape_with_the_allocators_history_on(tmp_
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [entries]})
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.peak": 2 << 20})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
-    shape = lease.Shape.parse("qwen3-30b-a3b,method=lora,micro=2,layers=2")
+    shape = shapes.Shape.parse("qwen3-30b-a3b,method=lora,micro=2,layers=2")
     output = tmp_path / "out" / "trace.json.gz"
     trace = memory_snapshot.record_shape(shape, "/a/folder", output)
     assert calls == ["all", ("/a/folder", 2), None]  # recording on, the step trained, recording off
