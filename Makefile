@@ -4,10 +4,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# `exec`: the script replaces the shell make runs it in. Make only puts a shell in between when a
-# line has shell characters (ARGS="lora.modules_to_save=[embed_tokens]"); a stop signal to the
-# process group then killed that shell at once, make ended without waiting for training to save,
-# and training went on saving behind the prompt. With exec, make waits for the script itself.
+# exec: make waits for the script itself, not for a shell that a stop signal kills before training saves
 PY := exec $(VENV)/bin/python
 # gpu-info and plan print JSON with ARGS=--json: their command lines are not echoed (@), so that
 # their output parses as it is (make gpu-info ARGS=--json | python3 -m json.tool)

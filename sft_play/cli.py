@@ -93,12 +93,12 @@ def importing() -> Iterator[None]:
     """Import the libraries a command needs with Python's cyclic garbage collector paused, then
     freeze what the imports made (``gc.freeze``) and let it collect again.
 
-    torch, transformers, TRL, PEFT and datasets make ~450,000 Python objects on import, and they
-    live as long as the process. While they are made the collector walks all of them again each
-    time they have grown by a quarter: ~1.2 s of CPU per process, 12-15% of a 4-step tiny run
-    (measured on a 2-core AMD EPYC: 1.15-1.39 s of 8.5-9.8 s; every command and every rank pays
-    it). Frozen, they are skipped by every later collection too. The price: the few cycles the
-    imports left unreachable (~13,000 objects, a few MB) are never freed.
+    torch, transformers, TRL, PEFT and datasets make hundreds of thousands of Python objects on
+    import, and they live as long as the process. While they are made the collector walks all of
+    them again each time they have grown by a quarter: about a second of CPU that every command
+    and every rank pays (measured in docs/reports/test_suite.md). Frozen, they are skipped by
+    every later collection too. The price: the few cycles the imports left unreachable (a few MB)
+    are never freed.
 
     Used around a command's imports only, never around work that makes garbage; nested uses
     leave the freezing to the outermost."""
