@@ -56,7 +56,6 @@ from pathlib import Path
 
 from _common import REPO, REPORTS, import_training_stack, lean, run_worker, versions  # bench/ is the script's folder
 from shapes import Shape, build_weights, model_folder, shape_task, weights_for
-from shapes import cut_layers  # noqa: F401 - tests/test_planner_measured.py still reaches it as lease.cut_layers
 
 GIB = 1024**3
 MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)

@@ -30,7 +30,7 @@ N_MORE_TRAIN = 18000
 # What a small model gets wrong is letters that repeat (`Uppercase the letters: m y n m` answered
 # `M Y M N`, `Sort the letters: c f x a a b` losing an `a`): in the later records, half the reverse,
 # uppercase and sort questions are redrawn with letters that repeat, each task keeping its share.
-# bench/tiny_recipes.py measured it (recipe "repeats" against the default before it; docs/tiny_recipes.md).
+# bench/tiny_recipes.py measured it (recipe "repeats" against the default before it; docs/reports/tiny_recipes.md).
 REPEAT_SHARE = 0.5
 REPEAT_SEED = 7
 VOCAB_SIZE = 512  # a multiple of 32 keeps bitsandbytes' 4-bit CPU kernels happy

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from sft_play import checkpoints
+from sft_play import run_folder
 from sft_play import config as config_module
 from sft_play.config import ConfigError
 from sft_play.data.formats import InvalidRow, UnknownFormat
@@ -65,7 +65,7 @@ def chosen_run(args: argparse.Namespace):
     run = args.run
     if run is None and config.train.run_name:
         run = str(Path(config.train.output_dir) / config.train.run_name)
-    return checkpoints.resolve_run(run, config.train.output_dir)
+    return run_folder.resolve_run(run, config.train.output_dir)
 
 
 def is_main_process() -> bool:

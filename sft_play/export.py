@@ -1,4 +1,4 @@
-"""Using what a run wrote (found by :func:`sft_play.checkpoints.resolve_run`): load it (adapter, merged or full model), generate answers
+"""Using what a run wrote (found by :func:`sft_play.run_folder.resolve_run`): load it (adapter, merged or full model), generate answers
 (with the base model's beside them), merge an adapter into its base, and evaluate.
 
 A run folder (``train.output_dir/<run name>``) holds ``config.yaml`` and ``model/``; ``make

@@ -52,9 +52,10 @@ def comparable_peak(measured: dict[str, int]) -> int | None:
     return measured["max_memory_reserved"] + measured.get("outside_allocator_bytes", 0)
 
 
-def record(run_dir: Path, plan: Any, run: Any, ranks: list[dict[str, int]], outcome: str) -> dict[str, Any]:
-    """Write ``memory_check.json``: the prediction for the micro-batch that trained, every rank's
-    measurements, and the error of the largest (what the budget must hold)."""
+def record(run_dir: Path, plan: Any, trained: Any, ranks: list[dict[str, int]], outcome: str) -> dict[str, Any]:
+    """Write ``memory_check.json``: the prediction for the micro-batch that trained (`trained`: the
+    batch split, :class:`sft_play.run.BatchSplit`), every rank's measurements, and the error of
+    the largest (what the budget must hold)."""
     peaks = [comparable_peak(rank) for rank in ranks]
     measured = max((p for p in peaks if p is not None), default=None)
     predicted = plan.peak_bytes_per_gpu
@@ -63,10 +64,10 @@ def record(run_dir: Path, plan: Any, run: Any, ranks: list[dict[str, int]], outc
         "outcome": outcome,  # finished, stopped, or out_of_memory
         "model": plan.model, "method": plan.method, "strategy": plan.strategy, "device": plan.device,
         "sequence_length": plan.sequence_length, "gradient_checkpointing": plan.gradient_checkpointing,
-        "micro_batch_planned": planned_micro, "micro_batch_trained": run.batch.micro_batch_size,
+        "micro_batch_planned": planned_micro, "micro_batch_trained": trained.micro_batch_size,
         "predicted_peak_bytes": predicted, "budget_bytes": plan.budget_bytes_per_gpu,
         "measured_peak_bytes": measured,
-        "error": (predicted / measured - 1) if measured and planned_micro == run.batch.micro_batch_size else None,
+        "error": (predicted / measured - 1) if measured and planned_micro == trained.micro_batch_size else None,
         "ranks": ranks,
         "note": None if measured else "no GPU: the process's peak resident memory holds the interpreter and the "
                                       "libraries, which the plan does not count; no error computed",

@@ -193,6 +193,7 @@ class Run:
         """The run as JSON-ready data (``run.json`` in the run folder)."""
         data = dataclasses.asdict(self)
         data["parallel"]["strategy"] = self.parallel.strategy.name
+        data["batch"] = self.batch.to_dict() if self.batch else None  # as planned
         data["precision"]["compute_dtype"] = self.precision.compute_dtype
         return data
 

@@ -5,14 +5,15 @@
     -> run (every decision, once) -> plan -> run folder -> model -> trainer
     -> [calibration] -> train (with OOM backoff) -> outcome: stopped, NaN, or saved
 
-The run folder records what was planned (``plan.json``) and what trained (``run.json``: the
-resolved run, with the batch split as planned and as trained after calibration and backoff).
+The run is decided once, and completed by its plan (the batch split); what changes after that
+(calibration's split, an out-of-memory backoff) is recorded as events beside it, and the split
+that trained is in ``summary.json``. Every file of the run folder is written through
+:mod:`sft_play.run_folder`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -24,7 +25,8 @@ from typing import Any
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from sft_play import callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner, training
+from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner,
+                      run_folder, training)
 from sft_play.config import RunConfig
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
@@ -78,13 +80,13 @@ def train(config: RunConfig, config_path: str) -> int:
     plan = planner.make_plan(config, target, bundle.stats, shape=shape, run=run)
     if not plan.fits and config.train.micro_batch_size == "auto":
         raise UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
-    run = run.with_changes(batch=plan.split)
-    planned = plan.split
+    run = run.with_changes(batch=plan.split)  # the run as planned: nothing replaces it from here on
+    counts = run_folder.data_summary(bundle.stats)
 
-    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, bundle)
+    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, counts)
     if state.is_main_process:
-        (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-        record_run(run_dir, run, planned, data_summary(bundle), base_weights)
+        run_folder.write_plan(run_dir, report.to_json(plan))
+        run_folder.write_run(run_dir, run, counts, base_weights)
     announce(state, run, plan)
 
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
@@ -115,20 +117,21 @@ def train(config: RunConfig, config_path: str) -> int:
         [*faults, callbacks.LogLastStep(), callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard,
          *early],
     )
+    batch = run.batch
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if run.parallel.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
             if state.is_main_process:
                 logger.warning("planner.calibrate is not done under FSDP2 (it shards the model in place); "
                                "planning analytically")
         elif where.on_cuda:
-            plan = training.calibrate(plan, make_trainer, config, run, shape)
-            run = run.with_changes(batch=plan.split)
+            calibrated = training.calibrate(plan, make_trainer, config, run, shape)
+            batch = calibrated.split
             if state.is_main_process:
-                logger.info("%s", plan.describe())
-                for line in plan.notes[-2:]:
+                logger.info("%s", calibrated.describe())
+                for line in calibrated.notes[-2:]:
                     logger.info("plan: %s", line)
-                (run_dir / "plan.json").write_text(report.to_json(plan) + "\n")
-                record_run(run_dir, run, planned, data_summary(bundle), base_weights)
+                run_folder.record_event(run_dir, "calibrated", batch=batch.to_dict(),
+                                        peak_bytes_per_gpu=calibrated.peak_bytes_per_gpu, notes=calibrated.notes[-2:])
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
     if callbacks.any_rank(stop.received is not None):
@@ -138,11 +141,17 @@ def train(config: RunConfig, config_path: str) -> int:
         state.wait_for_everyone()
         return EXIT_INTERRUPTED
 
+    def backed_off(before: Any, after: Any, step: int) -> None:
+        if state.is_main_process:
+            run_folder.record_event(run_dir, "out_of_memory", step=step + 1, batch_before=before.to_dict(),
+                                    batch=after.to_dict())
+
     try:
-        trainer, run = training.train_with_backoff(make_trainer, run, resume_checkpoint)
+        trainer, batch = training.train_with_backoff(make_trainer, batch, resume_checkpoint, on_backoff=backed_off)
     except OutOfMemory:
         if state.is_main_process:  # the planner's miss, on record (this rank's own measurements)
-            check = memory_check.record(run_dir, plan, run, [memory_check.measure_here(where.on_cuda)], "out_of_memory")
+            check = memory_check.record(run_dir, plan, batch, [memory_check.measure_here(where.on_cuda)],
+                                        "out_of_memory")
             logger.error("%s", memory_check.line(check))
         raise
     except RuntimeError as error:
@@ -154,16 +163,15 @@ def train(config: RunConfig, config_path: str) -> int:
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:
-        record_run(run_dir, run, planned, data_summary(bundle), base_weights)
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
-        logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, run, measured, outcome)))
+        logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, batch, measured, outcome)))
     if guard.stopped_at is not None:
         raise UserError(nan_message(config, guard.stopped_at, run_dir))
     if stop.received:
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
-            training.write_summary(trainer, run_dir, {"interrupted": stop.received,
-                                                      "batch": batch_text(run, data_summary(bundle)["rows"])})
+            run_folder.write_summary(run_dir, training.summary_of(trainer, {
+                "interrupted": stop.received, **batch_record(run, batch, counts["rows"])}))
             print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
                   + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
                   + f"\n  resume: {resume_command()}"
@@ -171,7 +179,7 @@ def train(config: RunConfig, config_path: str) -> int:
                   flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
-    save(trainer, state, run, run_dir, bundle)
+    save(trainer, state, run, batch, run_dir, bundle)
     if state.is_main_process and where.on_cuda:  # what lives outside the allocator here, for the next plans
         memory_check.remember_runtime(facts, run, measured)
     state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
@@ -215,26 +223,26 @@ def check_shared_folder(output_dir: Path) -> None:
     """Every node writes its part of each checkpoint into the run folder: it must be one folder.
     Rank 0 leaves a mark in it, and every rank must see it."""
     state = PartialState()
-    token = [checkpoints.mark_shared(output_dir) if state.is_main_process else None]
+    token = [run_folder.mark_shared(output_dir) if state.is_main_process else None]
     broadcast_object_list(token)
-    sight = gather_object([(socket.gethostname(), checkpoints.sees_shared_mark(output_dir, token[0]))])
+    sight = gather_object([(socket.gethostname(), run_folder.sees_shared_mark(output_dir, token[0]))])
     if state.is_main_process:
-        checkpoints.unmark_shared(output_dir, token[0])
+        run_folder.unmark_shared(output_dir, token[0])
     blind = sorted({host for host, seen in sight if not seen})
     if blind:
-        raise UserError(checkpoints.unshared_message(output_dir, blind))
+        raise UserError(run_folder.unshared_message(output_dir, blind))
 
 
 def open_run_folder(config: RunConfig, config_path: str, state: PartialState, shape: Any,
-                    run: Run, bundle: Any) -> tuple[Path, str | None]:
+                    run: Run, counts: dict[str, Any]) -> tuple[Path, str | None]:
     """Rank 0 decides the run folder (new, or the one being resumed) and checks its disk; every
     rank learns the outcome, so that a refusal stops them all instead of leaving some waiting.
     Returns the folder and the checkpoint to resume from (if any)."""
     decision: list = [None, None, None, None]
     if state.is_main_process:
         try:
-            name, resume_checkpoint, message = checkpoints.choose_run_folder(config, config_path, state.num_processes,
-                                                                             data_summary(bundle))
+            name, resume_checkpoint, message = run_folder.choose_run_folder(config, config_path, state.num_processes,
+                                                                            counts)
             checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
             decision = [name, resume_checkpoint, message, None]
         except (ValueError, UserError) as exc:
@@ -250,46 +258,19 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
                 logger.warning("%s", line.removeprefix("warning: "))
             else:
                 logger.info("%s", line)
-        run_dir.mkdir(parents=True, exist_ok=True)
         config.train.run_name = name
-        (run_dir / "config.yaml").write_text(config.to_yaml())
+        run_folder.write_config(run_dir, config)
     return run_dir, resume_checkpoint
 
 
-def batch_text(run: Any, rows: int) -> str:
-    """The run's batch split as the summary and the model card say it, with what the steps really
-    took when the data is smaller than one global batch (the plan warned of it)."""
-    text = run.batch.describe()
-    if 0 < rows < run.batch.global_batch_size:
+def batch_record(run: Run, trained: Any, rows: int) -> dict[str, Any]:
+    """The batch split as the summary and the model card say it (with what the steps really took
+    when the data is smaller than one global batch, which the plan warned of), and as planned
+    and trained."""
+    text = trained.describe()
+    if 0 < rows < trained.global_batch_size:
         text += f"; the data is {rows} row{'s' if rows != 1 else ''}, so each step took {rows}"
-    return text
-
-
-def data_summary(bundle: Any) -> dict[str, Any]:
-    """What the run trains on, in counts: a resume compares them (``checkpoints.data_changes``)."""
-    stats = bundle.stats
-    return {"examples": stats.examples, "tokens": stats.tokens_total, "loss_tokens": stats.loss_tokens,
-            "rows": stats.packed_rows if stats.packed_rows is not None else stats.examples}
-
-
-def record_run(run_dir: Path, run: Run, planned: Any, data: dict[str, Any] | None = None,
-               base_weights: str | None = None) -> None:
-    """``run.json``: the resolved run as it trains, with the batch split planned and trained, the
-    data's counts (:func:`data_summary`) and where the base weights loaded from (`base_weights`:
-    a config-only folder's initialised weights are in the cache)."""
-    document = {**run.to_dict(), "batch_planned": planned.to_dict(), "batch_trained": run.batch.to_dict(),
-                "workdir": os.getcwd()}  # what the config's relative paths are relative to (export.run_config)
-    if base_weights:
-        document["base_weights"] = (os.path.abspath(base_weights) if os.path.exists(base_weights)
-                                    else base_weights)  # a hub id stays one
-    if data:
-        try:  # a resumed run keeps the counts of its first start: data_changes compares with those
-            saved = json.loads((run_dir / "run.json").read_text())
-            before = saved.get("data_at_start") or saved.get("data")
-        except (OSError, ValueError):
-            before = None
-        document.update(data=data, data_at_start=before or data)
-    (run_dir / "run.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
+    return {"batch": text, "batch_planned": run.batch.to_dict(), "batch_trained": trained.to_dict()}
 
 
 def announce(state: PartialState, run: Run, plan: Any) -> None:
@@ -332,7 +313,7 @@ def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
     )
 
 
-def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any) -> None:
+def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Path, bundle: Any) -> None:
     """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next."""
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
     training.save_final_model(trainer, run_dir / "model", run.precision.weights_dtype)
@@ -344,12 +325,12 @@ def save(trainer: Any, state: PartialState, run: Run, run_dir: Path, bundle: Any
                    "identical" if in_step else "DIFFER", len(fingerprints), ", ".join(fingerprints))
     early = next((c for c in trainer.callback_handler.callbacks
                   if isinstance(c, callbacks.EarlyStopping) and c.stopped_at is not None), None)
-    summary = training.write_summary(
-        trainer, run_dir, {"batch": batch_text(run, data_summary(bundle)["rows"]), "data": bundle.stats.to_dict(),
-                           "world_size": state.num_processes, "weights_fingerprints": fingerprints,
-                           **({"early_stopped": {"step": early.stopped_at, "best_eval_loss": early.best,
-                                                 "best_step": early.best_step}} if early else {})}
-    )
+    rows = run_folder.data_summary(bundle.stats)["rows"]
+    summary = run_folder.write_summary(run_dir, training.summary_of(
+        trainer, {**batch_record(run, trained, rows), "data": bundle.stats.to_dict(),
+                  "world_size": state.num_processes, "weights_fingerprints": fingerprints,
+                  **({"early_stopped": {"step": early.stopped_at, "best_eval_loss": early.best,
+                                        "best_step": early.best_step}} if early else {})}))
     model_card.write(run_dir, run_dir / "model")
     print(
         f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "

@@ -410,7 +410,7 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     base = model.load_model(config, run, device="cpu")
     collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
     make = training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, collator, callbacks)
-    make.run = run  # the resolved run; tests give it a batch split: make.run.with_changes(batch=...)
+    make.run = run  # the resolved run; tests train it at a batch split: train_with_backoff(make, split)
     return make
 
 

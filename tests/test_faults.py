@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from sft_play import callbacks, checkpoints, checks, training
+from sft_play import callbacks, checkpoints, checks, run_folder, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
 from sft_play.run import BatchSplit
@@ -96,7 +96,7 @@ def test_sigint_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_path
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest was started in the background
     stop = callbacks.GracefulStop()
     make = build(tmp_path, [callbacks.CheckpointMarker(), stop, Interrupt()])
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
     assert stop.received == "SIGINT" and stop.stopped_at == 2 and trainer.state.global_step == 2
     assert checkpoints.is_complete(tmp_path / "checkpoints" / "checkpoint-2")
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
@@ -112,7 +112,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
     guard = callbacks.NonFiniteGuard(patience=2)
     make = build(tmp_path, [callbacks.CheckpointMarker(), guard, Poison()], "train.save_steps=1")
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
     assert guard.stopped_at == 3 and guard.bad_steps == 2 and trainer.state.global_step == 4
     kept = checkpoints.checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in kept] == ["checkpoint-1", "checkpoint-2"], "no checkpoint after the NaN"
@@ -137,7 +137,7 @@ def test_nan_guard_leaves_weights_alone_and_does_not_save(tmp_path):
 
     guard = callbacks.NonFiniteGuard(patience=2)
     make = build(tmp_path, [guard, Poison(), Saves()])
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
     lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
     assert all(torch.isfinite(p).all() for p in lora), "skipped steps must not write NaN into the adapters"
     assert guard.stopped_at == 3 and checkpoint_steps == []
@@ -168,8 +168,8 @@ def test_resume_from_a_half_written_checkpoint_is_refused(tmp_path):
     (tmp_path / "run" / "checkpoints" / "checkpoint-3").mkdir(parents=True)
     (tmp_path / "run" / "config.yaml").write_text("{}")
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        checkpoints.resolve_resume(str(tmp_path / "run" / "checkpoints" / "checkpoint-3"), tmp_path, None, "run")
-    run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path / "nothing", None, "run_tiny")
+        run_folder.resolve_resume(str(tmp_path / "run" / "checkpoints" / "checkpoint-3"), tmp_path, None, "run")
+    run, checkpoint, message = run_folder.resolve_resume("auto", tmp_path / "nothing", None, "run_tiny")
     assert run is None and checkpoint is None
     assert "no run of 'run_tiny'" in message and "starting a fresh run" in message
 
@@ -177,7 +177,7 @@ def test_resume_from_a_half_written_checkpoint_is_refused(tmp_path):
 def test_resume_with_other_settings_is_refused():
     saved = config_module.load(None, ["lora.r=8"], check_paths=False).to_dict()
     current = config_module.load(None, ["lora.r=16", "train.max_steps=99"], check_paths=False).to_dict()
-    assert checkpoints.differences(saved, current) == ["lora.r: 8 in the run, 16 now"]
+    assert run_folder.differences(saved, current) == ["lora.r: 8 in the run, 16 now"]
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -261,7 +261,7 @@ def test_resume_auto_takes_the_newest_unfinished_run_with_a_checkpoint_and_says_
     fake_checkpoint(finished, 8, saved_at=now - 200)
     fake_run(tmp_path, "run_tiny-20250101-000003")  # the newest: killed before any checkpoint
     fake_checkpoint(fake_run(tmp_path, "other-20250101-000004", INTERRUPTED), 2, saved_at=now)  # another config
-    run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path, None, "run_tiny")
+    run, checkpoint, message = run_folder.resolve_resume("auto", tmp_path, None, "run_tiny")
     assert (run, checkpoint) == (stopped, stopped / "checkpoints" / "checkpoint-4")
     assert message == (f"resuming {stopped} from checkpoint-4: the newest unfinished run of 'run_tiny' with a "
                        "checkpoint (1 finished run(s) skipped; 1 unfinished run(s) without a checkpoint skipped)")
@@ -270,20 +270,20 @@ def test_resume_auto_takes_the_newest_unfinished_run_with_a_checkpoint_and_says_
 def test_resume_auto_says_why_there_is_nothing_to_resume(tmp_path):
     for index in range(3):  # killed or crashed with train.save_steps 0: no checkpoint
         fake_run(tmp_path / "bare", f"run_tiny-2025010{index}-000000")
-    run, _, message = checkpoints.resolve_resume("auto", tmp_path / "bare", None, "run_tiny", save_steps=0)
+    run, _, message = run_folder.resolve_resume("auto", tmp_path / "bare", None, "run_tiny", save_steps=0)
     assert run is None
     assert "none of the 3 unfinished run(s) of 'run_tiny'" in message and "has a checkpoint" in message
     assert "train.save_steps is 0" in message and 'ARGS="train.save_steps=100"' in message
     for index in range(2):
         fake_run(tmp_path / "done", f"run_tiny-2025010{index}-000000", FINISHED)
-    _, _, message = checkpoints.resolve_resume("auto", tmp_path / "done", None, "run_tiny")
+    _, _, message = run_folder.resolve_resume("auto", tmp_path / "done", None, "run_tiny")
     assert "all 2 run(s) of 'run_tiny'" in message and "finished; nothing to resume" in message
-    _, _, message = checkpoints.resolve_resume("auto", tmp_path / "done", "slurm-run", "run_tiny")
+    _, _, message = run_folder.resolve_resume("auto", tmp_path / "done", "slurm-run", "run_tiny")
     assert message.startswith("train.resume_from=auto: no run named 'slurm-run'") and message.endswith("starting it")
     named = fake_run(tmp_path / "done", "slurm-run", FINISHED)
     fake_checkpoint(named, 8)
     with pytest.raises(ValueError, match="finished .*nothing to resume. Choose another train.run_name"):
-        checkpoints.resolve_resume("auto", tmp_path / "done", "slurm-run", "run_tiny")
+        run_folder.resolve_resume("auto", tmp_path / "done", "slurm-run", "run_tiny")
 
 
 def test_resume_is_refused_with_other_processes_or_another_strategy(tmp_path):
@@ -291,23 +291,23 @@ def test_resume_is_refused_with_other_processes_or_another_strategy(tmp_path):
     run = fake_run(tmp_path, "r", INTERRUPTED, tuple(named))
     checkpoint = fake_checkpoint(run, 2, world_size=2, strategy="ddp")
     config = config_module.load(None, named, check_paths=False)
-    assert checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", world_size=2)[:2] == ("r", str(checkpoint))
+    assert run_folder.choose_run_folder(config, "configs/run_tiny.yaml", world_size=2)[:2] == ("r", str(checkpoint))
     with pytest.raises(ValueError, match=r"(?s)cannot resume .* processes: 2 wrote it, 1 now"):
-        checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", world_size=1)
+        run_folder.choose_run_folder(config, "configs/run_tiny.yaml", world_size=1)
     deepspeed = config_module.load(None, [*named, "distributed.strategy=deepspeed_zero2"], check_paths=False)
     with pytest.raises(ValueError, match="distributed.strategy: 'ddp' wrote it, 'deepspeed_zero2' now"):
-        checkpoints.choose_run_folder(deepspeed, "configs/run_tiny.yaml", world_size=2)
+        run_folder.choose_run_folder(deepspeed, "configs/run_tiny.yaml", world_size=2)
 
 
 def test_auto_resume_takes_only_this_configs_runs(tmp_path):
     """exp.yaml's RESUME=auto continued exp-lowlr.yaml's run: 'exp-*' matched its folder too."""
     other = fake_run(tmp_path, "exp-lowlr-20261126-095931", INTERRUPTED)
     fake_checkpoint(other, 41)
-    assert checkpoints.find_resume_run(tmp_path, None, "exp")[0] is None
+    assert run_folder.find_resume_run(tmp_path, None, "exp")[0] is None
     own = fake_run(tmp_path, "exp-20261126-090000", INTERRUPTED)
     fake_checkpoint(own, 7, saved_at=1.0)  # older than the other config's: still the only one of exp
-    assert checkpoints.find_resume_run(tmp_path, None, "exp")[0] == own
-    assert checkpoints.find_resume_run(tmp_path, None, "exp-lowlr")[0] == other
+    assert run_folder.find_resume_run(tmp_path, None, "exp")[0] == own
+    assert run_folder.find_resume_run(tmp_path, None, "exp-lowlr")[0] == other
 
 
 def test_resume_refuses_a_new_learning_rate_the_checkpoint_would_override(tmp_path):
@@ -321,13 +321,13 @@ def test_resume_refuses_a_new_learning_rate_the_checkpoint_would_override(tmp_pa
                    "train.weight_decay=0.1", "train.optimizer=adamw_8bit", "train.neftune_noise_alpha=5"):
         key = change.split("=")[0]
         with pytest.raises(ValueError, match=rf"(?s)cannot resume .*{key}: .* in the run, .* now"):
-            checkpoints.choose_run_folder(config_module.load(None, [*named, change], check_paths=False),
+            run_folder.choose_run_folder(config_module.load(None, [*named, change], check_paths=False),
                                           "configs/run_tiny.yaml")
     allowed = config_module.load(None, [*named, "train.max_steps=900", "train.save_steps=50", "train.logging_steps=5",
                                         "train.max_grad_norm=0.5",
                                         "train.micro_batch_size=2", "train.gradient_checkpointing=true"],
                                  check_paths=False)
-    assert checkpoints.choose_run_folder(allowed, "configs/run_tiny.yaml")[0] == "r"
+    assert run_folder.choose_run_folder(allowed, "configs/run_tiny.yaml")[0] == "r"
 
 
 def test_resume_warns_when_the_data_changed_since_the_run_started(tmp_path):
@@ -337,33 +337,29 @@ def test_resume_warns_when_the_data_changed_since_the_run_started(tmp_path):
     data = {"examples": 282, "tokens": 9000, "loss_tokens": 3000, "rows": 40}
     (run / "run.json").write_text(json.dumps({"data": data}))
     config = config_module.load(None, named, check_paths=False)
-    assert "warning" not in checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=data)[2]
+    assert "warning" not in run_folder.choose_run_folder(config, "configs/run_tiny.yaml", data=data)[2]
     grown = {**data, "examples": 374, "tokens": 12000}
-    message = checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
+    message = run_folder.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
     assert "warning: the training data changed since r started (examples 282 -> 374, tokens 9000 -> 12000)" in message
     # a second resume still compares with the first start (run.json is rewritten at each start)
-    from sft_play.run import BatchSplit
-    from sft_play.train import record_run
-
-    split = BatchSplit(1, 1, 1, 1)
-    record_run(run, SimpleNamespace(to_dict=dict, batch=split), split, grown)
+    run_folder.write_run(run, SimpleNamespace(to_dict=dict), grown)
     assert json.loads((run / "run.json").read_text())["data_at_start"] == data
-    assert "examples 282 -> 374" in checkpoints.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
+    assert "examples 282 -> 374" in run_folder.choose_run_folder(config, "configs/run_tiny.yaml", data=grown)[2]
 
 
 def test_a_new_run_never_goes_into_a_folder_that_holds_a_run(tmp_path):
     # A user reusing a run name overwrote a finished 200-step model with a 2-step one
     fresh = ["train.run_name=r", f"train.output_dir={tmp_path}"]
     config = config_module.load(None, fresh, check_paths=False)
-    assert checkpoints.choose_run_folder(config, "configs/run_tiny.yaml")[:2] == ("r", None)  # nothing there yet
+    assert run_folder.choose_run_folder(config, "configs/run_tiny.yaml")[:2] == ("r", None)  # nothing there yet
     run = fake_run(tmp_path, "r", INTERRUPTED, tuple(fresh))
     fake_checkpoint(run, 2)
     with pytest.raises(ValueError, match=r"holds an unfinished run \(last checkpoint checkpoint-2\).*RESUME=auto"):
-        checkpoints.choose_run_folder(config, "configs/run_tiny.yaml")
+        run_folder.choose_run_folder(config, "configs/run_tiny.yaml")
     fake_run(tmp_path, "done", FINISHED)
     finished = config_module.load(None, ["train.run_name=done", f"train.output_dir={tmp_path}"], check_paths=False)
     with pytest.raises(ValueError, match="holds a finished run .*choose another train.run_name"):
-        checkpoints.choose_run_folder(finished, "configs/run_tiny.yaml")
+        run_folder.choose_run_folder(finished, "configs/run_tiny.yaml")
     assert (tmp_path / "done" / "summary.json").is_file()  # untouched
 
 
@@ -377,21 +373,21 @@ def test_a_checkpoint_damaged_in_place_is_set_aside_for_the_previous_one(tmp_pat
     weights.write_bytes(bytes(data))
     assert checkpoints.is_complete(damaged) and not checkpoints.is_complete(damaged, verify=True)
     with pytest.raises(ValueError, match="does not match the digests recorded when it was saved"):
-        checkpoints.resolve_resume(str(damaged), tmp_path, None, "run_tiny")
-    resumed_run, checkpoint, _ = checkpoints.resolve_resume("auto", tmp_path, None, "run_tiny")
+        run_folder.resolve_resume(str(damaged), tmp_path, None, "run_tiny")
+    resumed_run, checkpoint, _ = run_folder.resolve_resume("auto", tmp_path, None, "run_tiny")
     assert (resumed_run, checkpoint) == (run, previous)
     assert (run / "incomplete-checkpoints" / "checkpoint-4" / "adapter_model.safetensors").read_bytes() == bytes(data)
 
 
 def test_an_output_folder_that_is_not_shared_is_told_apart(tmp_path):
-    token = checkpoints.mark_shared(tmp_path / "node0")  # rank 0's folder
-    assert checkpoints.sees_shared_mark(tmp_path / "node0", token, wait_s=0)
+    token = run_folder.mark_shared(tmp_path / "node0")  # rank 0's folder
+    assert run_folder.sees_shared_mark(tmp_path / "node0", token, wait_s=0)
     started = time.monotonic()
-    assert not checkpoints.sees_shared_mark(tmp_path / "node1", token, wait_s=0.6)  # another node's own disk
+    assert not run_folder.sees_shared_mark(tmp_path / "node1", token, wait_s=0.6)  # another node's own disk
     assert time.monotonic() - started >= 0.6, "a late network filesystem gets its time"
-    checkpoints.unmark_shared(tmp_path / "node0", token)
+    run_folder.unmark_shared(tmp_path / "node0", token)
     assert list((tmp_path / "node0").iterdir()) == []
-    message = checkpoints.unshared_message(tmp_path / "node0", ["gpu-b"])
+    message = run_folder.unshared_message(tmp_path / "node0", ["gpu-b"])
     assert "is not shared: the processes on gpu-b cannot see" in message and "filesystem every node mounts" in message
 
 
@@ -418,7 +414,7 @@ def test_the_old_checkpoint_is_deleted_only_after_the_new_one_is_marked(tmp_path
     make = build(tmp_path, [DiesBeforeTheMarker(), callbacks.CheckpointMarker(keep=1)], "train.save_steps=2",
                  "train.save_total_limit=1")
     with pytest.raises(RuntimeError, match="killed"):
-        training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(8, 1, 1, 8)))
+        training.train_with_backoff(make, BatchSplit(8, 1, 1, 8))
     folder = tmp_path / "checkpoints"
     assert checkpoints.is_complete(folder / "checkpoint-2"), "the only complete checkpoint was rotated away"
     assert (folder / "checkpoint-4").is_dir() and not checkpoints.is_complete(folder / "checkpoint-4")
@@ -464,6 +460,6 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume(tmp
     assert [p.name for p in checkpoints.checkpoints(folder)] == ["checkpoint-4", "checkpoint-6"]
     assert checkpoints.is_complete(folder / "checkpoint-4", verify=True)
     assert (folder / "checkpoint-6").is_dir() and not checkpoints.is_complete(folder / "checkpoint-6")
-    run, checkpoint, message = checkpoints.resolve_resume("auto", tmp_path, "killed", "run_tiny")
+    run, checkpoint, message = run_folder.resolve_resume("auto", tmp_path, "killed", "run_tiny")
     assert checkpoint == folder / "checkpoint-4" and message.startswith(f"resuming {run} from checkpoint-4")
     assert (tmp_path / "killed" / "incomplete-checkpoints" / "checkpoint-6").is_dir()

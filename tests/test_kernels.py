@@ -1,4 +1,4 @@
-"""The kernel switches (issue 14): flex attention, torch.compile of the decoder layers, Liger
+"""The kernel switches: flex attention, torch.compile of the decoder layers, Liger
 kernels and expandable segments. Each is decided once (sft_play.run), applied where it acts, and
 falls back or refuses clearly where its package or a GPU is missing. How fast each is on a GPU is
 make bench-gpu's business (its B+lever rows), not these tests'."""

@@ -24,7 +24,7 @@ def _plan(peak_gib: float, micro: int = 4):
 
 
 def _run(micro: int = 4):
-    return SimpleNamespace(batch=BatchSplit(micro, 2, 2, micro * 4))
+    return BatchSplit(micro, 2, 2, micro * 4)
 
 
 def test_a_gpu_record_compares_the_largest_rank_with_the_prediction(tmp_path):

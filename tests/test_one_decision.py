@@ -134,8 +134,11 @@ def test_the_run_folder_records_the_resolved_run_and_the_batch_as_planned_and_tr
     run_dir, _ = tiny_lora_run
     recorded = json.loads((run_dir / "run.json").read_text())
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert recorded["batch_planned"]["micro_batch_size"] == plan["micro_batch_size"] == 8
-    assert recorded["batch_trained"] == recorded["batch_planned"]  # no backoff in this run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert recorded["batch"]["micro_batch_size"] == plan["micro_batch_size"] == 8
+    assert summary["batch_planned"] == recorded["batch"]
+    assert summary["batch_trained"] == summary["batch_planned"]  # no backoff in this run
+    assert not (run_dir / "events.jsonl").exists()  # nothing changed while it trained
     assert recorded["precision"]["mixed"] == plan["precision"]["mixed"] == "no"
     assert recorded["lora"]["r"] == 32 and recorded["attention"] == plan["attention"]
 

@@ -673,7 +673,7 @@ def test_planning_70b_replays_a_handful_of_steps(plan_json):
     # it found (a micro-batch fits only when every smaller one does: test_planner_monotone.py), so
     # at most 8 for a per-GPU batch of 8; then the chosen micro-batch and every smaller one with
     # rows of each shorter length of the ladder (256, 512, 1024, 2048 below 4096), once each. The
-    # seconds are measured by bench/planner_accuracy.py (docs/planner_accuracy.md), not here: a
+    # seconds are measured by bench/planner_accuracy.py (docs/reports/planner_accuracy.md), not here: a
     # shared VM's clock and even its CPU time vary by half from one run to the next.
     assert 2 <= doc["replays"] <= 8 + doc["micro_batch_size"] * len(shorter_lengths(4096))
     assert 0 < doc["plan_cpu_seconds"] and 0 < doc["plan_seconds"]
@@ -770,7 +770,7 @@ def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_s
 
     h100, h200, a100 = timed("NVIDIA H100 80GB HBM3"), timed("NVIDIA H200"), timed("NVIDIA A100-SXM4-80GB")
     assert h200["efficiency"] == timing.MEASURED_MFU["H200"]["lora"][0] != h100["efficiency"]
-    assert "H200, Llama-3.1-8B LoRA" in h200["sources"][0]  # the lease of 2026-11-26 (docs/gpu_lease.md)
+    assert "H200, Llama-3.1-8B LoRA" in h200["sources"][0]  # the lease of 2026-11-26 (docs/reports/gpu_lease.md)
     # same dense peak, more MFU measured: the H200 is predicted faster by exactly the ratio of the MFUs
     assert h100["seconds_per_step"] / h200["seconds_per_step"] == pytest.approx(0.329 / 0.272)
     assert a100["efficiency"] == h100["efficiency"] and "not yet measured on A100" in a100["sources"][0]

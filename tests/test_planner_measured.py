@@ -104,10 +104,10 @@ def _h200_prediction(row: dict):
     import sys
 
     sys.path.insert(0, str(FIXTURES.parent.parent / "bench"))
-    import lease
     import planner_accuracy
+    import shapes
 
-    folder = lease.cut_layers(FIXTURES / "model_configs" / row["model"], row["layers"])
+    folder = shapes.cut_layers(FIXTURES / "model_configs" / row["model"], row["layers"])
     case = planner_accuracy.Case(str(folder), row["method"], row["seq"], row["checkpointing"], (row["micro"],))
     _, shape, run = planner_accuracy.resolved(case, row["micro"], Target(1, H200["target_bytes"], "NVIDIA H200"))
     return run, predict(shape, run, row["micro"])

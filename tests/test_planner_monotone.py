@@ -1,7 +1,7 @@
 """What the plan says for micro-batch m and rows of s tokens holds for every smaller batch: reported
 peaks never fall as the micro-batch or the sequence length grows, and a micro-batch fits only when
 every smaller one does, with rows of every shorter length of the ladder. The simulated allocator's
-cache swings a few per cent from one batch shape to the next (issue 22: Llama-3.2-3B full with
+cache swings a few per cent from one batch shape to the next (Llama-3.2-3B full with
 checkpointing went 53.8, 55.4, 51.2 ... GiB over micro-batches 1-3; Llama-3.1-8B full with
 checkpointing at micro-batch 4 predicted 136.0 GiB at 2048 tokens and 130.8 at 4096), so without
 the envelope neither held."""
@@ -52,7 +52,7 @@ def test_reported_peaks_and_fit_decisions_are_monotone_in_the_micro_batch(model,
 LENGTHS = [512, 1024, 2048, 4096]
 # Where the peak fell as the rows grew before the envelope covered shorter rows (each of these
 # fails without it); bench/planner_monotone.py checks every public config, method and
-# checkpointing choice the same way and writes docs/planner_monotone.md
+# checkpointing choice the same way and writes docs/reports/planner_monotone.md
 SEQUENCE_CASES = [
     ("qwen2.5-0.5b", "full", True),
     ("llama-3.1-8b", "full", True),

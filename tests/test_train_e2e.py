@@ -173,7 +173,7 @@ def test_dora_rslora_and_neftune_train_with_the_parameters_the_planner_counts(tm
 
     overrides = ("lora.use_dora=true", "lora.use_rslora=true", "lora.r=16", "lora.alpha=8", "train.neftune_noise_alpha=5")
     make = tiny_trainer_factory(tmp_path, [Noise()], *overrides)
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(4, 2, 1, 8))
     assert Noise.seen and all(seen == (5, True) for seen in Noise.seen)
     model = trainer.model
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -198,7 +198,7 @@ def test_loraplus_trains_the_b_matrices_at_their_own_learning_rate(tmp_path):
 
     make = tiny_trainer_factory(tmp_path, [], "lora.loraplus_lr_ratio=16", "train.learning_rate=1e-3")
     assert make.run.loraplus_lr_ratio == 16
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(4, 2, 1, 8))
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     rates: dict[str, set] = {"lora_A": set(), "lora_B": set(), "other": set()}
     for group in trainer.optimizer.param_groups:
@@ -225,7 +225,7 @@ def test_a_cosine_schedule_with_a_floor_ends_at_its_share_of_the_learning_rate(t
 
     make = tiny_trainer_factory(tmp_path, [], "train.min_lr_ratio=0.1", "train.learning_rate=1e-3",
                                 "train.warmup_ratio=0")
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(4, 2, 1, 8))
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # 4 steps of 4: the floor, not 0
     with pytest.raises(config_module.ConfigError, match="train.min_lr_ratio: a floor for the cosine schedule only"):
         config_module.load(None, ["train.min_lr_ratio=0.1", "train.lr_scheduler=linear"], check_paths=False)
@@ -233,15 +233,15 @@ def test_a_cosine_schedule_with_a_floor_ends_at_its_share_of_the_learning_rate(t
 
 def test_a_run_shorter_than_its_logging_interval_logs_its_last_step(tmp_path):
     # 3 steps at train.logging_steps=10 printed "loss: 6.421 -> 6.421": only step 1 had been logged
-    from sft_play import callbacks, training
+    from sft_play import callbacks, run_folder, training
     from sft_play.run import BatchSplit
     from tests.conftest import tiny_trainer_factory
 
     make = tiny_trainer_factory(tmp_path, [callbacks.LogLastStep()], "train.max_steps=3", "train.logging_steps=10")
-    trainer, _ = training.train_with_backoff(make, make.run.with_changes(batch=BatchSplit(4, 2, 1, 8)))
+    trainer, _ = training.train_with_backoff(make, BatchSplit(4, 2, 1, 8))
     logged = training.loss_history(trainer)
     assert [step for step, _ in logged] == [1, 3]
-    assert training.write_summary(trainer, tmp_path, {})["last_loss"] == logged[-1][1] != logged[0][1]
+    assert run_folder.write_summary(tmp_path, training.summary_of(trainer, {}))["last_loss"] == logged[-1][1] != logged[0][1]
 
 
 def test_a_log_line_is_one_readable_line_without_duplicates():
@@ -271,8 +271,10 @@ def test_the_summary_says_what_a_step_took_when_the_data_is_smaller_than_a_batch
     from types import SimpleNamespace
 
     from sft_play.run import BatchSplit
-    from sft_play.train import batch_text
+    from sft_play.train import batch_record
 
     run = SimpleNamespace(batch=BatchSplit(12, 1, 1, 12))
-    assert batch_text(run, 1) == "global 12 = micro 12 x accum 1 x world 1; the data is 1 row, so each step took 1"
-    assert batch_text(run, 2858) == "global 12 = micro 12 x accum 1 x world 1"
+    small = batch_record(run, run.batch, 1)
+    assert small["batch"] == "global 12 = micro 12 x accum 1 x world 1; the data is 1 row, so each step took 1"
+    assert batch_record(run, run.batch, 2858)["batch"] == "global 12 = micro 12 x accum 1 x world 1"
+    assert small["batch_planned"] == small["batch_trained"] == run.batch.to_dict()

@@ -10,17 +10,13 @@ from sft_play.units import GIB
 
 
 # Kinds of attention whose plans keep more than ``planner.safety_fraction`` free: the largest
-# under-prediction measured for them, rounded up, and where it was measured. Eager attention (the
-# kernel for Gemma-2's soft-capped logits) holds (batch, heads, seq, seq) score blocks of a GiB or
-# more; the replay predicts its live tensors within 0.2 % but the allocator's cache around those
-# blocks depends on the order of allocations and frees, and came out 2.7 GB larger than replayed.
-# Until a memory snapshot on a GPU finds the cause (docs/PLANNER.md, section 6), such plans keep
-# the measured shortfall free, calibrated ones too (planner.calibrate fits a line through
-# micro-batches 1 and 2, which cannot see the cache a larger micro-batch's blocks leave). One
-# measured shape stands behind it: 10.6 % under, kept 11 %.
+# under-prediction measured for them, rounded up, and where it was measured. Eager attention's
+# (batch, heads, seq, seq) score blocks leave an allocator cache the replay does not reproduce
+# (docs/PLANNER.md, section 6; the measurement is in docs/reports/gpu_lease.md). Calibrated plans
+# keep it too: a line through micro-batches 1 and 2 cannot see the cache a larger one leaves.
 MEASURED_SHORTFALL = {
     "eager": (0.11, "10.6 % under the peak measured for Gemma-2-9B (12 layers) LoRA, seq 2048, micro 8, "
-                    "checkpointing, on an H200 (docs/gpu_lease.md, 2026-11-26)"),
+                    "checkpointing, on an H200 (docs/reports/gpu_lease.md)"),
 }
 
 

@@ -30,7 +30,7 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "B200": 22
 # by GPU model and method. A GPU model not measured is predicted at the reference's (the H100's),
 # and the source says so. The H200 keeps the H100's compute peak but has 1.4x its memory
 # bandwidth and 1.75x its memory (larger micro-batches): predicted at the H100's MFU, its steps
-# came out 17 % (full) and 21 % (LoRA) longer than measured (docs/gpu_lease.md, 2026-11-26).
+# came out 17 % (full) and 21 % (LoRA) longer than measured (docs/reports/gpu_lease.md).
 MEASURED_MFU = {
     "H100": {
         "full": (0.207, "H100, Qwen2.5-0.5B full, seq 2048, micro 16 (bench/throughput.py, 2026-11-23)"),

@@ -1,0 +1,216 @@
+"""The trainer's arguments, from the resolved run: TRL's ``SFTConfig``, DeepSpeed's config (the
+JSON of ``distributed.deepspeed_config`` with the run's stage and offload), FSDP2's settings and
+mixed-precision policy, and what accelerate is told."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sft_play.config import RunConfig
+from sft_play.errors import UserError
+from sft_play.run import BatchSplit, Run
+
+
+def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
+    """The DeepSpeed config for a ``deepspeed_*`` strategy: ``distributed.deepspeed_config`` (JSON
+    whose ``auto`` values the trainer fills from its arguments, i.e. from the plan and the run
+    config: micro-batch, accumulation, clipping, precision, bucket sizes), switched to stage 3
+    for ``deepspeed_zero3`` and with optimizer states in CPU memory for
+    ``distributed.offload_optimizer``. None for DDP."""
+    if not run.parallel.deepspeed:
+        return None
+    ds = json.loads(Path(config.distributed.deepspeed_config).read_text())
+    zero = ds.setdefault("zero_optimization", {})
+    if run.parallel.strategy.zero3:
+        zero["stage"] = 3
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            zero.setdefault(key, "auto")
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    if run.parallel.offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if run.parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; the trainer fills the "auto"s
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                     "weight_decay": "auto"}}
+    if "optimizer" in ds and run.loraplus_lr_ratio:
+        # DeepSpeed then builds the optimizer itself, from this block, without LoRA+'s groups
+        raise UserError(f"lora.loraplus_lr_ratio needs the optimizer the trainer makes, and DeepSpeed builds its own "
+                        f"here ({'optimizer offload' if run.parallel.offload_optimizer else 'the optimizer block of ' + config.distributed.deepspeed_config}): "
+                        "leave LoRA+ out, or train without optimizer offload (and without an optimizer block)")
+    return ds
+
+
+def skip_deepspeed_inference_comm() -> None:
+    """DeepSpeed on the CPU compiles a shared-memory all-reduce op when its communication backend
+    starts (``deepspeed.comm.torch.build_shm_op``: ~40 s of C++ build on 2 cores, on the first
+    run in each TORCH_EXTENSIONS_DIR). Only ``inference_all_reduce`` uses it; training's
+    collectives go through torch.distributed (gloo). Marking it incompatible skips the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def pin_mixed_precision(run: Run) -> None:
+    """Say the run's precision (and whether it shards with FSDP) to accelerate and transformers
+    through the environment too.
+
+    ``accelerate launch`` exports ``ACCELERATE_MIXED_PRECISION`` from its config file, and
+    transformers' arguments (and accelerate's state) take it whenever ``bf16`` and ``fp16`` are
+    both off: an accelerate config written for bf16 GPUs would turn ``train.mixed_precision=no``
+    into bf16 autocast behind the plan's back."""
+    os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
+    # The same for FSDP: an accelerate config file that says FSDP exports ACCELERATE_USE_FSDP,
+    # which turns FSDP on for a ddp run; an fsdp2 run passes its own plugin (fsdp_settings)
+    os.environ["ACCELERATE_USE_FSDP"] = "true" if run.parallel.fsdp else "false"
+
+
+def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
+    """transformers' ``fsdp_config`` for an ``fsdp2`` run: each decoder layer (`layer_classes`,
+    found in the loaded model) one FSDP unit (accelerate adds its own units for an untied
+    embedding and for the final norm with the head; the root holds the rest); parameters resharded
+    after the forward as the run says; activation checkpointing by FSDP's own wrapper where the
+    run says (:attr:`Run.fsdp_checkpointing`: a checkpoint per layer without the extra
+    all-gather that checkpointing outside FSDP costs, but without the random state either);
+    sharded checkpoints (``torch.distributed.checkpoint``: every rank writes its own shard);
+    parameters, gradients and optimizer states in CPU memory with
+    ``offload_parameters``."""
+    if not run.parallel.fsdp:
+        return None
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": layer_classes,
+        "reshard_after_forward": run.parallel.reshard_after_forward,
+        "activation_checkpointing": run.fsdp_checkpointing,
+        "cpu_offload": run.parallel.offload_parameters,
+        "state_dict_type": "SHARDED_STATE_DICT",
+    }
+
+
+def fsdp_mixed_precision(run: Run, quant_storage: str | None = None) -> dict[str, Any] | None:
+    """FSDP2's mixed-precision policy: layers gathered and computed in the run's compute dtype,
+    gradients reduced in fp32 (accelerate's default reduces in bf16, which DDP and ZeRO do not;
+    fp32 keeps FSDP2's loss with theirs). QLoRA gathers in the packed weights' storage dtype
+    (`quant_storage`): FSDP2 casts what it gathers to ``param_dtype`` by value, which would
+    destroy packed 4-bit weights stored in another dtype."""
+    if not run.parallel.fsdp or run.precision.mixed == "no":
+        return None
+    import torch
+
+    compute = getattr(torch, run.precision.compute_dtype)
+    gathered = getattr(torch, quant_storage) if run.method == "qlora" and quant_storage else compute
+    return {"param_dtype": gathered, "reduce_dtype": torch.float32, "output_dtype": compute}
+
+
+def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
+                  layer_classes: list[str] | None = None, batch: BatchSplit | None = None, **overrides: Any) -> Any:
+    """TRL ``SFTConfig`` for the run; every value comes from the run config or the resolved run.
+    `batch` is the split to train at (default the run's, as planned; calibration and backoff
+    pass theirs). `layer_classes` names the model's decoder layer classes (FSDP2's units).
+    `overrides` replace any of them, e.g. for calibration steps."""
+    from trl import SFTConfig
+
+    batch = batch or run.batch
+    if batch is None:
+        raise ValueError("the run has no batch split yet: plan it first (run.with_changes(batch=plan.split))")
+    pin_mixed_precision(run)
+    precision = run.precision
+    train, data = config.train, config.data
+    evaluate = has_validation and train.eval_steps > 0
+    settings = dict(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=batch.micro_batch_size,
+        per_device_eval_batch_size=batch.micro_batch_size,
+        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+        learning_rate=train.learning_rate,
+        lr_scheduler_type="cosine_with_min_lr" if train.min_lr_ratio else train.lr_scheduler,
+        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio} if train.min_lr_ratio else None,
+        # a value below 1 is a share of the steps
+        warmup_steps=train.warmup_steps if train.warmup_steps is not None else train.warmup_ratio,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        neftune_noise_alpha=train.neftune_noise_alpha,
+        optim=run.optimizer,
+        num_train_epochs=train.num_epochs,
+        max_steps=train.max_steps,
+        bf16=precision.mixed == "bf16",
+        fp16=precision.mixed == "fp16",
+        # FSDP2 checkpoints with its own wrapper where the run says (fsdp_settings)
+        activation_checkpointing=run.gradient_checkpointing and not run.fsdp_checkpointing,
+        activation_checkpointing_kwargs=({"use_reentrant": False}
+                                         if run.gradient_checkpointing and not run.fsdp_checkpointing else None),
+        logging_steps=train.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged away
+        save_strategy="steps" if train.save_steps > 0 else "no",
+        save_steps=train.save_steps if train.save_steps > 0 else 500,
+        save_total_limit=None,  # CheckpointMarker deletes old checkpoints, once the new one is marked complete
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=train.eval_steps if evaluate else None,
+        report_to=(["tensorboard"] if train.tensorboard else []) + list(train.report_to) or "none",
+        seed=train.seed,
+        data_seed=train.seed,
+        full_determinism=train.deterministic,
+        include_num_input_tokens_seen="non_padding",  # also logs train_tokens_per_second
+        # Liger's layer kernels (TRL keeps its own fused, chunked loss head)
+        use_liger_kernel=run.liger,
+        max_length=data.max_seq_length,
+        # MoE: the load-balancing loss, with the model's own coefficient unless the config says
+        router_aux_loss_coef=train.router_aux_loss_coef,
+        packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
+        # ...tokenised, truncated and labelled too: TRL's preparation would map and filter every row again
+        dataset_kwargs={"skip_prepare_dataset": True},
+        dataset_num_proc=data.num_proc,
+        # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
+        ddp_find_unused_parameters=False,
+        ddp_timeout=max(1, round(config.distributed.timeout_minutes * 60)),
+        dataloader_pin_memory=run.on_cuda,
+        use_cpu=run.placement.cpu_processes,
+        deepspeed=deepspeed_config(config, run),
+        fsdp=True if run.parallel.fsdp else None,
+        fsdp_config=fsdp_settings(run, layer_classes or []),
+        accelerator_config=accelerator_settings(run),
+    )
+    arguments = SFTConfig(**{**settings, **overrides})
+    policy = fsdp_mixed_precision(run, config.quantization.quant_storage)
+    if policy and arguments.fsdp_plugin_args is not None:  # transformers has no argument for it
+        arguments.fsdp_plugin_args["mixed_precision_policy"] = policy
+    return arguments
+
+
+def accelerator_settings(run: Run) -> dict[str, Any] | None:
+    settings: dict[str, Any] = {}
+    if run.placement.deepspeed_on_cpu or run.placement.fsdp_on_cpu:
+        # keep the process group (and, for FSDP2, the state shard_on_cpu configures) the training
+        # flow set up: transformers would otherwise re-form it and see one process or plain DDP
+        settings["use_configured_state"] = True
+    if run.parallel.fsdp:
+        # Reduce-scatter every micro-batch: each rank keeps only its gradient shard. Without it
+        # accelerate skips the sync between micro-batches, and FSDP2 then holds every layer's
+        # unsharded gradient until the step: the whole model's gradients on each GPU.
+        settings["gradient_accumulation_kwargs"] = {"sync_each_batch": True}
+    return settings or None
+
+
+def shard_on_cpu(arguments: Any, run: Run) -> None:
+    """FSDP2 in CPU processes (tests, GPU-less machines): accelerate turns FSDP on only for
+    GPU-type processes (``AcceleratorState``: the FSDP branch sits under the multi-GPU types),
+    while ``fully_shard`` itself runs on CPU tensors over gloo. The shared accelerator state is
+    set up here as accelerate sets it up on GPUs, and the trainer uses it
+    (``use_configured_state``). Nothing is done on GPUs."""
+    if not run.placement.fsdp_on_cpu:
+        return
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(**arguments.fsdp_plugin_args)
+    if run.precision.mixed != "no":
+        plugin.set_mixed_precision(run.precision.mixed)
+    state = Accelerator(cpu=True, mixed_precision=run.precision.mixed).state
+    state.fsdp_plugin = plugin
+    # accelerate has no public setter for the shared state's type, which both states read
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP

@@ -1,0 +1,117 @@
+"""Building TRL's ``SFTTrainer`` for the run; behaviour we add goes in as callbacks. No training
+loop lives here: the trainer runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from sft_play import architecture
+from sft_play.callbacks import LogLines, PrintedLogLines
+from sft_play.config import RunConfig
+from sft_play.model import lora_config, score_labelled_positions_only
+from sft_play.run import BatchSplit, Run
+from sft_play.training.arguments import sft_arguments, shard_on_cpu
+
+
+def trainer_factory(
+    config: RunConfig,
+    run: Run,
+    run_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any | None,
+    data_collator: Any = None,
+    callbacks: list[TrainerCallback] | None = None,
+) -> Callable[..., Any]:
+    """A function that builds the run's TRL ``SFTTrainer`` (over already tokenised, and with
+    packing already packed, data) at a batch split: the run's own (``make()``), or another one
+    (``make(split)``), which is what :func:`sft_play.training.backoff.train_with_backoff` and
+    calibration pass. The first trainer wraps the model with the run's adapter
+    (:func:`sft_play.model.lora_config`); later ones reuse the wrapped model. The TensorBoard
+    callback is moved behind ours, so that what our callbacks add to a log line
+    (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too, and the printed log
+    lines are ours (:class:`sft_play.callbacks.LogLines`)."""
+    from transformers import set_seed
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    score_labelled_positions_only()  # TRL's loss head, on a CPU too
+    trainer_class = _trainer_class()
+    held = {"model": model, "peft_config": lora_config(run)}
+    layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.parallel.fsdp else None
+    layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
+
+    def make(split: BatchSplit | None = None, **overrides: Any) -> Any:
+        args = sft_arguments(config, run, run_dir, has_validation=eval_dataset is not None,
+                             layer_classes=layer_classes, batch=split, **overrides)
+        shard_on_cpu(args, run)
+        if held["peft_config"] is not None:
+            # The adapter is created inside the trainer, before it seeds: seed it here, alike on
+            # every rank. DDP would copy rank 0's adapter to the others anyway; FSDP2 shards each
+            # rank's own, which must therefore be the same.
+            set_seed(config.train.seed)
+        trainer = trainer_class(
+            model=held["model"],
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset if args.eval_strategy != "no" else None,
+            processing_class=tokenizer,
+            peft_config=held["peft_config"],
+            callbacks=callbacks,
+            optimizer_cls_and_kwargs=(LoraPlus, {"args": args, "ratio": run.loraplus_lr_ratio})
+            if run.loraplus_lr_ratio else None,
+        )
+        board = trainer.pop_callback(TensorBoardCallback)
+        if board is not None:
+            trainer.add_callback(board)
+        for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
+            if trainer.pop_callback(default) is not None:
+                trainer.add_callback(ours)
+        held.update(model=trainer.model, peft_config=None)
+        return trainer
+
+    return make
+
+
+def _trainer_class() -> type:
+    from trl import SFTTrainer
+
+    class Trainer(SFTTrainer):
+        """TRL's SFTTrainer, without the model card it writes into checkpoints/ at each save (of a
+        model named "checkpoints", fine-tuned from "None"): the run's own card goes into model/
+        when it finishes (:mod:`sft_play.model_card`)."""
+
+        def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return Trainer
+
+
+class LoraPlus:
+    """LoRA+ (``lora.loraplus_lr_ratio``): the run's optimizer (``train.optimizer`` as the trainer
+    makes it) with peft's parameter groups, the B matrices at `ratio` times the learning rate.
+    A factory the trainer calls when it creates the optimizer (``optimizer_cls_and_kwargs``), so
+    that the groups hold the parameters as they are then (after FSDP2 has sharded them)."""
+
+    def __call__(self, model: Any, *, args: Any, ratio: float) -> Any:
+        from peft.optimizers import create_loraplus_optimizer
+        from transformers import Trainer
+
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        optimizer = create_loraplus_optimizer(model, optimizer_cls, loraplus_lr_ratio=ratio,
+                                              loraplus_weight_decay=args.weight_decay, **kwargs)
+        if kwargs.get("optim_bits") == 8:  # as the trainer does for 8-bit optimizers: embeddings' states in 32 bits
+            import bitsandbytes
+            from torch import nn
+
+            manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+            for module in model.modules():
+                if isinstance(module, nn.Embedding):
+                    manager.register_module_override(module, "weight", {"optim_bits": 32})
+        return optimizer
