@@ -380,7 +380,7 @@ def test_weighted_mixing_keeps_the_total_and_the_proportions():
 
 
 def test_the_mix_log_says_what_each_source_gave(tmp_path, caplog):
-    from sft_play.data import _records
+    from sft_play.data.pipeline import _records
 
     for name, count in (("a", 10), ("b", 30)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(count)))
@@ -395,7 +395,7 @@ def test_the_mix_log_says_what_each_source_gave(tmp_path, caplog):
 def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_trains(tmp_path):
     """Holding out after mixing put copies of training records (the mix repeats the sources it
     weights up) into the validation set: 9 of 20 there."""
-    from sft_play.data import _records, validation_records
+    from sft_play.data.pipeline import _records, validation_records
 
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(100)))
@@ -484,7 +484,7 @@ def test_builds_of_the_same_data_at_once_tokenise_it_once(tmp_path, tiny_tokeniz
     import logging
     import threading
 
-    import sft_play.data as data_module
+    import sft_play.data.pipeline as data_module
 
     monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
     cfg = data_config(path=str(FIXTURES / "messages.jsonl"), max_seq_length=64)

@@ -423,7 +423,7 @@ def test_the_old_checkpoint_is_deleted_only_after_the_new_one_is_marked(tmp_path
 
 
 def test_a_signal_delivered_twice_is_one_stop_request(monkeypatch):
-    monkeypatch.setattr(callbacks, "DUPLICATE_SIGNAL_WINDOW_S", 0.3)
+    monkeypatch.setattr(callbacks.stops, "DUPLICATE_SIGNAL_WINDOW_S", 0.3)
     stop = callbacks.GracefulStop()
     stop.install()
     try:

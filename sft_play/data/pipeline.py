@@ -1,0 +1,445 @@
+"""The data pipeline: read records in the formats people have (:mod:`sft_play.data.sources`,
+:mod:`sft_play.data.formats`), turn them into tokens and labels (:mod:`sft_play.data.tokenize`),
+mix, split and pack them, and cache the result (:mod:`sft_play.data.cache`).
+
+``build(config.data, tokenizer, seed)`` is the one entry point the training path uses. With
+``data.packing`` the examples are packed into rows of ``max_seq_length`` by best-fit decreasing
+(TRL's ``pack_dataset``), each row recording where its examples start (``seq_lengths``) so that
+the collator (:mod:`sft_play.data.collate`) keeps them from attending to each other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections import Counter
+from typing import Any
+
+from sft_play.config import DataConfig
+from sft_play.data import cache
+from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detect_format, mapped_but_absent,
+                                   normalise)
+from sft_play.data.sources import HELD_OUT, iter_sources
+from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
+                                    renders_tools, resolve_chat_template, uses_tools)
+from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows
+from sft_play.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_DETECT_ROWS = 5
+
+
+def _reason_key(error: InvalidRow) -> str:
+    field_name = re.sub(r"\[\d+\]", "[]", error.field)
+    reason = re.sub(r" \((allowed:|byte |invalid ).*\)$", "", error.reason)  # where exactly: in the row list
+    return f"{field_name}: {reason}"
+
+
+SKIPPED_ROWS_KEPT = 20  # row numbers kept per reason for the skip summary
+ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what tokenising leaves out
+NO_ANSWER_LEFT = "no answer tokens left after truncation"
+
+
+def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None) -> list[dict[str, Any]]:
+    """Canonical records from every source in `paths` (of `split` where a source holds splits:
+    ``data.split`` unless said), each with its file and row under
+    :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
+    row is collected and one :class:`InvalidRows` names them all; with ``skip`` they are counted
+    by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
+    records: list[dict[str, Any]] = []
+    skipped: Counter[str] = Counter(stats.skipped)
+    bad: list[InvalidRow] = []
+
+    def reject(error: InvalidRow) -> None:
+        bad.append(error)
+        reason = _reason_key(error)
+        skipped[reason] += 1
+        where = stats.skipped_rows.setdefault(reason, [])
+        if len(where) < SKIPPED_ROWS_KEPT:
+            where.append(f"{error.source}:{error.row}")
+
+    for source, rows in iter_sources(paths, split or cfg.split):
+        raw: list[tuple[int, dict[str, Any]]] = []
+        unreadable: list[InvalidRow] = []  # lines that could not be read, in order with the rows' own problems
+        for number, row in rows:
+            if isinstance(row, InvalidRow):
+                unreadable.append(row)
+            else:
+                raw.append((number, row))
+        if not raw:
+            for error in unreadable:
+                reject(error)
+            stats.formats[source] = "empty"
+            continue
+        try:
+            fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+        except UnknownFormat as exc:
+            raise UnknownFormat(f"{source}: {exc}") from None
+        if cfg.format == "auto":
+            logger.info("data: %s looks like '%s' records", source, fmt)
+        stats.formats[source] = fmt
+        kept = len(records)
+        problems = list(unreadable)
+        for number, row in raw:
+            try:
+                record = normalise(row, fmt, cfg.columns, source, number)
+            except InvalidRow as exc:
+                problems.append(exc)
+                continue
+            record[ORIGIN] = f"{source}:{number}"
+            if cfg.system_prompt and record.get("messages") and record["messages"][0]["role"] != "system":
+                record["messages"] = [{"role": "system", "content": cfg.system_prompt}, *record["messages"]]
+            records.append(record)
+        for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
+            reject(error)
+        if len(records) == kept and cfg.format != "auto":
+            _refuse_forced_format(source, fmt, [r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+    if bad and cfg.on_invalid == "error":
+        raise InvalidRows(bad)
+    stats.skipped = dict(skipped)
+    return records
+
+
+def _refuse_forced_format(source: str, fmt: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
+    """One clear error, instead of every row listed as bad, when a forced ``data.format`` fits
+    none of a source's rows and its columns look like another format."""
+    try:
+        seen = detect_format(rows, columns)
+    except UnknownFormat:
+        absent = mapped_but_absent(rows, columns)
+        if absent:
+            raise UnknownFormat(f"{source}: data.format={fmt}, but none of its rows fits that format: {absent}") from None
+        return
+    if seen != fmt:
+        found = sorted(set().union(*(r.keys() for r in rows)))
+        raise UnknownFormat(
+            f"{source}: data.format={fmt}, but none of its rows fits that format: its columns {found} look "
+            f"like '{seen}' records. Set data.format=auto (or data.format={seen}), or map your columns to the "
+            f"'{fmt}' fields with data.columns"
+        )
+
+
+def skip_summary(stats: DataStats) -> str | None:
+    """The rows ``data.on_invalid: skip`` left out, by reason, with their numbers (None if none)."""
+    if not stats.skipped:
+        return None
+    parts = []
+    for reason, count in sorted(stats.skipped.items()):
+        rows = stats.skipped_rows.get(reason, [])
+        listed = ", ".join(rows) + (f", ... ({count - len(rows)} more)" if count > len(rows) else "")
+        parts.append(f"{reason} x{count}" + (f" ({listed})" if rows else ""))
+    return f"skipped {sum(stats.skipped.values())} rows: " + "; ".join(parts)
+
+
+def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
+                  overlong: str) -> dict[str, list]:
+    """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
+    thousand records rather than per record); the chat records of a template with generation
+    markers go through the tokenizer together."""
+    columns = list(batch)
+    records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    tokens: list[tuple[list[int], list[int]] | None] = [None] * len(records)
+    if has_generation_markers(template):  # (a record with tools renders them: one by one below)
+        chats = [i for i, record in enumerate(records) if record.get("messages") is not None and not record.get("tools")]
+        if chats:
+            try:
+                for i, encoded in zip(chats, encode_chats_with_markers(
+                        tokenizer, [records[i]["messages"] for i in chats], template, train_on)):
+                    tokens[i] = encoded
+            except Exception as exc:
+                if not _template_refused(exc):
+                    raise  # one by one below: the record the template refuses is named
+    encoded = []
+    for i, record in enumerate(records):
+        try:
+            encoded.append(_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit,
+                                    overlong))
+        except Exception as exc:
+            if not _template_refused(exc):
+                raise
+            raise UserError(f"the chat template cannot render {record.get(ORIGIN) or 'a record'}: {exc}. Choose a "
+                            "template that takes these turns (data.chat_template: a name, e.g. chatml, or a .jinja "
+                            "file), or change the data") from None
+    return {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
+            "origin": [record.get(ORIGIN) for record in records]}
+
+
+# Columns of nested structures that go through the Arrow table as JSON text: Arrow would give every
+# tool call's arguments the keys of all others (None where absent), and templates would render them
+_JSON_COLUMNS = ("messages", "tools")
+
+
+def _to_cell(column: str, value: Any) -> Any:
+    return json.dumps(value) if column in _JSON_COLUMNS and value is not None else value
+
+
+def _from_cell(column: str, value: Any) -> Any:
+    return json.loads(value) if column in _JSON_COLUMNS and value is not None else value
+
+
+def _template_refused(exc: Exception) -> bool:
+    """An error the chat template raised (its raise_exception, or a field it lacks), not ours."""
+    return type(exc).__module__.split(".")[0] == "jinja2"
+
+
+def _limited(ids: list[int], labels: list[int], limit: int, overlong: str) -> dict[str, Any]:
+    """An example's tokens with ``data.overlong`` applied at `limit` tokens, and what happened."""
+    status = "ok"
+    if len(ids) > limit:
+        if overlong == "drop":
+            status = "dropped"
+        else:
+            ids, labels = ids[:limit], labels[:limit]
+            status = "no_answer" if all(label == IGNORE_INDEX for label in labels) else "truncated"
+    return {"input_ids": ids, "labels": labels, "status": status}
+
+
+def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, stats: DataStats) -> Any:
+    """A ``datasets.Dataset`` of ``input_ids``/``labels`` (packed, with ``seq_lengths``, when
+    ``data.packing``), over-long examples truncated or dropped and counted in `stats`.
+
+    Tokenisation runs in ``data.num_proc`` processes when set.
+    """
+    import datasets
+    import numpy as np
+
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    limit = cfg.max_seq_length
+    stats.max_seq_length = limit
+    if not records:
+        return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
+    # Sources of several formats leave different fields per record: every column, None where absent
+    columns = sorted(set().union(*(r.keys() for r in records))) if records else []
+    if not renders_tools(template):
+        with_tools = next((r for r in records if uses_tools(r)), None)
+        if with_tools is not None:
+            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
+                            "render (it would drop them in silence): set data.chat_template to one that does (a "
+                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
+    table = datasets.Dataset.from_dict({c: [_to_cell(c, r.get(c)) for r in records] for c in columns})
+    encoded = table.map(
+        _encode_batch,
+        batched=True,
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
+                   "overlong": cfg.overlong},
+        remove_columns=columns,
+        num_proc=cfg.num_proc if cfg.num_proc and len(records) > 1 else None,
+        desc="Tokenising",
+    )
+    status = Counter(encoded["status"])
+    stats.truncated += status["truncated"]
+    stats.dropped_overlong += status["dropped"]
+    if status["no_answer"] or status["dropped"]:
+        # what tokenising left out, named by file and row as the bad rows are
+        left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit)}
+        for kind, origin in zip(encoded["status"], encoded["origin"]):
+            if kind in left_out:
+                where = stats.skipped_rows.setdefault(left_out[kind], [])
+                if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
+                    where.append(origin)
+    if status["no_answer"]:
+        stats.skipped = {**stats.skipped, NO_ANSWER_LEFT: stats.skipped.get(NO_ANSWER_LEFT, 0) + status["no_answer"]}
+    dataset = encoded.filter(lambda row: row["status"] in ("ok", "truncated")).remove_columns(["status", "origin"])
+    lengths = np.array([len(ids) for ids in dataset["input_ids"]] or [0])
+    stats.examples = len(dataset)
+    stats.max_seq_length = limit
+    stats.tokens_total = int(lengths.sum())
+    stats.loss_tokens = int(sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in dataset["labels"]))
+    stats.tokens_p50 = int(np.percentile(lengths, 50))
+    stats.tokens_p95 = int(np.percentile(lengths, 95))
+    stats.tokens_max = int(lengths.max())
+    stats.uniform_rows = bool(len(dataset)) and int(lengths.min()) == stats.tokens_max
+    if cfg.packing and len(dataset):
+        from trl.data_utils import pack_dataset
+
+        # Best-fit decreasing into rows of max_seq_length; `seq_lengths` records the examples of a row
+        dataset = pack_dataset(dataset, limit, "bfd")
+        stats.packed_rows = len(dataset)
+        stats.uniform_rows = stats.uniform_rows and stats.packed_rows == stats.examples
+    return dataset
+
+
+def mix(parts: list[list[dict[str, Any]]], weights: list[float], seed: int) -> list[dict[str, Any]]:
+    """Datasets mixed by weight: the mixture keeps the total number of records, and source i
+    contributes ``total x w_i / sum(w)`` of them, drawn without replacement while it has enough
+    and repeated (whole passes, then a random remainder) when its share is larger than it is.
+
+    Kept rather than ``datasets.interleave_datasets(probabilities=...)``: that draws each example's
+    source at random, so the shares are right only on average and the length depends on the
+    stopping strategy; here each share is an exact count and the total is the sources' total."""
+    import random
+
+    rng = random.Random(seed)
+    total = sum(len(p) for p in parts)
+    mixed: list[dict[str, Any]] = []
+    for part, weight in zip(parts, weights):
+        want = round(total * weight / sum(weights))
+        if not part:
+            continue
+        passes, remainder = divmod(want, len(part))
+        mixed += part * passes + rng.sample(part, remainder)
+    rng.shuffle(mixed)
+    return mixed
+
+
+def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+    """Read, validate, tokenise and measure the training and validation data, or take all of it
+    from the cache when this data, tokenizer and settings were prepared before
+    (:mod:`sft_play.data.cache`; ``data.cache: false`` turns it off).
+
+    Args:
+        cfg: the ``data`` section of the run config.
+        tokenizer: a transformers tokenizer (its chat template is used unless the config overrides it).
+        seed: seed for carving a validation split by fraction and for mixing by weight.
+
+    Returns:
+        A :class:`DataBundle`.
+
+    Raises:
+        InvalidRow: a bad row, with ``data.on_invalid: error``.
+        ValueError: no usable example, or a format that cannot be detected.
+    """
+    if not cfg.cache:
+        return _build(cfg, tokenizer, seed)
+    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed)
+    with cache.preparing(key):  # processes started together with this data prepare it once
+        cached = cache.load(key)
+        if cached is not None:
+            logger.info("data: preprocessed data from the cache (%s)", key)
+            bundle = _bundle_from(cached)
+            _log_skips(bundle)
+        else:
+            bundle = _build(cfg, tokenizer, seed)
+            cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
+                       bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+    # what planning reads without loading the tokenizer (transformers keeps the source it loaded from)
+    cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed),
+                         bundle.stats.to_dict(), bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+    return bundle
+
+
+def remembered_stats(cfg: DataConfig, tokenizer_source: str | None, seed: int = 0) -> DataStats | None:
+    """The training data's statistics as a :func:`build` of the same data, settings and local
+    tokenizer folder measured them, read without loading the tokenizer; None when none did (or
+    the tokenizer is on the hub, or ``data.cache`` is off)."""
+    saved = cache.remembered_stats(cache.stats_key(cfg, tokenizer_source, seed)) if cfg.cache else None
+    return DataStats(**_stat_fields(saved["stats"])) if saved else None
+
+
+def _bundle_from(cached: dict[str, Any]) -> DataBundle:
+    """The bundle :func:`cache.load` read back."""
+    validation_stats = cached["validation_stats"]
+    return DataBundle(train=cached["train"], validation=cached["validation"],
+                      stats=DataStats(**_stat_fields(cached["stats"])),
+                      validation_stats=DataStats(**_stat_fields(validation_stats)) if validation_stats else None)
+
+
+def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in saved.items() if k in DataStats.__dataclass_fields__}
+
+
+def _records(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(training records, validation records or None) as read: mixed by ``data.weights``, and
+    with ``data.validation_fraction`` that share of each source held out *before* mixing, so
+    that no copy of a held-out record (mixing repeats the sources it weights up) trains."""
+    if not cfg.weights:
+        return _held_out(load_records(cfg.path, cfg, stats), cfg, seed)
+    parts = [load_records(entry, cfg, stats) for entry in cfg.path]
+    held = None
+    if not cfg.validation_path and cfg.validation_fraction > 0:
+        # each source's share, but never its last record (a small source would leave the mix);
+        # at least one record in all, from the largest source
+        cuts = [min(len(p) - 1, round(len(p) * cfg.validation_fraction)) if p else 0 for p in parts]
+        if not sum(cuts) and max(len(p) for p in parts) > 1:
+            cuts[max(range(len(parts)), key=lambda i: len(parts[i]))] = 1
+        splits = [_split(part, cut, seed) for part, cut in zip(parts, cuts)]
+        parts = [train for train, _ in splits]
+        held = [record for _, part in splits for record in part] or None
+        import random
+
+        if held:
+            random.Random(seed).shuffle(held)  # the held-out prompts make generate shows come from every source
+    records = mix(parts, cfg.weights, seed)
+    total = sum(len(p) for p in parts)
+    shares = []
+    for entry, part, weight in zip(cfg.path, parts, cfg.weights):
+        drawn = round(total * weight / sum(cfg.weights)) if part else 0
+        shares.append(f"{entry}: {drawn} of its {len(part)} ({drawn / len(part):.2f} passes)" if part
+                      else f"{entry}: none (no usable record)")
+    logger.info("data: mixed by weights %s into %d records: %s", cfg.weights, len(records), "; ".join(shares))
+    return records, held
+
+
+def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
+    """(training records, validation records or None) for ``data.validation_fraction``: a seeded
+    split of the records before tokenising, as Dataset.train_test_split would do; they are still
+    Python dicts here, of chat and prompt/completion shapes mixed."""
+    if cfg.validation_path or cfg.validation_fraction <= 0:
+        return records, None
+    # at least one record held out, and one left to train on (one record: none held out, no validation)
+    cut = min(max(1, round(len(records) * cfg.validation_fraction)), len(records) - 1)
+    return _split(records, cut, seed) if cut > 0 else (records, None)
+
+
+def _split(records: list[dict[str, Any]], cut: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the records left, `cut` of them held out at random with `seed`), each in the records' order."""
+    import random
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(0, cut)])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def validation_records(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+    """The validation records a run of `cfg` held out (``data.validation_path``'s, or its seeded
+    ``data.validation_fraction`` of the training records), untokenised; empty without either."""
+    if cfg.validation_path:
+        return load_records(cfg.validation_path, cfg, DataStats(), HELD_OUT)
+    if cfg.validation_fraction > 0:
+        return _records(cfg, DataStats(), seed)[1] or []
+    return []
+
+
+def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+    stats = DataStats()
+    records, validation_records = _records(cfg, stats, seed)
+    validation_stats = None
+    if cfg.validation_path:
+        validation_stats = DataStats()
+        validation_records = load_records(cfg.validation_path, cfg, validation_stats, HELD_OUT)
+    elif validation_records is not None:
+        validation_stats = DataStats(formats=dict(stats.formats))
+    started = time.perf_counter()
+    train = tokenize_records(records, tokenizer, cfg, stats)
+    logger.info("data: %d examples tokenised%s in %.1f s", stats.examples,
+                f" and packed into {stats.packed_rows} rows" if stats.packed_rows is not None else "",
+                time.perf_counter() - started)
+    if len(train) == 0:
+        raise NoUsableData(
+            f"no usable training example in {cfg.path}"
+            + (f": {skip_summary(stats)}" if stats.skipped else "")
+            + (f" ({stats.dropped_overlong} longer than data.max_seq_length={cfg.max_seq_length})" if stats.dropped_overlong else "")
+        )
+    validation = None
+    if validation_records is not None and validation_stats is not None:
+        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats)
+    bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
+    _log_skips(bundle)
+    if stats.truncated or stats.dropped_overlong:
+        logger.warning(
+            "data: %d examples truncated and %d dropped%s at data.max_seq_length=%d",
+            stats.truncated, stats.dropped_overlong, dropped_rows(stats), cfg.max_seq_length,
+        )
+    return bundle
+
+
+def _log_skips(bundle: DataBundle) -> None:
+    """The skip summary, on every run (also when the data comes from the cache)."""
+    for name, stats in (("train", bundle.stats), ("validation", bundle.validation_stats)):
+        summary = skip_summary(stats) if stats is not None else None
+        if summary:
+            logger.warning("data (%s): %s", name, summary)

@@ -1,0 +1,68 @@
+"""What the tokenised data looks like (:class:`DataStats`: the planner reads its lengths, a resume
+its counts), the datasets with it (:class:`DataBundle`), and how dropped rows are named."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sft_play.errors import UserError
+
+
+class NoUsableData(UserError, ValueError):
+    """Data of which no example is left to train on (every row bad and skipped, or too long)."""
+
+
+@dataclass
+class DataStats:
+    """What the tokenised data looks like; the planner reads the sequence lengths from here."""
+
+    examples: int = 0
+    formats: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    dropped_overlong: int = 0
+    tokens_total: int = 0
+    loss_tokens: int = 0
+    tokens_p50: int = 0
+    tokens_p95: int = 0
+    tokens_max: int = 0
+    packed_rows: int | None = None
+    max_seq_length: int = 0
+    uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
+    skipped_rows: dict[str, list[str]] = field(default_factory=dict)  # reason -> "file:row" (the first few)
+
+    @property
+    def truncated_share(self) -> float:
+        return self.truncated / max(1, self.examples)
+
+    @property
+    def loss_token_share(self) -> float:
+        return self.loss_tokens / max(1, self.tokens_total)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["truncated_share"] = self.truncated_share
+        data["loss_token_share"] = self.loss_token_share
+        return data
+
+
+@dataclass
+class DataBundle:
+    """Tokenised datasets (``input_ids``, ``labels``, and ``seq_lengths`` when packed) and their statistics."""
+
+    train: Any
+    validation: Any | None
+    stats: DataStats
+    validation_stats: DataStats | None = None
+
+
+def dropped_reason(limit: int) -> str:
+    """The reason ``skipped_rows`` names the examples ``data.overlong: drop`` left out under."""
+    return f"longer than data.max_seq_length={limit} (data.overlong: drop)"
+
+
+def dropped_rows(stats: DataStats) -> str:
+    """`` (file:row, file:row, ...)`` for the examples dropped as too long, or "" when none is named."""
+    rows = stats.skipped_rows.get(dropped_reason(stats.max_seq_length), [])
+    return f" ({', '.join(rows)}{', ...' if stats.dropped_overlong > len(rows) else ''})" if rows else ""
