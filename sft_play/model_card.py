@@ -105,9 +105,10 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
                 f"{train.get('weight_decay')}, seed {train.get('seed')}")
     rows.append(("optimizer", schedule))
     precision = run.get("precision") or {}
+    parallel = run.get("parallel") or run  # run.json before the parallel part held these at its top level
     if precision:
         rows.append(("precision", f"{precision.get('mixed')} compute, weights {precision.get('weights_dtype')}, "
-                                  f"{run.get('world_size', 1)} process(es), {run.get('strategy', 'ddp')}"))
+                                  f"{parallel.get('world_size', 1)} process(es), {parallel.get('strategy', 'ddp')}"))
     if summary.get("first_loss") is not None:
         rows.append(("training loss", f"{summary['first_loss']:.4g} -> {summary['last_loss']:.4g}"))
     if summary.get("last_eval_loss") is not None:

@@ -74,6 +74,10 @@ class Parallelism:
     reduce_bucket_elements: int | None = None  # ZeRO's reduce_bucket_size, as the trainer fills it
     allgather_bucket_elements: int | None = None  # ZeRO's allgather_bucket_size
 
+    def __post_init__(self) -> None:
+        if self.offload_parameters and not self.offload_optimizer:  # offloaded parameters take their states along
+            object.__setattr__(self, "offload_optimizer", True)
+
     @classmethod
     def from_config(cls, distributed: Any, world_size: int = 1,
                     buckets: tuple[int | None, int | None] = (None, None)) -> Parallelism:
@@ -111,8 +115,3 @@ class Parallelism:
         """The layers compute on 16-bit copies of the parameters (with mixed precision): DeepSpeed
         casts the module to the compute dtype, FSDP2 all-gathers in it (its ``param_dtype``)."""
         return self.strategy.shards_states
-
-    @property
-    def fsdp_offload(self) -> bool:
-        """FSDP2 keeps parameters, gradients and optimizer states in CPU memory."""
-        return self.fsdp and self.offload_parameters

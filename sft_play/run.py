@@ -16,7 +16,7 @@ describe a different run from the one that trains:
 | gradient checkpointing | trainer arguments, planner |
 | kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
 | the LoRA adapter (:class:`sft_play.adapters.LoraSpec`) | loader, planner counts and trace |
-| micro-batch and accumulation (``batch``: planned, then as trained) | trainer, run folder |
+| micro-batch and accumulation (``batch``: as planned; what trained is in ``summary.json``, changes are events) | trainer, run folder |
 
 Where the processes train (:func:`placement`: CUDA, or CPU processes) is decided before the
 process group forms, from the environment alone, and the run carries it (``on_cuda``).
@@ -165,7 +165,7 @@ class Run:
     compile_layers: bool = False  # torch.compile each decoder layer
     liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
     expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
-    batch: BatchSplit | None = None  # set once planned; replaced by calibration and by OOM backoff
+    batch: BatchSplit | None = None  # set once planned, never replaced (calibration and backoff are events)
     experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
     # What was measured on the GPUs that train outside PyTorch's allocator, as pairs of
     # (processes of the measuring run, or "probe"; bytes): hardware.HardwareInfo.outside_allocator.

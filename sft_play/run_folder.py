@@ -4,7 +4,9 @@
 ``plan.json`` (the plan as made), ``run.json`` (the resolved run: every decision, the batch as
 planned, the data's counts), ``events.jsonl`` (what changed while it trained: calibration, an
 out-of-memory backoff), ``checkpoints/`` (:mod:`sft_play.checkpoints`), ``model/`` and
-``summary.json`` (what it did). Each file is written here, by rank 0, once per start of the run.
+``summary.json`` (what it did). These are written here, by rank 0: each once per start of the run,
+``events.jsonl`` appended to as things change. (``checkpoints/`` and ``model/`` are the trainer's,
+``memory_check.json`` :mod:`sft_play.memory_check`'s.)
 
 Also here: which folder a run goes into (a new one, or the run a resume continues, with what
 must not have changed since), the check that every node sees the same folder, and finding the

@@ -7,8 +7,8 @@
 
 The run is decided once, and completed by its plan (the batch split); what changes after that
 (calibration's split, an out-of-memory backoff) is recorded as events beside it, and the split
-that trained is in ``summary.json``. Every file of the run folder is written through
-:mod:`sft_play.run_folder`.
+that trained is in ``summary.json``. The run folder's config, plan, run, events and summary are
+written through :mod:`sft_play.run_folder`.
 """
 
 from __future__ import annotations
@@ -41,20 +41,13 @@ logger = logging.getLogger("sft_play.train")
 def train(config: RunConfig, config_path: str) -> int:
     """Train the run `config` describes; returns the exit status (0, or 75 after a stop that
     saved). User errors are raised as :class:`sft_play.errors.UserError`."""
-    if Strategy(config.distributed.strategy).deepspeed:
-        if "RANK" not in os.environ:  # DeepSpeed needs a launcher to form its process group
-            raise UserError(
-                f"distributed.strategy={config.distributed.strategy} runs under a launcher: use "
-                f"make train-deepspeed CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train"
-            )
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # the process group comes up through DeepSpeed
-    else:  # an accelerate config file's DeepSpeed does not overrule the run's strategy (nor import it)
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
-    if Strategy(config.distributed.strategy).fsdp and "RANK" not in os.environ:  # FSDP shards over a process group
-        raise UserError(
-            f"distributed.strategy=fsdp2 runs under a launcher: use make train-distributed CONFIG={config_path} "
-            "(NUM_GPUS=N; CPU=1 without GPUs), not make train"
-        )
+    strategy = Strategy(config.distributed.strategy)
+    if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
+        raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
+                        f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
+    # accelerate: "true" brings the process group up through DeepSpeed; "false" keeps an accelerate
+    # config file's DeepSpeed from overruling the run's strategy (and from importing it)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if strategy.deepspeed else "false"
 
     stop = callbacks.GracefulStop()
     stop.install()  # a stop asked for while loading is kept, not lost
@@ -118,20 +111,22 @@ def train(config: RunConfig, config_path: str) -> int:
          *early],
     )
     batch = run.batch
+    checked = plan  # the prediction memory_check.json compares with: the plan, or calibration's
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
         if run.parallel.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
             if state.is_main_process:
                 logger.warning("planner.calibrate is not done under FSDP2 (it shards the model in place); "
                                "planning analytically")
         elif where.on_cuda:
-            calibrated = training.calibrate(plan, make_trainer, config, run, shape)
-            batch = calibrated.split
+            checked = training.calibrate(plan, make_trainer, config, run, shape)
+            batch = checked.split
             if state.is_main_process:
-                logger.info("%s", calibrated.describe())
-                for line in calibrated.notes[-2:]:
+                added = [line for line in checked.notes if line not in plan.notes]
+                logger.info("%s", checked.describe())
+                for line in added:
                     logger.info("plan: %s", line)
                 run_folder.record_event(run_dir, "calibrated", batch=batch.to_dict(),
-                                        peak_bytes_per_gpu=calibrated.peak_bytes_per_gpu, notes=calibrated.notes[-2:])
+                                        peak_bytes_per_gpu=checked.peak_bytes_per_gpu, notes=added)
         elif state.is_main_process:
             logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
     if callbacks.any_rank(stop.received is not None):
@@ -141,16 +136,19 @@ def train(config: RunConfig, config_path: str) -> int:
         state.wait_for_everyone()
         return EXIT_INTERRUPTED
 
+    trying = [batch]  # the split training is at, as backoffs change it
+
     def backed_off(before: Any, after: Any, step: int) -> None:
+        trying[0] = after
         if state.is_main_process:
-            run_folder.record_event(run_dir, "out_of_memory", step=step + 1, batch_before=before.to_dict(),
-                                    batch=after.to_dict())
+            run_folder.record_event(run_dir, "out_of_memory", failed_step=step + 1, continued_from_step=step,
+                                    batch_before=before.to_dict(), batch=after.to_dict())
 
     try:
         trainer, batch = training.train_with_backoff(make_trainer, batch, resume_checkpoint, on_backoff=backed_off)
     except OutOfMemory:
         if state.is_main_process:  # the planner's miss, on record (this rank's own measurements)
-            check = memory_check.record(run_dir, plan, batch, [memory_check.measure_here(where.on_cuda)],
+            check = memory_check.record(run_dir, checked, trying[0], [memory_check.measure_here(where.on_cuda)],
                                         "out_of_memory")
             logger.error("%s", memory_check.line(check))
         raise
@@ -164,7 +162,7 @@ def train(config: RunConfig, config_path: str) -> int:
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
     if state.is_main_process:
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
-        logger.info("%s", memory_check.line(memory_check.record(run_dir, plan, batch, measured, outcome)))
+        logger.info("%s", memory_check.line(memory_check.record(run_dir, checked, batch, measured, outcome)))
     if guard.stopped_at is not None:
         raise UserError(nan_message(config, guard.stopped_at, run_dir))
     if stop.received:

@@ -317,3 +317,15 @@ def test_a_run_is_used_from_any_folder(runs, tmp_path, monkeypatch):
     assert Path(config.model.name_or_path) == REPO / "configs" / "tiny_model"
     prompts = export.held_out_prompts(config, 2)
     assert len(prompts) == 2 and export.generate(model, tokenizer, prompts[0], max_new_tokens=4) is not None
+
+
+def test_a_model_card_names_the_processes_and_strategy_the_run_recorded(tmp_path):
+    """The card's precision row reads run.json as the run folder writes it (its parallel part)."""
+    from sft_play import config as config_module
+    from sft_play import model_card, run_folder
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["distributed.strategy=fsdp2"])
+    run_folder.write_config(tmp_path, config)
+    run_folder.write_run(tmp_path, resolve(config, on_cuda=False, bf16_supported=False, world_size=4))
+    assert "4 process(es), fsdp2" in model_card.card(tmp_path, tmp_path / "model")

@@ -6,7 +6,6 @@ test_distributed.py, beside DDP's and ZeRO-2's."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 

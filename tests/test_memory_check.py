@@ -23,7 +23,7 @@ def _plan(peak_gib: float, micro: int = 4):
                            gradient_checkpointing=True, budget_bytes_per_gpu=76 * GIB)
 
 
-def _run(micro: int = 4):
+def _split(micro: int = 4):
     return BatchSplit(micro, 2, 2, micro * 4)
 
 
@@ -32,7 +32,7 @@ def test_a_gpu_record_compares_the_largest_rank_with_the_prediction(tmp_path):
               "max_rss_bytes": 3 * GIB},
              {"max_memory_reserved": int(59.8 * GIB), "max_memory_allocated": 57 * GIB,
               "outside_allocator_bytes": GIB, "max_rss_bytes": 3 * GIB}]
-    document = memory_check.record(tmp_path, _plan(61.2), _run(), ranks, "finished")
+    document = memory_check.record(tmp_path, _plan(61.2), _split(), ranks, "finished")
     assert document["measured_peak_bytes"] == int(60.8 * GIB)
     assert abs(document["error"] - (61.2 / 60.8 - 1)) < 1e-6
     assert memory_check.line(document) == ("peak: predicted 61.20 GiB, measured 60.80 GiB (+0.7 %) at micro-batch 4, "
@@ -42,7 +42,7 @@ def test_a_gpu_record_compares_the_largest_rank_with_the_prediction(tmp_path):
 
 def test_after_a_backoff_the_record_says_so_and_computes_no_error(tmp_path):
     ranks = [{"max_memory_reserved": 70 * GIB, "max_memory_allocated": 69 * GIB, "max_rss_bytes": GIB}]
-    document = memory_check.record(tmp_path, _plan(61.2, micro=8), _run(micro=4), ranks, "finished")
+    document = memory_check.record(tmp_path, _plan(61.2, micro=8), _split(micro=4), ranks, "finished")
     assert document["error"] is None and "(planned 8)" in memory_check.line(document)
 
 
@@ -56,7 +56,7 @@ def test_a_real_cpu_run_writes_its_record_and_the_table_gathers_it(tiny_lora_run
     # a GPU run beside it (written as a GPU run writes it) and the table of both
     gpu = tmp_path / "gpu-run"
     gpu.mkdir()
-    memory_check.record(gpu, _plan(61.2), _run(), [{"max_memory_reserved": int(59.8 * GIB),
+    memory_check.record(gpu, _plan(61.2), _split(), [{"max_memory_reserved": int(59.8 * GIB),
                                                     "max_memory_allocated": 57 * GIB, "outside_allocator_bytes": GIB,
                                                     "max_rss_bytes": GIB}], "finished")
     (tmp_path / run_dir.name).symlink_to(run_dir)
