@@ -1,7 +1,7 @@
 """The GPU's own sequence of allocations for one shape, replayed through the planner's allocator.
 
 The planner replays its traced training step through a simulation of PyTorch's caching allocator
-(sft_play/planner/allocator.py). Where its allocator cache is off (Gemma-2-9B's eager attention
+(sft_play/planner/simulate/allocator.py). Where its allocator cache is off (Gemma-2-9B's eager attention
 on an H200: 2.45 GiB replayed, 4.98 GiB measured, docs/PLANNER.md section 6), one question splits
 the cause in two: fed the GPU's own allocations and frees, in the GPU's order, does the simulation
 reserve what the GPU reserved?
@@ -88,7 +88,7 @@ def replay(trace: dict) -> dict:
     a failed cudaMalloc; both hand back every completely free segment, and so does the
     simulation there. The peaks are those after the last such release (training, not loading),
     and a new segment starts at the GPU's address for it, which orders equal-sized blocks."""
-    from sft_play.planner.allocator import CachingAllocator
+    from sft_play.planner.simulate.allocator import CachingAllocator
 
     sim = CachingAllocator()
     frames = trace["frames"]
@@ -174,7 +174,7 @@ def planned_order(fields: dict, threshold: int = COMPARE_FROM) -> list[tuple[str
     import planner_accuracy
 
     from sft_play.planner import Target
-    from sft_play.planner.predict import replay_step
+    from sft_play.planner.simulate.predict import replay_step
 
     shape = Shape(**fields)
     folder = model_folder(shape_task(shape, 1))

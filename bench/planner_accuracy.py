@@ -199,7 +199,7 @@ def predict(case: Case, micro: int, target) -> tuple[dict, int]:
     """The planner's prediction at `micro` (peak and terms), and the micro-batch it would pick."""
     from sft_play import config as config_module
     from sft_play.planner import make_plan
-    from sft_play.planner.predict import predict as predict_peak
+    from sft_play.planner.simulate.predict import predict as predict_peak
 
     _, shape, run = resolved(case, micro, target)
     prediction = predict_peak(shape, run, micro)
@@ -369,7 +369,7 @@ def render(rows, choices, facts, on_cuda, seconds, timings=(), device=None, vers
            "  the optimizer; cache: peak reserved less peak allocated"] if on_cuda else
           ["- measured peak: the process's peak RSS above its RSS after imports (host memory; glibc's own caching",
            "  makes it a rough figure); the other terms are measured on a GPU only"]),
-        "- predicted: `sft_play.planner.predict` for the same config and data statistics",
+        "- predicted: `sft_play.planner.simulate.predict` for the same config and data statistics",
         "",
         "| model | seq | ckpt | micro | peak: predicted / measured GiB | error | live GiB | weights GiB | "
         "optimizer GiB | cache GiB |",

@@ -364,7 +364,7 @@ def flops_per_token(case: Case) -> float:
 
 
 def peak_flops(device_name: str) -> float | None:
-    """The GPU's dense bf16 peak: the planner's table (sft_play.planner.timing.PEAK_BF16)."""
-    from sft_play.planner import timing
+    """The GPU's dense bf16 peak: the planner's table (sft_play.planner.simulate.timing.PEAK_BF16)."""
+    from sft_play.planner.simulate import timing
 
     return timing.peak_flops(device_name)

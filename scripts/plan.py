@@ -68,7 +68,7 @@ def main() -> int:
     with cli.importing():
         from sft_play import config as config_module
         from sft_play import hardware, planner
-        from sft_play.planner import report
+        from sft_play.planner.present import report
 
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
     # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it
@@ -83,7 +83,7 @@ def main() -> int:
         raise cli.UserError(str(exc)) from None
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
     # The model's code is imported only where the planner has not kept what it learns from it
-    # (sft_play.planner.cache): a model planned before plans without it
+    # (sft_play.planner.simulate.cache): a model planned before plans without it
     plan = planner.make_plan(config, target, stats)
     if why:
         plan.notes.append(f"sequence length from the config: {why}")

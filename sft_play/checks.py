@@ -198,9 +198,9 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
 
 
 def needed_disk_bytes(config: RunConfig, shape, run) -> int:
-    """Disk the run's checkpoints and final model need (see :mod:`sft_play.planner.disk`), from
+    """Disk the run's checkpoints and final model need (see :mod:`sft_play.planner.simulate.disk`), from
     the resolved run's precision and optimizer."""
-    from sft_play.planner.disk import run_disk_bytes
+    from sft_play.planner.simulate.disk import run_disk_bytes
 
     train = config.train
     return run_disk_bytes(shape, run.method, run.precision, run.optimizer, train.save_steps, train.save_total_limit)

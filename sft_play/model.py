@@ -343,7 +343,7 @@ def score_labelled_positions_only() -> None:
     either way (a position without a label contributes zero). The tiny default's answers are a
     small share of its tokens, so its CPU steps are faster with the same loss (measured in
     docs/reports/quick_start.md). Other devices are decided by TRL as before. Once per process;
-    the planner counts the head this way (sft_play.planner.step).
+    the planner counts the head this way (sft_play.planner.simulate.step).
 
     This replaces one private function of TRL (pinned at 1.16.0), against STYLE.md's rule of using
     libraries unpatched: TRL has no setting for it, and the CPU is where the default trains.

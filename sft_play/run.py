@@ -328,7 +328,7 @@ def resolve(
         bf16_supported: whether every participating GPU supports bf16.
         world_size: data-parallel processes.
         data_stats: the tokenised data's statistics (:class:`sft_play.data.DataStats`), if read.
-        model_facts: the model's shape (:class:`sft_play.planner.shapes.ModelShape`) or its
+        model_facts: the model's shape (:class:`sft_play.planner.simulate.shapes.ModelShape`) or its
             transformers config; read from ``config.model`` when not given.
         local: whether the processes train on this machine (its installed packages count).
         outside_allocator_measured: what processes were measured to hold on these GPUs outside

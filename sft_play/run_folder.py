@@ -332,7 +332,7 @@ def write_config(run_dir: Path, config: Any) -> None:
 
 
 def write_plan(run_dir: Path, plan_json: str) -> None:
-    """``plan.json``: the plan the run started with (``sft_play.planner.report.to_json``)."""
+    """``plan.json``: the plan the run started with (``sft_play.planner.present.report.to_json``)."""
     (run_dir / PLAN).write_text(plan_json + "\n")
 
 

@@ -31,7 +31,7 @@ from sft_play.config import RunConfig
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.parallelism import Strategy
-from sft_play.planner import report
+from sft_play.planner.present import report
 from sft_play.run import Placement, Run, allocator_settings, placement
 from sft_play.stopping import EXIT_INTERRUPTED, EXIT_LOST_PEER, resume_command
 

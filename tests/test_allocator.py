@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sft_play.planner.allocator import MIB, CachingAllocator, OutOfMemory, round_size, segment_size
+from sft_play.planner.simulate.allocator import MIB, CachingAllocator, OutOfMemory, round_size, segment_size
 
 
 def test_sizes_round_to_512_bytes_and_segments_by_pool():

@@ -375,7 +375,7 @@ def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_th
     assert result["first_parting"] is None and result["releases"] == 1
     assert result["gpu_peak_reserved"] == result["simulated_peak_reserved"] == 200 * mib
     # a new segment starts at the GPU's address for it: equal-sized free blocks go lowest address first
-    from sft_play.planner.allocator import CachingAllocator
+    from sft_play.planner.simulate.allocator import CachingAllocator
 
     sim = CachingAllocator()
     for handle, address in (("high", 2 << 30), ("low", 1 << 30)):

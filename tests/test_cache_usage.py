@@ -56,7 +56,7 @@ def test_clean_cache_deletes_what_was_not_used_and_keeps_what_is_being_prepared(
 
 
 def test_reading_a_cache_entry_marks_it_used(tmp_path, monkeypatch):
-    from sft_play.planner import cache
+    from sft_play.planner.simulate import cache
 
     monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path))
     assert cache.remembered("test", ("a",), lambda: 42) == 42

@@ -14,11 +14,11 @@ import pytest
 from sft_play import launch, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
-from sft_play.planner import memory
+from sft_play.planner.simulate import memory
 from sft_play.planner.plan import Target, make_plan
-from sft_play.planner.predict import recipe_for
-from sft_play.planner.shapes import model_shape
-from sft_play.planner.timing import gradient_traffic_bytes
+from sft_play.planner.simulate.predict import recipe_for
+from sft_play.planner.simulate.shapes import model_shape
+from sft_play.planner.simulate.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
 from sft_play.units import GIB
 from tests.conftest import LORA, PINNED, REPO, TINY_FULL, with_parallel

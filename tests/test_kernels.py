@@ -15,8 +15,8 @@ import torch
 from sft_play import config as config_module
 from sft_play import model as model_module
 from sft_play.planner import Target, make_plan
-from sft_play.planner.predict import predict
-from sft_play.planner.timing import efficiency
+from sft_play.planner.simulate.predict import predict
+from sft_play.planner.simulate.timing import efficiency
 from sft_play.run import resolve
 from tests.conftest import LORA
 

@@ -114,7 +114,7 @@ def test_a_broken_runtime_record_counts_as_no_measurement_and_is_rewritten(tmp_p
 
 def test_the_plan_uses_what_was_measured_outside_the_allocator_and_says_so():
     from sft_play.planner import make_plan, target_for
-    from sft_play.planner.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, outside_allocator
+    from sft_play.planner.simulate.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, outside_allocator
     from tests.test_planner import plan_config
 
     config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.micro_batch_size=2")

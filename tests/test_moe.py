@@ -83,8 +83,8 @@ def test_public_moe_shapes_plan_or_say_what_would_fit(model, method, gpus):
 
 
 def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
-    from sft_play.planner import predict as prediction
-    from sft_play.planner import trace
+    from sft_play.planner.simulate import predict as prediction
+    from sft_play.planner.simulate import trace
 
     real = trace.layer_trace
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan, memory, model_shape, target_for
-from sft_play.planner.choose import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
-from sft_play.planner.search import shorter_lengths
-from sft_play.planner.shapes import ModelShape
+from sft_play.planner import Target, make_plan, model_shape, target_for
+from sft_play.planner.simulate import memory
+from sft_play.planner.choose.split import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
+from sft_play.planner.choose.search import shorter_lengths
+from sft_play.planner.simulate.shapes import ModelShape
 from tests.conftest import run_scripts_together, with_parallel
 
 GIB = 1024**3
@@ -110,7 +111,7 @@ def test_neftune_draws_its_noise_beside_the_embedding_output():
     """transformers' NEFTune hook adds zeros_like(output).uniform_() to the embedding output: two
     tensors of the output's size while the original is alive, neither kept for backward."""
     from sft_play.planner import resolve_for
-    from sft_play.planner.predict import replay_step
+    from sft_play.planner.simulate.predict import replay_step
 
     overrides = ("finetune.method=lora", "lora.r=16", "train.micro_batch_size=2", "data.max_seq_length=1024")
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
@@ -130,7 +131,7 @@ def test_neftune_draws_its_noise_beside_the_embedding_output():
 
 def test_lora_trains_the_tensors_peft_makes():
     # each layer's A and B matrices at the configured rank, and modules_to_save as whole copies
-    from sft_play.planner.memory import adapter_tensors
+    from sft_play.planner.simulate.memory import adapter_tensors
 
     shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=32",
                                     "lora.modules_to_save=[embed_tokens, lm_head]"))
@@ -386,7 +387,7 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     combination is listed by its dearest remedy."""
     from types import SimpleNamespace
 
-    from sft_play.planner import remedies as catalogue
+    from sft_play.planner.choose import remedies as catalogue
 
     config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false")
     target = Target(1, 80 * GIB, "1 x 80 GiB")
@@ -449,7 +450,7 @@ def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combina
     combination of checkpointing, 8-bit AdamW and FSDP2 was not found."""
     from types import SimpleNamespace
 
-    from sft_play.planner import remedies as catalogue
+    from sft_play.planner.choose import remedies as catalogue
 
     config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false")
     target = Target(8, 80 * GIB, "8 x 80 GiB")
@@ -535,7 +536,7 @@ def test_a_safety_margin_larger_than_the_memory_is_one_clear_error():
 def test_the_json_plans_remedy_commands_are_the_texts():
     """--json's remedy commands dropped CONFIG= and the user's overrides: run as given, they trained
     the embedded default."""
-    from sft_play.planner import report
+    from sft_play.planner.present import report
 
     config = plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=8")
     plan = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"))
@@ -714,7 +715,8 @@ def test_plan_exit_status_says_whether_it_fits(plans):
 
 
 def test_calibration_fits_two_measurements_and_replans():
-    from sft_play.planner import calibrate, peak_at, resolve_for
+    from sft_play.planner import peak_at, resolve_for
+    from sft_play.planner.choose import calibrate
 
     assert calibrate.fit({1: 10 * GIB, 2: 14 * GIB}) == (6 * GIB, 4 * GIB)
     config = plan_config("llama-3.1-8b", "finetune.method=qlora", "train.global_batch_size=64",
@@ -760,7 +762,7 @@ def test_the_time_prediction_reproduces_the_measured_h100_throughput():
 
 
 def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_said():
-    from sft_play.planner import timing
+    from sft_play.planner.simulate import timing
 
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=2", "lora.dropout=0",
                          "data.max_seq_length=2048", "train.max_steps=100")
@@ -781,7 +783,8 @@ def test_gpu_models_are_named_as_people_write_them_and_an_unknown_one_is_said():
     """GPU_MODEL=h100 (or RTX4090, RTX9999) printed 'timed as h100' and then no time, unsaid."""
     from types import SimpleNamespace
 
-    from sft_play.planner import target_for, timing
+    from sft_play.planner import target_for
+    from sft_play.planner.simulate import timing
 
     assert [timing.gpu_model(n) for n in ("h100", "RTX4090", "rtx 4090", "H100-PCIe", "NVIDIA L40S", "NVIDIA L4",
                                           "NVIDIA A100-SXM4-80GB", "RTX9999")] == [
@@ -959,7 +962,7 @@ def test_what_cannot_hold_its_weights_and_optimizer_states_is_refused_without_a_
     """The remedy search asks only whether a changed config fits; where the parameters and
     optimizer states alone exceed the budget, the answer is no without replaying a step, and it is
     the answer the plan itself gives."""
-    from sft_play.planner import predict
+    from sft_play.planner.simulate import predict
     from sft_play.planner.plan import beyond_budget
 
     config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16", "data.max_seq_length=2048")

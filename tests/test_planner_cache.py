@@ -1,4 +1,4 @@
-"""What planning learns from a model's code is kept on disk (sft_play.planner.cache): a second
+"""What planning learns from a model's code is kept on disk (sft_play.planner.simulate.cache): a second
 plan of the same model, in a new process, imports no modeling code and says the same; a broken
 or unwritable cache never stops a plan. Replays run side by side (predict.predict_many) with the
 same results as one after another."""
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from sft_play.architecture import config_identity
-from sft_play.planner import cache
+from sft_play.planner.simulate import cache
 from tests.conftest import FIXTURES, REPO
 
 PLAN = """
@@ -106,7 +106,7 @@ def test_what_a_process_computed_from_an_edited_config_is_not_kept(tmp_path):
 def test_replays_side_by_side_say_the_same_as_one_after_another_and_fall_back_when_the_pool_fails(monkeypatch):
     from sft_play import config as config_module
     from sft_play.planner import Target, model_shape, resolve_for
-    from sft_play.planner import predict as prediction
+    from sft_play.planner.simulate import predict as prediction
 
     config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-llama-256'}",
                                        "finetune.method=lora", "data.max_seq_length=512"], check_paths=False)
@@ -143,7 +143,7 @@ def test_replays_side_by_side_say_the_same_as_one_after_another_and_fall_back_wh
 
 
 def test_the_ranks_of_a_node_share_its_cores_for_replays(monkeypatch):
-    from sft_play.planner import predict as prediction
+    from sft_play.planner.simulate import predict as prediction
 
     monkeypatch.setattr(prediction.os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

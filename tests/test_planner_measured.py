@@ -18,7 +18,7 @@ import pytest
 from sft_play import config as config_module
 from sft_play.data import DataStats
 from sft_play.planner import Target, make_plan, model_shape, resolve_for
-from sft_play.planner.predict import predict
+from sft_play.planner.simulate.predict import predict
 
 GIB = 1024**3
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -119,7 +119,7 @@ def test_the_h200_rows_live_tensors_within_half_a_percent_and_gemma2s_shortfall_
     masks, one per attention kind, counted: without them -0.8 %), the peak 10.6 % under (the
     allocator's cache around its score blocks: docs/PLANNER.md, section 6), which the margin
     eager plans keep covers: a plan that fills its budget exactly would still have fitted."""
-    from sft_play.planner.choose import safety_fraction
+    from sft_play.planner.choose.split import safety_fraction
 
     rows = {row["model"]: row for row in H200["rows"]}
     _, qwen3 = _h200_prediction(rows["qwen3-30b-a3b"])

@@ -12,8 +12,8 @@ import pytest
 
 from sft_play import config as config_module
 from sft_play.planner import Target, make_plan, model_shape, resolve_for
-from sft_play.planner.predict import predict, static_lower_bound
-from sft_play.planner.search import shorter_lengths
+from sft_play.planner.simulate.predict import predict, static_lower_bound
+from sft_play.planner.choose.search import shorter_lengths
 from tests.conftest import FIXTURES
 
 GIB = 1024**3
@@ -111,9 +111,9 @@ def test_beyond_the_budget_the_reported_peak_is_the_whole_step_not_the_weights_a
 
 
 def test_a_bf16_full_fine_tune_keeps_its_head_gradient_in_bf16():
-    from sft_play.planner.predict import recipe_for
-    from sft_play.planner.step import StepSpec, _Replay, _head_backward, _head_forward
-    from sft_play.planner.allocator import CachingAllocator
+    from sft_play.planner.simulate.predict import recipe_for
+    from sft_play.planner.simulate.step import StepSpec, _Replay, _head_backward, _head_forward
+    from sft_play.planner.simulate.allocator import CachingAllocator
 
     def kept_head_gradient(dtype: str) -> int:
         config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'qwen2.5-0.5b'}",

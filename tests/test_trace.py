@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sft_play.adapters import LoraSpec
-from sft_play.planner import trace as tracing
-from sft_play.planner.trace import INPUT, TraceSpec, layer_trace
+from sft_play.planner.simulate import trace as tracing
+from sft_play.planner.simulate.trace import INPUT, TraceSpec, layer_trace
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "tests" / "fixtures" / "model_configs" / "tiny-llama-256")

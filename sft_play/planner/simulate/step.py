@@ -1,12 +1,12 @@
 """One GPU's memory through training steps: every allocation and release of the step, in order,
-replayed through the caching allocator (:mod:`sft_play.planner.allocator`).
+replayed through the caching allocator (:mod:`sft_play.planner.simulate.allocator`).
 
 The step is assembled from what is known exactly and what was traced:
 
 - parameters, adapters, optimizer states, DDP buckets and ZeRO partitions from the exact
-  shape (:mod:`sft_play.planner.shapes`) and the terms of :mod:`sft_play.planner.memory`;
+  shape (:mod:`sft_play.planner.simulate.shapes`) and the terms of :mod:`sft_play.planner.simulate.memory`;
 - each decoder layer's and the final norm's allocations from the meta-device trace
-  (:mod:`sft_play.planner.trace`), chained layer to layer: a layer's output is the next layer's
+  (:mod:`sft_play.planner.simulate.trace`), chained layer to layer: a layer's output is the next layer's
   input, the gradient it produces for its input is the incoming gradient of the layer below;
 - what the backbone allocates around the layers (the batch, the embedding output, the
   attention mask, the rotary tables) and TRL's chunked loss head, from their code (cited where
@@ -26,10 +26,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sft_play.planner import memory
-from sft_play.planner.allocator import CachingAllocator, OutOfMemory
-from sft_play.planner.shapes import ModelShape
-from sft_play.planner.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
+from sft_play.planner.simulate import memory
+from sft_play.planner.simulate.allocator import CachingAllocator, OutOfMemory
+from sft_play.planner.simulate.shapes import ModelShape
+from sft_play.planner.simulate.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
 from sft_play.units import MIB
 
 FUSED_HEAD_TOKENS = 4096  # TRL's chunked log-prob: token rows per tile (trl/kernels/chunked_logprob.py)

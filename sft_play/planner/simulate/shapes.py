@@ -20,7 +20,7 @@ from sft_play.architecture import (adapter_facts, attention_eager_only, build_me
                                    decoder_layers, experts, layer_signature, load_model_config, quantized_linears,
                                    sliding_window, text_config, with_layers)
 from sft_play.errors import UserError
-from sft_play.planner import cache
+from sft_play.planner.simulate import cache
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, 
 
 
 # Remedies plan other methods of the same model: the model and each adapter are counted once
-# (and on disk: sft_play.planner.cache, so that a second process needs no modeling code)
+# (and on disk: sft_play.planner.simulate.cache, so that a second process needs no modeling code)
 @functools.lru_cache(maxsize=16)
 def _base_shape(name_or_path: str, revision: str | None, trust_remote_code: bool) -> ModelShape:
     return cache.remembered("shape", (config_identity(name_or_path, revision, trust_remote_code),),

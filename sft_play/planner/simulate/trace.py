@@ -7,7 +7,7 @@ configured), and the model's final norm, forward and backward on the **meta devi
 tensors have shapes and dtypes but no memory and every operation costs microseconds. A
 dispatch mode records every storage an operation creates and, through weak references, when it
 is released: the layer's allocations in order (:class:`ModuleEvents`), which
-:mod:`sft_play.planner.step` chains layer to layer and replays through the caching allocator.
+:mod:`sft_play.planner.simulate.step` chains layer to layer and replays through the caching allocator.
 
 Traces at micro-batch 1 and 2 (and 3 where a single row takes fewer copies) give every
 allocation's size as a function of the micro-batch at the run's sequence length, so the planner
@@ -58,7 +58,7 @@ from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    is_sliding, layer_kinds, load_model_config, quantized_linears,
                                    sliding_window, with_layers)
-from sft_play.planner import cache
+from sft_play.planner.simulate import cache
 from sft_play.run import MASK_FREE_ATTENTION, sliding_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -579,7 +579,7 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
 def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
     `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
-    and on disk: :mod:`sft_play.planner.cache`)."""
+    and on disk: :mod:`sft_play.planner.simulate.cache`)."""
     return cache.remembered("trace", (spec, seq_len, config_identity(spec.name_or_path, spec.revision,
                                                                      spec.trust_remote_code)),
                             lambda: _traced(spec, seq_len),

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from sft_play.planner.plan import Plan
-from sft_play.planner.remedies import REMEDIES, command
+from sft_play.planner.choose.remedies import REMEDIES, command
 from sft_play.units import GIB
 
 # Breakdown terms in the order they are drawn and listed; labels for people.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sft_play.planner.choose import budget_bytes, decide_split, safety_fraction
+from sft_play.planner.choose.split import budget_bytes, decide_split, safety_fraction
 from sft_play.units import GIB
 
 
@@ -30,7 +30,7 @@ def fit(measured: dict[int, int]) -> tuple[float, float]:
 
 def calibrated_plan(plan, measured: dict[int, int], predicted: dict[int, int], train: Any, settings: Any):
     """`plan` re-decided from measured peaks: the largest micro-batch whose fitted peak fits the
-    budget, split by the same rule as the plan (:func:`sft_play.planner.choose.decide_split`,
+    budget, split by the same rule as the plan (:func:`sft_play.planner.choose.split.decide_split`,
     reading the ``train`` section), and notes comparing prediction with measurement.
 
     Args:

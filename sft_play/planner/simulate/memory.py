@@ -1,10 +1,10 @@
 """The state a GPU holds whatever the batch: one pure function per term, in bytes.
 
-Every function takes the exact model shape (:mod:`sft_play.planner.shapes`) and the recipe
+Every function takes the exact model shape (:mod:`sft_play.planner.simulate.shapes`) and the recipe
 (what dtype each piece of state is in, and how it is split across processes). No torch calls:
 the arithmetic runs in microseconds and is tested term by term. What depends on the batch
 (activations, working sets, the loss head, the allocator's cache) comes from replaying the
-step (:mod:`sft_play.planner.step`), which allocates these terms as the run does.
+step (:mod:`sft_play.planner.simulate.step`), which allocates these terms as the run does.
 docs/PLANNER.md gives each formula's source.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sft_play.parallelism import Parallelism
-from sft_play.planner.shapes import ModelShape
+from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.units import MIB
 
 

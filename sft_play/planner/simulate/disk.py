@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sft_play.planner.shapes import ModelShape
+from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.precision import DTYPE_BYTES, Precision
 
 # AdamW keeps two states per trainable parameter; the 8-bit variants keep them in one byte each.

@@ -1,6 +1,6 @@
 """The peak of one GPU at a micro-batch: trace the model's decoder layer for the run
-(:mod:`sft_play.planner.trace`), replay training steps through the caching allocator
-(:mod:`sft_play.planner.step`), add what lives outside the allocator.
+(:mod:`sft_play.planner.simulate.trace`), replay training steps through the caching allocator
+(:mod:`sft_play.planner.simulate.step`), add what lives outside the allocator.
 
 ``predict`` answers two questions: what the GPU holds at its peak (``peak_bytes``, comparable
 with ``torch.cuda.max_memory_reserved()`` plus the CUDA context, or with NVML's used memory), and
@@ -21,10 +21,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from sft_play import hardware
-from sft_play.planner import memory
-from sft_play.planner.shapes import ModelShape
-from sft_play.planner.step import StepSpec, replay
-from sft_play.planner.trace import TraceSpec, layer_trace
+from sft_play.planner.simulate import memory
+from sft_play.planner.simulate.shapes import ModelShape
+from sft_play.planner.simulate.step import StepSpec, replay
+from sft_play.planner.simulate.trace import TraceSpec, layer_trace
 from sft_play.precision import DTYPE_BYTES
 from sft_play.run import Run
 

@@ -17,7 +17,7 @@ from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.parallelism import Strategy
-from sft_play.planner.timing import GPUS_PER_NODE
+from sft_play.planner.simulate.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from sft_play.planner.choose import largest_fitting_micro
-from sft_play.planner.predict import Prediction, predict_many, static_lower_bound
-from sft_play.planner.shapes import ModelShape
+from sft_play.planner.choose.split import largest_fitting_micro
+from sft_play.planner.simulate.predict import Prediction, predict_many, static_lower_bound
+from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import BatchSplit, Run
 
 # tokens: the ladder's first rung. A choice, not a measurement: batches of shorter rows are not
@@ -78,7 +78,7 @@ class FitSearch:
 
     def predicted_all(self, shapes: list[tuple[int, bool | None, int | None]]) -> list[Prediction]:
         """:meth:`predicted` for each (micro, accumulating, tokens), replayed side by side
-        (:func:`sft_play.planner.predict.predict_many`)."""
+        (:func:`sft_play.planner.simulate.predict.predict_many`)."""
         requests, beyond = [], []
         for micro, accumulating, tokens in shapes:
             if accumulating is None:

@@ -17,9 +17,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sft_play.planner import memory
-from sft_play.planner.predict import recipe_for
-from sft_play.planner.shapes import ModelShape
+from sft_play.planner.simulate import memory
+from sft_play.planner.simulate.predict import recipe_for
+from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import Run
 
 # Dense 16-bit peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)

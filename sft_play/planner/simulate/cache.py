@@ -37,9 +37,9 @@ from sft_play.paths import cache_dir
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+_PACKAGE = Path(__file__).resolve().parents[2]
 # The modules whose code decides a shape or a trace
-_SOURCES = ("planner/trace.py", "planner/shapes.py", "architecture.py", "adapters.py", "run.py")
+_SOURCES = ("planner/simulate/trace.py", "planner/simulate/shapes.py", "architecture.py", "adapters.py", "run.py")
 _PACKAGES = ("torch", "transformers", "peft")
 
 
