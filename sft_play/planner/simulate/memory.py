@@ -112,19 +112,28 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
         stored = shape.quantized_params // 2 + quantization_constants_bytes(shape, recipe) + rest * recipe.weight_bytes
     else:
         stored = shape.total_params * base_bytes
-    if recipe.parallel.weight_shards > 1 or recipe.parallel.offload_parameters:
+    gathered = layers_gathered(shape, recipe)
+    if gathered:
         kept = 0 if recipe.parallel.offload_parameters else stored // recipe.parallel.weight_shards
+        if recipe.parallel.fsdp and recipe.method == "qlora" and not recipe.parallel.offload_parameters:
+            constants = quantization_constants_bytes(shape, recipe)  # not sharded
+            kept = (stored - constants) // recipe.parallel.weight_shards + constants
+        stored = kept + gathered * gathered_layer_bytes(shape, recipe)
         if recipe.parallel.fsdp:
-            layers = shape.num_layers if not recipe.parallel.reshard_after_forward else LAYERS_IN_FLIGHT
-            if recipe.method == "qlora" and not recipe.parallel.offload_parameters:  # the constants are not sharded
-                constants = quantization_constants_bytes(shape, recipe)
-                kept = (stored - constants) // recipe.parallel.weight_shards + constants
-            root = sum(fsdp_step_gathered_tensors(shape))
-            stored = kept + layers * gathered_layer_bytes(shape, recipe) + root * recipe.gathered_bytes
-        else:
-            per_layer = (stored - shape.params_by_kind["embeddings"] * base_bytes) // max(1, shape.num_layers)
-            stored = kept + LAYERS_IN_FLIGHT * per_layer
+            stored += sum(fsdp_step_gathered_tensors(shape)) * recipe.gathered_bytes
     return stored + adapters // (recipe.parallel.weight_shards if recipe.parallel.fsdp else 1)
+
+
+def layers_gathered(shape: ModelShape, recipe: Recipe) -> int:
+    """Decoder layers whose whole parameters a GPU holds at once where they are sharded or
+    offloaded (ZeRO-3, FSDP2; 0 otherwise): the one computing and the one prefetched, or under
+    FSDP2 without resharding after the forward every layer, each kept from its forward to its
+    backward."""
+    if recipe.parallel.weight_shards <= 1 and not recipe.parallel.offload_parameters:
+        return 0
+    if recipe.parallel.fsdp and not recipe.parallel.reshard_after_forward:
+        return shape.num_layers
+    return LAYERS_IN_FLIGHT
 
 
 def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
@@ -148,8 +157,9 @@ def fsdp_gathered_bytes(params: int, quantized: int, recipe: Recipe) -> int:
 
 
 def gathered_layer_bytes(shape: ModelShape, recipe: Recipe) -> int:
-    """The largest decoder layer as FSDP2 all-gathers it (:func:`fsdp_gathered_bytes`)."""
-    if recipe.method == "qlora" and shape.layer_tensors:
+    """The largest decoder layer as it is gathered: ZeRO-3's 16-bit copies, FSDP2's all-gather in
+    its ``param_dtype`` (QLoRA's packed weights as stored: :func:`fsdp_gathered_bytes`)."""
+    if recipe.parallel.fsdp and recipe.method == "qlora" and shape.layer_tensors:
         return max(fsdp_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
                                        recipe)
                    for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
@@ -168,10 +178,15 @@ def quantization_constants_bytes(shape: ModelShape, recipe: Recipe) -> int:
     """NF4 absmax constants: one fp32 per 64-weight block; with double quantisation one byte per
     block plus one fp32 scale (and a shared offset) per 256 blocks (Dettmers et al. 2023, QLoRA §3;
     bitsandbytes ``quantize_4bit``)."""
-    blocks = shape.quantized_blocks
     if recipe.method != "qlora":
         return 0
-    if recipe.double_quant:
+    return nf4_constants_bytes(shape.quantized_blocks, recipe.double_quant)
+
+
+def nf4_constants_bytes(blocks: int, double_quant: bool) -> int:
+    """The absmax constants of `blocks` NF4 blocks (of :data:`NF4_BLOCK` weights), quantised in
+    one tensor: the formula of :func:`quantization_constants_bytes`, also applied per tensor."""
+    if double_quant:
         return blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK)
     return 4 * blocks
 

@@ -132,18 +132,15 @@ def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
             for numel, quantizable in shape.tensors_of_layer(index):
                 if recipe.method == "qlora" and quantizable:
                     run.new(numel / 2 / shards, "weights")  # packed NF4
-                    run.new(_quant_constant_bytes(numel, recipe), "weights")
+                    run.new(memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), recipe.double_quant), "weights")
                 else:
                     run.new(numel * base_bytes / shards, "weights")
     adapter_shards = shards if recipe.parallel.fsdp else 1
     for numel in memory.adapter_tensors(shape):
         run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
-    if shards > 1 or recipe.parallel.offload_parameters:  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
-        layer = memory.largest_layer_params(shape)
-        gathered = memory.LAYERS_IN_FLIGHT
-        if recipe.parallel.fsdp and not recipe.parallel.reshard_after_forward:
-            gathered = shape.num_layers  # each kept from its forward to its backward
-        layer_bytes = memory.gathered_layer_bytes(shape, recipe) if recipe.parallel.fsdp else layer * recipe.gathered_bytes
+    gathered = memory.layers_gathered(shape, recipe)  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
+    if gathered:
+        layer_bytes = memory.gathered_layer_bytes(shape, recipe)
         for _ in range(gathered):
             run.new(layer_bytes, "weights")
         if recipe.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
@@ -164,13 +161,6 @@ def _chunked(run: _Replay, total: int, category: str, chunk: int | None = None) 
     while total > 0:
         run.new(min(chunk, total), category)
         total -= chunk
-
-
-def _quant_constant_bytes(numel: int, recipe: memory.Recipe) -> int:
-    blocks = -(-numel // memory.NF4_BLOCK)
-    if recipe.double_quant:
-        return blocks + 4 * -(-blocks // memory.DOUBLE_QUANT_BLOCK)
-    return 4 * blocks
 
 
 def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
