@@ -42,6 +42,20 @@ class Precision:
     def compute_dtype(self) -> str:
         return COMPUTE_DTYPE[self.mixed]
 
+    @property
+    def autocast(self) -> bool:
+        return self.mixed != "no"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per element of the (base) weights as loaded."""
+        return DTYPE_BYTES[self.weights_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations: 2 under autocast, 4 in fp32."""
+        return DTYPE_BYTES[self.compute_dtype]
+
 
 def auto_mixed_precision(has_gpu: bool, bf16_supported: bool) -> tuple[MixedPrecision, str]:
     """What ``train.mixed_precision: auto`` means on this hardware, and why."""

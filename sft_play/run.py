@@ -40,7 +40,7 @@ from sft_play import architecture, hardware
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.parallelism import Parallelism, Strategy
-from sft_play.precision import Precision, resolve_optimizer, resolve_precision
+from sft_play.precision import DTYPE_BYTES, Precision, resolve_optimizer, resolve_precision
 
 CPU_ENV = "SFT_PLAY_CPU"  # "1": train in CPU processes even where GPUs are visible (the launchers' CPU=1)
 
@@ -184,6 +184,11 @@ class Run:
         with LoRA dropout on, transformers' non-reentrant checkpointing, which preserves it, at
         the cost of one more all-gather per layer in backward."""
         return self.parallel.fsdp and self.gradient_checkpointing and not (self.lora is not None and self.lora.dropout > 0)
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes per element of the LoRA adapters (peft keeps them in fp32; TRL casts QLoRA's to bf16)."""
+        return DTYPE_BYTES[self.adapter_dtype]
 
     @property
     def placement(self) -> Placement:

@@ -414,10 +414,23 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     return make
 
 
-def with_parallel(recipe, strategy: str | None = None, **changes):
-    """`recipe` (a planner recipe or a run) with its parallelism changed: ``strategy`` by name."""
+def with_parallel(run, strategy: str | None = None, **changes):
+    """`run` with its parallelism changed: ``strategy`` by name."""
     from sft_play.parallelism import Strategy
 
     if strategy is not None:
         changes["strategy"] = Strategy(strategy)
-    return dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, **changes))
+    return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **changes))
+
+
+def bare_run(method: str, weights_dtype: str = "float32", mixed: str = "bf16", optimizer: str = "adamw_torch",
+             adapter_dtype: str = "float32", **fields):
+    """A run with only what the planner's memory terms read, for terms worked out by hand."""
+    from sft_play.parallelism import Parallelism
+    from sft_play.precision import Precision
+    from sft_play.run import Run, SequenceLength
+
+    return Run(method=method, precision=Precision(mixed, weights_dtype), adapter_dtype=adapter_dtype,
+               optimizer=optimizer, attention="sdpa", collator="padded", uniform_rows=False, parallel=Parallelism(),
+               on_cuda=True, gradient_checkpointing=False, sequence=SequenceLength(1, "by hand"), model="by hand",
+               **fields)

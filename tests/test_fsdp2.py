@@ -16,7 +16,6 @@ from sft_play import config as config_module
 from sft_play.errors import UserError
 from sft_play.planner.simulate import memory
 from sft_play.planner.plan import Target, make_plan
-from sft_play.planner.simulate.predict import recipe_for
 from sft_play.planner.simulate.shapes import model_shape
 from sft_play.planner.simulate.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
@@ -168,25 +167,24 @@ def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
     config = full_14b("distributed.strategy=fsdp2")
     shape = model_shape(config)
     run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
-    recipe = recipe_for(run)
     n = shape.trainable_params
-    assert recipe.trainable_bytes == 4  # accelerate upcasts the trainable parameters to fp32 before sharding
-    assert memory.gradient_bytes(shape, recipe) == n * 4 // 8
-    assert memory.optimizer_state_bytes(shape, recipe) == n * 8 // 8
-    assert memory.master_weights_bytes(shape, recipe) == 0  # the fp32 shards are the masters
-    assert memory.ddp_bucket_bytes(shape, recipe) == 0 and memory.zero_buffer_bytes(shape, recipe) == 0
+    assert memory.trainable_bytes(run) == 4  # accelerate upcasts the trainable parameters to fp32 before sharding
+    assert memory.gradient_bytes(shape, run) == n * 4 // 8
+    assert memory.optimizer_state_bytes(shape, run) == n * 8 // 8
+    assert memory.master_weights_bytes(shape, run) == 0  # the fp32 shards are the masters
+    assert memory.ddp_bucket_bytes(shape, run) == 0 and memory.zero_buffer_bytes(shape, run) == 0
     layer = memory.largest_layer_params(shape)
     # gathered for the step: the head and the final norm (the untied embedding is a unit of its own,
     # gathered around its passes only)
     root = shape.params_by_kind["lm_head"] + shape.hidden_size
     assert sum(memory.fsdp_step_gathered_tensors(shape)) == root
-    assert memory.weights_bytes(shape, recipe) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
-    kept = with_parallel(recipe, reshard_after_forward=False)
+    assert memory.weights_bytes(shape, run) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
+    kept = with_parallel(run, reshard_after_forward=False)
     assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + root) * 2
-    offloaded = with_parallel(recipe, offload_parameters=True)
+    offloaded = with_parallel(run, offload_parameters=True)
     assert memory.weights_bytes(shape, offloaded) == (2 * layer + root) * 2
     assert memory.gradient_bytes(shape, offloaded) == memory.optimizer_state_bytes(shape, offloaded) == 0
-    assert 0 < memory.fsdp_buffer_bytes(shape, recipe) < layer * 8
+    assert 0 < memory.fsdp_buffer_bytes(shape, run) < layer * 8
 
 
 def test_fsdp2_communicates_every_micro_batch():

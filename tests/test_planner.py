@@ -14,7 +14,7 @@ from sft_play.planner.simulate import memory
 from sft_play.planner.choose.split import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.choose.search import shorter_lengths
 from sft_play.planner.simulate.shapes import ModelShape
-from tests.conftest import run_scripts_together, with_parallel
+from tests.conftest import bare_run, run_scripts_together, with_parallel
 
 GIB = 1024**3
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model_configs"
@@ -161,10 +161,9 @@ SHAPE = ModelShape(
 )
 LORA_SHAPE = dataclasses.replace(SHAPE, trainable_params=10_000, lora_params=10_000, lora_in_out=[(64, 64), (64, 128)])
 QLORA_SHAPE = dataclasses.replace(LORA_SHAPE, quantized_params=800_000, quantized_blocks=12_500)
-FULL = memory.Recipe(method="full", weight_bytes=4, compute_bytes=2, mixed_precision=True, optimizer="adamw_torch")
-LORA = memory.Recipe(method="lora", weight_bytes=2, compute_bytes=2, mixed_precision=True, optimizer="adamw_torch",
-                     lora_rank=8)
-QLORA = dataclasses.replace(LORA, method="qlora", adapter_bytes=2)
+FULL = bare_run("full", weights_dtype="float32", mixed="bf16")  # fp32 weights, bf16 compute
+LORA = bare_run("lora", weights_dtype="bfloat16", mixed="bf16")  # a bf16 base, fp32 adapters
+QLORA = dataclasses.replace(LORA, method="qlora", adapter_dtype="bfloat16")
 
 
 def test_weights_by_storage_dtype():

@@ -111,7 +111,6 @@ def test_beyond_the_budget_the_reported_peak_is_the_whole_step_not_the_weights_a
 
 
 def test_a_bf16_full_fine_tune_keeps_its_head_gradient_in_bf16():
-    from sft_play.planner.simulate.predict import recipe_for
     from sft_play.planner.simulate.step import StepSpec, _Replay, _head_backward, _head_forward
     from sft_play.planner.simulate.allocator import CachingAllocator
 
@@ -121,7 +120,7 @@ def test_a_bf16_full_fine_tune_keeps_its_head_gradient_in_bf16():
                                            "data.max_seq_length=512"], check_paths=False)
         shape = model_shape(config)
         run = resolve_for(config, Target(1, 80 * GIB, "1 x H100"), None, shape)
-        spec = StepSpec(recipe=recipe_for(run), micro_batch=1, seq_len=512, checkpointing=False, masked=False)
+        spec = StepSpec(run=run, micro_batch=1, seq_len=512, checkpointing=False, masked=False)
         replay = _Replay(CachingAllocator())
         last = replay.new(512 * shape.hidden_size * 2, "activations")
         head = _head_forward(replay, shape, spec, last, 2)

@@ -15,7 +15,6 @@ from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import calibrate as calibration
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import recipe_for
 from sft_play.run import BatchSplit, Run
 
 logger = logging.getLogger("sft_play.training")
@@ -46,7 +45,7 @@ def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, ru
     micro-batches 1 and 2, fitted as fixed + per-sample, compared with the predictions for the
     same run; the split is then decided by the planner's own rule
     (:func:`sft_play.planner.choose.split.decide_split`)."""
-    outside = memory.outside_allocator_bytes(recipe_for(run), on_cuda=True, measured=run.outside_allocator_measured)
+    outside = memory.outside_allocator_bytes(run, on_cuda=True, measured=run.outside_allocator_measured)
     measured = {m: peak + outside for m, peak in measure_peaks(make_trainer, run).items()}
     predicted = {m: planner.peak_at(shape, run, m) for m in measured}
     return calibration.calibrated_plan(plan, measured, predicted, config.train, config.planner)

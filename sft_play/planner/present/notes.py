@@ -10,7 +10,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import STAND_INS, recipe_for
+from sft_play.planner.simulate.predict import STAND_INS
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.target import Target
 from sft_play.run import BatchSplit, Run
@@ -128,8 +128,7 @@ def host_memory(shape: ModelShape, run: Run, target: Target) -> tuple[int, str |
     if not target.on_cuda:
         return 0, None
     processes = min(target.world_size, target.gpus_per_node)
-    recipe = recipe_for(run)
-    loading, training = memory.host_bytes_per_node(shape, recipe, processes)
+    loading, training = memory.host_bytes_per_node(shape, run, processes)
     parts = []
     if loading:
         parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) load the model under ZeRO-3's "
@@ -138,7 +137,7 @@ def host_memory(shape: ModelShape, run: Run, target: Target) -> tuple[int, str |
         parts.append(f"{training / GIB:.1f} GiB offloaded while training")
     if not parts:
         return 0, None
-    allowance = " (DeepSpeed's own estimators allow 1.5x that)" if recipe.parallel.deepspeed else ""
+    allowance = " (DeepSpeed's own estimators allow 1.5x that)" if run.parallel.deepspeed else ""
     return max(loading, training), "host memory per node: " + "; ".join(parts) + allowance
 
 

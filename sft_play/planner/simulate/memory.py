@@ -1,7 +1,9 @@
 """The state a GPU holds whatever the batch: one pure function per term, in bytes.
 
-Every function takes the exact model shape (:mod:`sft_play.planner.simulate.shapes`) and the recipe
-(what dtype each piece of state is in, and how it is split across processes). No torch calls:
+Every function takes the exact model shape (:mod:`sft_play.planner.simulate.shapes`) and the run
+(:class:`sft_play.run.Run`: what dtype each piece of state is in, and how it is split across
+processes), read as it is: the bytes each dtype takes are :func:`trainable_bytes`,
+:func:`stored_bytes` and :func:`gathered_bytes`. No torch calls:
 the arithmetic runs in microseconds and is tested term by term. What depends on the batch
 (activations, working sets, the loss head, the allocator's cache) comes from replaying the
 step (:mod:`sft_play.planner.simulate.step`), which allocates these terms as the run does.
@@ -10,11 +12,8 @@ docs/PLANNER.md gives each formula's source.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-from sft_play.parallelism import Parallelism
 from sft_play.planner.simulate.shapes import ModelShape
+from sft_play.run import Run
 from sft_play.units import MIB
 
 
@@ -35,64 +34,45 @@ NCCL_BYTES = 320 * MIB
 LAYERS_IN_FLIGHT = 2
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """What dtype each piece of state is in, and how state is split across processes.
+def trainable_bytes(run: Run) -> int:
+    """Bytes per trainable parameter as held on the GPU (and per gradient element).
 
-    Built from the config and the precision recipe by :func:`sft_play.planner.recipe_for`.
+    DDP: the parameter's own dtype (fp32 full fine-tuning, fp32 LoRA adapters, bf16 QLoRA
+    adapters). DeepSpeed casts the module to the 16-bit compute dtype and keeps fp32 masters
+    in its optimizer instead. FSDP2 with mixed precision upcasts the trainable parameters to
+    fp32 before sharding them (accelerate's ``fsdp2_prepare_model``; not QLoRA's), and
+    computes on 16-bit gathered copies.
     """
+    if run.parallel.deepspeed:
+        return run.precision.compute_bytes
+    if run.parallel.fsdp and run.precision.autocast and run.method != "qlora":
+        return 4
+    return run.precision.weight_bytes if run.method == "full" else run.adapter_bytes
 
-    method: Literal["full", "lora", "qlora"]
-    weight_bytes: int  # storage bytes of the (base) weights: 4 fp32, 2 bf16/fp16
-    compute_bytes: int  # bytes of activations under autocast (2) or in fp32 (4)
-    mixed_precision: bool  # autocast on
-    optimizer: str
-    parallel: Parallelism = Parallelism()  # ZeRO's buckets None: hidden_size^2, as transformers fills 'auto'
-    double_quant: bool = True
-    lora_dropout: bool = False
-    lora_rank: int = 0
-    adapter_bytes: int = 4  # peft keeps LoRA weights in fp32; TRL casts QLoRA's to bf16
 
-    @property
-    def trainable_bytes(self) -> int:
-        """Bytes per trainable parameter as held on the GPU (and per gradient element).
+def stored_bytes(run: Run) -> int:
+    """Bytes per element of the frozen or full weights as stored on the GPU (or their shards)."""
+    if run.parallel.deepspeed:
+        return run.precision.compute_bytes
+    if run.parallel.fsdp and run.method == "full":
+        return trainable_bytes(run)
+    return run.precision.weight_bytes
 
-        DDP: the parameter's own dtype (fp32 full fine-tuning, fp32 LoRA adapters, bf16 QLoRA
-        adapters). DeepSpeed casts the module to the 16-bit compute dtype and keeps fp32 masters
-        in its optimizer instead. FSDP2 with mixed precision upcasts the trainable parameters to
-        fp32 before sharding them (accelerate's ``fsdp2_prepare_model``; not QLoRA's), and
-        computes on 16-bit gathered copies.
-        """
-        if self.parallel.deepspeed:
-            return self.compute_bytes
-        if self.parallel.fsdp and self.mixed_precision and self.method != "qlora":
-            return 4
-        return self.weight_bytes if self.method == "full" else self.adapter_bytes
 
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes per element of the frozen or full weights as stored on the GPU (or their shards)."""
-        if self.parallel.deepspeed:
-            return self.compute_bytes
-        if self.parallel.fsdp and self.method == "full":
-            return self.trainable_bytes
-        return self.weight_bytes
-
-    @property
-    def gathered_bytes(self) -> int:
-        """Bytes per element of a layer's parameters while it computes: ZeRO-3 gathers the 16-bit
-        copies it holds; FSDP2 all-gathers in its ``param_dtype`` (the compute dtype with mixed
-        precision, the stored dtype without)."""
-        if self.parallel.fsdp and self.mixed_precision:
-            return self.compute_bytes
-        return self.stored_bytes
+def gathered_bytes(run: Run) -> int:
+    """Bytes per element of a layer's parameters while it computes: ZeRO-3 gathers the 16-bit
+    copies it holds; FSDP2 all-gathers in its ``param_dtype`` (the compute dtype with mixed
+    precision, the stored dtype without)."""
+    if run.parallel.fsdp and run.precision.autocast:
+        return run.precision.compute_bytes
+    return stored_bytes(run)
 
 
 # ---------------------------------------------------------------------------------------------
 # Model states
 
 
-def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def weights_bytes(shape: ModelShape, run: Run) -> int:
     """Parameters as stored on the GPU.
 
     full / lora: every parameter in the storage dtype (under DeepSpeed the 16-bit compute dtype,
@@ -105,33 +85,33 @@ def weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
     and final norm gathered for the whole step (:func:`fsdp_step_gathered_tensors`); with the
     parameters offloaded to the CPU, only the gathered parts.
     """
-    base_bytes = recipe.stored_bytes
-    adapters = shape.lora_params * recipe.trainable_bytes
-    if recipe.method == "qlora":
+    base_bytes = stored_bytes(run)
+    adapters = shape.lora_params * trainable_bytes(run)
+    if run.method == "qlora":
         rest = shape.total_params - shape.quantized_params
-        stored = shape.quantized_params // 2 + quantization_constants_bytes(shape, recipe) + rest * recipe.weight_bytes
+        stored = shape.quantized_params // 2 + quantization_constants_bytes(shape, run) + rest * run.precision.weight_bytes
     else:
         stored = shape.total_params * base_bytes
-    gathered = layers_gathered(shape, recipe)
+    gathered = layers_gathered(shape, run)
     if gathered:
-        kept = 0 if recipe.parallel.offload_parameters else stored // recipe.parallel.weight_shards
-        if recipe.parallel.fsdp and recipe.method == "qlora" and not recipe.parallel.offload_parameters:
-            constants = quantization_constants_bytes(shape, recipe)  # not sharded
-            kept = (stored - constants) // recipe.parallel.weight_shards + constants
-        stored = kept + gathered * gathered_layer_bytes(shape, recipe)
-        if recipe.parallel.fsdp:
-            stored += sum(fsdp_step_gathered_tensors(shape)) * recipe.gathered_bytes
-    return stored + adapters // (recipe.parallel.weight_shards if recipe.parallel.fsdp else 1)
+        kept = 0 if run.parallel.offload_parameters else stored // run.parallel.weight_shards
+        if run.parallel.fsdp and run.method == "qlora" and not run.parallel.offload_parameters:
+            constants = quantization_constants_bytes(shape, run)  # not sharded
+            kept = (stored - constants) // run.parallel.weight_shards + constants
+        stored = kept + gathered * gathered_layer_bytes(shape, run)
+        if run.parallel.fsdp:
+            stored += sum(fsdp_step_gathered_tensors(shape)) * gathered_bytes(run)
+    return stored + adapters // (run.parallel.weight_shards if run.parallel.fsdp else 1)
 
 
-def layers_gathered(shape: ModelShape, recipe: Recipe) -> int:
+def layers_gathered(shape: ModelShape, run: Run) -> int:
     """Decoder layers whose whole parameters a GPU holds at once where they are sharded or
     offloaded (ZeRO-3, FSDP2; 0 otherwise): the one computing and the one prefetched, or under
     FSDP2 without resharding after the forward every layer, each kept from its forward to its
     backward."""
-    if recipe.parallel.weight_shards <= 1 and not recipe.parallel.offload_parameters:
+    if run.parallel.weight_shards <= 1 and not run.parallel.offload_parameters:
         return 0
-    if recipe.parallel.fsdp and not recipe.parallel.reshard_after_forward:
+    if run.parallel.fsdp and not run.parallel.reshard_after_forward:
         return shape.num_layers
     return LAYERS_IN_FLIGHT
 
@@ -148,22 +128,22 @@ def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
     return rest
 
 
-def fsdp_gathered_bytes(params: int, quantized: int, recipe: Recipe) -> int:
+def fsdp_gathered_bytes(params: int, quantized: int, run: Run) -> int:
     """Bytes FSDP2 all-gathers for `params` parameters of which `quantized` are QLoRA's packed
     4-bit weights: those as they are stored (half a byte per weight, in a float storage dtype),
     the rest in its ``param_dtype``."""
-    quantized = quantized if recipe.method == "qlora" else 0
-    return quantized // 2 + (params - quantized) * recipe.gathered_bytes
+    quantized = quantized if run.method == "qlora" else 0
+    return quantized // 2 + (params - quantized) * gathered_bytes(run)
 
 
-def gathered_layer_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def gathered_layer_bytes(shape: ModelShape, run: Run) -> int:
     """The largest decoder layer as it is gathered: ZeRO-3's 16-bit copies, FSDP2's all-gather in
     its ``param_dtype`` (QLoRA's packed weights as stored: :func:`fsdp_gathered_bytes`)."""
-    if recipe.parallel.fsdp and recipe.method == "qlora" and shape.layer_tensors:
+    if run.parallel.fsdp and run.method == "qlora" and shape.layer_tensors:
         return max(fsdp_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
-                                       recipe)
+                                       run)
                    for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
-    return largest_layer_params(shape) * recipe.gathered_bytes
+    return largest_layer_params(shape) * gathered_bytes(run)
 
 
 def largest_layer_params(shape: ModelShape) -> int:
@@ -174,13 +154,13 @@ def largest_layer_params(shape: ModelShape) -> int:
     return (shape.total_params - shape.params_by_kind.get("embeddings", 0)) // max(1, shape.num_layers)
 
 
-def quantization_constants_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def quantization_constants_bytes(shape: ModelShape, run: Run) -> int:
     """NF4 absmax constants: one fp32 per 64-weight block; with double quantisation one byte per
     block plus one fp32 scale (and a shared offset) per 256 blocks (Dettmers et al. 2023, QLoRA §3;
     bitsandbytes ``quantize_4bit``)."""
-    if recipe.method != "qlora":
+    if run.method != "qlora":
         return 0
-    return nf4_constants_bytes(shape.quantized_blocks, recipe.double_quant)
+    return nf4_constants_bytes(shape.quantized_blocks, run.double_quant)
 
 
 def nf4_constants_bytes(blocks: int, double_quant: bool) -> int:
@@ -191,7 +171,7 @@ def nf4_constants_bytes(blocks: int, double_quant: bool) -> int:
     return 4 * blocks
 
 
-def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def gradient_bytes(shape: ModelShape, run: Run) -> int:
     """Gradients of the trainable parameters, in their dtype; ZeRO-2/3 and FSDP2 keep only this
     rank's partition (plus the buckets of :func:`zero_buffer_bytes`, :func:`fsdp_buffer_bytes`),
     FSDP2 with offload in CPU memory. DeepSpeed with the optimizer offloaded keeps the partition
@@ -200,13 +180,13 @@ def gradient_bytes(shape: ModelShape, recipe: Recipe) -> int:
     through one GPU staging buffer the size of the largest trainable tensor in the 16-bit dtype
     (``temp_grad_buffer_for_gpu_offload``, ``stage_1_and_2.py``; for LoRA the adapters beyond the
     linears count as one tensor here, so the buffer is over- rather than underestimated)."""
-    if recipe.parallel.fsdp and recipe.parallel.offload_parameters:
+    if run.parallel.fsdp and run.parallel.offload_parameters:
         return 0
-    if recipe.parallel.deepspeed and recipe.parallel.offload_optimizer:
-        if recipe.parallel.strategy.zero3:
+    if run.parallel.deepspeed and run.parallel.offload_optimizer:
+        if run.parallel.strategy.zero3:
             return 0
-        return max(trainable_tensors(shape, recipe), default=0) * recipe.trainable_bytes
-    return shape.trainable_params * recipe.trainable_bytes // recipe.parallel.state_shards
+        return max(trainable_tensors(shape, run), default=0) * trainable_bytes(run)
+    return shape.trainable_params * trainable_bytes(run) // run.parallel.state_shards
 
 
 def linear_adapter_tensors(shape: ModelShape) -> list[int]:
@@ -243,14 +223,14 @@ def _lora_rank(shape: ModelShape) -> int:
     return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
 
 
-def trainable_tensors(shape: ModelShape, recipe: Recipe) -> list[int]:
+def trainable_tensors(shape: ModelShape, run: Run) -> list[int]:
     """The numel of every trainable tensor: each weight for full fine-tuning, else the adapters."""
-    if recipe.method == "full":
+    if run.method == "full":
         return [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)] + list(shape.other_tensors)
     return adapter_tensors(shape)
 
 
-def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def optimizer_state_bytes(shape: ModelShape, run: Run) -> int:
     """Optimizer states per trainable parameter.
 
     torch AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (2 x 4 bytes for fp32,
@@ -259,23 +239,23 @@ def optimizer_state_bytes(shape: ModelShape, recipe: Recipe) -> int:
     SGD without momentum: none. Adafactor: factored second moments, about 4 bytes x (rows +
     columns) per matrix, taken as 4 bytes x trainable / h. Offloaded to the CPU: none on the GPU.
     """
-    if (recipe.parallel.offload_optimizer and recipe.parallel.deepspeed) or (recipe.parallel.fsdp and recipe.parallel.offload_parameters):
+    if (run.parallel.offload_optimizer and run.parallel.deepspeed) or (run.parallel.fsdp and run.parallel.offload_parameters):
         return 0
     n = shape.trainable_params
-    state = 4 if recipe.parallel.deepspeed else recipe.trainable_bytes
+    state = 4 if run.parallel.deepspeed else trainable_bytes(run)
     per_param = {
         "adamw_torch": 2 * state,
         "adamw_torch_fused": 2 * state,
         "adamw_8bit": 2 + 8 / 256,
         "paged_adamw_8bit": 2 + 8 / 256,
         "sgd": 0,
-    }.get(recipe.optimizer)
+    }.get(run.optimizer)
     if per_param is None:  # adafactor
-        return 4 * n // max(1, shape.hidden_size) // recipe.parallel.state_shards
-    return int(n * per_param) // recipe.parallel.state_shards
+        return 4 * n // max(1, shape.hidden_size) // run.parallel.state_shards
+    return int(n * per_param) // run.parallel.state_shards
 
 
-def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: int) -> tuple[int, int]:
+def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int) -> tuple[int, int]:
     """Host memory the processes of one node need on a GPU run: (while loading, while training).
 
     Loading: under ZeRO-3 the model loads inside DeepSpeed's ``zero.Init`` (sft_play.train builds
@@ -290,41 +270,41 @@ def host_bytes_per_node(shape: ModelShape, recipe: Recipe, processes_per_node: i
     FSDP2 with ``offload_parameters`` its parameter, gradient and state shards. DeepSpeed's own
     estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
     add a buffer factor of 1.5 on top of such terms."""
-    share = processes_per_node / max(1, recipe.parallel.world_size)  # of the partitions, on this node
-    loading = (largest_layer_params(shape) * recipe.weight_bytes * processes_per_node
-               if recipe.parallel.strategy.zero3 else 0)
+    share = processes_per_node / max(1, run.parallel.world_size)  # of the partitions, on this node
+    loading = (largest_layer_params(shape) * run.precision.weight_bytes * processes_per_node
+               if run.parallel.strategy.zero3 else 0)
     training = 0
-    if recipe.parallel.deepspeed and recipe.parallel.offload_optimizer:
-        training = (16 + recipe.compute_bytes) * shape.trainable_params
-        if recipe.parallel.offload_parameters:
-            training += recipe.compute_bytes * shape.total_params
-    elif recipe.parallel.fsdp and recipe.parallel.offload_parameters:
+    if run.parallel.deepspeed and run.parallel.offload_optimizer:
+        training = (16 + run.precision.compute_bytes) * shape.trainable_params
+        if run.parallel.offload_parameters:
+            training += run.precision.compute_bytes * shape.total_params
+    elif run.parallel.fsdp and run.parallel.offload_parameters:
         frozen = shape.total_params - shape.trainable_params
-        training = 16 * shape.trainable_params + frozen * recipe.weight_bytes
+        training = 16 * shape.trainable_params + frozen * run.precision.weight_bytes
     return int(loading), int(training * share)
 
 
-def master_weights_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def master_weights_bytes(shape: ModelShape, run: Run) -> int:
     """fp32 master copy of the trainable parameters. Our DDP recipe has none (full fine-tuning
     trains fp32 weights directly; adapters are their own masters); DeepSpeed keeps one in its
     optimizer, partitioned across ranks (and in CPU memory with offload)."""
-    if not recipe.parallel.deepspeed or (recipe.parallel.offload_optimizer and recipe.parallel.deepspeed):
+    if not run.parallel.deepspeed or (run.parallel.offload_optimizer and run.parallel.deepspeed):
         return 0
-    return shape.trainable_params * 4 // recipe.parallel.state_shards
+    return shape.trainable_params * 4 // run.parallel.state_shards
 
 
-def optimizer_step_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def optimizer_step_bytes(shape: ModelShape, run: Run) -> int:
     """Temporaries while the optimizer steps. torch's foreach AdamW (``_multi_tensor_adam``)
     builds one state-sized intermediate for a parameter group (``_foreach_sqrt`` of exp_avg_sq,
     then updated in place); the fused kernel works in place; DeepSpeed converts this rank's
     gradient partition to fp32 first."""
-    n = shape.trainable_params // recipe.parallel.state_shards
-    if recipe.parallel.deepspeed:
-        return 0 if recipe.parallel.offload_optimizer else 4 * n
-    if recipe.parallel.fsdp and recipe.parallel.offload_parameters:
+    n = shape.trainable_params // run.parallel.state_shards
+    if run.parallel.deepspeed:
+        return 0 if run.parallel.offload_optimizer else 4 * n
+    if run.parallel.fsdp and run.parallel.offload_parameters:
         return 0
-    if recipe.optimizer == "adamw_torch":
-        return n * recipe.trainable_bytes
+    if run.optimizer == "adamw_torch":
+        return n * trainable_bytes(run)
     return 0
 
 
@@ -332,46 +312,46 @@ def optimizer_step_bytes(shape: ModelShape, recipe: Recipe) -> int:
 # Communication and runtime
 
 
-def ddp_bucket_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def ddp_bucket_bytes(shape: ModelShape, run: Run) -> int:
     """DDP's reducer keeps flat gradient buckets covering every trainable parameter (a second copy
     of the gradients, since transformers leaves ``gradient_as_bucket_view`` off); one process
     needs none (PyTorch ``DistributedDataParallel``, ``reducer.cpp``)."""
-    if recipe.parallel.world_size <= 1 or recipe.parallel.strategy.shards_states:
+    if run.parallel.world_size <= 1 or run.parallel.strategy.shards_states:
         return 0
-    return shape.trainable_params * recipe.trainable_bytes
+    return shape.trainable_params * trainable_bytes(run)
 
 
-def fsdp_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def fsdp_buffer_bytes(shape: ModelShape, run: Run) -> int:
     """FSDP2's reduce-scatter of one layer's gradients: the unsharded gradient in the reduce
     dtype (fp32: :func:`sft_play.training.fsdp_mixed_precision`) while the 16-bit one it came
     from is freed, plus the shard it produces; the all-gather input (the layer's shard in the
     ``param_dtype``). PyTorch ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``."""
-    if not recipe.parallel.fsdp:
+    if not run.parallel.fsdp:
         return 0
     layer = largest_layer_params(shape)
-    trainable_layer = layer if recipe.method == "full" else shape.lora_params // max(1, shape.num_layers)
-    reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
-    world = max(1, recipe.parallel.world_size)
-    return trainable_layer * reduce_bytes * (world + 1) // world + layer * recipe.gathered_bytes // world
+    trainable_layer = layer if run.method == "full" else shape.lora_params // max(1, shape.num_layers)
+    reduce_bytes = 4 if run.precision.autocast else trainable_bytes(run)
+    world = max(1, run.parallel.world_size)
+    return trainable_layer * reduce_bytes * (world + 1) // world + layer * gathered_bytes(run) // world
 
 
-def zero_buffer_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def zero_buffer_bytes(shape: ModelShape, run: Run) -> int:
     """DeepSpeed ZeRO bucket buffers: the gradient-reduction bucket, double-buffered
     (``reduce_bucket_size``, as the run resolves it: transformers fills 'auto' with h^2) and the
     all-gather bucket for the updated parameters (``allgather_bucket_size``), in the 16-bit dtype
     (deepspeed/runtime/zero/stage_1_and_2.py), neither larger than the trainable parameters."""
-    if not recipe.parallel.deepspeed:
+    if not run.parallel.deepspeed:
         return 0
     squared = shape.hidden_size * shape.hidden_size
-    reduce_bucket = min(recipe.parallel.reduce_bucket_elements or squared, shape.trainable_params)
-    allgather_bucket = min(recipe.parallel.allgather_bucket_elements or squared, shape.trainable_params)
+    reduce_bucket = min(run.parallel.reduce_bucket_elements or squared, shape.trainable_params)
+    allgather_bucket = min(run.parallel.allgather_bucket_elements or squared, shape.trainable_params)
     return 2 * (2 * reduce_bucket) + 2 * allgather_bucket
 
 
-def outside_allocator_bytes(recipe: Recipe, on_cuda: bool = True, measured: tuple | dict = ()) -> int:
+def outside_allocator_bytes(run: Run, on_cuda: bool = True, measured: tuple | dict = ()) -> int:
     """What a process holds outside PyTorch's allocator (the CUDA context, NCCL's buffers), from
     what was measured on the GPUs that train (:func:`outside_allocator`)."""
-    return outside_allocator(recipe.parallel.world_size, on_cuda, measured)[0]
+    return outside_allocator(run.parallel.world_size, on_cuda, measured)[0]
 
 
 def outside_allocator(world_size: int, on_cuda: bool, measured: tuple | dict = ()) -> tuple[int, str]:

@@ -25,7 +25,6 @@ from sft_play.planner.simulate import memory
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.step import StepSpec, replay
 from sft_play.planner.simulate.trace import TraceSpec, layer_trace
-from sft_play.precision import DTYPE_BYTES
 from sft_play.run import Run
 
 logger = logging.getLogger(__name__)
@@ -42,33 +41,15 @@ class Prediction:
     fits: bool | None  # None: no budget given
 
 
-def recipe_for(run: Run) -> memory.Recipe:
-    """The static terms' view of the run."""
-    precision = run.precision
-    return memory.Recipe(
-        method=run.method,
-        weight_bytes=DTYPE_BYTES[precision.weights_dtype],
-        compute_bytes=DTYPE_BYTES[precision.compute_dtype],
-        mixed_precision=precision.mixed != "no",
-        optimizer=run.optimizer,
-        parallel=run.parallel,
-        double_quant=run.double_quant,
-        lora_dropout=bool(run.lora and run.lora.dropout > 0),
-        lora_rank=run.lora.r if run.lora else 0,
-        adapter_bytes=DTYPE_BYTES[run.adapter_dtype],
-    )
-
-
 def static_lower_bound(shape: ModelShape, run: Run) -> int:
     """What the GPU holds before any activation: parameters, optimizer states, fp32 masters,
     communication buckets and what lives outside the allocator. A micro-batch cannot fit where
     this alone does not (checked before any replay)."""
-    recipe = recipe_for(run)
-    return (memory.weights_bytes(shape, recipe) + memory.optimizer_state_bytes(shape, recipe)
-            + memory.master_weights_bytes(shape, recipe) + memory.ddp_bucket_bytes(shape, recipe)
-            + memory.zero_buffer_bytes(shape, recipe) + memory.fsdp_buffer_bytes(shape, recipe)
-            + (memory.gradient_bytes(shape, recipe) if recipe.parallel.fsdp else 0)
-            + memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured))
+    return (memory.weights_bytes(shape, run) + memory.optimizer_state_bytes(shape, run)
+            + memory.master_weights_bytes(shape, run) + memory.ddp_bucket_bytes(shape, run)
+            + memory.zero_buffer_bytes(shape, run) + memory.fsdp_buffer_bytes(shape, run)
+            + (memory.gradient_bytes(shape, run) if run.parallel.fsdp else 0)
+            + memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured))
 
 
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
@@ -173,8 +154,7 @@ REPLAYS = [0]  # allocator replays so far in this process: what planning costs, 
 
 
 def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
-    recipe = recipe_for(run)
-    outside = memory.outside_allocator_bytes(recipe, run.on_cuda, run.outside_allocator_measured)
+    outside = memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured)
     unlimited = replay_step(shape, run, micro_batch, accumulating, None)
     fits = None
     result = unlimited
@@ -209,7 +189,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     REPLAYS[0] += 1
     trace = traced_layers(trace_spec(run, micro_batch), run.sequence.tokens)
     spec = StepSpec(
-        recipe=recipe_for(run),
+        run=run,
         micro_batch=micro_batch,
         seq_len=run.sequence.tokens,
         checkpointing=run.gradient_checkpointing,

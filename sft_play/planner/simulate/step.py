@@ -30,6 +30,7 @@ from sft_play.planner.simulate import memory
 from sft_play.planner.simulate.allocator import CachingAllocator, OutOfMemory
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
+from sft_play.run import Run
 from sft_play.units import MIB
 
 FUSED_HEAD_TOKENS = 4096  # TRL's chunked log-prob: token rows per tile (trl/kernels/chunked_logprob.py)
@@ -53,7 +54,7 @@ class StepMemory:
 class StepSpec:
     """What the replay needs besides the shape and the trace."""
 
-    recipe: memory.Recipe
+    run: Run
     micro_batch: int
     seq_len: int
     checkpointing: bool
@@ -92,9 +93,9 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     unlimited. An allocation that fails even after the cache is released ends the replay with
     ``out_of_memory``. `log`, a list, receives every allocation and free in order."""
     allocator = CachingAllocator(capacity=capacity, log=log)
-    run = _Replay(allocator)
+    gpu = _Replay(allocator)
     try:
-        _replay(run, shape, trace, spec)
+        _replay(gpu, shape, trace, spec)
         oom = False
     except OutOfMemory:
         oom = True
@@ -102,206 +103,206 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
                       allocator.releases, dict(allocator.at_peak_allocated))
 
 
-def _replay(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
-    recipe = spec.recipe
-    _static(run, shape, recipe)
+def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
+    run = spec.run
+    _static(gpu, shape, run)
     if spec.on_cuda:
-        run.new(spec.cublas_workspace, "cuda_runtime")
-    _optimizer_states(run, shape, recipe)
+        gpu.new(spec.cublas_workspace, "cuda_runtime")
+    _optimizer_states(gpu, shape, run)
     for _ in range(spec.steps):
         # With accumulation, every micro-batch after the first runs with the gradients alive (and
         # adds its own into them): replay that one
-        held = _held_gradients(run, shape, recipe) if spec.accumulating else []
-        grads = _forward_backward(run, shape, trace, spec, keep_grads=not held)
-        _optimizer_step(run, shape, recipe)
-        run.free(*held, *grads)  # zero_grad(set_to_none=True)
+        held = _held_gradients(gpu, shape, run) if spec.accumulating else []
+        grads = _forward_backward(gpu, shape, trace, spec, keep_grads=not held)
+        _optimizer_step(gpu, shape, run)
+        gpu.free(*held, *grads)  # zero_grad(set_to_none=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # Static state
 
 
-def _static(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
     """Parameters as loaded, adapters, and the buffers distributed training allocates up front."""
-    base_bytes = recipe.stored_bytes
-    shards = recipe.parallel.weight_shards
-    if not recipe.parallel.offload_parameters:
+    base_bytes = memory.stored_bytes(run)
+    shards = run.parallel.weight_shards
+    if not run.parallel.offload_parameters:
         for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
-            run.new(numel * base_bytes / shards, "weights")
+            gpu.new(numel * base_bytes / shards, "weights")
         for index in range(shape.num_layers):
             for numel, quantizable in shape.tensors_of_layer(index):
-                if recipe.method == "qlora" and quantizable:
-                    run.new(numel / 2 / shards, "weights")  # packed NF4
-                    run.new(memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), recipe.double_quant), "weights")
+                if run.method == "qlora" and quantizable:
+                    gpu.new(numel / 2 / shards, "weights")  # packed NF4
+                    gpu.new(memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), run.double_quant), "weights")
                 else:
-                    run.new(numel * base_bytes / shards, "weights")
-    adapter_shards = shards if recipe.parallel.fsdp else 1
+                    gpu.new(numel * base_bytes / shards, "weights")
+    adapter_shards = shards if run.parallel.fsdp else 1
     for numel in memory.adapter_tensors(shape):
-        run.new(numel * recipe.trainable_bytes / adapter_shards, "weights")
-    gathered = memory.layers_gathered(shape, recipe)  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
+        gpu.new(numel * memory.trainable_bytes(run) / adapter_shards, "weights")
+    gathered = memory.layers_gathered(shape, run)  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
     if gathered:
-        layer_bytes = memory.gathered_layer_bytes(shape, recipe)
+        layer_bytes = memory.gathered_layer_bytes(shape, run)
         for _ in range(gathered):
-            run.new(layer_bytes, "weights")
-        if recipe.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
+            gpu.new(layer_bytes, "weights")
+        if run.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
             for numel in memory.fsdp_step_gathered_tensors(shape):
-                run.new(numel * recipe.gathered_bytes, "weights")
-    if recipe.parallel.fsdp:
-        _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's shard
-        _chunked(run, memory.fsdp_buffer_bytes(shape, recipe), "fsdp_buffers")
-    if recipe.parallel.deepspeed:
-        _chunked(run, memory.master_weights_bytes(shape, recipe), "master_weights")
-        _chunked(run, memory.gradient_bytes(shape, recipe), "gradients")  # this rank's averaged partition
-        _chunked(run, memory.zero_buffer_bytes(shape, recipe), "zero_buffers")
-    _chunked(run, memory.ddp_bucket_bytes(shape, recipe), "ddp_buckets", DDP_BUCKET_BYTES)
+                gpu.new(numel * memory.gathered_bytes(run), "weights")
+    if run.parallel.fsdp:
+        _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's shard
+        _chunked(gpu, memory.fsdp_buffer_bytes(shape, run), "fsdp_buffers")
+    if run.parallel.deepspeed:
+        _chunked(gpu, memory.master_weights_bytes(shape, run), "master_weights")
+        _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
+        _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
+    _chunked(gpu, memory.ddp_bucket_bytes(shape, run), "ddp_buckets", DDP_BUCKET_BYTES)
 
 
-def _chunked(run: _Replay, total: int, category: str, chunk: int | None = None) -> None:
+def _chunked(gpu: _Replay, total: int, category: str, chunk: int | None = None) -> None:
     chunk = chunk or max(1, total)
     while total > 0:
-        run.new(min(chunk, total), category)
+        gpu.new(min(chunk, total), category)
         total -= chunk
 
 
-def _optimizer_states(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+def _optimizer_states(gpu: _Replay, shape: ModelShape, run: Run) -> None:
     """torch AdamW's exp_avg and exp_avg_sq per trainable tensor (``zeros_like``); DeepSpeed's fp32
     states for this rank's partition."""
-    total = memory.optimizer_state_bytes(shape, recipe)
+    total = memory.optimizer_state_bytes(shape, run)
     if not total:
         return
-    if recipe.parallel.deepspeed:
-        _chunked(run, total, "optimizer_states")
+    if run.parallel.deepspeed:
+        _chunked(gpu, total, "optimizer_states")
         return
-    tensors = memory.trainable_tensors(shape, recipe)
+    tensors = memory.trainable_tensors(shape, run)
     per_element = total / max(1, sum(tensors))
     for numel in tensors:
         for _ in range(2):
-            run.new(numel * per_element / 2, "optimizer_states")
+            gpu.new(numel * per_element / 2, "optimizer_states")
 
 
-def _held_gradients(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> list:
+def _held_gradients(gpu: _Replay, shape: ModelShape, run: Run) -> list:
     """The gradients earlier micro-batches of the step left (ZeRO and FSDP2 keep only their
     shard, already counted)."""
-    if recipe.parallel.strategy.shards_states:
+    if run.parallel.strategy.shards_states:
         return []
-    return [run.new(numel * recipe.trainable_bytes, "gradients") for numel in memory.trainable_tensors(shape, recipe)]
+    return [gpu.new(numel * memory.trainable_bytes(run), "gradients") for numel in memory.trainable_tensors(shape, run)]
 
 
-def _optimizer_step(run: _Replay, shape: ModelShape, recipe: memory.Recipe) -> None:
+def _optimizer_step(gpu: _Replay, shape: ModelShape, run: Run) -> None:
     """Temporaries of the step itself: foreach AdamW's state-sized intermediate, DeepSpeed's fp32
     copy of the gradient partition (fused AdamW and 8-bit optimizers work in place)."""
-    size = memory.optimizer_step_bytes(shape, recipe)
+    size = memory.optimizer_step_bytes(shape, run)
     if size:
-        run.free(run.new(size, "optimizer_step"))
+        gpu.free(gpu.new(size, "optimizer_step"))
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward and backward
 
 
-def _forward_backward(run: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, keep_grads: bool) -> list:
+def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, keep_grads: bool) -> list:
     """One micro-batch; returns the handles of parameter gradients it created (alive until the
     optimizer step's ``zero_grad``)."""
-    recipe = spec.recipe
+    run = spec.run
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
-    residual = 2 if recipe.method == "qlora" else (
-        recipe.compute_bytes if recipe.parallel.deepspeed else recipe.gathered_bytes if recipe.parallel.fsdp else recipe.weight_bytes)
+    residual = 2 if run.method == "qlora" else (
+        run.precision.compute_bytes if run.parallel.deepspeed else memory.gathered_bytes(run) if run.parallel.fsdp else run.precision.weight_bytes)
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
     # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
-    batch = [run.new(8 * b * s, "inputs") for _ in range(3)]
-    gathered_embedding = _gather_embedding(run, shape, recipe)
-    embeddings = run.new(b * s * h * residual, "activations")
-    run.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
+    batch = [gpu.new(8 * b * s, "inputs") for _ in range(3)]
+    gathered_embedding = _gather_embedding(gpu, shape, run)
+    embeddings = gpu.new(b * s * h * residual, "activations")
+    gpu.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
     if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
-        noise = run.new(b * s * h * residual, "activations")
-        noised = run.new(b * s * h * residual, "activations")
-        run.free(noise, embeddings)
+        noise = gpu.new(b * s * h * residual, "activations")
+        noised = gpu.new(b * s * h * residual, "activations")
+        gpu.free(noise, embeddings)
         embeddings = noised
     # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
     # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
-    rotary = [run.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
-    masks = [run.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
+    rotary = [gpu.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
+    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
              for _ in range(shape.attention_masks)] if spec.masked else []
     if spec.sliding_mask:  # the sliding-window layers' boolean mask (run.sliding_mask)
-        masks.append(run.new(b * s * s, "inputs"))
+        masks.append(gpu.new(b * s * s, "inputs"))
 
     # Layers forward: the input of layer i is the output of layer i - 1
     previous = embeddings
     outputs = []
     for i, layer in enumerate(layers):
         names = {INPUT: previous}
-        _play(run, layer, layer.forward, i, names, b, "activations")
+        _play(gpu, layer, layer.forward, i, names, b, "activations")
         if i > 0:
-            _play(run, layer, layer.after_forward, i, names, b, "activations")
+            _play(gpu, layer, layer.after_forward, i, names, b, "activations")
         previous = _name(names, layer.output, i)
         outputs.append(names)
     last_hidden = previous
     norm_names = {INPUT: last_hidden}
     if norm is not None:
-        _play(run, norm, norm.forward, "norm", norm_names, b, "activations")
-        _play(run, norm, norm.after_forward, "norm", norm_names, b, "activations")
+        _play(gpu, norm, norm.forward, "norm", norm_names, b, "activations")
+        _play(gpu, norm, norm.after_forward, "norm", norm_names, b, "activations")
         last_hidden = _name(norm_names, norm.output, "norm")
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
-        run.free(embeddings)
+        gpu.free(embeddings)
     if not spec.checkpointing:
-        run.free(*masks)
+        gpu.free(*masks)
         masks = []
 
-    head = _head_forward(run, shape, spec, last_hidden, residual)
+    head = _head_forward(gpu, shape, spec, last_hidden, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
-        _play(run, layers[i], layers[i].cache_release, i, names, b, "activations")
+        _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")
 
     # Backward: the head, the final norm, then the layers from the top
-    incoming = _head_backward(run, shape, spec, head, residual, grads, keep_grads)
+    incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
-        _play(run, norm, norm.backward, "norm", norm_names, b, "backward_working")
+        _play(gpu, norm, norm.backward, "norm", norm_names, b, "backward_working")
         incoming = _name(norm_names, norm.input_grad, "norm")
     for i in reversed(range(shape.num_layers)):
         names, layer = outputs[i], layers[i]
         names[GRAD_IN] = incoming
-        _play(run, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
+        _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
         parameter_grads = [_name(names, g, i) for g in layer.persistent]
-        if recipe.parallel.strategy.shards_states or not keep_grads:
+        if run.parallel.strategy.shards_states or not keep_grads:
             # ZeRO copies them into its reduction bucket, FSDP2 reduce-scatters them into its
             # shard; a later micro-batch adds them into the gradients of the first: either way
             # they go as the layer finishes
-            run.free(*parameter_grads)
+            gpu.free(*parameter_grads)
         else:
             grads += parameter_grads
-    run.free(incoming)
-    if recipe.method == "full" and not recipe.parallel.deepspeed:
+    gpu.free(incoming)
+    if run.method == "full" and not run.parallel.deepspeed:
         # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
         # FSDP2 gathers an untied embedding again for its backward and reduce-scatters the
         # gradient (transients in its param_dtype)
-        gathered_embedding = _gather_embedding(run, shape, recipe)
-        embedding = run.new(shape.vocab_size * h * (recipe.gathered_bytes if recipe.parallel.fsdp else recipe.trainable_bytes),
+        gathered_embedding = _gather_embedding(gpu, shape, run)
+        embedding = gpu.new(shape.vocab_size * h * (memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)),
                             "gradients")
-        run.free(gathered_embedding)
-        if shape.tie_word_embeddings or recipe.parallel.fsdp:
-            run.free(embedding)
+        gpu.free(gathered_embedding)
+        if shape.tie_word_embeddings or run.parallel.fsdp:
+            gpu.free(embedding)
         else:
             grads.append(embedding)
-    run.free(*rotary, *masks, *batch)
+    gpu.free(*rotary, *masks, *batch)
     if layers[0].input_kept:
-        run.free(embeddings)
-    if recipe.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
-        run.free(*grads)
+        gpu.free(embeddings)
+    if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
+        gpu.free(*grads)
         return []
     return grads
 
 
-def _gather_embedding(run: _Replay, shape: ModelShape, recipe: memory.Recipe):
+def _gather_embedding(gpu: _Replay, shape: ModelShape, run: Run):
     """FSDP2 (accelerate's units): an untied input embedding is a unit of its own, gathered
     around its own passes only. None otherwise."""
-    if not recipe.parallel.fsdp or shape.tie_word_embeddings:
+    if not run.parallel.fsdp or shape.tie_word_embeddings:
         return None
-    return run.new(shape.params_by_kind.get("embeddings", 0) * recipe.gathered_bytes, "weights")
+    return gpu.new(shape.params_by_kind.get("embeddings", 0) * memory.gathered_bytes(run), "weights")
 
 
 def _name(names: dict, event_id: int, layer):
@@ -314,10 +315,10 @@ def _handle_base(layer) -> int:
     return (1 if layer == "norm" else layer + 2) << 24
 
 
-def _play(run: _Replay, module: ModuleEvents, events, layer, names: dict, micro: int, category: str,
+def _play(gpu: _Replay, module: ModuleEvents, events, layer, names: dict, micro: int, category: str,
           gradients=frozenset()) -> None:
     """Replay `events` of `module` as layer `layer`, sizes at micro-batch `micro`."""
-    malloc, free = run.allocator.malloc, run.allocator.free
+    malloc, free = gpu.allocator.malloc, gpu.allocator.free
     base = _handle_base(layer)
     for is_alloc, event_id, size in _sized(module, events, micro):
         handle = names[event_id] if event_id < 0 else base + event_id
@@ -345,90 +346,90 @@ def _sized(module: ModuleEvents, events, micro: int) -> list[tuple[bool, int, in
 # positions only, on CUDA by TRL's choice and on a CPU by sft_play.model.score_labelled_positions_only
 
 
-def _head_forward(run: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:
+def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:
     """``_fused_forward`` selects the labelled positions (``hidden_states[mask]``, a copy) and
     their targets, then tiles the projection: seven fp32 statistics per position, one
     [min(N, 4096), 32768] tile in the compute dtype, the hidden chunk cast to it (when the hidden
     states are fp32) and each 32768-row slice of the head weight cast to it (when the weight is
     fp32). It keeps the selected states, the targets, log Z and the entropy for backward."""
-    recipe = spec.recipe
-    b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, recipe.compute_bytes
+    run = spec.run
+    b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, run.precision.compute_bytes
     n = max(1, int(b * (s - 1) * spec.loss_token_share))
     tile_rows = min(n, FUSED_HEAD_TOKENS)
-    label_mask = run.new(b * (s - 1), "logits_loss")
+    label_mask = gpu.new(b * (s - 1), "logits_loss")
     # The labelled positions are gathered (a copy)
-    selected = run.new(n * h * residual, "logits_loss")
-    targets = run.new(8 * n, "logits_loss")
-    run.free(last_hidden)
-    statistics = [run.new(4 * n, "logits_loss") for _ in range(7)]
-    tile = run.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
+    selected = gpu.new(n * h * residual, "logits_loss")
+    targets = gpu.new(8 * n, "logits_loss")
+    gpu.free(last_hidden)
+    statistics = [gpu.new(4 * n, "logits_loss") for _ in range(7)]
+    tile = gpu.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
     if not spec.on_cuda:  # the torch fold: the tile's used columns in fp32 and their exponentials (_forward_tile)
-        run.free(*[run.new(tile_rows * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss") for _ in range(2)])
-    _tile_casts(run, shape, spec, residual, n)
-    run.free(tile)
-    log_z = run.new(4 * n, "logits_loss")
-    log_probs, entropy, top1 = (run.new(size, "logits_loss") for size in (4 * n, 4 * n, n))
-    run.free(*statistics)
+        gpu.free(*[gpu.new(tile_rows * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss") for _ in range(2)])
+    _tile_casts(gpu, shape, spec, residual, n)
+    gpu.free(tile)
+    log_z = gpu.new(4 * n, "logits_loss")
+    log_probs, entropy, top1 = (gpu.new(size, "logits_loss") for size in (4 * n, 4 * n, n))
+    gpu.free(*statistics)
     # masked_scatter into [b, s - 1] outputs; the loss reads the log-probabilities
-    outputs = [run.new(b * (s - 1) * size, "logits_loss") for size in (4, 4, 1)]
-    run.free(log_probs, top1, *outputs)
+    outputs = [gpu.new(b * (s - 1) * size, "logits_loss") for size in (4, 4, 1)]
+    gpu.free(log_probs, top1, *outputs)
     return {"selected": selected, "targets": targets, "log_z": log_z, "entropy": entropy, "label_mask": label_mask,
             "n": n}
 
 
-def _tile_casts(run: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
-    h, c = shape.hidden_size, spec.recipe.compute_bytes
-    recipe = spec.recipe
-    weight_bytes = recipe.gathered_bytes if recipe.parallel.fsdp else (
-        recipe.weight_bytes if recipe.method == "full" and not recipe.parallel.deepspeed else 2)
+def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
+    h, c = shape.hidden_size, spec.run.precision.compute_bytes
+    run = spec.run
+    weight_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else (
+        run.precision.weight_bytes if run.method == "full" and not run.parallel.deepspeed else 2)
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
-        chunk = run.new(rows * h * c, "logits_loss") if residual != c else None
+        chunk = gpu.new(rows * h * c, "logits_loss") if residual != c else None
         if weight_bytes != c:
             for vocab_start in range(0, shape.vocab_size, FUSED_HEAD_VOCAB):
-                run.free(run.new(min(FUSED_HEAD_VOCAB, shape.vocab_size - vocab_start) * h * c, "logits_loss"))
-        run.free(chunk)
+                gpu.free(gpu.new(min(FUSED_HEAD_VOCAB, shape.vocab_size - vocab_start) * h * c, "logits_loss"))
+        gpu.free(chunk)
         if start >= FUSED_HEAD_TOKENS:  # the pattern repeats for every token chunk
             break
 
 
-def _head_backward(run: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
+def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
                    keep_grads: bool):
     """``ChunkedLogProbFunction.backward``: an fp32 gradient for the selected states, for a trained
     head an fp32 weight gradient (returned in the weights' dtype), the tile again, then the states' gradient cast to their dtype;
     the gradient is scattered back into [b, s - 1, h] and the slice into [b, s, h] (the final
     norm's incoming gradient). Returns that gradient's handle."""
-    recipe = spec.recipe
+    run = spec.run
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     n = head["n"]
-    grad_states = run.new(4 * n * h, "logits_loss")
-    if recipe.method == "full":
-        head_grad = run.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
+    grad_states = gpu.new(4 * n * h, "logits_loss")
+    if run.method == "full":
+        head_grad = gpu.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
         # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
         # FSDP2 the weight is the gathered copy, in its param_dtype)
-        grad_bytes = recipe.gathered_bytes if recipe.parallel.fsdp else recipe.trainable_bytes
+        grad_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)
         if grad_bytes != 4:
-            kept = run.new(shape.vocab_size * h * grad_bytes, "gradients")
-            run.free(head_grad)
+            kept = gpu.new(shape.vocab_size * h * grad_bytes, "gradients")
+            gpu.free(head_grad)
             head_grad = kept
-        if keep_grads and not recipe.parallel.deepspeed:
+        if keep_grads and not run.parallel.deepspeed:
             grads.append(head_grad)
         else:  # accumulated into the existing gradient, or reduced by ZeRO
-            run.free(head_grad)
-    tile = run.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * recipe.compute_bytes, "logits_loss")
+            gpu.free(head_grad)
+    tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * run.precision.compute_bytes, "logits_loss")
     if not spec.on_cuda:  # _backward_tile: fp32 logits, probabilities and gradient of the tile's used columns
-        run.free(*[run.new(min(n, FUSED_HEAD_TOKENS) * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss")
+        gpu.free(*[gpu.new(min(n, FUSED_HEAD_TOKENS) * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss")
                    for _ in range(3)])
-    grad_log_probs = run.new(4 * n, "logits_loss")
-    _tile_casts(run, shape, spec, residual, n)
-    cast = run.new(n * h * residual, "logits_loss") if residual != 4 else None
-    run.free(tile, grad_log_probs)
+    grad_log_probs = gpu.new(4 * n, "logits_loss")
+    _tile_casts(gpu, shape, spec, residual, n)
+    cast = gpu.new(n * h * residual, "logits_loss") if residual != 4 else None
+    gpu.free(tile, grad_log_probs)
     if cast is not None:
-        run.free(grad_states)
+        gpu.free(grad_states)
         grad_states = cast
-    run.free(head["selected"], head["targets"], head["log_z"], head["entropy"])
-    scattered = run.new(b * (s - 1) * h * residual, "backward_working")
-    run.free(grad_states, head["label_mask"])
-    incoming = run.new(b * s * h * residual, "backward_working")
-    run.free(scattered)
+    gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"])
+    scattered = gpu.new(b * (s - 1) * h * residual, "backward_working")
+    gpu.free(grad_states, head["label_mask"])
+    incoming = gpu.new(b * s * h * residual, "backward_working")
+    gpu.free(scattered)
     return incoming

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import recipe_for
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import Run
 
@@ -137,22 +136,21 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
     fp32, (W - 1) / W of each."""
     if run.parallel.world_size <= 1:
         return 0.0
-    recipe = recipe_for(run)
     share = (run.parallel.world_size - 1) / run.parallel.world_size
     if run.parallel.fsdp:
         gathers = 2 if run.parallel.reshard_after_forward else 1
-        reduce_bytes = 4 if recipe.mixed_precision else recipe.trainable_bytes
-        gathered = memory.fsdp_gathered_bytes(shape.total_params, shape.quantized_params, recipe)
+        reduce_bytes = 4 if run.precision.autocast else memory.trainable_bytes(run)
+        gathered = memory.fsdp_gathered_bytes(shape.total_params, shape.quantized_params, run)
         per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
         return share * per_micro * max(1, micro_batches)
-    grad_bytes = recipe.trainable_bytes  # DDP: the gradients' dtype; ZeRO: 16-bit
+    grad_bytes = memory.trainable_bytes(run)  # DDP: the gradients' dtype; ZeRO: 16-bit
     if run.parallel.deepspeed:
         # ZeRO reduce-scatters the gradients after every micro-batch's backward (each rank keeps
         # its partition only); ZeRO-2 all-gathers the updated parameters once a step, ZeRO-3 gathers
         # the 16-bit parameters for every forward and backward instead
         reduced = shape.trainable_params * grad_bytes * max(1, micro_batches)
         if run.parallel.strategy.zero3:
-            gathered = 2 * shape.total_params * recipe.compute_bytes * max(1, micro_batches)
+            gathered = 2 * shape.total_params * run.precision.compute_bytes * max(1, micro_batches)
         else:
             gathered = shape.trainable_params * grad_bytes
         return share * (reduced + gathered)
