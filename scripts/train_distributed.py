@@ -13,7 +13,6 @@ import os
 
 from sft_play import cli, lean_imports
 from sft_play import config as config_module
-from sft_play.hardware import sanitized_cuda_arch_list
 
 
 def main() -> int:
@@ -22,7 +21,7 @@ def main() -> int:
     config = config_module.load(args.config, args.overrides)
     lean_imports.for_training(config)  # bitsandbytes and DeepSpeed only where the run uses them
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # before DeepSpeed is imported: it cannot parse "9.0a"
-        os.environ["TORCH_CUDA_ARCH_LIST"] = sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+        os.environ["TORCH_CUDA_ARCH_LIST"] = lean_imports.sanitized_cuda_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     with cli.importing():  # after the environment is right: it imports the libraries
         from sft_play.train import train
 

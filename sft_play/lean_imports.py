@@ -14,6 +14,7 @@ docs/reports/test_suite.md.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,3 +64,11 @@ def without_bitsandbytes() -> None:
 def _absent(package: str) -> None:
     if package not in sys.modules:
         sys.modules[package] = None  # type: ignore[assignment]
+
+
+def sanitized_cuda_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` without architecture suffixes (``9.0a`` -> ``9.0``): DeepSpeed
+    0.19 parses each entry as numbers and fails on ``9.0a`` ("invalid literal for int()")."""
+    if not value:
+        return value
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)

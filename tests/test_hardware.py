@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sft_play import hardware
+from sft_play.units import GIB
 from tests.conftest import run_script
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU report")
@@ -40,7 +41,7 @@ def test_gpu_info_json_is_one_document():
 
 def test_report_lists_each_gpu():
     facts = hardware.HardwareInfo(
-        gpus=[hardware.GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * hardware.GIB, 79 * hardware.GIB, (9, 0), True, "GPU-x", 18)],
+        gpus=[hardware.GpuInfo(0, "NVIDIA H100 80GB HBM3", 80 * GIB, 79 * GIB, (9, 0), True, "GPU-x", 18)],
         links=[],
         driver_version="580.1",
         cuda_driver_version="13.0",
@@ -90,7 +91,7 @@ def test_auto_precision_on_the_cpu_follows_its_native_bf16(monkeypatch, cpu_bf16
     from sft_play import planner
     from sft_play.precision import resolve_precision
 
-    monkeypatch.setattr(hardware, "native_bf16", lambda flags, says: (cpu_bf16, "faked"))
+    monkeypatch.setattr(hardware.machine, "native_bf16", lambda flags, says: (cpu_bf16, "faked"))
     facts = hardware.detect().without_gpus()
     assert facts.cpu_bf16 is cpu_bf16
     config = _config("train.mixed_precision=auto")
@@ -154,8 +155,8 @@ def test_the_cpu_generation_comes_from_cpuinfos_family_and_model(monkeypatch):
     # a virtual machine's model name says "AMD EPYC" of a Zen 3 and of a Zen 4 alike; the benches'
     # reports name family and model, read by the same parser as the flags and the model name
     fields = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fpu avx2 fma"}
-    monkeypatch.setattr(hardware, "_cpuinfo", lambda: fields)
+    monkeypatch.setattr(hardware.machine, "_cpuinfo", lambda: fields)
     assert hardware.cpu_family_and_model() == "CPU family 25, model 1"
-    assert hardware._cpu_flags_and_model() == ({"fpu", "avx2", "fma"}, "AMD EPYC")
-    monkeypatch.setattr(hardware, "_cpuinfo", lambda: {"model name": "Neoverse", "Features": "fp asimd bf16"})
-    assert hardware.cpu_family_and_model() == "" and hardware._cpu_flags_and_model()[0] == {"fp", "asimd", "bf16"}
+    assert hardware.machine._cpu_flags_and_model() == ({"fpu", "avx2", "fma"}, "AMD EPYC")
+    monkeypatch.setattr(hardware.machine, "_cpuinfo", lambda: {"model name": "Neoverse", "Features": "fp asimd bf16"})
+    assert hardware.cpu_family_and_model() == "" and hardware.machine._cpu_flags_and_model()[0] == {"fp", "asimd", "bf16"}

@@ -8,7 +8,7 @@ the resume command) is :mod:`sft_play.stopping`.
 from sft_play.launch.commands import (ACCELERATE_DDP_CONFIG, DEFAULT_MASTER_PORT, REPO, TRAIN_SCRIPT, LaunchError,
                                       Timeouts, Topology, accelerate_command, child_env, python_command,
                                       resolve_topology, torchrun_command)
-from sft_play.hardware import sanitized_cuda_arch_list
+from sft_play.lean_imports import sanitized_cuda_arch_list
 from sft_play.launch.supervise import NodeCount, StopForwarder, run_launcher, run_process
 from sft_play.launch.tensorboard import (LOOPBACK, free_port, interrupt_on_termination, loopback_url, port_is_free,
                                          start_tensorboard, stop, wait_for_port)

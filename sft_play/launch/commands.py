@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sft_play.hardware import sanitized_cuda_arch_list
+from sft_play.lean_imports import sanitized_cuda_arch_list
 from sft_play.launch.tensorboard import LOOPBACK, port_is_free
 from sft_play.run import CPU_ENV
 

@@ -12,18 +12,16 @@ one, on the first GPU.)
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from sft_play.paths import cache_dir
-from sft_play.units import GIB
+from sft_play.hardware.gpu_models import gpu_computes_bf16
+from sft_play.hardware.runtime import remembered_outside_allocator
 
 # NVML topology levels, nearest first (nvidia-smi topo -m spells them the same way).
 _TOPOLOGY_NAMES = {0: "internal", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
@@ -218,42 +216,6 @@ def native_bf16(flags: set[str] | None, torch_reports_bf16: bool) -> tuple[bool,
     return False, "no AMX, AVX512-BF16 or Arm BF16: bf16 would be emulated"
 
 
-# The GPU a memory size most often means, when hardware is described by its memory alone
-GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100", 141: "H200", 180: "B200"}
-
-
-# Compute capability of the GPU models the planner names (described hardware: no device to ask)
-GPU_CAPABILITY = {"H100": (9, 0), "H100 PCIe": (9, 0), "H200": (9, 0), "B200": (10, 0), "A100": (8, 0),
-                  "L40S": (8, 9), "A10G": (8, 6), "L4": (8, 9), "RTX 4090": (8, 9), "A6000": (8, 6)}
-
-
-def cublas_workspace_bytes(capability: tuple[int, int] | None, config: str | None = None) -> int:
-    """The cuBLAS workspace PyTorch takes from its caching allocator for each handle and stream
-    (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``): `config`, ``CUBLAS_WORKSPACE_CONFIG``
-    (``:SIZE_KIB:COUNT`` pairs), where set; else 32 MiB on Hopper (compute capability 9.0 exactly)
-    and ``:4096:2:16:8`` (8.125 MiB) on every other GPU, Blackwell included. An unknown GPU is
-    taken as Hopper: the larger. cuBLASLt shares it (``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is on
-    by default)."""
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
-    if pairs:
-        return sum(int(size) * 1024 * int(count) for size, count in pairs)
-    if capability is None or tuple(capability) == (9, 0):
-        return 4096 * 8 * 1024
-    return 4096 * 1024 * 2 + 16 * 1024 * 8
-
-
-def gpu_model_for_memory(gib: float) -> str:
-    """The GPU model a memory size most often means (80 GiB: H100)."""
-    return GPU_BY_MEMORY_GIB[min(GPU_BY_MEMORY_GIB, key=lambda size: abs(size - gib))]
-
-
-def gpu_computes_bf16(compute_capability: tuple[int, int]) -> bool:
-    """bf16 in the tensor cores: Ampere (8.0) and newer. ``torch.cuda.is_bf16_supported()`` also
-    says yes on older GPUs, where bf16 is emulated."""
-    return compute_capability[0] >= 8
-
-
 def cuda_device_bf16(device: str) -> bool:
     """Whether the CUDA device `device` (``cuda`` or ``cuda:N``) computes bf16 natively."""
     import torch
@@ -335,162 +297,3 @@ def detect() -> HardwareInfo:
         )
     info.outside_allocator = remembered_outside_allocator(info)
     return info
-
-
-# What lives outside PyTorch's allocator on a GPU is the runtime's (the CUDA context with its
-# lazily loaded kernels, cuBLAS and cuDNN handles, NCCL's communicator buffers), different for
-# every GPU, driver and CUDA build: it is measured, not assumed, wherever a GPU is present. A
-# training run measures it at its end (NVML's figure for the process less the allocator's
-# reservation), by its number of processes; ``make gpu-info`` probes it once when no run has
-# ("probe": a first step's kernels, fewer than a whole run loads). Kept per GPU model, driver,
-# CUDA runtime and torch, in $SFT_PLAY_CACHE/cuda_runtime.json (delete it to measure afresh).
-RUNTIME_RECORD = "cuda_runtime.json"
-PROBE = "probe"
-
-
-def _runtime_record_path() -> Path:
-    return cache_dir() / RUNTIME_RECORD
-
-
-def runtime_key(info: HardwareInfo) -> str | None:
-    """The GPU, driver, CUDA runtime and torch a measurement of the runtime's memory holds for
-    (None without a GPU)."""
-    if not info.gpus:
-        return None
-    return (f"{info.gpus[0].name} | driver {info.driver_version or '?'} | CUDA {info.cuda_runtime_version or '?'} | "
-            f"torch {info.torch_version or '?'}")
-
-
-def _read_runtime_record() -> dict[str, Any]:
-    try:
-        record = json.loads(_runtime_record_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def remembered_outside_allocator(info: HardwareInfo) -> dict[str, int]:
-    """What a process was measured to hold outside the allocator on this machine's GPUs: by the
-    number of processes of the run that measured it ("1", "2", "8", ...) and by make gpu-info's
-    probe ("probe"); empty where nothing was measured. An unreadable record counts as none."""
-    return _measurements(_read_runtime_record().get(runtime_key(info) or ""))
-
-
-def _measurements(entry: Any) -> dict[str, int]:
-    """The well-formed measurements of one record entry (anything else in it is ignored)."""
-    if not isinstance(entry, dict):
-        return {}
-    return {k: v for k, v in entry.items()
-            if (k == PROBE or k.isdigit()) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
-
-
-def remember_outside_allocator(info: HardwareInfo, kind: str, measured_bytes: int) -> None:
-    """Keep a measurement of what a process held outside the allocator, `kind` being the number
-    of processes of the run that measured it (or :data:`PROBE`); the largest seen for this GPU,
-    driver and build is kept (kernels load lazily, so a longer run can only have loaded more).
-    Never fails a run: a record that cannot be read or written is rewritten or skipped. Only one
-    process of a run writes; two runs ending at once may keep only one of their figures."""
-    key = runtime_key(info)
-    if key is None or measured_bytes <= 0:
-        return
-    path = _runtime_record_path()
-    try:
-        record = _read_runtime_record()
-        entry = _measurements(record.get(key))
-        if measured_bytes <= entry.get(kind, 0):
-            return
-        record[key] = {**entry, kind: int(measured_bytes)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(temporary, path)  # readers see the old record or the new one, never half of one
-    except (OSError, TypeError, ValueError):
-        return
-
-
-def process_gpu_bytes(device_index: int = 0) -> int | None:
-    """What NVML says this process holds on CUDA device `device_index` (None where NVML cannot
-    say: no driver, a container without process accounting, a device named by UUID or MIG id)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        physical = int(visible.split(",")[device_index]) if visible and visible.split(",")[0].isdigit() else device_index
-        handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == os.getpid():
-                return int(process.usedGpuMemory or 0)
-    except Exception:  # noqa: BLE001 - NVML missing or unreadable
-        return None
-    return None
-
-
-def measure_outside_allocator(device_index: int = 0) -> int | None:
-    """Measure, in this process, what one training process holds on a GPU outside PyTorch's
-    allocator: create the CUDA context, load the kernels a training step uses first (a cuBLAS
-    matmul and its backward, softmax, SDPA) in the GPU's 16-bit dtype, and take NVML's figure for
-    the process less the allocator's reservation. None where NVML cannot say."""
-    import torch
-
-    device = torch.device("cuda", device_index)
-    dtype = torch.bfloat16 if gpu_computes_bf16(torch.cuda.get_device_capability(device)) else torch.float16
-    weight = torch.randn(128, 128, device=device, dtype=dtype, requires_grad=True)
-    x = torch.randn(4, 2, 128, 64, device=device, dtype=dtype)  # (batch, heads, tokens, head dim)
-    attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
-    out = attended.transpose(1, 2).flatten(2) @ weight  # (batch, tokens, heads x head dim)
-    out.float().softmax(-1).sum().backward()
-    torch.cuda.synchronize(device)
-    del weight, x, out
-    torch.cuda.empty_cache()
-    process = process_gpu_bytes(device_index)
-    if process is None:
-        return None
-    return max(0, process - torch.cuda.memory_reserved(device))
-
-
-def format_report(info: HardwareInfo) -> str:
-    """A plain-text report of :func:`detect`'s facts, as ``make gpu-info`` prints it."""
-    lines = []
-    if info.gpus:
-        lines.append(f"CUDA GPUs: {len(info.gpus)} (memory read through {info.gpu_source})")
-        lines.append(f"  {'idx':>3}  {'name':<28} {'total GiB':>9} {'free GiB':>9}  {'cc':>4}  bf16  nvlinks")
-        for g in info.gpus:
-            nvl = "-" if g.nvlinks_active is None else str(g.nvlinks_active)
-            lines.append(
-                f"  {g.index:>3}  {g.name[:28]:<28} {g.total_bytes / GIB:>9.2f} {g.free_bytes / GIB:>9.2f}  "
-                f"{g.compute_capability[0]}.{g.compute_capability[1]:<2}  {'yes' if g.bf16_supported else 'no ':<4}  {nvl}"
-            )
-        lines.append(
-            f"  driver {info.driver_version or 'unknown'}, CUDA driver {info.cuda_driver_version or 'unknown'}, "
-            f"CUDA runtime (torch) {info.cuda_runtime_version or 'unknown'}, NCCL {info.nccl_version or 'unknown'}"
-        )
-        if info.links:
-            lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
-        if info.outside_allocator:
-            lines.append("  outside PyTorch's allocator, per training process (measured here; the planner uses it): "
-                         + ", ".join(f"{v / GIB:.2f} GiB " + ("(make gpu-info's probe)" if k == PROBE else
-                                                              f"(a run of {k} process(es))")
-                                     for k, v in sorted(info.outside_allocator.items())))
-    else:
-        reason = "torch is not installed" if info.torch_version is None else "torch sees no CUDA device"
-        lines.append(f"No CUDA GPU found ({reason}). Training runs on the CPU; make plan plans that CPU run, or GPUs you describe: NUM_GPUS=8 VRAM_GIB=80.")
-    physical = info.cpu_physical_cores if info.cpu_physical_cores is not None else "?"
-    lines.append(
-        f"CPU: {info.cpu_model or 'unknown model'}, {physical} physical / {info.cpu_logical_cores} logical cores "
-        f"({info.cpu_usable_cores} usable by this process); RAM {info.ram_total_bytes / GIB:.1f} GiB total, "
-        f"{info.ram_available_bytes / GIB:.1f} GiB available"
-    )
-    if info.torch_version is not None:
-        lines.append(f"  vector instructions {info.cpu_capability or 'unknown'}; native bf16: "
-                     f"{'yes' if info.cpu_bf16 else 'no'} ({info.cpu_bf16_evidence})")
-    lines.append(f"Python {info.python_version}, torch {info.torch_version or 'not installed'}, {info.platform}")
-    return "\n".join(lines)
-
-
-def sanitized_cuda_arch_list(value: str | None) -> str | None:
-    """``TORCH_CUDA_ARCH_LIST`` without architecture suffixes (``9.0a`` -> ``9.0``): DeepSpeed
-    0.19 parses each entry as numbers and fails on ``9.0a`` ("invalid literal for int()")."""
-    if not value:
-        return value
-    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
