@@ -13,6 +13,7 @@ import copy
 import functools
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,28 @@ def attention_eager_only(model_config: Any) -> bool:
 
 def hidden_size(model_config: Any) -> int:
     return config_int(text_config(model_config), "hidden_size", "n_embd", "d_model")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What resolving a run needs to know of its model (:func:`sft_play.run.resolve`): read from
+    the model's config (:func:`model_facts`), or carried by the planner's exact shape
+    (``ModelShape.facts``), which knows them already."""
+
+    hidden_size: int
+    num_experts: int  # routed experts per MoE layer; 0 for a dense model
+    attention_eager_only: bool  # SDPA cannot run it: Gemma-2's capped logits, gpt-oss's sinks
+    expert_parameters: tuple[str, ...] = ()  # the fused expert weights LoRA reaches (adapter_facts)
+    lora_exclude: tuple[str, ...] = ()  # the linears LoRA all-linear leaves out
+
+
+def model_facts(model_config: Any, trust_remote_code: bool = False, adapters: bool = True) -> ModelFacts:
+    """:class:`ModelFacts` from a transformers config; with `adapters`, what LoRA reaches too (for
+    which a mixture-of-experts model is built on the meta device)."""
+    expert_parameters, lora_exclude = lora_facts(model_config, trust_remote_code) if adapters else ((), ())
+    return ModelFacts(hidden_size=hidden_size(model_config), num_experts=experts(model_config)[0],
+                      attention_eager_only=attention_eager_only(model_config),
+                      expert_parameters=tuple(expert_parameters), lora_exclude=tuple(lora_exclude))
 
 
 def vocab_size(model_config: Any) -> int | None:

@@ -21,9 +21,10 @@ describe a different run from the one that trains:
 Where the processes train (:func:`placement`: CUDA, or CPU processes) is decided before the
 process group forms, from the environment alone, and the run carries it (``on_cuda``).
 
-:func:`resolve` builds it; nothing here loads weights: the model's shape (the planner's, cached) or
-its ``config.json`` decides the attention kernel and what LoRA all-linear reaches, for which a
-mixture-of-experts model without a shape is built on the meta device.
+:func:`resolve` builds it; nothing here loads weights: what it needs of the model is one
+:class:`sft_play.architecture.ModelFacts` (the planner's shape carries them; otherwise they are read
+from its ``config.json``, a mixture-of-experts model built on the meta device to find what LoRA
+all-linear reaches).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sft_play import architecture, hardware
+from sft_play.architecture import ModelFacts
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.parallelism import Parallelism, Strategy
@@ -320,7 +322,7 @@ def resolve(
     bf16_supported: bool,
     world_size: int,
     data_stats: Any | None = None,
-    model_facts: Any | None = None,
+    model_facts: ModelFacts | None = None,
     local: bool = True,
     outside_allocator_measured: dict[str, int] | None = None,
     cuda_capability: tuple[int, int] | None = None,
@@ -333,8 +335,8 @@ def resolve(
         bf16_supported: whether every participating GPU supports bf16.
         world_size: data-parallel processes.
         data_stats: the tokenised data's statistics (:class:`sft_play.data.DataStats`), if read.
-        model_facts: the model's shape (:class:`sft_play.planner.simulate.shapes.ModelShape`) or its
-            transformers config; read from ``config.model`` when not given.
+        model_facts: what the run needs to know of the model (:class:`sft_play.architecture.ModelFacts`;
+            the planner passes its shape's); read from ``config.model``'s config when not given.
         local: whether the processes train on this machine (its installed packages count).
         outside_allocator_measured: what processes were measured to hold on these GPUs outside
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
@@ -346,10 +348,8 @@ def resolve(
         raise UserError("distributed.offload_parameters under FSDP2 moves the shards between CPU and GPU memory "
                         "(pinned), which CPU processes do not have: leave it out with CPU=1, or train on GPUs")
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
-    facts = model_facts if model_facts is not None else _model_config(config)
-    eager_only = _eager_only(facts)
-    hidden = _hidden_size(facts)
-    attention = attention_kernel(config, precision, on_cuda, eager_only, local)
+    facts = model_facts if model_facts is not None else _model_facts(config, adapters=config.finetune.method != "full")
+    attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype
@@ -357,7 +357,6 @@ def resolve(
         adapter = "bfloat16"  # TRL casts QLoRA adapters to bf16 (QLoRA paper, section 3)
     else:
         adapter = "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
-    moe = _experts(facts) > 1
     return Run(
         method=method,
         precision=precision,
@@ -366,19 +365,20 @@ def resolve(
         attention=attention,
         collator=collator_kind(config.data.packing, attention),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
-        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, hidden)),
+        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size)),
         on_cuda=on_cuda,
         gradient_checkpointing=config.train.gradient_checkpointing,
         sequence=sequence_length(config, data_stats),
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=LoraSpec.from_config(config.lora, *_adapter_facts(facts, config)) if method != "full" else None,
+        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude)
+              if method != "full" else None),
         double_quant=config.quantization.double_quant,
         compile_layers=config.train.torch_compile,
         liger=config.train.liger_kernels and on_cuda,
         expandable_segments=allocator_settings(config, on_cuda) is not None,
-        experts=experts_kernel(on_cuda, precision) if moe else None,
+        experts=experts_kernel(on_cuda, precision) if facts.num_experts > 1 else None,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
         cublas_workspace_bytes=hardware.cublas_workspace_bytes(
@@ -388,29 +388,7 @@ def resolve(
     )
 
 
-def _model_config(config: RunConfig) -> Any:
-    return architecture.load_model_config(config.model.name_or_path, config.model.revision,
-                                          config.model.trust_remote_code)
-
-
-def _eager_only(facts: Any) -> bool:
-    if hasattr(facts, "attention_eager_only"):  # a ModelShape
-        return bool(facts.attention_eager_only)
-    return architecture.attention_eager_only(facts)
-
-
-def _adapter_facts(facts: Any, config: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The fused expert weights and the linears all-linear leaves out (architecture.adapter_facts)."""
-    if hasattr(facts, "expert_parameters"):  # a ModelShape
-        return tuple(facts.expert_parameters), tuple(facts.lora_exclude)
-    return architecture.lora_facts(facts, config.model.trust_remote_code)
-
-
-def _experts(facts: Any) -> int:
-    if hasattr(facts, "num_experts"):  # a ModelShape
-        return int(facts.num_experts)
-    return architecture.experts(facts)[0]
-
-
-def _hidden_size(facts: Any) -> int:
-    return architecture.hidden_size(facts)  # a ModelShape or a transformers config
+def _model_facts(config: RunConfig, adapters: bool) -> ModelFacts:
+    model_config = architecture.load_model_config(config.model.name_or_path, config.model.revision,
+                                                  config.model.trust_remote_code)
+    return architecture.model_facts(model_config, config.model.trust_remote_code, adapters)

@@ -166,7 +166,7 @@ def full_14b(*overrides: str):
 def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
     config = full_14b("distributed.strategy=fsdp2")
     shape = model_shape(config)
-    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
     n = shape.trainable_params
     assert memory.trainable_bytes(run) == 4  # accelerate upcasts the trainable parameters to fp32 before sharding
     assert memory.gradient_bytes(shape, run) == n * 4 // 8
@@ -190,7 +190,7 @@ def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
 def test_fsdp2_communicates_every_micro_batch():
     config = full_14b("distributed.strategy=fsdp2")
     shape = model_shape(config)
-    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
     one = gradient_traffic_bytes(shape, run, 1)
     # all-gathers for forward and backward in bf16, the reduce-scatter in fp32, 7/8 of each
     assert one == pytest.approx(7 / 8 * (2 * 2 * shape.total_params + 4 * shape.trainable_params))
@@ -204,12 +204,12 @@ def test_zero_communicates_every_micro_batch_and_zero3_gathers_the_parameters():
     weights), nor ZeRO's reduce-scatter after every micro-batch."""
     zero3 = full_14b("distributed.strategy=deepspeed_zero3")
     shape = model_shape(zero3)
-    run = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    run = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
     one = gradient_traffic_bytes(shape, run, 1)
     assert one == pytest.approx(7 / 8 * (2 * 2 * shape.total_params + 2 * shape.trainable_params))
     assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(4 * one)
     zero2 = full_14b("distributed.strategy=deepspeed_zero2")
-    run = resolve(zero2, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape)
+    run = resolve(zero2, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
     # the gradients reduce-scattered once per micro-batch, the updated parameters gathered once per step
     assert gradient_traffic_bytes(shape, run, 4) == pytest.approx(7 / 8 * (4 + 1) * 2 * shape.trainable_params)
 

@@ -287,7 +287,7 @@ def test_all_linear_adapts_every_familys_experts_and_leaves_what_peft_cannot_wra
     config = config_module.load(None, [f"model.name_or_path={tmp_path}", "finetune.method=lora"], check_paths=False)
     # the adapter as a run resolves it, from the model's config and from the planner's shape alike
     spec = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).lora
-    assert resolve(config, on_cuda=False, bf16_supported=False, world_size=1, model_facts=model_shape(config)).lora == spec
+    assert resolve(config, on_cuda=False, bf16_supported=False, world_size=1, model_facts=model_shape(config).facts).lora == spec
     model = get_peft_model(build_meta_model(model_config), peft_config(spec, initialise=False), low_cpu_mem_usage=True)
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     fused = [name for name, p in model.named_parameters() if p.ndim == 3 and ".experts." in name]

@@ -92,7 +92,8 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
                 shape: ModelShape | None = None) -> Run:
     """The run `config` makes on `target` (see :func:`sft_play.run.resolve`)."""
     return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
-                   world_size=target.world_size, data_stats=data_stats, model_facts=shape,
+                   world_size=target.world_size, data_stats=data_stats,
+                   model_facts=shape.facts if shape is not None else None,
                    local=target.source in ("detected", "host memory"),
                    outside_allocator_measured=target.outside_allocator_measured,
                    cuda_capability=target.compute_capability)

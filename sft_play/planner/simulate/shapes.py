@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
-from sft_play.architecture import (adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
+from sft_play.architecture import (ModelFacts, adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
                                    decoder_layers, experts, layer_signature, load_model_config, quantized_linears,
                                    sliding_window, text_config, with_layers)
 from sft_play.errors import UserError
@@ -87,6 +87,13 @@ class ModelShape:
             return self.total_params
         idle = self.expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
         return self.total_params - idle
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What resolving a run needs to know of the model (:func:`sft_play.run.resolve`)."""
+        return ModelFacts(hidden_size=self.hidden_size, num_experts=self.num_experts,
+                          attention_eager_only=self.attention_eager_only,
+                          expert_parameters=tuple(self.expert_parameters), lora_exclude=tuple(self.lora_exclude))
 
     def tensors_of_layer(self, index: int) -> list[tuple[int, bool]]:
         """The parameter tensors of decoder layer `index` as the GPU allocates them."""
