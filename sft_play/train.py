@@ -45,9 +45,11 @@ def train(config: RunConfig, config_path: str) -> int:
     if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
-    # accelerate: "true" brings the process group up through DeepSpeed; "false" keeps an accelerate
-    # config file's DeepSpeed from overruling the run's strategy (and from importing it)
+    # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
+    # file): "true" brings the process group up through DeepSpeed, or turns FSDP on; "false" keeps a
+    # config file's DeepSpeed or FSDP from overruling the run's strategy (or importing DeepSpeed)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true" if strategy.deepspeed else "false"
+    os.environ["ACCELERATE_USE_FSDP"] = "true" if strategy.fsdp else "false"
 
     stop = callbacks.GracefulStop()
     stop.install()  # a stop asked for while loading is kept, not lost
@@ -82,7 +84,7 @@ def train(config: RunConfig, config_path: str) -> int:
         run_folder.write_run(run_dir, run, counts, base_weights)
     announce(state, run, plan)
 
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")  # transformers' TensorBoardCallback reads only this
     # Under ZeRO-3 the training arguments, and DeepSpeed's config with them, exist before the model
     # loads: transformers then loads it under DeepSpeed's zero.Init, each process materialising
     # only its partition, instead of every process holding the whole model in host memory

@@ -10,7 +10,7 @@
 """
 
 from sft_play.training.arguments import (accelerator_settings, deepspeed_config, fsdp_mixed_precision, fsdp_settings,
-                                         pin_mixed_precision, sft_arguments, shard_on_cpu,
+                                         sft_arguments, shard_on_cpu,
                                          skip_deepspeed_inference_comm)
 from sft_play.training.backoff import calibrate, measure_peaks, train_with_backoff
 from sft_play.training.saving import loss_history, save_final_model, summary_of, weights_fingerprint
@@ -18,6 +18,6 @@ from sft_play.training.trainer import LoraPlus, trainer_factory
 
 __all__ = [
     "LoraPlus", "accelerator_settings", "calibrate", "deepspeed_config", "fsdp_mixed_precision", "fsdp_settings",
-    "loss_history", "measure_peaks", "pin_mixed_precision", "save_final_model", "sft_arguments", "shard_on_cpu",
+    "loss_history", "measure_peaks", "save_final_model", "sft_arguments", "shard_on_cpu",
     "skip_deepspeed_inference_comm", "summary_of", "train_with_backoff", "trainer_factory", "weights_fingerprint",
 ]

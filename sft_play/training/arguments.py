@@ -5,7 +5,6 @@ mixed-precision policy, and what accelerate is told."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +51,6 @@ def skip_deepspeed_inference_comm() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def pin_mixed_precision(run: Run) -> None:
-    """Say the run's precision (and whether it shards with FSDP) to accelerate and transformers
-    through the environment too.
-
-    ``accelerate launch`` exports ``ACCELERATE_MIXED_PRECISION`` from its config file, and
-    transformers' arguments (and accelerate's state) take it whenever ``bf16`` and ``fp16`` are
-    both off: an accelerate config written for bf16 GPUs would turn ``train.mixed_precision=no``
-    into bf16 autocast behind the plan's back."""
-    os.environ["ACCELERATE_MIXED_PRECISION"] = run.precision.mixed
-    # The same for FSDP: an accelerate config file that says FSDP exports ACCELERATE_USE_FSDP,
-    # which turns FSDP on for a ddp run; an fsdp2 run passes its own plugin (fsdp_settings)
-    os.environ["ACCELERATE_USE_FSDP"] = "true" if run.parallel.fsdp else "false"
 
 
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
@@ -117,7 +102,6 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
     batch = batch or run.batch
     if batch is None:
         raise ValueError("the run has no batch split yet: plan it first (run.with_changes(batch=plan.split))")
-    pin_mixed_precision(run)
     precision = run.precision
     train, data = config.train, config.data
     evaluate = has_validation and train.eval_steps > 0
@@ -176,6 +160,9 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         accelerator_config=accelerator_settings(run),
     )
     arguments = SFTConfig(**{**settings, **overrides})
+    # With bf16 and fp16 both off, transformers takes the autocast mode from ACCELERATE_MIXED_PRECISION,
+    # which `accelerate launch` exports from its config file: the run's precision wins
+    arguments.mixed_precision = run.precision.mixed
     policy = fsdp_mixed_precision(run, config.quantization.quant_storage)
     if policy and arguments.fsdp_plugin_args is not None:  # transformers has no argument for it
         arguments.fsdp_plugin_args["mixed_precision_policy"] = policy
