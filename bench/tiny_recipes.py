@@ -16,7 +16,7 @@ model's top choice; greedy decoding then writes exactly that answer, so this is 
 its answer tokens, between the right token's logit and the best other one: an answer whose margin
 is near 0 flips under another CPU's arithmetic (the same sums in another order). Puzzles: the 200
 held-out ones (`make generate` shows the first five) and 1000 fresh ones drawn by
-`scripts/build_tiny_default.py`'s generator with another seed.
+`sft_play.tiny_puzzles`, the generator `scripts/build_tiny_default.py` uses, with another seed.
 
 Usage: python bench/tiny_recipes.py [--recipes NAME ...] [--seeds N ...] [--path auto|without-bf16|fp32]
        [--steps N] [--fresh N] [--out docs/reports/tiny_recipes.md]
@@ -39,8 +39,8 @@ from pathlib import Path
 from _common import REPO, REPORTS, margins, versions, worker_env
 from tiny_default import CAPPED, hardware_line
 
-sys.path.insert(0, str(REPO / "scripts"))
-import build_tiny_default  # noqa: E402  (the puzzles' own generator)
+from sft_play import tiny_puzzles
+
 
 FRESH_SEED = 999
 
@@ -96,8 +96,8 @@ def more_sorting(out: Path, repeats: bool = False) -> Path:
         record = json.loads(line)
         first = record["messages"][0]["content"]
         if len(record["messages"]) == 2 and first.startswith(("Which", "Uppercase")) and rng.random() < 0.6:
-            seq = (build_tiny_default._repeating_letters if repeats else build_tiny_default._letters)(rng)
-            question, answer = build_tiny_default._puzzle("Sort", seq)
+            seq = (tiny_puzzles.repeating_letters if repeats else tiny_puzzles.letters)(rng)
+            question, answer = tiny_puzzles.puzzle("Sort", seq)
             record = {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
         rows.append(json.dumps(record))
     out.write_text("\n".join(rows) + "\n")
@@ -135,7 +135,7 @@ def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = 
 
 def fresh_puzzles(count: int) -> list[tuple[list[dict], str]]:
     rng = random.Random(FRESH_SEED)
-    return [([{"role": "user", "content": q}], a) for q, a in (build_tiny_default._task(rng) for _ in range(count))]
+    return [([{"role": "user", "content": q}], a) for q, a in (tiny_puzzles.task(rng) for _ in range(count))]
 
 
 def score(run: str, fresh: int) -> dict:

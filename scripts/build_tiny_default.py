@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import string
 from pathlib import Path
+
+from sft_play.tiny_puzzles import ANSWERS, puzzle, repeating_letters, task
 
 SEED = 1234
 N_TRAIN = 6000  # the first training records, and the ones the tokenizer is trained on
@@ -81,39 +82,6 @@ MODEL_CONFIG = {
     "dtype": "float32",
 }
 
-LETTERS = string.ascii_lowercase
-
-
-def _letters(rng: random.Random, low: int = 3, high: int = 6) -> list[str]:
-    return [rng.choice(LETTERS) for _ in range(rng.randint(low, high))]
-
-
-# The puzzles on a sequence of letters: the word that starts the question, and the answer
-ANSWERS = {"Reverse": lambda seq: list(reversed(seq)), "Uppercase": lambda seq: [c.upper() for c in seq],
-           "Sort": sorted}
-
-
-def _repeating_letters(rng: random.Random) -> list[str]:
-    """Letters as `_letters` draws them, drawn again until one repeats."""
-    seq = _letters(rng)
-    while len(set(seq)) == len(seq):
-        seq = _letters(rng)
-    return seq
-
-
-def _puzzle(kind: str, seq: list[str]) -> tuple[str, str]:
-    return f"{kind} the letters: {' '.join(seq)}", " ".join(ANSWERS[kind](seq))
-
-
-def _task(rng: random.Random) -> tuple[str, str]:
-    """One (question, answer) pair from a randomly chosen puzzle."""
-    kind = rng.choice([*ANSWERS, "Which"])
-    if kind in ANSWERS:
-        return _puzzle(kind, _letters(rng))
-    letter = rng.choice(LETTERS[:-1])
-    return f"Which letter comes after {letter}?", LETTERS[LETTERS.index(letter) + 1]
-
-
 def drill_repeats(records: list[dict], share: float = REPEAT_SHARE, seed: int = REPEAT_SEED) -> list[dict]:
     """`records` with `share` of their reverse, uppercase and sort questions redrawn (in place) with
     letters that repeat, the answers to match."""
@@ -124,7 +92,7 @@ def drill_repeats(records: list[dict], share: float = REPEAT_SHARE, seed: int = 
             kind = message["content"].split()[0]
             if message["role"] != "user" or kind not in ANSWERS or rng.random() >= share:
                 continue
-            question, answer = _puzzle(kind, _repeating_letters(rng))
+            question, answer = puzzle(kind, repeating_letters(rng))
             messages[i], messages[i + 1] = {"role": "user", "content": question}, {"role": "assistant", "content": answer}
     return records
 
@@ -135,7 +103,7 @@ def make_record(rng: random.Random) -> dict:
     if rng.random() < 0.1:
         messages.append({"role": "system", "content": "You solve letter puzzles."})
     for _ in range(2 if rng.random() < 0.2 else 1):
-        question, answer = _task(rng)
+        question, answer = task(rng)
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return {"messages": messages}
 
