@@ -39,7 +39,8 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge test bench-gpu bench-planner bench-tiny clean clean-cache
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge planner-check test bench-gpu bench-planner bench-tiny clean \
+	clean-cache
 
 help: ## List the targets
 	@if [ -t 1 ] && [ -z "$$NO_COLOR" ]; then on=$$(printf '\033[36m'); off=$$(printf '\033[0m'); fi; awk -v on="$$on" -v off="$$off" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-22s%s %s\n", on, $$1, off, $$2}' $(MAKEFILE_LIST)

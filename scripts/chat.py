@@ -13,7 +13,7 @@ from sft_play import cli, lean_imports
 
 
 def main() -> int:
-    parser = cli.run_parser(__doc__.splitlines()[0])
+    parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--system", help="a system message to start every conversation with (default: the run's "
                         "data.system_prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -11,7 +11,7 @@ from sft_play import cli
 
 
 def main() -> int:
-    args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
+    args = cli.config_parser(cli.summary(__doc__)).parse_args()
 
     with cli.importing():
         from sft_play import checks, hardware

@@ -7,7 +7,6 @@ Usage: python scripts/clean_cache.py [--days N | --all] [--dry-run]
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from sft_play import cache_usage, cli
@@ -16,7 +15,7 @@ from sft_play.units import GIB
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(description=cli.summary(__doc__))
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--days", type=float, default=14.0,
                        help="delete entries no run has used for this many days (default 14)")

@@ -5,7 +5,6 @@ Usage: python scripts/config_reference.py [--check]   (--check: exit 1 if the fi
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ TARGET = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(description=cli.summary(__doc__))
     parser.add_argument("--check", action="store_true", help="only check that docs/CONFIG.md is current")
     args = parser.parse_args()
     text = config.reference_markdown()

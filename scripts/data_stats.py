@@ -37,7 +37,7 @@ def describe(name: str, stats) -> list[str]:
 
 
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser = cli.config_parser(cli.summary(__doc__))
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
     cli.setup_logging(quiet=args.json)

@@ -11,7 +11,7 @@ from sft_play import cli, lean_imports
 
 
 def main() -> int:
-    parser = cli.run_parser(__doc__.splitlines()[0])
+    parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()

@@ -13,7 +13,6 @@ Usage: python scripts/gpu_info.py [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -23,7 +22,7 @@ from sft_play.precision import auto_mixed_precision
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(description=cli.summary(__doc__))
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
     facts = hardware.detect()

@@ -33,14 +33,14 @@ def visible_gpu_count() -> int:
 
 
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser = cli.config_parser(cli.summary(__doc__))
     parser.add_argument("--launcher", choices=["python", "accelerate", "torchrun"], default="python")
-    parser.add_argument("--num-gpus", type=int, help="processes per node (default: every selected GPU)")
+    parser.add_argument("--num-gpus", type=cli.number(int, "NUM_GPUS"), help="processes per node (default: every selected GPU)")
     parser.add_argument("--gpus", help="GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--nnodes", type=cli.number(int, "NNODES"), default=1)
+    parser.add_argument("--node-rank", type=cli.number(int, "NODE_RANK"), default=0)
     parser.add_argument("--master-addr")
-    parser.add_argument("--master-port", type=int)
+    parser.add_argument("--master-port", type=cli.number(int, "MASTER_PORT"))
     parser.add_argument("--cpu", action="store_true", help="CPU processes (gloo): for tests and GPU-less machines")
     parser.add_argument("--deepspeed", action="store_true",
                         help="train with DeepSpeed: ZeRO-2 unless the config already names a deepspeed_* strategy")

@@ -11,7 +11,7 @@ from sft_play import cli, lean_imports
 
 
 def main() -> int:
-    parser = cli.run_parser(__doc__.splitlines()[0])
+    parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--output", help="where to write (default: <run>/merged)")
     args = parser.parse_args()
     cli.setup_logging()

@@ -37,24 +37,12 @@ def read_data_stats(config):
         return None, f"data not read: {exc}"
 
 
-def _number(kind: type, variable: str):
-    """An argparse type that names the make variable a bad value came from."""
-    import argparse
-
-    def parse(text: str):
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{variable}={text} is not {'a whole number' if kind is int else 'a number'}")
-    return parse
-
-
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=_number(int, "NUM_GPUS"),
+    parser = cli.config_parser(cli.summary(__doc__))
+    parser.add_argument("--gpus", type=cli.number(int, "NUM_GPUS"),
                         help="GPUs to plan for, all nodes together (default: the visible ones)")
-    parser.add_argument("--vram-gib", type=_number(float, "VRAM_GIB"), help="free memory per GPU to plan for, in GiB")
-    parser.add_argument("--nodes", type=_number(int, "NNODES"), help="nodes of --gpus GPUs each (as make train-distributed reads "
+    parser.add_argument("--vram-gib", type=cli.number(float, "VRAM_GIB"), help="free memory per GPU to plan for, in GiB")
+    parser.add_argument("--nodes", type=cli.number(int, "NNODES"), help="nodes of --gpus GPUs each (as make train-distributed reads "
                         "NNODES and NUM_GPUS); without it --gpus counts all GPUs, 8 to a node")
     parser.add_argument("--gpu-model", help="the GPU model to time the plan for (H100, A100, L40S...; default: "
                         "the detected GPU, or the one --vram-gib most often means)")

@@ -6,7 +6,6 @@ Usage: python scripts/planner_check.py [--runs runs/] [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from sft_play import cli, memory_check
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(description=cli.summary(__doc__))
     parser.add_argument("--runs", default="runs", help="a folder of run folders (train.output_dir), or one run folder")
     parser.add_argument("--json", action="store_true", help="the records as one JSON list")
     args = parser.parse_args()

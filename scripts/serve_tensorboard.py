@@ -14,7 +14,7 @@ from sft_play import config as config_module
 
 
 def main() -> int:
-    parser = cli.config_parser(__doc__.splitlines()[0])
+    parser = cli.config_parser(cli.summary(__doc__))
     parser.add_argument("--run", help="run folder (default: every run under train.output_dir)")
     args = parser.parse_args()
     if args.run:

@@ -12,7 +12,6 @@ Usage: python scripts/setup_accelerate.py [--auto] [--output configs/accelerate/
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -50,7 +49,7 @@ def auto_config(output: Path) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(description=cli.summary(__doc__))
     parser.add_argument("--auto", action="store_true", help="no questions: write a config for this machine's GPUs")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help=f"where to write (default {DEFAULT_OUTPUT})")
     parser.add_argument("--force", action="store_true", help="replace an existing file")

@@ -16,7 +16,7 @@ from sft_play import config as config_module
 
 
 def main() -> int:
-    args = cli.config_parser(__doc__.splitlines()[0]).parse_args()
+    args = cli.config_parser(cli.summary(__doc__)).parse_args()
     cli.setup_logging()
     config = config_module.load(args.config, args.overrides)
     lean_imports.for_training(config)  # bitsandbytes and DeepSpeed only where the run uses them

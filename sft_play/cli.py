@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 from pathlib import Path
 
 from sft_play import run_folder
@@ -29,9 +30,31 @@ EXIT_USER_ERROR = 2
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InvalidRow, UnknownFormat, UserError, FileNotFoundError)
 
 
+def summary(docstring: str | None) -> str:
+    """A script's docstring's first paragraph, on one line: what ``--help`` says it does."""
+    return " ".join((docstring or "").strip().split("\n\n")[0].split())
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake said in one line (argparse prints its whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+
+
+def number(kind: type, variable: str) -> Callable[[str], Any]:
+    """An argument type that names the make variable a bad value came from (``NUM_GPUS=abc``)."""
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{variable}={text} is not {'a whole number' if kind is int else 'a number'}")
+    return parse
+
+
 def config_parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with ``--config`` and positional ``key=value`` overrides."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = Parser(description=description)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"run config YAML (default {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.max_steps=10")
     return parser

@@ -27,7 +27,16 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
     config_only = folder / "config_only"
     config_only.mkdir()
     shutil.copy(FIXTURES / "model_configs" / "qwen2.5-0.5b" / "config.json", config_only)
-    return {"csv": folder / "qa.csv", "rows": folder / "two_bad_rows.jsonl", "config_only": config_only}
+    (folder / "random.yaml").write_bytes(bytes(range(256)) * 12)  # 3 KB that are not text
+    (folder / "tab.yaml").write_text("train:\n\tmax_steps: 3\n")
+    bomb = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    for level, previous in zip("bcdefghi", "abcdefgh"):  # 480 bytes that expand to 9^9 strings
+        bomb += f"{level}: &{level} [{', '.join(['*' + previous] * 9)}]\n"
+    (folder / "bomb.yaml").write_text(bomb + "train:\n  report_to: *i\n")
+    (folder / "huge.yaml").write_text("# " + "x" * (2 << 20) + "\n")
+    return {"csv": folder / "qa.csv", "rows": folder / "two_bad_rows.jsonl", "config_only": config_only,
+            "random": folder / "random.yaml", "tab": folder / "tab.yaml", "bomb": folder / "bomb.yaml",
+            "huge": folder / "huge.yaml"}
 
 
 # (script, arguments, what the message must say)
@@ -49,10 +58,22 @@ CASES = [
     ("data_stats.py", ["model.name_or_path={config_only}"], "cannot encode text"),
     ("data_stats.py", ["data.columns=question"], "data.columns.prompt=question"),
     ("train_distributed.py", ["train.learning_rat=1"], "did you mean 'train.learning_rate'"),
+    ("train_distributed.py", ["train.learning_rate=inf"], "train.learning_rate: got 'inf'; must be a finite number"),
+    ("train_distributed.py", ["train.learning_rate=nan"], "train.learning_rate: got 'nan'; must be a finite number"),
+    ("train_distributed.py", ["train.num_epochs=inf"], "train.num_epochs: got 'inf'; must be a finite number"),
+    ("train_distributed.py", ["train.seed=-1"], "train.seed: got -1; must be greater than or equal to 0"),
+    ("train_distributed.py", ["train.seed=4294967296"], "train.seed: got 4294967296; must be less than or equal to"),
+    *[("train_distributed.py", [f"train.run_name={name}"], f"train.run_name: got {name!r}; a run is one folder")
+      for name in ("..", "../../x", "/tmp/elsewhere", "-rf", "a/b/c", ".hidden")],
+    ("train_distributed.py", ["--config", "{random}"], "is not UTF-8 text"),
+    ("train_distributed.py", ["--config", "{tab}"], "YAML indents with spaces, not tabs"),
+    ("train_distributed.py", ["--config", "{bomb}"], "expands to more than 100,000 values"),
+    ("train_distributed.py", ["--config", "{huge}"], "a run config is a few KB of YAML"),
+    ("train_distributed.py", ["train.report_to=[" + "x" * 100_000 + "]"], "xxx...xxx"),  # a long value, quoted short
 ]
 
 
-@pytest.mark.parametrize("script, arguments, expected", CASES, ids=[f"{c[0]}:{c[1][0]}" for c in CASES])
+@pytest.mark.parametrize("script, arguments, expected", CASES, ids=[f"{c[0]}:{c[1][0][:40]}" for c in CASES])
 def test_bad_input_gets_one_message_and_exit_2(script, arguments, expected, bad_files, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("RANK", raising=False)
@@ -65,6 +86,25 @@ def test_bad_input_gets_one_message_and_exit_2(script, arguments, expected, bad_
     assert "Traceback" not in err
     assert expected in err, err[-2000:]
     assert exit_info.value.code == 2
+    assert len(err) < 4000  # one message, not the input echoed back
+
+
+@pytest.mark.parametrize("script, arguments", [("plan.py", ["--gpus", "abc"]), ("launch.py", ["--num-gpus", "abc"])])
+def test_a_bad_make_variable_is_one_line_naming_it(script, arguments, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, *arguments])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "NUM_GPUS=abc is not a whole number" in err
+
+
+def test_a_refused_config_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_distributed.py", "--config", str(REPO / "configs" / "run_tiny.yaml"),
+                                      f"train.output_dir={tmp_path}", "train.seed=-1"])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(REPO / "scripts" / "train_distributed.py"), run_name="__main__")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_every_bad_row_is_named(bad_files, monkeypatch, capsys):

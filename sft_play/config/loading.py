@@ -17,10 +17,25 @@ from sft_play.config.schema import ConfigError, RunConfig, consistency_problems
 
 logger = logging.getLogger(__name__)
 _SAID: set[str] = set()  # what unused_overrides said in this process: each once
+# A run config is a few KB of settings: a file far larger, or YAML aliases that would expand it far
+# beyond (an "alias bomb" of nested anchors), is not one
+MAX_CONFIG_BYTES = 1 << 20
+MAX_ALIASES = 100
+MAX_VALUES = 100_000
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one,
-    silently: a config with two learning rates trains with the second)."""
+    silently: a config with two learning rates trains with the second), and more than
+    :data:`MAX_ALIASES` aliases."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases_seen = getattr(self, "aliases_seen", 0) + 1
+            if self.aliases_seen > MAX_ALIASES:
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases (*name): a run "
+                                                  "config does not need them", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -63,12 +78,23 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
         file = Path(path)
         if not file.is_file():
             raise ConfigError([f"config file '{path}' does not exist"])
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"config file '{path}' is {file.stat().st_size:,} bytes: a run config is a few KB of "
+                               "YAML (is this the right file?)"], source)
         try:
-            raw = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"config file '{path}' is not UTF-8 text (byte {exc.start}): is this the right "
+                               "file?"], source) from exc
+        try:
+            raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError([f"config file '{path}' is not valid YAML: {exc}"], source) from exc
+            raise ConfigError([f"config file '{path}' is not valid YAML: {yaml_problem(exc)}"], source) from exc
         if not isinstance(raw, dict):
             raise ConfigError([f"config file '{path}' must be a mapping of sections, got {type(raw).__name__}"], source)
+        if _values(raw) > MAX_VALUES:
+            raise ConfigError([f"config file '{path}' expands to more than {MAX_VALUES:,} values (through YAML "
+                               "aliases): a run config is a few KB of settings"], source)
 
     problems = apply_overrides(raw, list(overrides or []))
 
@@ -107,3 +133,29 @@ def unused_overrides(config: RunConfig, overrides: list[str]) -> list[str]:
         said.append(f"train.eval_steps={config.train.eval_steps} has no effect: there is no validation data (set "
                     "data.validation_path, or data.validation_fraction to hold some out)")
     return said
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """What PyYAML found, in one line with its place, and the usual fix for a tab."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    tab = " (YAML indents with spaces, not tabs)" if "\\t" in problem or "'\\t'" in problem else ""
+    return f"{problem}{where}{tab}"
+
+
+def _values(document: Any) -> int:
+    """How many values `document` holds once its aliases are expanded (each shared list or mapping
+    counted as often as it appears), without expanding it."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (list, dict)):
+            return 1
+        if id(node) not in sizes:
+            sizes[id(node)] = 0  # a cycle counts once
+            children = node.values() if isinstance(node, dict) else node
+            sizes[id(node)] = 1 + sum(size(child) for child in children)
+        return sizes[id(node)]
+
+    return size(document)

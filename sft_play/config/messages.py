@@ -4,6 +4,7 @@ the key accepts, and the config with every rejected key reset so the other check
 from __future__ import annotations
 
 import difflib
+import reprlib
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -114,10 +115,10 @@ def schema_problems(error: ValidationError) -> list[str]:
             problems.append(unknown_key_message(dotted[1:]))
             continue
         first = items[0]
-        got = first.get("input")
+        got = _short(first.get("input"))
         if dotted in keys:
             annotation = field_annotation(dotted)
-            constraint = next((i for i in items if i["type"] in {"greater_than", "greater_than_equal", "less_than"}), None)
+            constraint = next((i for i in items if i["type"] in {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}), None)
             if constraint is not None:
                 problems.append(f"{dotted}: got {got!r}; {constraint['msg'].replace('Input should be', 'must be')}")
             else:
@@ -125,6 +126,20 @@ def schema_problems(error: ValidationError) -> list[str]:
         else:
             problems.append(f"{dotted}: {first['msg']} (got {got!r})")
     return problems
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 120, 120
+
+
+class _short(str):
+    """A value as an error quotes it, cut to a line (reprlib: a value can be megabytes)."""
+
+    def __new__(cls, value: Any) -> str:
+        return super().__new__(cls, _REPR.repr(value))
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def validate_without_bad_keys(raw: dict[str, Any], error: ValidationError) -> RunConfig:

@@ -8,6 +8,7 @@ before the stack is known to import.
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, Literal, Union
 
 import yaml
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sft_play.parallelism import Strategy, StrategyName
 
 Auto = Literal["auto"]
+# A run folder's name: one path component, nothing a shell or a path would read as more
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(ValueError):
@@ -30,7 +33,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -58,7 +61,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped with a hub model. Off unless you trust the source."
     )
-    init_seed: int = Field(0, description="Seed for weights initialised from config.json alone.")
+    init_seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for weights initialised from config.json alone.")
 
 
 class FinetuneConfig(_Section):
@@ -159,7 +162,10 @@ class TrainConfig(_Section):
     """The optimisation itself."""
 
     output_dir: str = Field("runs", description="Parent folder of run folders.")
-    run_name: str | None = Field(None, description="Run folder name; default <config name>-<timestamp>.")
+    run_name: str | None = Field(
+        None, description="Run folder name inside output_dir (letters, digits, '.', '_', '-'); default "
+        "<config name>-<timestamp>."
+    )
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, across all GPUs.")
     micro_batch_size: Union[int, Auto] = Field("auto", description="Sequences per GPU per forward; auto: the planner's.")
     gradient_accumulation_steps: Union[int, Auto] = Field(
@@ -193,7 +199,7 @@ class TrainConfig(_Section):
         "auto", description="Compute precision; auto: bf16 where the devices compute it natively (Ampere+ GPUs; CPUs "
         "with AMX, AVX512-BF16 or Arm BF16), fp16 on older GPUs, no (fp32) on other CPUs."
     )
-    seed: int = Field(42, description="Seed for data order, dropout and adapter initialisation.")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for data order, dropout and adapter initialisation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower), for debugging run differences.")
     torch_compile: bool = Field(
         False, description="Compile each decoder layer with torch.compile (the first steps are slower while it compiles)."
@@ -376,6 +382,9 @@ def consistency_problems(config: RunConfig) -> list[str]:
             f"train.micro_batch_size: {train.micro_batch_size} is larger than train.global_batch_size "
             f"{train.global_batch_size}"
         )
+    if train.run_name is not None and not RUN_NAME.fullmatch(train.run_name):
+        problems.append(f"train.run_name: got {train.run_name!r}; a run is one folder inside train.output_dir: use "
+                        "letters, digits, '.', '_' and '-' (up to 128, not starting with '.' or '-'), no '/'")
     weights, paths = config.data.weights, config.data.path
     if weights is not None and (isinstance(paths, str) or len(weights) != len(paths)):
         problems.append(f"data.weights: {len(weights)} weight(s) for {1 if isinstance(paths, str) else len(paths)} "
