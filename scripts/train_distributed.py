@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 
-from sft_play import cli, lean_imports
+from sft_play import cli, lean_imports, stopping
 from sft_play import config as config_module
 
 
 def main() -> int:
+    if "RANK" in os.environ:  # a rank its launcher started: it ends when the launcher does
+        stopping.die_with_parent()
     args = cli.config_parser(cli.summary(__doc__)).parse_args()
     cli.setup_logging()
     config = config_module.load(args.config, args.overrides)

@@ -15,19 +15,79 @@ finished runs that merge, generate, chat and eval read.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import secrets
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from sft_play import checkpoints
 from sft_play.config import load
+from sft_play.errors import UserError
 from sft_play.parallelism import Strategy
 
 CONFIG, PLAN, RUN, EVENTS, SUMMARY = "config.yaml", "plan.json", "run.json", "events.jsonl", "summary.json"
+LOCK = ".sft_play.lock"
+
+
+# --- one writer per run folder -----------------------------------------------------------------
+
+_HELD: dict[str, int] = {}  # run folder -> the open lock file this process holds it by
+
+
+class RunInUse(UserError):
+    """A run folder another process is writing (training, or resuming it)."""
+
+
+def hold(run_dir: Path) -> None:
+    """Take `run_dir`'s lock for the rest of this process's life: one writer per run folder. The
+    kernel releases it when the process ends, however it ends (``flock``; a stale lock file means
+    nothing). Taking it again in the same process is a no-op.
+
+    Raises:
+        RunInUse: another process holds it (its pid and host are named).
+    """
+    key = str(run_dir.resolve())
+    if key in _HELD:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunInUse(f"{run_dir} is in use by another process ({holder}): a run folder has one writer. Wait for "
+                       "it to end (or stop it: it saves a checkpoint), or choose another train.run_name") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _HELD[key] = fd
+
+
+def in_use(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock ("pid N on host"), or None when no process does."""
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd) if str(run_dir.resolve()) not in _HELD else None
+    finally:
+        os.close(fd)  # (and the shared lock with it)
+    return None
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
+    except OSError:
+        return "a process"
 
 
 # --- one output folder for every node ------------------------------------------------------------
@@ -97,7 +157,7 @@ def _no_checkpoint_help(save_steps: int) -> str:
 
 # The timestamp of a run folder named after its config: <config name>-YYYYmmdd-HHMMSS (the
 # runs of exp.yaml are exp-20261126-095931, not those of exp-lowlr.yaml)
-_RUN_STAMP = re.compile(r"\d{8}-\d{6}")
+_RUN_STAMP = re.compile(r"\d{8}-\d{6}(-\d+)?")
 
 
 def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
@@ -175,6 +235,7 @@ def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, con
         run, why = find_resume_run(output_dir, run_name, config_stem, save_steps)
         if run is None:
             return None, None, why
+        hold(run)  # before torn checkpoints are set aside: nobody else is writing them
         checkpoint = checkpoints.newest_intact(run / "checkpoints")
         if checkpoint is None:
             return None, None, (f"train.resume_from=auto: {run} has no complete checkpoint "
@@ -192,6 +253,7 @@ def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, con
     run = checkpoint.parent.parent
     if checkpoint.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
         raise ValueError(f"train.resume_from: '{resume_from}' is not inside a run folder (<run>/checkpoints/checkpoint-N)")
+    hold(run)
     return run, checkpoint, f"resuming {run} from {checkpoint.name}"
 
 
@@ -248,18 +310,16 @@ def choose_run_folder(config, config_path: str, world_size: int = 1,
     Raises:
         ValueError: an unusable ``train.resume_from``; a resume with settings, a number of
             processes or a strategy other than those the checkpoint was written with.
+        RunInUse: another process is writing the run.
     """
-    from datetime import datetime
-
     stem = Path(config_path).stem
-    fresh = config.train.run_name or f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    output_dir = Path(config.train.output_dir)
     if not config.train.resume_from:
-        _refuse_to_overwrite(Path(config.train.output_dir) / fresh)
-        return fresh, None, None
-    run, checkpoint, message = resolve_resume(config.train.resume_from, Path(config.train.output_dir),
+        return _new_run(output_dir, config.train.run_name, stem), None, None
+    run, checkpoint, message = resolve_resume(config.train.resume_from, output_dir,
                                               config.train.run_name, stem, config.train.save_steps)
     if run is None:
-        return fresh, None, message
+        return _new_run(output_dir, config.train.run_name, stem), None, message
     changed = differences(load(run / "config.yaml", check_paths=False).to_dict(), config.to_dict())
     changed += layout_differences(checkpoint, world_size, config.distributed.strategy)
     if changed:
@@ -271,6 +331,48 @@ def choose_run_folder(config, config_path: str, world_size: int = 1,
     if changed_data:
         message += f"\nwarning: {changed_data}"
     return run.name, str(checkpoint), message
+
+
+def _new_run(output_dir: Path, run_name: str | None, stem: str) -> str:
+    """A new run's folder, created and held: `run_name`, or ``<stem>-<timestamp>`` with ``-2``,
+    ``-3``... when runs started in the same second (the folder is made atomically, so two starts
+    never share one).
+
+    Raises:
+        ValueError: `run_name` holds a run; the output folder cannot hold run folders.
+        RunInUse: another process holds `run_name`.
+    """
+    _usable_output_dir(output_dir)
+    if run_name:
+        hold(output_dir / run_name)
+        _refuse_to_overwrite(output_dir / run_name)
+        return run_name
+    base = f"{stem}-{_timestamp()}"
+    for attempt in range(1, 1000):
+        name = base if attempt == 1 else f"{base}-{attempt}"
+        try:
+            (output_dir / name).mkdir(parents=True)
+        except FileExistsError:
+            continue
+        hold(output_dir / name)
+        return name
+    raise ValueError(f"train.output_dir ({output_dir}) already holds 999 runs named {base}-*")
+
+
+def _timestamp() -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _usable_output_dir(output_dir: Path) -> None:
+    """Raises ValueError, saying what to do, where run folders cannot be made in `output_dir`."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"train.output_dir ({output_dir}) is a file, not a folder: point it at a folder")
+    existing = next((p for p in [output_dir, *output_dir.parents] if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"train.output_dir ({output_dir}): {existing} is not writable by this user; choose a "
+                         "folder you can write to")
 
 
 def _refuse_to_overwrite(run: Path) -> None:
@@ -297,9 +399,11 @@ def _refuse_to_overwrite(run: Path) -> None:
 
 
 def finished_runs(output_dir: str | Path) -> list[Path]:
-    """Run folders with a saved model, oldest first."""
+    """Run folders that trained to their end, with their whole model saved, oldest first (a run
+    whose final save was cut short has no ``model/``: it is saved as ``model.partial/`` first)."""
     root = Path(output_dir)
-    runs = [p for p in root.glob("*") if (p / "model").is_dir() and (p / "config.yaml").is_file()] if root.is_dir() else []
+    runs = [p for p in root.glob("*") if (p / "model").is_dir() and (p / "config.yaml").is_file() and is_finished(p)
+            and not in_use(p)] if root.is_dir() else []
     return sorted(runs, key=lambda p: (p / "model").stat().st_mtime)
 
 
@@ -308,6 +412,7 @@ def resolve_run(run: str | None, output_dir: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: with what to do, when there is no such run.
+        RunInUse: `run` is still being written.
     """
     if run:
         path = Path(run)
@@ -315,6 +420,9 @@ def resolve_run(run: str | None, output_dir: str | Path) -> Path:
                                      or (path / "adapter_config.json").is_file()):
             raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
                                     f"see `ls {output_dir}`")
+        holder = in_use(path)
+        if holder:
+            raise RunInUse(f"{path} is still being written ({holder}): wait for its training to end")
         return path
     runs = finished_runs(output_dir)
     if not runs:

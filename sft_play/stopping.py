@@ -5,7 +5,9 @@ user's own ``make`` line with ``RESUME=auto``, found by walking up the parent pr
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +20,25 @@ EXIT_LOST_PEER = 3
 DUPLICATE_SIGNAL_WINDOW_S = 2.0
 
 _MAKE = {"make", "gmake"}
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process `signum` when the process that started it ends, however
+    it ends (Linux's ``PR_SET_PDEATHSIG``): a training rank never outlives its launcher, which
+    make's process group may lose to a SIGKILL while the ranks, in their own group, would go on
+    training into the run folder. With SIGTERM the rank saves a checkpoint and stops.
+
+    Raises:
+        SystemExit: the launcher is already gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
+    if os.getppid() == 1:  # reparented before the request took effect
+        raise SystemExit("the launcher that started this training process is gone; not training")
 
 _SHELLS = {"sh", "bash", "dash", "zsh"}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import socket
 import sys
 from datetime import timedelta
@@ -109,8 +110,8 @@ def train(config: RunConfig, config_path: str) -> int:
     early = [callbacks.EarlyStopping(patience)] if patience and bundle.validation is not None else []
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
-        [*faults, callbacks.LogLastStep(), callbacks.TokenThroughput(), callbacks.ExpertLoad(), marker, stop, guard,
-         *early],
+        [*faults, callbacks.NothingPastTheEnd(), callbacks.LogLastStep(), callbacks.TokenThroughput(),
+         callbacks.ExpertLoad(), marker, stop, guard, *early],
     )
     batch = run.batch
     checked = plan  # the prediction memory_check.json compares with: the plan, or calibration's
@@ -179,7 +180,11 @@ def train(config: RunConfig, config_path: str) -> int:
                   flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
-    save(trainer, state, run, batch, run_dir, bundle)
+    stop.install()  # a stop during the final save lets it finish: the model is whole, or not there at all
+    save(trainer, state, run, batch, run_dir, bundle, stop)
+    if state.is_main_process and stop.received:
+        print(f"(a stop signal, {stop.received}, came during the final save, which finished first: the run is "
+              "complete)", flush=True)
     if state.is_main_process and where.on_cuda:  # what lives outside the allocator here, for the next plans
         memory_check.remember_runtime(facts, run, measured)
     state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
@@ -313,12 +318,24 @@ def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
     )
 
 
-def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Path, bundle: Any) -> None:
-    """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next."""
+def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Path, bundle: Any,
+         stop: callbacks.GracefulStop) -> None:
+    """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next.
+
+    The model is written into ``model.partial/`` and renamed ``model/`` once whole, and the summary
+    that marks the run finished comes after it: a run whose final save was cut short is never
+    taken for a finished one, and ``RESUME=auto`` continues it from its last checkpoint."""
+    partial, final = run_dir / "model.partial", run_dir / "model"
+    if state.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's, cut short
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
-    training.save_final_model(trainer, run_dir / "model", run.precision.weights_dtype)
+    training.save_final_model(trainer, partial, run.precision.weights_dtype)
     if not state.is_main_process:
         return
+    if os.environ.get(callbacks.FAULTS_ENV):  # tests only
+        callbacks.faults.in_final_save(stop)
+    shutil.rmtree(final, ignore_errors=True)  # saved by an attempt cut short before its summary
+    partial.rename(final)
     in_step = len(set(fingerprints)) == 1
     if not run.parallel.strategy.shards_parameters:  # their ranks hold different shards
         logger.log(logging.INFO if in_step else logging.ERROR, "final weights %s on all %d rank(s): %s",

@@ -228,7 +228,7 @@ def test_secrets_stay_out_of_logs_and_saved_files(tmp_path):
 
 def fake_run(output_dir: Path, name: str, summary: dict | None = None, overrides: tuple[str, ...] = ()) -> Path:
     run = output_dir / name
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)  # (a run chosen earlier in the test made and holds it)
     (run / "config.yaml").write_text(config_module.load(None, list(overrides), check_paths=False).to_yaml())
     if summary is not None:
         (run / "summary.json").write_text(json.dumps(summary))

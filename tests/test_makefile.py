@@ -42,6 +42,7 @@ def test_help_lists_every_target_with_a_description():
     for target in phony_targets():
         assert target in listed, f"make help does not list '{target}'"
         assert len(listed[target]) > 10
+    assert sorted(set(listed) - set(phony_targets())) == []  # every target is .PHONY (none builds a file)
 
 
 def recipes() -> dict[str, list[str]]:

@@ -11,10 +11,10 @@ from sft_play.callbacks.faults import FAULTS_ENV, FaultInjection, injected_fault
 from sft_play.callbacks.logs import ExpertLoad, LogLastStep, LogLines, PrintedLogLines, TokenThroughput, log_line
 from sft_play.callbacks.markers import CheckpointMarker
 from sft_play.callbacks.ranks import any_rank, lost_another_rank, max_over_ranks
-from sft_play.callbacks.stops import EarlyStopping, GracefulStop, NonFiniteGuard
+from sft_play.callbacks.stops import AlreadyTrained, EarlyStopping, GracefulStop, NonFiniteGuard, NothingPastTheEnd
 
 __all__ = [
-    "FAULTS_ENV", "CheckpointMarker", "EarlyStopping", "ExpertLoad", "FaultInjection", "GracefulStop", "LogLastStep",
-    "LogLines", "NonFiniteGuard", "PrintedLogLines", "TokenThroughput", "any_rank", "injected_faults",
+    "FAULTS_ENV", "AlreadyTrained", "CheckpointMarker", "EarlyStopping", "ExpertLoad", "FaultInjection", "GracefulStop", "LogLastStep",
+    "LogLines", "NonFiniteGuard", "NothingPastTheEnd", "PrintedLogLines", "TokenThroughput", "any_rank", "injected_faults",
     "kill_if_injected", "log_line", "lost_another_rank", "max_over_ranks",
 ]

@@ -29,7 +29,9 @@ def injected_faults() -> dict[str, tuple[int, ...]]:
       :data:`HOLD_LIMIT_S` later), so that a test's signal lands in step S however slow the
       machine, with no window to hit;
     - ``kill_before_marker=S:RANK``: that rank (default 0) is killed (SIGKILL) once it has written
-      its part of checkpoint S, before the ranks agree that the checkpoint is whole and mark it.
+      its part of checkpoint S, before the ranks agree that the checkpoint is whole and mark it;
+    - ``hold_final_save=1``: the final save, its model written but not yet in place, waits for a
+      stop signal; ``kill_in_final_save=1``: the process is killed there (SIGKILL).
     """
     faults = {}
     for item in filter(None, (part.strip() for part in os.environ.get(FAULTS_ENV, "").split(","))):
@@ -48,6 +50,17 @@ def kill_if_injected(name: str, step: int, rank: int = 0) -> None:
 
 
 HOLD_LIMIT_S = 300  # hold_step's guard against a test that never sends its signal
+
+
+def in_final_save(stop: GracefulStop) -> None:
+    """``hold_final_save`` and ``kill_in_final_save`` of :func:`injected_faults` (the main process)."""
+    faults = injected_faults()
+    kill_if_injected("kill_in_final_save", 1)
+    if faults.get("hold_final_save"):
+        logger.warning("fault injection (hold_final_save): the final save waits for a stop signal")
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class FaultInjection(TrainerCallback):

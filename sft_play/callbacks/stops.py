@@ -21,7 +21,7 @@ logger = logging.getLogger("sft_play.callbacks")
 
 
 class GracefulStop(TrainerCallback):
-    """On SIGTERM or SIGINT, finish the current step, save a checkpoint, and stop.
+    """On SIGTERM, SIGINT or SIGHUP, finish the current step, save a checkpoint, and stop.
 
     A second signal more than :data:`DUPLICATE_SIGNAL_WINDOW_S` after the first stops at once
     (SIGINT raises KeyboardInterrupt); one within it is the same request delivered twice (by the
@@ -31,7 +31,7 @@ class GracefulStop(TrainerCallback):
     is not lost.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -160,3 +160,17 @@ class EarlyStopping(TrainerCallback):
             control.should_training_stop = True
             logger.info("early stop at step %d: the validation loss has not improved for %d evaluations (best %.4f "
                         "at step %d)", state.global_step, self.waited, self.best, self.best_step)
+
+
+class AlreadyTrained(Exception):
+    """Training resumed from a checkpoint of its last step: nothing is left to train."""
+
+
+class NothingPastTheEnd(TrainerCallback):
+    """Resumed from a checkpoint of the run's last step (killed before its final save), the trainer
+    would train one step more than the run has (step 21 of 20). This stops it before that step,
+    with the checkpoint's weights and history loaded, so that the run only saves."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise AlreadyTrained(state.global_step)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play import checkpoints, planner
-from sft_play.callbacks import max_over_ranks
+from sft_play.callbacks import AlreadyTrained, max_over_ranks
 from sft_play.config import RunConfig
 from sft_play.errors import OutOfMemory
 from sft_play.planner.choose import calibrate as calibration
@@ -90,6 +90,9 @@ def train_with_backoff(
         trainer = make_trainer(split)
         try:
             trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+            return trainer, split
+        except AlreadyTrained as done:
+            logger.info("resumed at step %s, the run's last: nothing left to train, only the final save", done)
             return trainer, split
         except RuntimeError as error:
             if not should_reduce_batch_size(error):

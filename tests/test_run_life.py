@@ -1,0 +1,187 @@
+"""The edges of a run's life: the final save is as safe as a checkpoint, one process writes a run
+folder, runs started together get folders of their own, a closed terminal stops a run as a stop
+signal does, and a training process never outlives the launcher that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sft_play import callbacks, run_folder
+from tests.conftest import PINNED
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", *PINNED]
+
+
+def train(tmp_path: Path, *overrides: str, faults: str = "", on_line=None) -> tuple[int, str]:
+    """Run the training entry to its end; `on_line(process, line)` sees each line as it comes."""
+    env = {**os.environ, **({"SFT_PLAY_FAULTS": faults} if faults else {})}
+    process = subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
+                                *COMMON, f"train.output_dir={tmp_path}", "train.run_name=r", *overrides],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen: list[str] = []
+    for line in process.stdout:
+        seen.append(line)
+        if on_line is not None:
+            on_line(process, line)
+    return process.wait(timeout=600), "".join(seen)
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_final_save_lets_it_finish(tmp_path):
+    def stop_in_the_save(process, line):
+        if "fault injection (hold_final_save)" in line:
+            process.send_signal(signal.SIGTERM)
+
+    status, output = train(tmp_path, faults="hold_final_save=1", on_line=stop_in_the_save)
+    run = tmp_path / "r"
+    assert status == 0, output[-3000:]  # the run is complete: nothing to resume
+    assert "came during the final save, which finished first" in output
+    assert list((run / "model").glob("*.safetensors")) and not (run / "model.partial").exists()
+    assert run_folder.is_finished(run) and run_folder.finished_runs(tmp_path) == [run]
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_final_save_leaves_no_finished_run_and_resuming_only_saves(tmp_path):
+    status, output = train(tmp_path, "train.save_steps=2", faults="kill_in_final_save=1")
+    run = tmp_path / "r"
+    assert status == -signal.SIGKILL, output[-3000:]
+    assert (run / "model.partial").is_dir() and not (run / "model").exists()
+    assert run_folder.finished_runs(tmp_path) == []  # make generate cannot pick a torn model
+    with pytest.raises(FileNotFoundError, match="no finished run"):
+        run_folder.resolve_run(None, tmp_path)
+
+    status, output = train(tmp_path, "train.save_steps=2", "train.resume_from=auto")
+    assert status == 0, output[-3000:]
+    assert "resumed at step 2, the run's last: nothing left to train, only the final save" in output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["global_step"] == 2 and [step for step, _ in summary["losses"]] == [1, 2]  # no step 3 of 2
+    assert list((run / "model").glob("*.safetensors")) and not (run / "model.partial").exists()
+
+
+def _holder(folder: Path) -> subprocess.Popen:
+    """Another process that holds `folder`'s lock until it is killed."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from sft_play import run_folder
+        run_folder.hold(Path({str(folder)!r}))
+        print("held", flush=True)
+        time.sleep(600)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_one_process_writes_a_run_folder_and_the_lock_dies_with_it(tmp_path):
+    run = tmp_path / "r"
+    (run / "model").mkdir(parents=True)
+    holder = _holder(run)
+    try:
+        assert run_folder.in_use(run) == f"pid {holder.pid} on {os.uname().nodename}"
+        with pytest.raises(run_folder.RunInUse, match=f"in use by another process \\(pid {holder.pid}"):
+            run_folder.hold(run)
+        with pytest.raises(run_folder.RunInUse, match="is still being written"):  # make generate/merge/eval RUN=
+            run_folder.resolve_run(str(run), tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_folder.in_use(run) is None  # released by the kernel with the process
+    run_folder.hold(run)
+    run_folder.hold(run)  # again in the same process: it already holds it
+
+
+@pytest.mark.slow
+def test_resume_auto_is_refused_while_the_run_is_being_written(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text((REPO / "configs" / "run_tiny.yaml").read_text())
+    holder = _holder(run)
+    try:
+        done = subprocess.run(["make", "train", "RESUME=auto",
+                               f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=2"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{run} is in use by another process (pid {holder.pid}" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".sft_play.lock", "config.yaml"]  # nothing else written
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_folder, "_timestamp", lambda: "20261127-120000")
+    from sft_play import config as config_module
+
+    config = config_module.load(None, [f"train.output_dir={tmp_path}"], check_paths=False)
+    names = [run_folder.choose_run_folder(config, "configs/exp.yaml")[0] for _ in range(3)]
+    assert names == ["exp-20261127-120000", "exp-20261127-120000-2", "exp-20261127-120000-3"]
+    assert all(run_folder.in_use(tmp_path / name) is None for name in names)  # held by this process
+
+
+def test_an_output_dir_that_cannot_hold_runs_is_one_clear_error(tmp_path):
+    from sft_play import config as config_module
+
+    (tmp_path / "file").write_text("")
+    config = config_module.load(None, [f"train.output_dir={tmp_path / 'file'}"], check_paths=False)
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        run_folder.choose_run_folder(config, "configs/exp.yaml")
+
+
+def test_a_closed_terminal_is_a_stop_request(monkeypatch):
+    stop = callbacks.GracefulStop()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal or ssh session went away
+        deadline = time.monotonic() + 5
+        while stop.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.on_train_end(None, None, None)
+    assert stop.received == "SIGHUP"
+
+
+def test_a_training_process_ends_when_its_launcher_does(tmp_path):
+    """What a rank does first under a launcher (scripts/train_distributed.py): the kernel sends it
+    SIGTERM when the launcher ends, here killed outright."""
+    marker = tmp_path / "got-sigterm"
+    child = textwrap.dedent(f"""
+        import signal, sys, time
+        from pathlib import Path
+        from sft_play import stopping
+        signal.signal(signal.SIGTERM, lambda *_: (Path({str(marker)!r}).write_text("stopped"), sys.exit(75)))
+        stopping.die_with_parent()
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child!r}], stdout=subprocess.PIPE, text=True)
+        print(child.pid, child.stdout.readline().strip(), flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    pid, ready = parent.stdout.readline().split()
+    assert ready == "ready"
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.read_text() == "stopped"
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # gone soon after (reaped by init)
+            os.kill(int(pid), 0)
+            time.sleep(0.05)
