@@ -80,11 +80,24 @@ def write_marker(checkpoint: Path, step: int, world_size: int = 1, strategy: str
 
 
 def read_marker(checkpoint: Path) -> dict | None:
+    """The checkpoint's marker, or None where it is missing or not one this module wrote (an entry
+    that is neither a size nor {size, sha256}: the checkpoint then counts as incomplete)."""
     try:
         marker = json.loads((checkpoint / MARKER).read_text())
-        return marker if isinstance(marker.get("files"), dict) else None
+        files = marker.get("files")
     except (OSError, ValueError, AttributeError):
         return None
+    if not isinstance(files, dict) or not all(_well_formed(entry) for entry in files.values()):
+        return None
+    return marker
+
+
+def _well_formed(entry: object) -> bool:
+    if isinstance(entry, dict):
+        entry, digest = entry.get("size"), entry.get("sha256")
+        if digest is not None and not isinstance(digest, str):
+            return False
+    return isinstance(entry, int) and not isinstance(entry, bool)
 
 
 def _entries(marker: dict) -> dict[str, tuple[int, str | None]]:

@@ -131,6 +131,11 @@ def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any,
 
         model = PeftModel.from_pretrained(_base_model(config, device, dtype, quantized=True), model_dir)
     elif (model_dir / "config.json").is_file():
+        if not any(model_dir.glob("*.safetensors")):
+            pickled = sorted(p.name for p in model_dir.glob("*.bin"))
+            raise FileNotFoundError(f"{model_dir} has no safetensors weights" + (
+                f" (only {', '.join(pickled)}: pickled files, which can run code and are not loaded here; convert "
+                "them to safetensors where you trust them)" if pickled else ""))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust,
                                                      use_safetensors=True)
     else:

@@ -185,3 +185,33 @@ def test_a_training_process_ends_when_its_launcher_does(tmp_path):
         for _ in range(100):  # gone soon after (reaped by init)
             os.kill(int(pid), 0)
             time.sleep(0.05)
+
+
+def test_a_marker_that_is_not_ours_makes_its_checkpoint_incomplete(tmp_path):
+    from sft_play import checkpoints
+
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "rng_state.pth").write_bytes(b"rng")
+    checkpoints.write_marker(checkpoint, 2)
+    assert checkpoints.is_complete(checkpoint, verify=True)
+    for entry in ("3", {"size": "3"}, {"size": 3, "sha256": 7}, True):
+        (checkpoint / checkpoints.MARKER).write_text(json.dumps({"step": 2, "files": {"rng_state.pth": entry}}))
+        assert not checkpoints.is_complete(checkpoint, verify=True), entry
+    assert checkpoints.newest_intact(tmp_path / "checkpoints") is None  # set aside, never loaded
+    assert (tmp_path / "incomplete-checkpoints" / "checkpoint-2").is_dir()
+
+
+def test_a_model_folder_with_pickled_weights_only_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    import runpy
+
+    (tmp_path / "config.json").write_text((REPO / "configs" / "tiny_model" / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((REPO / "configs" / "tiny_model" / name).read_text())
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--run", str(tmp_path), "--prompt", "hi"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / "generate.py"), run_name="__main__")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "has no safetensors weights (only pytorch_model.bin: pickled files" in err
