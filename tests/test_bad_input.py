@@ -34,9 +34,13 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
         bomb += f"{level}: &{level} [{', '.join(['*' + previous] * 9)}]\n"
     (folder / "bomb.yaml").write_text(bomb + "train:\n  report_to: *i\n")
     (folder / "huge.yaml").write_text("# " + "x" * (2 << 20) + "\n")
+    good = rows[0]
+    (folder / "deep.jsonl").write_text(good + "\n" + "[" * 100_000 + "]" * 100_000 + "\n" + good + "\n")
+    big = '{"messages": [{"role": "user", "content": "' + "a " * (9 << 20) + '"}]}'  # 18 MiB in one line
+    (folder / "big_row.jsonl").write_text(good + "\n" + big + "\n")
     return {"csv": folder / "qa.csv", "rows": folder / "two_bad_rows.jsonl", "config_only": config_only,
             "random": folder / "random.yaml", "tab": folder / "tab.yaml", "bomb": folder / "bomb.yaml",
-            "huge": folder / "huge.yaml"}
+            "huge": folder / "huge.yaml", "deep": folder / "deep.jsonl", "big_row": folder / "big_row.jsonl"}
 
 
 # (script, arguments, what the message must say)
@@ -65,6 +69,8 @@ CASES = [
     ("train_distributed.py", ["train.seed=4294967296"], "train.seed: got 4294967296; must be less than or equal to"),
     *[("train_distributed.py", [f"train.run_name={name}"], f"train.run_name: got {name!r}; a run is one folder")
       for name in ("..", "../../x", "/tmp/elsewhere", "-rf", "a/b/c", ".hidden")],
+    ("data_stats.py", ["data.path={deep}", "data.validation_path=null"], "row 2, field '<line>': nested deeper than 32"),
+    ("data_stats.py", ["data.path={big_row}", "data.validation_path=null"], "18 MiB in one record, over the 16 MiB"),
     ("train_distributed.py", ["--config", "{random}"], "is not UTF-8 text"),
     ("train_distributed.py", ["--config", "{tab}"], "YAML indents with spaces, not tabs"),
     ("train_distributed.py", ["--config", "{bomb}"], "expands to more than 100,000 values"),

@@ -141,9 +141,50 @@ def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
         yield number, row
 
 
+# A record is one example: a conversation of a million tokens is about 4 MiB of text. Larger
+# lines, or objects nested deeper than any chat format, are refused as bad rows (tokenising a
+# record takes a few hundred times its size in memory; Python's JSON reader recurses per level)
+MAX_RECORD_BYTES = 16 << 20
+MAX_NESTING = 32
+
+
+def _bounded(path: Path, number: int, raw: bytes | str) -> InvalidRow | None:
+    if len(raw) > MAX_RECORD_BYTES:
+        return InvalidRow(str(path), number, "<line>", f"{len(raw) / (1 << 20):.0f} MiB in one record, over the "
+                          f"{MAX_RECORD_BYTES >> 20} MiB a record may hold (a million-token conversation is ~4 MiB)")
+    return None
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether `value` nests lists and objects deeper than :data:`MAX_NESTING` (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_NESTING:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def _loads(text: str) -> Any:
+    """``json.loads``, with nesting beyond what a record needs a ValueError, not a RecursionError."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
+    if _too_deep(value):
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+    return value
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            too_large = _bounded(path, number, raw)
+            if too_large is not None:
+                yield number, too_large
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -152,9 +193,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line.rstrip("\r\n"))  # a column on this line, not 1 on the next
+                row = _loads(line.rstrip("\r\n"))  # a column on this line, not 1 on the next
             except json.JSONDecodeError as exc:
                 yield number, InvalidRow(str(path), number, "<line>", f"not valid JSON: {exc.msg} at column {exc.colno}")
+                continue
+            except ValueError as exc:
+                yield number, InvalidRow(str(path), number, "<line>", str(exc))
                 continue
             if not isinstance(row, dict):
                 yield number, InvalidRow(str(path), number, "<line>", f"expected a JSON object, got {type(row).__name__}")
@@ -165,7 +209,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     raw = path.read_bytes()
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = _loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise InvalidRow(str(path), 0, "<file>", f"not valid UTF-8 ({exc.reason} at byte {exc.start}, on line {line})")
@@ -175,6 +219,8 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield from _jsonl_rows(path)
             return
         raise InvalidRow(str(path), exc.lineno, "<file>", f"not valid JSON: {exc.msg} at column {exc.colno}")
+    except ValueError as exc:
+        raise InvalidRow(str(path), 0, "<file>", str(exc)) from None
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
