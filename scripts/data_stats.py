@@ -43,9 +43,10 @@ def main() -> int:
     cli.setup_logging(quiet=args.json)
 
     with cli.importing():
-        from sft_play import data, model
+        from sft_play import checks, data, model
 
     config = config_module.load(args.config, args.overrides)
+    checks.ensure_positions(config)
     bundle = data.build(config.data, model.load_tokenizer(config), seed=config.train.seed)
     if args.json:
         print(json.dumps({"train": bundle.stats.to_dict(),

@@ -23,10 +23,14 @@ def read_data_stats(config):
     if remembered is not None:  # measured before (make train, make plan): no tokenizer to load
         return remembered, None
     with cli.importing():
-        from sft_play import model
+        from sft_play import checks, model
     from sft_play.data.formats import InvalidRow
     from sft_play.errors import UserError
 
+    try:
+        checks.ensure_positions(config)  # before packing sizes its rows by data.max_seq_length
+    except UserError as exc:
+        return None, f"data not read: {exc}"
     try:
         tokenizer = model.load_tokenizer(config)
     except (OSError, ValueError, UserError) as exc:

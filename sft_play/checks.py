@@ -206,6 +206,30 @@ def needed_disk_bytes(config: RunConfig, shape, run) -> int:
     return run_disk_bytes(shape, run.method, run.precision, run.optimizer, train.save_steps, train.save_total_limit)
 
 
+def ensure_positions(config: RunConfig) -> None:
+    """Refuse a ``data.max_seq_length`` beyond the positions the model was trained on, unless
+    ``data.beyond_model_positions`` says it is meant (before any data is read or packed: packing
+    sizes its rows by it). A model whose config cannot be read here is left to the loader.
+
+    Raises:
+        UserError: with the model's limit and the two ways on.
+    """
+    from sft_play.architecture import config_int, load_model_config, text_config
+
+    if config.data.beyond_model_positions:
+        return
+    try:
+        model_config = load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+    except (OSError, ValueError, UserError):
+        return
+    limit = config_int(text_config(model_config), "max_position_embeddings", "n_positions", "max_sequence_length")
+    if limit and config.data.max_seq_length > limit:
+        raise UserError(f"data.max_seq_length={config.data.max_seq_length:,} is beyond the {limit:,} positions "
+                        f"{config.model.name_or_path} was trained on (max_position_embeddings): lower it to {limit:,}, "
+                        "or set data.beyond_model_positions=true where that is meant (an extended context, or packed "
+                        "rows of examples that each fit)")
+
+
 def ensure_disk_room(config: RunConfig, run_dir: Path, shape, run) -> None:
     """Refuse to start when the disk under `run_dir` cannot hold the run's checkpoints and model.
 

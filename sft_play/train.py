@@ -63,6 +63,7 @@ def train(config: RunConfig, config_path: str) -> int:
     check_shared_folder(output_dir)
     facts = shared_hardware(state, where)
 
+    checks.ensure_positions(config)
     tokenizer = model.load_tokenizer(config)
     with state.main_process_first():
         bundle = data.build(config.data, tokenizer, seed=config.train.seed)

@@ -139,6 +139,11 @@ class DataConfig(_Section):
     validation_fraction: float = Field(0.0, ge=0, lt=1, description="Share of training rows held out.")
     max_seq_length: int = Field(1024, gt=0, description="Longest sequence in tokens (the packed row length).")
     packing: bool = Field(True, description="Join examples into rows of max_seq_length without cross-attention.")
+    beyond_model_positions: bool = Field(
+        False, description="Allow data.max_seq_length beyond the positions the model was trained on "
+        "(max_position_embeddings): for a model whose context you extend (rope_scaling), or packed rows of examples "
+        "that each fit."
+    )
     overlong: Literal["truncate", "drop"] = Field("truncate", description="What happens to longer examples.")
     train_on: Literal["completion", "last", "all"] = Field(
         "completion", description="completion: loss on assistant turns / completions only; last: on the last "
