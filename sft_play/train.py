@@ -54,6 +54,14 @@ def train(config: RunConfig, config_path: str) -> int:
 
     stop = callbacks.GracefulStop()
     stop.install()  # a stop asked for while loading is kept, not lost
+    try:
+        return _train(config, config_path, stop)
+    finally:
+        stop.restore()  # the process's own handlers again, however training ended
+
+
+def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) -> int:
+    """The flow itself, top to bottom; :func:`train` holds the stop signals' handlers around it."""
     # A config-only model folder gets its initial weights written now, before the process group
     # exists: once it does, transformers writes model files from rank 0 only.
     base_weights = model.weights_location(config)

@@ -434,7 +434,7 @@ def test_a_signal_delivered_twice_is_one_stop_request(monkeypatch):
         with pytest.raises(KeyboardInterrupt):  # a real second request: stop at once
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
-        stop._restore()
+        stop.restore()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 

@@ -45,7 +45,7 @@ class GracefulStop(TrainerCallback):
             if now - self._first_at < DUPLICATE_SIGNAL_WINDOW_S:
                 return
             previous = self._previous.get(signum)  # asked twice: stop now
-            self._restore()
+            self.restore()
             if callable(previous):
                 previous(signum, frame)
             raise KeyboardInterrupt
@@ -70,9 +70,10 @@ class GracefulStop(TrainerCallback):
             self.received = self.received or "a signal on another rank"
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._restore()
+        self.restore()
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
+        """The handlers there were before :meth:`install` (or nothing, where it did not install)."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
