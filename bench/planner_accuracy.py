@@ -154,7 +154,7 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     rows = 3 * micro
     ids = torch.randint(3, vocab, (rows, case.seq_len), generator=generator).tolist()
     dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows})
-    collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, dataset, None, collator)
     trainer = make(BatchSplit(micro, 1, 1, micro))
     result: dict = {"ok": True, "context_bytes": int(context)}

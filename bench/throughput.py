@@ -221,7 +221,7 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
     tokenizer.pad_token_id = 0
     base = model.load_model(config, run, device="cuda:0" if on_cuda else "cpu")
-    collator = collate.make_collator(0, run.collator)
+    collator = collate.make_collator(0, run.kernels.collator)
     timer = StepTimer(warmup)
     make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, packed, None, collator, [timer])
     trainer = make(split)

@@ -280,7 +280,7 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     quant = quantization_config(config, precision)
     kwargs: dict[str, Any] = {
         "dtype": TORCH_DTYPES[precision.weights_dtype],
-        "attn_implementation": run.attention,
+        "attn_implementation": run.kernels.attention,
         "trust_remote_code": config.model.trust_remote_code,
         "use_safetensors": True,
     }
@@ -288,8 +288,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["revision"] = config.model.revision
     if quant is not None:
         kwargs["quantization_config"] = quant
-    if run.experts:
-        kwargs["experts_implementation"] = run.experts
+    if run.kernels.experts:
+        kwargs["experts_implementation"] = run.kernels.experts
     if not run.parallel.strategy.zero3 and (quant is not None or (device or "").startswith("cuda")):
         kwargs["device_map"] = {"": device or ("cuda:0" if run.on_cuda else "cpu")}
     hub.prepare(location)
@@ -305,7 +305,7 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     # Training never decodes; and with a cache, transformers stops separating packed examples.
     model.config.use_cache = False
     name_the_experts(model.config)
-    if run.compile_layers:
+    if run.kernels.compile_layers:
         compile_decoder_layers(model)
     return model
 

@@ -9,12 +9,11 @@ describe a different run from the one that trains:
 |---|---|
 | precision (weights, compute, adapters) | loader, trainer arguments, planner, disk check |
 | optimizer | trainer arguments, planner, disk check |
-| attention kernel | loader, collator, planner |
+| kernels (:class:`Kernels`: attention, its collator, the experts' kernel, compiled layers, Liger, expandable segments) | loader, collator, trainer arguments, planner |
 | batch layout and whether attention gets a mask | collator, planner |
 | parallelism (:class:`sft_play.parallelism.Parallelism`: strategy, world size, offload, ZeRO buckets, FSDP2 resharding) | trainer arguments, planner |
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
-| kernels: compiled layers, Liger, expandable segments | loader, trainer arguments, planner notes |
 | the LoRA adapter (:class:`sft_play.adapters.LoraSpec`) | loader, planner counts and trace |
 | micro-batch and accumulation (``batch``: as planned; what trained is in ``summary.json``, changes are events) | trainer, run folder |
 
@@ -145,6 +144,19 @@ class SequenceLength:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """How the run's steps compute: the attention kernel and the collator that feeds it, the
+    experts' kernel of a mixture-of-experts model, and the kernel switches."""
+
+    attention: str  # flash_attention_2, flex_attention, sdpa or eager
+    collator: Collator
+    experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
+    compile_layers: bool = False  # torch.compile each decoder layer
+    liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
+    expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
+
+
+@dataclass(frozen=True)
 class Run:
     """How the run executes (see the module docstring for who reads what)."""
 
@@ -152,8 +164,7 @@ class Run:
     precision: Precision
     adapter_dtype: str  # LoRA/QLoRA adapter weights (and their gradients and AdamW states)
     optimizer: str
-    attention: str  # flash_attention_2, flex_attention, sdpa or eager
-    collator: Collator
+    kernels: Kernels
     uniform_rows: bool  # every row one example of one length: no packing boundaries, no padding
     parallel: Parallelism
     on_cuda: bool
@@ -164,11 +175,7 @@ class Run:
     trust_remote_code: bool = False
     lora: LoraSpec | None = None  # the adapter (None for full fine-tuning)
     double_quant: bool = True
-    compile_layers: bool = False  # torch.compile each decoder layer
-    liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
-    expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
     batch: BatchSplit | None = None  # set once planned, never replaced (calibration and backoff are events)
-    experts: str | None = None  # MoE experts kernel: grouped_mm or eager (the per-expert loop); None: dense
     # What was measured on the GPUs that train outside PyTorch's allocator, as pairs of
     # (processes of the measuring run, or "probe"; bytes): hardware.HardwareInfo.outside_allocator.
     # Empty: nothing measured (the planner's constants); planner.memory.outside_allocator decides
@@ -210,18 +217,18 @@ class Run:
         one, unless FlashAttention-2 runs them as variable-length sequences. Eager attention always
         gets one: transformers' ``eager_mask`` never skips the causal mask (``allow_is_causal_skip=False``),
         where SDPA runs uniform rows with ``is_causal`` instead."""
-        if self.attention in MASK_FREE_ATTENTION:
+        if self.kernels.attention in MASK_FREE_ATTENTION:
             return False
-        if self.attention == "eager":
+        if self.kernels.attention == "eager":
             return True
         if self.uniform_rows:
             return False
-        return self.collator == "packed_rows" or micro_batch > 1
+        return self.kernels.collator == "packed_rows" or micro_batch > 1
 
     def sliding_mask(self, micro_batch: int, window: int | None) -> bool:
         """Whether the sliding-window layers (of `window` tokens) get a mask where the others get
         none (:func:`sliding_mask`)."""
-        return sliding_mask(self.attention, self.masked(micro_batch), window, self.sequence.tokens)
+        return sliding_mask(self.kernels.attention, self.masked(micro_batch), window, self.sequence.tokens)
 
     def with_changes(self, **changes: Any) -> Run:
         return dataclasses.replace(self, **changes)
@@ -362,8 +369,14 @@ def resolve(
         precision=precision,
         adapter_dtype=adapter,
         optimizer=resolve_optimizer(config, on_cuda),
-        attention=attention,
-        collator=collator_kind(config.data.packing, attention),
+        kernels=Kernels(
+            attention=attention,
+            collator=collator_kind(config.data.packing, attention),
+            experts=experts_kernel(on_cuda, precision) if facts.num_experts > 1 else None,
+            compile_layers=config.train.torch_compile,
+            liger=config.train.liger_kernels and on_cuda,
+            expandable_segments=allocator_settings(config, on_cuda) is not None,
+        ),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
         parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size)),
         on_cuda=on_cuda,
@@ -375,10 +388,6 @@ def resolve(
         lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude)
               if method != "full" else None),
         double_quant=config.quantization.double_quant,
-        compile_layers=config.train.torch_compile,
-        liger=config.train.liger_kernels and on_cuda,
-        expandable_segments=allocator_settings(config, on_cuda) is not None,
-        experts=experts_kernel(on_cuda, precision) if facts.num_experts > 1 else None,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
         cublas_workspace_bytes=hardware.cublas_workspace_bytes(

@@ -107,7 +107,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         logger.info("model loaded %s", "under DeepSpeed's zero.Init: each process holds only its partition"
                     if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
-    collator = collate.make_collator(tokenizer.pad_token_id, run.collator, record_to)
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to)
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,
@@ -303,7 +303,7 @@ def announce(state: PartialState, run: Run, plan: Any) -> None:
         "%d process(es) on %d node(s), %s, strategy %s, mixed precision %s (%s), weights %s, attention %s, "
         "optimizer %s",
         state.num_processes, nodes, state.distributed_type, run.parallel.strategy.name, precision.mixed, precision.reason,
-        precision.weights_dtype, run.attention, run.optimizer,
+        precision.weights_dtype, run.kernels.attention, run.optimizer,
     )
     if precision.warning:
         logger.warning("%s", precision.warning)

@@ -408,7 +408,7 @@ def tiny_trainer_factory(tmp_path: Path, callbacks, *overrides: str):
     bundle = data.build(config.data, tokenizer, seed=config.train.seed)
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
-    collator = collate.make_collator(tokenizer.pad_token_id, run.collator)
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
     make = training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, collator, callbacks)
     make.run = run  # the resolved run; tests train it at a batch split: train_with_backoff(make, split)
     return make
@@ -423,14 +423,19 @@ def with_parallel(run, strategy: str | None = None, **changes):
     return dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, **changes))
 
 
+def with_kernels(run, **changes):
+    """`run` with its kernels changed."""
+    return dataclasses.replace(run, kernels=dataclasses.replace(run.kernels, **changes))
+
+
 def bare_run(method: str, weights_dtype: str = "float32", mixed: str = "bf16", optimizer: str = "adamw_torch",
              adapter_dtype: str = "float32", **fields):
     """A run with only what the planner's memory terms read, for terms worked out by hand."""
     from sft_play.parallelism import Parallelism
     from sft_play.precision import Precision
-    from sft_play.run import Run, SequenceLength
+    from sft_play.run import Kernels, Run, SequenceLength
 
     return Run(method=method, precision=Precision(mixed, weights_dtype), adapter_dtype=adapter_dtype,
-               optimizer=optimizer, attention="sdpa", collator="padded", uniform_rows=False, parallel=Parallelism(),
+               optimizer=optimizer, kernels=Kernels("sdpa", "padded"), uniform_rows=False, parallel=Parallelism(),
                on_cuda=True, gradient_checkpointing=False, sequence=SequenceLength(1, "by hand"), model="by hand",
                **fields)

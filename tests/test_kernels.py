@@ -18,7 +18,7 @@ from sft_play.planner import Target, make_plan
 from sft_play.planner.simulate.predict import predict
 from sft_play.planner.simulate.timing import efficiency
 from sft_play.run import resolve
-from tests.conftest import LORA
+from tests.conftest import LORA, with_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = Target(1, 80 * 1024**3, "NVIDIA H100 80GB HBM3")
@@ -42,9 +42,9 @@ def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatc
                         lambda name, *a: object() if name == "liger_kernel" else real_find_spec(name, *a))
     config = load("train.liger_kernels=true", "train.expandable_segments=true")
     cpu = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
-    assert not cpu.liger and not cpu.expandable_segments
+    assert not cpu.kernels.liger and not cpu.kernels.expandable_segments
     gpu = resolve(config, on_cuda=True, bf16_supported=True, world_size=1)
-    assert gpu.liger and gpu.expandable_segments
+    assert gpu.kernels.liger and gpu.kernels.expandable_segments
     plan = make_plan(config, Target(1, 8 * 1024**3, "CPU (host memory)", on_cuda=False), with_remedies=False)
     assert "train.liger_kernels: off without CUDA (Triton kernels)" in plan.notes
     assert "train.expandable_segments: off without CUDA" in plan.notes
@@ -61,15 +61,15 @@ def test_the_trainer_gets_liger_from_the_resolved_run():
     config = load()
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(2, 1, 1, 2))
     assert sft_arguments(config, run, Path("/tmp/unused"), False).use_liger_kernel is False
-    assert sft_arguments(config, run.with_changes(liger=True), Path("/tmp/unused"), False).use_liger_kernel
+    assert sft_arguments(config, with_kernels(run, liger=True), Path("/tmp/unused"), False).use_liger_kernel
 
 
 def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_flash():
     flex = resolve(load("model.attn_implementation=flex_attention"), on_cuda=True, bf16_supported=True, world_size=1)
     sdpa = resolve(load("model.attn_implementation=sdpa"), on_cuda=True, bf16_supported=True, world_size=1)
-    assert flex.collator == sdpa.collator == "packed_rows"  # per-example position ids, no mask tensor
+    assert flex.kernels.collator == sdpa.kernels.collator == "packed_rows"  # per-example position ids, no mask tensor
     assert not flex.masked(4) and sdpa.masked(4)
-    flash = flex.with_changes(attention="flash_attention_2", collator="padding_free")
+    flash = with_kernels(flex, attention="flash_attention_2", collator="padding_free")
     from sft_play.planner import model_shape
 
     shape = model_shape(load())
@@ -97,7 +97,7 @@ def test_flex_attention_keeps_packed_examples_apart_like_sdpa():
             logits[kernel] = model(**batch).logits
     torch.testing.assert_close(logits["flex_attention"], logits["sdpa"], rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # and the second example sees nothing of the first
-        alone = model_module.load_model(config, run.with_changes(attention="sdpa"), device="cpu").eval()(
+        alone = model_module.load_model(config, with_kernels(run, attention="sdpa"), device="cpu").eval()(
             input_ids=torch.tensor([ids[20:]])).logits
     torch.testing.assert_close(logits["flex_attention"][:, 20:], alone, rtol=1e-4, atol=1e-4)
 
@@ -133,9 +133,9 @@ def test_the_loss_head_projects_only_labelled_positions_on_a_cpu_to_the_same_los
 def test_compiled_layers_train_to_the_same_loss():
     config = load("finetune.method=full", "train.torch_compile=true")
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1)
-    assert run.compile_layers
+    assert run.kernels.compile_layers
     compiled = model_module.load_model(config, run, device="cpu")
-    plain = model_module.load_model(config, run.with_changes(compile_layers=False), device="cpu")
+    plain = model_module.load_model(config, with_kernels(run, compile_layers=False), device="cpu")
     layers = compiled.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in plain.model.layers)
@@ -167,7 +167,7 @@ def test_expandable_segments_are_set_before_cuda_starts(monkeypatch):
     train_flow.start_processes(load("train.expandable_segments=true"), Placement(on_cuda=False))
     assert seen[-1][1] == "" and seen[-1][0]["cpu"] is True  # no CUDA: nothing to set
     run = resolve(load("train.expandable_segments=true"), on_cuda=True, bf16_supported=True, world_size=1)
-    assert run.expandable_segments  # what the plan's notes read
+    assert run.kernels.expandable_segments  # what the plan's notes read
 
 
 def test_every_lever_the_throughput_bench_measures_is_a_valid_switch(monkeypatch):

@@ -140,7 +140,7 @@ def test_the_run_folder_records_the_resolved_run_and_the_batch_as_planned_and_tr
     assert summary["batch_trained"] == summary["batch_planned"]  # no backoff in this run
     assert not (run_dir / "events.jsonl").exists()  # nothing changed while it trained
     assert recorded["precision"]["mixed"] == plan["precision"]["mixed"] == "no"
-    assert recorded["lora"]["r"] == 32 and recorded["attention"] == plan["attention"]
+    assert recorded["lora"]["r"] == 32 and recorded["kernels"]["attention"] == plan["attention"]
 
 
 def test_a_training_process_imports_deepspeed_only_for_a_deepspeed_strategy(monkeypatch):

@@ -132,8 +132,8 @@ def test_the_h200_rows_live_tensors_within_half_a_percent_and_gemma2s_shortfall_
     gemma_row = rows["gemma-2-9b"]
     run, gemma = _h200_prediction(gemma_row)
     measured = gemma_row["measured"]
-    assert run.attention == "eager" and run.masked(gemma_row["micro"])
+    assert run.kernels.attention == "eager" and run.masked(gemma_row["micro"])
     assert abs(gemma.allocated_bytes / measured["allocated_bytes"] - 1) <= 0.005
-    fraction, note = safety_fraction(0.03, run.attention)
+    fraction, note = safety_fraction(0.03, run.kernels.attention)
     assert note and gemma.peak_bytes / (1 - fraction) >= measured["peak_bytes"]
     assert safety_fraction(0.03, "sdpa") == (0.03, None)

@@ -66,7 +66,7 @@ class RecordingCollator:
 
 
 def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None) -> Any:
-    """The collator the run resolved (``Run.collator``, :func:`sft_play.run.collator_kind`).
+    """The collator the run resolved (``Run.kernels.collator``, :func:`sft_play.run.collator_kind`).
 
     ``padded``: TRL's collator, which pads to the longest in the batch; ``padding_free``: TRL's
     padding-free one (packed rows under FlashAttention-2, variable length); ``packed_rows``:

@@ -102,7 +102,7 @@ def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None
 def plan_budget(config: RunConfig, target: Target, run: Run) -> tuple[int, float, str | None]:
     """The bytes a process of `run` may hold on each GPU of `target` (its free memory less the
     configured margin and fraction), the fraction, and the note that explains the fraction."""
-    fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.attention, target.on_cuda)
+    fraction, margin_note = safety_fraction(config.planner.safety_fraction, run.kernels.attention, target.on_cuda)
     return budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction), fraction, margin_note
 
 
@@ -202,7 +202,7 @@ def make_plan(
         trainable_params=shape.trainable_params,
         active_params=shape.active_params,
         experts=(f"{shape.num_experts} routed, {shape.experts_per_token} per token, "
-                 + ("per-expert loop (eager)" if run.experts == "eager" else f"{run.experts} kernel")
+                 + ("per-expert loop (eager)" if run.kernels.experts == "eager" else f"{run.kernels.experts} kernel")
                  if shape.num_experts else None),
         params_by_kind=shape.params_by_kind,
         micro_batch_size=split.micro_batch_size,
@@ -220,7 +220,7 @@ def make_plan(
         breakdown=breakdown,
         precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
                    "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
-        attention=run.attention,
+        attention=run.kernels.attention,
         gradient_checkpointing=run.gradient_checkpointing,
         allocated_bytes_per_gpu=chosen.allocated_bytes,
         attention_mask=masked,

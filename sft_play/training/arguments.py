@@ -141,7 +141,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         full_determinism=train.deterministic,
         include_num_input_tokens_seen="non_padding",  # also logs train_tokens_per_second
         # Liger's layer kernels (TRL keeps its own fused, chunked loss head)
-        use_liger_kernel=run.liger,
+        use_liger_kernel=run.kernels.liger,
         max_length=data.max_seq_length,
         # MoE: the load-balancing loss, with the model's own coefficient unless the config says
         router_aux_loss_coef=train.router_aux_loss_coef,

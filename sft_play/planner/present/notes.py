@@ -73,7 +73,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     and what a mixture-of-experts model changes."""
     notes: list[str] = []
     warnings: list[str] = []
-    if run.attention == "sdpa" and masked and target.on_cuda:
+    if run.kernels.attention == "sdpa" and masked and target.on_cuda:
         notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
                      "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
     elif sliding and target.on_cuda:
@@ -87,7 +87,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
         outside, source = memory.outside_allocator(run.parallel.world_size, True, run.outside_allocator_measured)
         notes.append(f"outside PyTorch's allocator: {outside / GIB:.2f} GiB per process, {source}")
     if config.model.attn_implementation == "auto" and target.source not in ("detected", "host memory") \
-            and run.attention == "sdpa" and run.on_cuda:
+            and run.kernels.attention == "sdpa" and run.on_cuda:
         notes.append("model.attn_implementation=auto on hardware described, not this machine's: planned as SDPA; "
                      "where flash-attn is installed, plan with model.attn_implementation=flash_attention_2")
     if config.model.name_or_path in STAND_INS:
@@ -146,16 +146,16 @@ def kernel_notes(config: RunConfig, run: Run) -> list[str]:
     """What the plan says about the kernel switches: where one is off, and that the memory they
     save is not predicted (the plan stays an upper bound for them; none is measured yet)."""
     notes = []
-    if config.train.liger_kernels and not run.liger:
+    if config.train.liger_kernels and not run.kernels.liger:
         notes.append("train.liger_kernels: off without CUDA (Triton kernels)")
-    if config.train.expandable_segments and not run.expandable_segments:
+    if config.train.expandable_segments and not run.kernels.expandable_segments:
         notes.append("train.expandable_segments: off without CUDA")
-    saving = [name for name, on in (("Liger kernels", run.liger), ("compiled layers", run.compile_layers),
-                                    ("expandable segments", run.expandable_segments)) if on]
+    saving = [name for name, on in (("Liger kernels", run.kernels.liger), ("compiled layers", run.kernels.compile_layers),
+                                    ("expandable segments", run.kernels.expandable_segments)) if on]
     if saving:
         notes.append(f"{', '.join(saving)}: planned without the memory they may save (not yet measured), "
                      "so the plan is an upper bound for them")
-    if run.attention == "flex_attention":
+    if run.kernels.attention == "flex_attention":
         notes.append("flex attention: planned as a fused kernel without a mask, like FlashAttention-2 (not yet "
                      "measured)")
     return notes

@@ -66,7 +66,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         adapter_dtype=(precision.compute_dtype if run.parallel.computes_in_gathered_copies and run.method != "full"
                        else run.adapter_dtype),
         compute_dtype=precision.compute_dtype if precision.mixed != "no" else None,
-        attention=run.attention,
+        attention=run.kernels.attention,
         masked=run.masked(micro_batch),
         checkpointing=run.gradient_checkpointing,
         lora=run.lora,
@@ -194,7 +194,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         seq_len=run.sequence.tokens,
         checkpointing=run.gradient_checkpointing,
         masked=run.masked(micro_batch),
-        eager_mask=run.attention == "eager",
+        eager_mask=run.kernels.attention == "eager",
         sliding_mask=run.sliding_mask(micro_batch, shape.sliding_window),
         loss_token_share=run.sequence.loss_token_share,  # TRL's head projects the labelled positions only
         accumulating=accumulating,

@@ -120,8 +120,8 @@ def efficiency(run: Run, device_name: str = "") -> tuple[float, str]:
         mfu, source = measured[run.method]
         text = f"measured {100 * mfu:.1f} % ({source})"
     text += elsewhere
-    switched = [name for name, on in (("Liger kernels", run.liger), ("compiled layers", run.compile_layers),
-                                      (run.attention, run.attention not in ("sdpa", "eager"))) if on]
+    switched = [name for name, on in (("Liger kernels", run.kernels.liger), ("compiled layers", run.kernels.compile_layers),
+                                      (run.kernels.attention, run.kernels.attention not in ("sdpa", "eager"))) if on]
     if switched:
         text += f"; {', '.join(switched)}: not yet measured, taken at the same efficiency"
     return mfu, text
