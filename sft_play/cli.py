@@ -171,9 +171,43 @@ def quiet_libraries() -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+class SurvivingStream:
+    """stdout or stderr, whose reader may go away (``make train | tee log``, and Ctrl-C ends tee
+    first): the first write that finds the pipe closed points the file descriptor at /dev/null,
+    so that nothing written later, by Python or by a library's C code, fails, and a stop signal
+    still ends in a saved checkpoint (a BrokenPipeError in the middle of a step ended the run)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run(main: Callable[[], int | None]) -> None:
     """Call `main` and exit with its status; user errors print a message and exit 2. The
-    libraries' noise is silenced first (:func:`quiet_libraries`)."""
+    libraries' noise is silenced first (:func:`quiet_libraries`); a closed stdout or stderr never
+    ends the command (:class:`SurvivingStream`)."""
+    if not isinstance(sys.stdout, SurvivingStream) and hasattr(sys.stdout, "fileno"):
+        sys.stdout, sys.stderr = SurvivingStream(sys.stdout), SurvivingStream(sys.stderr)
     with importing():  # torch, where it is installed
         quiet_libraries()
     try:

@@ -214,3 +214,16 @@ def test_a_model_folder_with_pickled_weights_only_is_refused_in_one_line(tmp_pat
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "has no safetensors weights (only pytorch_model.bin: pickled files" in err
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_never_ends_a_run(tmp_path):
+    """`make train | tee log`, and Ctrl-C ends tee first: what training writes next meets a closed
+    pipe (a BrokenPipeError ended the run there, without its model)."""
+    process = subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
+                                *COMMON, f"train.output_dir={tmp_path}", "train.run_name=r"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process.stdout.readline()
+    process.stdout.close()  # the reader goes away
+    assert process.wait(timeout=600) == 0
+    assert run_folder.is_finished(tmp_path / "r") and list((tmp_path / "r" / "model").glob("*.safetensors"))
