@@ -167,14 +167,33 @@ def _too_deep(value: Any) -> bool:
     return False
 
 
+def _unpaired_surrogate(value: Any) -> bool:
+    """Whether a string in `value` holds half of a UTF-16 pair (JSON's ``"\\ud83d"`` alone), which
+    no tokenizer can encode."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(node, (dict, list)):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return False
+
+
 def _loads(text: str) -> Any:
-    """``json.loads``, with nesting beyond what a record needs a ValueError, not a RecursionError."""
+    """``json.loads``, with nesting beyond what a record needs, or text no tokenizer can encode,
+    a ValueError (not a RecursionError, or a TypeError deep in the tokenizer)."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
     if _too_deep(value):
         raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+    if ("\\ud" in text or "\\uD" in text) and _unpaired_surrogate(value):
+        raise ValueError("a \\uD800-\\uDFFF escape without its pair: not text a tokenizer can encode")
     return value
 
 
