@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 
-from sft_play import cli, lean_imports, stopping
+from sft_play import stopping
+
+if "RANK" in os.environ:  # a rank a launcher started ends when the launcher does: asked first thing
+    stopping.die_with_parent()
+
+from sft_play import cli, lean_imports  # noqa: E402 (after the request above)
 from sft_play import config as config_module
 
 
 def main() -> int:
-    if "RANK" in os.environ:  # a rank its launcher started: it ends when the launcher does
-        stopping.die_with_parent()
     args = cli.config_parser(cli.summary(__doc__)).parse_args()
     cli.setup_logging()
     config = config_module.load(args.config, args.overrides)

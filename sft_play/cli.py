@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
 import importlib.util
 import logging
+import math
 import os
 import sys
 import warnings
@@ -46,9 +48,12 @@ def number(kind: type, variable: str) -> Callable[[str], Any]:
     """An argument type that names the make variable a bad value came from (``NUM_GPUS=abc``)."""
     def parse(text: str) -> Any:
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"{variable}={text} is not {'a whole number' if kind is int else 'a number'}")
+        return value
     return parse
 
 
@@ -174,6 +179,9 @@ def quiet_libraries() -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+_READER_GONE = {errno.EPIPE, errno.EIO}  # a closed pipe; a terminal that hung up
+
+
 class SurvivingStream:
     """stdout or stderr, whose reader may go away (``make train | tee log``, and Ctrl-C ends tee
     first): the first write that finds the pipe closed points the file descriptor at /dev/null,
@@ -186,14 +194,18 @@ class SurvivingStream:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as error:
+            if error.errno not in _READER_GONE:
+                raise
             self._to_devnull()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as error:
+            if error.errno not in _READER_GONE:
+                raise
             self._to_devnull()
 
     def _to_devnull(self) -> None:
@@ -209,8 +221,10 @@ def run(main: Callable[[], int | None]) -> None:
     """Call `main` and exit with its status; user errors print a message and exit 2. The
     libraries' noise is silenced first (:func:`quiet_libraries`); a closed stdout or stderr never
     ends the command (:class:`SurvivingStream`)."""
-    if not isinstance(sys.stdout, SurvivingStream) and hasattr(sys.stdout, "fileno"):
-        sys.stdout, sys.stderr = SurvivingStream(sys.stdout), SurvivingStream(sys.stderr)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, SurvivingStream) and hasattr(stream, "fileno"):
+            setattr(sys, name, SurvivingStream(stream))
     with importing():  # torch, where it is installed
         quiet_libraries()
     try:

@@ -16,10 +16,13 @@ finished runs that merge, generate, chat and eval read.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
+import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ from sft_play.config import load
 from sft_play.errors import UserError
 from sft_play.parallelism import Strategy
 
+logger = logging.getLogger(__name__)
 CONFIG, PLAN, RUN, EVENTS, SUMMARY = "config.yaml", "plan.json", "run.json", "events.jsonl", "summary.json"
 LOCK = ".sft_play.lock"
 
@@ -55,14 +59,28 @@ def hold(run_dir: Path) -> None:
     if key in _HELD:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise RunInUse(f"{run_dir} is in use by another process ({holder}): a run folder has one writer. Wait for "
-                       "it to end (or stop it: it saves a checkpoint), or choose another train.run_name") from None
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        logger.warning("%s cannot be locked (%s): another process could write the run at the same time", run_dir, error)
+        return
+    for attempt in range(5):  # a reader's brief shared lock (in_use) is no writer
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt < 4:
+                time.sleep(0.1)
+                continue
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunInUse(f"{run_dir} is in use by another process ({holder}): a run folder has one writer. Wait "
+                           "for it to end (or stop it: it saves a checkpoint), or choose another train.run_name") from None
+        except OSError as error:  # a filesystem without flock (NFS without lockd, Lustre without -o flock)
+            os.close(fd)
+            logger.warning("%s cannot be locked on this filesystem (%s): another process could write the run at the "
+                           "same time", run_dir, error)
+            return
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _HELD[key] = fd
@@ -78,6 +96,8 @@ def in_use(run_dir: Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return _holder(fd) if str(run_dir.resolve()) not in _HELD else None
+    except OSError:  # no flock on this filesystem: nothing can be said
+        return None
     finally:
         os.close(fd)  # (and the shared lock with it)
     return None
@@ -180,8 +200,9 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
             raise ValueError(f"{prefix} {run} finished (see its summary.json and model/); there is nothing to resume. "
                              "Choose another train.run_name for a new run")
         return run, f"the run named '{run_name}'"
-    runs = [p for p in output_dir.glob(f"{config_stem}-*")
-            if _RUN_STAMP.fullmatch(p.name[len(config_stem) + 1:]) and (p / "config.yaml").is_file()]
+    named = _safe_name(config_stem)
+    runs = [p for p in output_dir.glob(f"{glob.escape(named)}-*")
+            if _RUN_STAMP.fullmatch(p.name[len(named) + 1:]) and (p / "config.yaml").is_file()]
     if not runs:
         return None, f"{prefix} no run of '{config_stem}' in {output_dir}; starting a fresh run"
     unfinished = [p for p in runs if not is_finished(p)]
@@ -212,6 +233,7 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
 # splits the same global batch on the hardware it now has, and the guards against bad steps
 # (a tighter max_grad_norm after a run stopped on NaN losses).
 _MUST_MATCH = ("model", "finetune", "lora", "quantization", "data")
+_MAY_CHANGE = frozenset({"data.beyond_model_positions"})  # a permission to go on, not a setting of the run
 _MAY_CHANGE_TRAIN = frozenset({
     "output_dir", "run_name", "resume_from", "max_steps", "num_epochs", "logging_steps", "save_steps",
     "save_total_limit", "eval_steps", "tensorboard", "max_bad_steps", "record_samples", "micro_batch_size",
@@ -262,6 +284,8 @@ def differences(saved: dict, current: dict) -> list[str]:
     changed = []
     for section in _MUST_MATCH:
         for key, value in saved.get(section, {}).items():
+            if f"{section}.{key}" in _MAY_CHANGE:
+                continue
             if current.get(section, {}).get(key) != value:
                 changed.append(f"{section}.{key}: {value!r} in the run, {current.get(section, {}).get(key)!r} now")
     saved_train, current_train = saved.get("train", {}), current.get("train", {})
@@ -319,7 +343,8 @@ def choose_run_folder(config, config_path: str, world_size: int = 1,
     run, checkpoint, message = resolve_resume(config.train.resume_from, output_dir,
                                               config.train.run_name, stem, config.train.save_steps)
     if run is None:
-        return _new_run(output_dir, config.train.run_name, stem), None, message
+        # nothing to resume: a named run with no checkpoint yet starts again in its own folder
+        return _new_run(output_dir, config.train.run_name, stem, restart=True), None, message
     changed = differences(load(run / "config.yaml", check_paths=False).to_dict(), config.to_dict())
     changed += layout_differences(checkpoint, world_size, config.distributed.strategy)
     if changed:
@@ -333,10 +358,11 @@ def choose_run_folder(config, config_path: str, world_size: int = 1,
     return run.name, str(checkpoint), message
 
 
-def _new_run(output_dir: Path, run_name: str | None, stem: str) -> str:
+def _new_run(output_dir: Path, run_name: str | None, stem: str, restart: bool = False) -> str:
     """A new run's folder, created and held: `run_name`, or ``<stem>-<timestamp>`` with ``-2``,
     ``-3``... when runs started in the same second (the folder is made atomically, so two starts
-    never share one).
+    never share one). With `restart`, `run_name` may hold an unfinished run without a checkpoint
+    (what ``RESUME=auto`` starts again from step 0).
 
     Raises:
         ValueError: `run_name` holds a run; the output folder cannot hold run folders.
@@ -345,9 +371,12 @@ def _new_run(output_dir: Path, run_name: str | None, stem: str) -> str:
     _usable_output_dir(output_dir)
     if run_name:
         hold(output_dir / run_name)
-        _refuse_to_overwrite(output_dir / run_name)
+        if restart:
+            shutil.rmtree(output_dir / run_name / "model.partial", ignore_errors=True)
+        else:
+            _refuse_to_overwrite(output_dir / run_name)
         return run_name
-    base = f"{stem}-{_timestamp()}"
+    base = f"{_safe_name(stem)}-{_timestamp()}"
     for attempt in range(1, 1000):
         name = base if attempt == 1 else f"{base}-{attempt}"
         try:
@@ -357,6 +386,11 @@ def _new_run(output_dir: Path, run_name: str | None, stem: str) -> str:
         hold(output_dir / name)
         return name
     raise ValueError(f"train.output_dir ({output_dir}) already holds 999 runs named {base}-*")
+
+
+def _safe_name(stem: str) -> str:
+    """A config file's name as a run name's start: what train.run_name allows, and room for the time."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip(".-")[:100] or "run"
 
 
 def _timestamp() -> str:

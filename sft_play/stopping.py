@@ -22,22 +22,28 @@ DUPLICATE_SIGNAL_WINDOW_S = 2.0
 _MAKE = {"make", "gmake"}
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """Have the kernel send this process `signum` when the process that started it ends, however
-    it ends (Linux's ``PR_SET_PDEATHSIG``): a training rank never outlives its launcher, which
-    make's process group may lose to a SIGKILL while the ranks, in their own group, would go on
-    training into the run folder. With SIGTERM the rank saves a checkpoint and stops.
+# What the kernel sends a training rank when its launcher ends: a stop request of its own, which
+# the training's handler never takes for a second, impatient one (SIGTERM twice stops at once)
+LAUNCHER_GONE = signal.SIGUSR1
+
+
+def die_with_parent() -> None:
+    """Have the kernel send this process :data:`LAUNCHER_GONE` when the process that started it
+    ends, however it ends (Linux's ``PR_SET_PDEATHSIG``): a training rank never outlives its
+    launcher, which make's process group may lose to a SIGKILL while the ranks, in their own
+    group, would go on training into the run folder. The rank saves a checkpoint and stops.
 
     Raises:
-        SystemExit: the launcher is already gone.
+        SystemExit: the launcher ended before the request took effect.
     """
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    parent = os.getppid()
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signum), 0, 0, 0)
-    if os.getppid() == 1:  # reparented before the request took effect
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(LAUNCHER_GONE), 0, 0, 0)
+    if os.getppid() != parent:
         raise SystemExit("the launcher that started this training process is gone; not training")
 
 _SHELLS = {"sh", "bash", "dash", "zsh"}

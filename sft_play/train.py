@@ -189,7 +189,8 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
                   flush=True)
         state.wait_for_everyone()  # every rank exits after rank 0 has written and said everything
         return EXIT_INTERRUPTED
-    stop.install()  # a stop during the final save lets it finish: the model is whole, or not there at all
+    stop.final_save = True  # a stop during the final save lets it finish: the model is whole, or not there at all
+    stop.install()
     save(trainer, state, run, batch, run_dir, bundle, stop)
     if state.is_main_process and stop.received:
         print(f"(a stop signal, {stop.received}, came during the final save, which finished first: the run is "

@@ -138,6 +138,22 @@ def test_an_output_dir_that_cannot_hold_runs_is_one_clear_error(tmp_path):
         run_folder.choose_run_folder(config, "configs/exp.yaml")
 
 
+def test_the_launchers_end_is_a_stop_request_that_never_aborts_a_save(monkeypatch):
+    from sft_play import stopping
+
+    monkeypatch.setattr(callbacks.stops, "DUPLICATE_SIGNAL_WINDOW_S", 0.05)
+    stop = callbacks.GracefulStop()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop the launcher passed on
+        time.sleep(0.2)
+        os.kill(os.getpid(), stopping.LAUNCHER_GONE)  # then the launcher was killed: no KeyboardInterrupt
+        time.sleep(0.1)
+    finally:
+        stop.restore()
+    assert stop.received == "SIGTERM"
+
+
 def test_a_closed_terminal_is_a_stop_request(monkeypatch):
     stop = callbacks.GracefulStop()
     stop.install()
@@ -153,13 +169,14 @@ def test_a_closed_terminal_is_a_stop_request(monkeypatch):
 
 def test_a_training_process_ends_when_its_launcher_does(tmp_path):
     """What a rank does first under a launcher (scripts/train_distributed.py): the kernel sends it
-    SIGTERM when the launcher ends, here killed outright."""
+    stopping.LAUNCHER_GONE when the launcher ends, here killed outright; training takes it as a stop
+    request that a second signal never turns into an abort."""
     marker = tmp_path / "got-sigterm"
     child = textwrap.dedent(f"""
         import signal, sys, time
         from pathlib import Path
         from sft_play import stopping
-        signal.signal(signal.SIGTERM, lambda *_: (Path({str(marker)!r}).write_text("stopped"), sys.exit(75)))
+        signal.signal(stopping.LAUNCHER_GONE, lambda *_: (Path({str(marker)!r}).write_text("stopped"), sys.exit(75)))
         stopping.die_with_parent()
         print("ready", flush=True)
         time.sleep(600)
@@ -227,3 +244,27 @@ def test_a_closed_stdout_never_ends_a_run(tmp_path):
     process.stdout.close()  # the reader goes away
     assert process.wait(timeout=600) == 0
     assert run_folder.is_finished(tmp_path / "r") and list((tmp_path / "r" / "model").glob("*.safetensors"))
+
+
+def test_resume_auto_starts_a_named_run_without_a_checkpoint_again_in_its_folder(tmp_path):
+    """What a SLURM requeue does after a job stopped before its first checkpoint."""
+    from sft_play import config as config_module
+
+    named = ["train.run_name=r", f"train.output_dir={tmp_path}", "train.resume_from=auto"]
+    config = config_module.load(None, named, check_paths=False)
+    (tmp_path / "r" / "model.partial").mkdir(parents=True)  # a final save cut short, with save_steps 0
+    (tmp_path / "r" / "config.yaml").write_text(config.to_yaml())
+    name, checkpoint, message = run_folder.choose_run_folder(config, "configs/run_tiny.yaml")
+    assert (name, checkpoint) == ("r", None) and "starting it again from step 0" in message
+    assert not (tmp_path / "r" / "model.partial").exists()
+
+
+def test_default_run_names_are_safe_whatever_the_config_file_is_called(tmp_path, monkeypatch):
+    from sft_play import config as config_module
+
+    monkeypatch.setattr(run_folder, "_timestamp", lambda: "20261127-120000")
+    config = config_module.load(None, [f"train.output_dir={tmp_path}"], check_paths=False)
+    name = run_folder.choose_run_folder(config, "configs/exp+lora v2.yaml")[0]
+    assert name == "exp-lora-v2-20261127-120000"
+    config.train.run_name = name  # what config.yaml then says: it loads again
+    config_module.load(None, [f"train.run_name={name}"], check_paths=False)

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 from sft_play.callbacks.ranks import any_rank
 # A signal that arrives again within this window is the same request delivered twice (a terminal
 # or a cluster signals every process, and the launcher passes it on as well)
-from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S
+from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, LAUNCHER_GONE
 
 logger = logging.getLogger("sft_play.callbacks")
 
@@ -31,28 +31,34 @@ class GracefulStop(TrainerCallback):
     is not lost.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
+    # SIGHUP: the terminal or ssh session closed; LAUNCHER_GONE: the launcher ended (stopping.die_with_parent)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
 
     def __init__(self) -> None:
         self.received: str | None = None
         self.stopped_at: int | None = None
+        self.final_save = False  # set while the final model is saved: a stop lets it finish
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame):
         now = time.monotonic()
         if self.received is not None:
-            if now - self._first_at < DUPLICATE_SIGNAL_WINDOW_S:
-                return
+            if now - self._first_at < DUPLICATE_SIGNAL_WINDOW_S or signum == LAUNCHER_GONE:
+                return  # the same request again, or the launcher's end while a stop is under way
             previous = self._previous.get(signum)  # asked twice: stop now
             self.restore()
             if callable(previous):
                 previous(signum, frame)
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        self.received = "the end of its launcher" if signum == LAUNCHER_GONE else signal.Signals(signum).name
         self._first_at = now
-        logger.warning("received %s: finishing this step, saving a checkpoint, then stopping "
-                       "(send it again to stop at once)", self.received)
+        if self.final_save:
+            logger.warning("received %s during the final save: it finishes first (send it again to stop at once)",
+                           self.received)
+        else:
+            logger.warning("received %s: finishing this step, saving a checkpoint, then stopping "
+                           "(send it again to stop at once)", self.received)
 
     def install(self) -> None:
         """Handle SIGTERM and SIGINT from now on (main thread only; once)."""
