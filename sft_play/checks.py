@@ -119,6 +119,10 @@ def check_model(config: RunConfig) -> list[Check]:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     checks = [Check("model", True, f"{name}: {getattr(model_config, 'model_type', '?')}, "
                                    f"{getattr(text, 'num_hidden_layers', '?')} layers, vocabulary {getattr(text, 'vocab_size', '?')}")]
+    try:
+        ensure_positions(config)
+    except UserError as exc:
+        checks.append(Check("sequence length", False, str(exc)))
     from sft_play.architecture import parameter_count
     from sft_play.model import random_init_warning, weights_source
 

@@ -103,6 +103,17 @@ def in_use(run_dir: Path) -> str | None:
     return None
 
 
+def discard_if_empty(run_dir: Path) -> None:
+    """Remove `run_dir` if it holds nothing but this process's lock: a start refused before it
+    wrote anything leaves no folder behind."""
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - {LOCK}:
+        return
+    fd = _HELD.pop(str(run_dir.resolve()), None)
+    if fd is not None:
+        os.close(fd)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _holder(fd: int) -> str:
     try:
         return os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"

@@ -258,7 +258,11 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
         try:
             name, resume_checkpoint, message = run_folder.choose_run_folder(config, config_path, state.num_processes,
                                                                             counts)
-            checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
+            try:
+                checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
+            except UserError:
+                run_folder.discard_if_empty(Path(config.train.output_dir) / name)
+                raise
             decision = [name, resume_checkpoint, message, None]
         except (ValueError, UserError) as exc:
             decision = [None, None, None, str(exc)]

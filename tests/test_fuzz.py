@@ -83,3 +83,15 @@ def test_malformed_rows_are_bad_rows_named_by_line_never_a_crash(tmp_path, tiny_
             except (InvalidRow, UserError) as error:
                 lines = str(error).splitlines()
                 assert lines and all(len(line) < 1000 for line in lines), lines[:3]
+
+
+def test_a_bad_record_in_a_json_file_is_one_bad_row_not_a_bad_file(tmp_path, tiny_tokenizer):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    deep = {"messages": json.loads("[" * 40 + "]" * 40)}
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([good, deep, good]).replace("]]]]", "]]]]", 1)[:-1]
+                    + ', {"messages": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "x"}]}]')
+    cfg = config_module.load(None, [f"data.path={path}", "data.validation_path=null", "data.on_invalid=skip"],
+                             check_paths=False).data
+    stats = build(cfg, tiny_tokenizer, seed=0).stats
+    assert stats.examples == 2 and sum(stats.skipped.values()) == 2, stats.skipped

@@ -268,3 +268,15 @@ def test_default_run_names_are_safe_whatever_the_config_file_is_called(tmp_path,
     assert name == "exp-lora-v2-20261127-120000"
     config.train.run_name = name  # what config.yaml then says: it loads again
     config_module.load(None, [f"train.run_name={name}"], check_paths=False)
+
+
+def test_a_start_refused_before_writing_leaves_no_folder(tmp_path):
+    from sft_play import config as config_module
+
+    config = config_module.load(None, [f"train.output_dir={tmp_path}"], check_paths=False)
+    name = run_folder.choose_run_folder(config, "configs/exp.yaml")[0]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "config.yaml").write_text("")
+    run_folder.discard_if_empty(tmp_path / name)  # what a refusal for disk room does
+    run_folder.discard_if_empty(tmp_path / "kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

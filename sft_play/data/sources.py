@@ -183,17 +183,26 @@ def _unpaired_surrogate(value: Any) -> bool:
     return False
 
 
+def _record_problem(record: Any, text: str | None = None) -> str | None:
+    """What makes a parsed record unusable: nesting beyond :data:`MAX_NESTING`, or text no
+    tokenizer can encode (`text`, the record's JSON, tells cheaply whether to look for the latter)."""
+    if _too_deep(record):
+        return f"nested deeper than {MAX_NESTING} levels"
+    if (text is None or "\\ud" in text or "\\uD" in text) and _unpaired_surrogate(record):
+        return "a \\uD800-\\uDFFF escape without its pair: not text a tokenizer can encode"
+    return None
+
+
 def _loads(text: str) -> Any:
-    """``json.loads``, with nesting beyond what a record needs, or text no tokenizer can encode,
-    a ValueError (not a RecursionError, or a TypeError deep in the tokenizer)."""
+    """``json.loads``, with a record no tokenizer could take (:func:`_record_problem`) a ValueError
+    (not a RecursionError, or a TypeError deep in the tokenizer)."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
-    if _too_deep(value):
-        raise ValueError(f"nested deeper than {MAX_NESTING} levels")
-    if ("\\ud" in text or "\\uD" in text) and _unpaired_surrogate(value):
-        raise ValueError("a \\uD800-\\uDFFF escape without its pair: not text a tokenizer can encode")
+    problem = _record_problem(value, text)
+    if problem:
+        raise ValueError(problem)
     return value
 
 
@@ -228,7 +237,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     raw = path.read_bytes()
     try:
-        data = _loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise InvalidRow(str(path), 0, "<file>", "nested deeper than Python's JSON reader follows") from None
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise InvalidRow(str(path), 0, "<file>", f"not valid UTF-8 ({exc.reason} at byte {exc.start}, on line {line})")
@@ -238,8 +249,6 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield from _jsonl_rows(path)
             return
         raise InvalidRow(str(path), exc.lineno, "<file>", f"not valid JSON: {exc.msg} at column {exc.colno}")
-    except ValueError as exc:
-        raise InvalidRow(str(path), 0, "<file>", str(exc)) from None
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
@@ -250,6 +259,10 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, row in enumerate(data, start=1):
         if not isinstance(row, dict):
             yield number, InvalidRow(str(path), number, "<record>", f"expected an object, got {type(row).__name__}")
+            continue
+        problem = _record_problem(row)
+        if problem:
+            yield number, InvalidRow(str(path), number, "<record>", problem)
             continue
         yield number, row
 
