@@ -82,46 +82,45 @@ CASES = [
 ]
 
 
+def run_in_process(script: str, argv: list[str], monkeypatch) -> int:
+    """`python scripts/SCRIPT ARGV` in this process, from the repo (cli.run turns errors into
+    messages there); its exit status."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+    return exit_info.value.code
+
+
 @pytest.mark.parametrize("script, arguments, expected", CASES, ids=[f"{c[0]}:{c[1][0][:40]}" for c in CASES])
 def test_bad_input_gets_one_message_and_exit_2(script, arguments, expected, bad_files, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("RANK", raising=False)
     argv = [a.format(**bad_files) for a in arguments]
-    monkeypatch.setattr(sys, "argv", [script, "--config", str(REPO / "configs" / "run_tiny.yaml"), *argv])
-    monkeypatch.chdir(REPO)
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+    status = run_in_process(script, ["--config", str(REPO / "configs" / "run_tiny.yaml"), *argv], monkeypatch)
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert expected in err, err[-2000:]
-    assert exit_info.value.code == 2
+    assert status == 2
     assert len(err) < 4000  # one message, not the input echoed back
 
 
 @pytest.mark.parametrize("script, arguments", [("plan.py", ["--gpus", "abc"]), ("launch.py", ["--num-gpus", "abc"])])
 def test_a_bad_make_variable_is_one_line_naming_it(script, arguments, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [script, *arguments])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+    status = run_in_process(script, arguments, monkeypatch)
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "NUM_GPUS=abc is not a whole number" in err
+    assert status == 2 and err.count("\n") == 1 and "NUM_GPUS=abc is not a whole number" in err
 
 
 def test_a_refused_config_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["train_distributed.py", "--config", str(REPO / "configs" / "run_tiny.yaml"),
-                                      f"train.output_dir={tmp_path}", "train.seed=-1"])
-    monkeypatch.chdir(REPO)
-    with pytest.raises(SystemExit):
-        runpy.run_path(str(REPO / "scripts" / "train_distributed.py"), run_name="__main__")
+    run_in_process("train_distributed.py", ["--config", str(REPO / "configs" / "run_tiny.yaml"),
+                                            f"train.output_dir={tmp_path}", "train.seed=-1"], monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_every_bad_row_is_named(bad_files, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["data_stats.py", "--config", str(REPO / "configs" / "run_tiny.yaml"),
-                                      f"data.path={bad_files['rows']}", "data.validation_path=null"])
-    monkeypatch.chdir(REPO)
-    with pytest.raises(SystemExit):
-        runpy.run_path(str(REPO / "scripts" / "data_stats.py"), run_name="__main__")
+    run_in_process("data_stats.py", ["--config", str(REPO / "configs" / "run_tiny.yaml"),
+                                     f"data.path={bad_files['rows']}", "data.validation_path=null"], monkeypatch)
     err = capsys.readouterr().err
     assert "row 5, field 'messages[0].content': missing" in err and "row 9, field 'messages[0].role'" in err
 

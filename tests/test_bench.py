@@ -442,3 +442,13 @@ def test_the_memory_snapshot_compares_the_planners_order_of_allocations_with_the
     categories = {category for _, _, category in planned}
     assert "activations" in categories and not categories & {"weights", "optimizer_states"}
     assert sum(1 for a, *_ in planned if a == "a") >= sum(1 for a, *_ in planned if a == "f") > 0
+
+
+def test_the_data_bench_prepares_the_same_file_on_both_sides_and_reports(tmp_path):
+    out = tmp_path / "data_prep.md"
+    done = run_scripts_together(("bench/data_prep.py", "--data", str(REPO / "tests" / "fixtures" / "data" / "messages.jsonl"),
+                                 "--max-seq-length", "64", "--out", str(out)))[0]
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| sft_play") or line.startswith("| trl")]
+    assert [r[1].strip() for r in rows] == ["sft_play", "trl"]
+    assert rows[0][3] == rows[1][3]  # the same packed rows from the same file

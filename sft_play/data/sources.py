@@ -155,41 +155,23 @@ def _bounded(path: Path, number: int, raw: bytes | str) -> InvalidRow | None:
     return None
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether `value` nests lists and objects deeper than :data:`MAX_NESTING` (without recursion)."""
-    stack = [(value, 1)]
+def _record_problem(record: Any, text: str | None = None) -> str | None:
+    """What makes a parsed record unusable, found in one walk without recursion: nesting beyond
+    :data:`MAX_NESTING`, or a string holding half of a UTF-16 pair (JSON's ``"\\ud83d"`` alone),
+    which no tokenizer can encode (`text`, the record's JSON, tells cheaply whether one can be there)."""
+    strings = text is None or "\\ud" in text or "\\uD" in text
+    stack = [(record, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, (dict, list)):
             if depth > MAX_NESTING:
-                return True
+                return f"nested deeper than {MAX_NESTING} levels"
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return False
-
-
-def _unpaired_surrogate(value: Any) -> bool:
-    """Whether a string in `value` holds half of a UTF-16 pair (JSON's ``"\\ud83d"`` alone), which
-    no tokenizer can encode."""
-    stack = [value]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, str):
+        elif strings and isinstance(node, str):
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
-                return True
-        elif isinstance(node, (dict, list)):
-            stack.extend(node.values() if isinstance(node, dict) else node)
-    return False
-
-
-def _record_problem(record: Any, text: str | None = None) -> str | None:
-    """What makes a parsed record unusable: nesting beyond :data:`MAX_NESTING`, or text no
-    tokenizer can encode (`text`, the record's JSON, tells cheaply whether to look for the latter)."""
-    if _too_deep(record):
-        return f"nested deeper than {MAX_NESTING} levels"
-    if (text is None or "\\ud" in text or "\\uD" in text) and _unpaired_surrogate(record):
-        return "a \\uD800-\\uDFFF escape without its pair: not text a tokenizer can encode"
+                return "a \\uD800-\\uDFFF escape without its pair: not text a tokenizer can encode"
     return None
 
 

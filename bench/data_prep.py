@@ -1,0 +1,95 @@
+"""Data preparation beside TRL's own: the same chat file tokenised, labelled on the answers and
+packed (best-fit decreasing) by ``sft_play.data.build`` and by ``SFTTrainer``'s preparation
+(``assistant_only_loss``, ``packing_strategy="bfd"``), each in a fresh process without a cache:
+wall time and the process's peak resident memory; writes docs/reports/data_prep.md.
+
+Usage: python bench/data_prep.py [--data data/tiny/train.jsonl] [--max-seq-length 256] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from _common import REPO, REPORTS, run_worker, versions  # bench/ is the script's folder
+from tiny_default import hardware_line
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def worker(spec: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
+    before = _rss_bytes()
+    started = time.perf_counter()
+    if spec["side"] == "sft_play":
+        from sft_play import config as config_module
+        from sft_play.data import build
+
+        cfg = config_module.load(None, [f"data.path={spec['data']}", "data.validation_path=null",
+                                        f"data.max_seq_length={spec['max_seq_length']}"], check_paths=False).data
+        rows = build(cfg, tokenizer, seed=0).train
+    else:
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(output_dir=tempfile.mkdtemp(), max_length=spec["max_seq_length"], packing=True,
+                         packing_strategy="bfd", assistant_only_loss=True, report_to="none", use_cpu=True)
+        dataset = datasets.load_dataset("json", data_files=spec["data"], split="train")
+        # The preparation SFTTrainer runs in its constructor, without a model or a trainer around it
+        trainer_state = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=None,
+                                        padding_free=False)
+        rows = SFTTrainer._prepare_dataset(trainer_state, dataset, tokenizer, args, True, None, "train")
+    return {"ok": True, "seconds": time.perf_counter() - started, "rows": len(rows),
+            "peak_bytes": _rss_bytes(), "before_bytes": before}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(REPO / "data" / "tiny" / "train.jsonl"))
+    parser.add_argument("--max-seq-length", type=int, default=256)
+    parser.add_argument("--out", default=str(REPORTS / "data_prep.md"))
+    parser.add_argument("--worker")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as cache:
+        import os
+
+        os.environ["SFT_PLAY_CACHE"] = cache  # nothing prepared before: both sides do the whole work
+        os.environ["HF_DATASETS_CACHE"] = str(Path(cache) / "hf")
+        for side in ("sft_play", "trl"):
+            results[side] = run_worker(Path(__file__), {"side": side, "data": args.data,
+                                                        "max_seq_length": args.max_seq_length}, timeout=1800)
+    gib = 1 << 30
+    lines = ["# Data preparation beside TRL's own", "",
+             f"`python bench/data_prep.py --data {Path(args.data).relative_to(REPO) if Path(args.data).is_relative_to(REPO) else args.data} "
+             f"--max-seq-length {args.max_seq_length}`: the same chat file tokenised, labelled on the answers and packed "
+             "(best-fit decreasing), each side in a fresh process with empty caches. Peak memory is the process's "
+             "peak resident set (it includes the libraries; 'before' is the peak once the tokenizer has loaded).", "",
+             f"Hardware: {hardware_line()}. {versions()}.", "",
+             "| side | wall (s) | packed rows | peak memory (GiB) | peak before preparing (GiB) |", "|---|---|---|---|---|"]
+    for side, result in results.items():
+        if result.get("ok"):
+            lines.append(f"| {side} | {result['seconds']:.1f} | {result['rows']:,} | {result['peak_bytes'] / gib:.2f} "
+                         f"| {result['before_bytes'] / gib:.2f} |")
+        else:
+            lines.append(f"| {side} | failed: {result.get('error')} | | | |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
