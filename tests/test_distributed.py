@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sft_play import checkpoints, launch, training
-from sft_play.launch import supervise
+from sft_play.launch import rendezvous, supervise
 from sft_play import config as config_module
 from sft_play.run import resolve
 from tests.conftest import PINNED
@@ -111,10 +111,44 @@ def stopped_runs(tmp_path_factory):
 
 
 def _uninterrupted(tmp_path_factory, target: str, name: str, extra: tuple[str, ...] = ()):
+    """The run's folder, output and status; the addresses its processes listened on, in LISTENED[name]."""
     root = tmp_path_factory.mktemp(name)
-    result = make(target, "CPU=1", "NUM_GPUS=2",
-                  f"ARGS={' '.join([*TINY, *extra])} train.output_dir={root} train.run_name={name}")
-    return root / name, result.stdout + result.stderr, result.returncode
+    process = subprocess.Popen(
+        ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2",
+         f"ARGS={' '.join([*TINY, *extra])} train.output_dir={root} train.run_name={name}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    LISTENED[name] = listening_while(process)
+    return root / name, process.stdout.read(), process.wait(timeout=900)
+
+
+LISTENED: dict[str, set[tuple[str, str]]] = {}
+
+
+def listening_while(process: subprocess.Popen) -> set[tuple[str, str]]:
+    """(process name, address) of every TCP socket `process` and its descendants listen on, seen
+    every 0.2 s until it ends: the launcher's rendezvous store, gloo's, TensorBoard's."""
+    import psutil
+
+    seen: set[tuple[str, str]] = set()
+    root = psutil.Process(process.pid)
+
+    def watch() -> None:
+        while process.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for member in tree:
+                try:
+                    listening = [c for c in member.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+                    seen.update((member.pid, c.laddr.ip) for c in listening)
+                except psutil.Error:
+                    continue
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +170,7 @@ def fsdp2_run(tmp_path_factory, stopped_runs):
 def test_make_train_distributed_runs_ddp_on_two_cpu_processes(ddp_run):
     run_dir, output, status = ddp_run
     assert status == 0, output[-5000:]
-    assert "launching 2 process(es) on 1 node(s) (accelerate, ddp, rendezvous standalone" in output
+    assert "launching 2 process(es) on 1 node(s) (accelerate, ddp, rendezvous a free loopback port)" in output
     assert "2 process(es) on 1 node(s), DistributedType.MULTI_CPU" in output
     assert "global 8 = micro 4 x accum 1 x world 2" in output
     summary = check_two_rank_run(run_dir, output)
@@ -147,7 +181,7 @@ def test_make_train_distributed_runs_ddp_on_two_cpu_processes(ddp_run):
 def test_make_train_deepspeed_runs_zero2_on_two_cpu_processes(zero2_run):
     run_dir, output, status = zero2_run
     assert status == 0, output[-5000:]
-    assert "(torchrun, deepspeed_zero2, rendezvous standalone" in output
+    assert "(torchrun, deepspeed_zero2, rendezvous a free loopback port)" in output
     assert "DistributedType.DEEPSPEED" in output
     assert "shm_comm_op built" not in output  # its inference-only comm op is not compiled (~40 s)
     check_two_rank_run(run_dir, output)
@@ -159,7 +193,7 @@ def test_make_train_deepspeed_runs_zero2_on_two_cpu_processes(zero2_run):
 def test_fsdp2_lora_trains_like_ddp_on_disjoint_rows_and_saves_shards(fsdp2_run, ddp_run):
     run_dir, output, status = fsdp2_run
     assert status == 0, output[-5000:]
-    assert "(accelerate, fsdp2, rendezvous standalone" in output and "strategy fsdp2" in output
+    assert "(accelerate, fsdp2, rendezvous a free loopback port)" in output and "strategy fsdp2" in output
     ours = json.loads((run_dir / "summary.json").read_text())
     theirs = json.loads((ddp_run[0] / "summary.json").read_text())
     assert ours["world_size"] == 2 and ours["global_step"] == 4
@@ -202,6 +236,27 @@ def test_a_node_that_never_comes_is_waited_for_then_ends_with_one_error():
     assert re.search(arrived, outputs["alone0"], re.M)
     assert f"waiting for node 0 at 127.0.0.1:{alone1}" in outputs["alone1"]
     assert re.search(rf"^error: node 0 did not answer at 127.0.0.1:{alone1} within 0.05 min", outputs["alone1"], re.M)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_meet_at_node_zeros_store_and_train(tmp_path):
+    """NNODES=2 as two launchers, one process each, through our rendezvous: node 0's store on the
+    address MASTER_ADDR names (here loopback), node 1 a client of it."""
+    port = free_ports(1)[0]
+    nodes = [subprocess.Popen(
+        [sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--num-gpus", "1", "--nnodes", "2",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--config", "configs/run_tiny.yaml", *PINNED, "train.max_steps=2", "train.micro_batch_size=2",
+         f"train.output_dir={tmp_path}", "train.run_name=two_nodes"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    listened = listening_while(nodes[0])
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    assert "2 process(es) on 2 node(s)" in outputs[0]
+    summary = json.loads((tmp_path / "two_nodes" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 2
+    assert {address for _, address in listened} == {"127.0.0.1"}, sorted(listened)
 
 
 @pytest.mark.slow
@@ -254,15 +309,38 @@ def free_ports(count: int) -> list[int]:
 # --- the launcher's decisions, without processes ---------------------------------------------
 
 
-def test_one_node_uses_torchruns_standalone_rendezvous():
+def test_one_node_meets_on_a_free_loopback_port():
     topology, messages = launch.resolve_topology(2, None, 1, 0, None, 29555, True, 0)
-    assert topology.standalone and topology.rendezvous() == "standalone (a free local port)"
-    assert messages == ["one node: MASTER_PORT=29555 is not used, the processes meet on a free port torchrun picks "
-                        "(standalone rendezvous)"]
+    assert topology.standalone and topology.rendezvous() == "a free loopback port"
+    assert messages == ["one node: MASTER_PORT=29555 is not used, the processes meet on a free loopback port"]
     command = launch.torchrun_command(topology, "c.yaml", [])
-    assert "--standalone" in command and "--master_port" not in command and "--rdzv_conf" not in command
+    assert "--standalone" not in command and "--master_port" not in command
+    assert command[command.index("--rdzv_backend") + 1] == rendezvous.BACKEND
+    assert command[command.index("--rdzv_endpoint") + 1] == "127.0.0.1:0"
     command = launch.accelerate_command(topology, "c.yaml", [])
     assert command[command.index("--main_process_port") + 1] == "0" and "--main_process_ip" not in command
+    assert command[command.index("--rdzv_backend") + 1] == rendezvous.BACKEND
+
+
+@pytest.mark.slow
+def test_every_listener_of_a_one_node_run_is_on_loopback(ddp_run, zero2_run):
+    """torchrun's own stores bound every interface: a client on the host's other addresses could
+    read and write the run's keys. Both launchers, the store and the ranks' own listeners."""
+    for name, run in {"ddp": ddp_run, "zero2": zero2_run}.items():
+        assert run[2] == 0, run[1][-3000:]
+        addresses = {address for _, address in LISTENED[name]}
+        assert addresses == {"127.0.0.1"}, f"{name}: {sorted(LISTENED[name])}"
+        launcher = {pid for pid, _ in LISTENED[name]}
+        assert len(launcher) >= 3, "the launcher's store and each rank's gloo listener were seen"
+
+
+def test_the_store_binds_loopback_on_one_node_and_master_addrs_address_on_several():
+    assert rendezvous.listen_address("10.1.2.3", 1) == ("127.0.0.1", None)
+    assert rendezvous.listen_address("10.1.2.3", 2) == ("10.1.2.3", None)
+    assert rendezvous.listen_address("127.0.0.1", 2) == ("127.0.0.1", None)  # nodes on one machine
+    assert rendezvous.listen_address("localhost", 2) == ("127.0.0.1", None)
+    bind, note = rendezvous.listen_address("no-such-host.invalid", 2)
+    assert bind == "0.0.0.0" and "MASTER_ADDR=no-such-host.invalid does not resolve" in note
 
 
 def test_taken_port_on_a_multi_node_rank_zero_is_an_error():
@@ -309,13 +387,13 @@ def test_commands_carry_the_topology(monkeypatch):
     assert command[-3:] == ["--config", "c.yaml", "train.max_steps=3"]
     assert "--multi_gpu" in command, "DDP whatever the accelerate config file says"
     timeouts = launch.Timeouts(stop_s=600, rendezvous_s=120)
-    assert command[command.index("--rdzv_conf") + 1] == "timeout=630"
+    assert command[command.index("--rdzv_conf") + 1] == "rank=1,timeout=630"
     command = launch.torchrun_command(topology, "c.yaml", [], timeouts)
     assert command[command.index("--nproc_per_node") + 1] == "8"
     assert command[command.index("--nnodes") + 1] == "2"
-    assert command[command.index("--master_port") + 1] == "1234" and "--standalone" not in command
+    assert command[command.index("--rdzv_endpoint") + 1] == "10.0.0.1:1234" and "--standalone" not in command
     assert command[command.index("--shutdown_timeout") + 1] == "600"
-    assert command[command.index("--rdzv_conf") + 1] == "timeout=150"
+    assert command[command.index("--rdzv_conf") + 1] == "rank=1,timeout=150"
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # another test's launch may have left it here
     env = launch.child_env(launch.Topology(processes_per_node=2), gpus="0,1", timeouts=timeouts)
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and "DS_ACCELERATOR" not in env

@@ -26,7 +26,7 @@ ORDER = [
     "planner.present.report", "planner.present",
     "model", "training.arguments", "training.trainer", "training.backoff", "training.saving", "training",
     "export", "memory_check", "checks", "cli",
-    "launch.tensorboard", "launch.commands", "launch.supervise", "launch",
+    "launch.tensorboard", "launch.rendezvous", "launch.commands", "launch.supervise", "launch",
     "train",
 ]
 PACKAGE = REPO / "sft_play"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft_play.lean_imports import sanitized_cuda_arch_list
+from sft_play.launch import rendezvous
 from sft_play.launch.tensorboard import LOOPBACK, port_is_free
 from sft_play.run import CPU_ENV
 
@@ -37,11 +38,11 @@ class Topology:
 
     @property
     def standalone(self) -> bool:
-        """One node: torchrun's standalone rendezvous on a port it picks, no MASTER_ADDR/PORT."""
+        """One node: the rendezvous store on a free loopback port, no MASTER_ADDR/PORT."""
         return self.nnodes == 1
 
     def rendezvous(self) -> str:
-        return "standalone (a free local port)" if self.standalone else f"{self.master_addr}:{self.master_port}"
+        return "a free loopback port" if self.standalone else f"{self.master_addr}:{self.master_port}"
 
 
 @dataclass
@@ -99,8 +100,8 @@ def resolve_topology(
     port = master_port or DEFAULT_MASTER_PORT
     if nnodes == 1:
         if master_port:
-            messages.append(f"one node: MASTER_PORT={master_port} is not used, the processes meet on a free port "
-                            "torchrun picks (standalone rendezvous)")
+            messages.append(f"one node: MASTER_PORT={master_port} is not used, the processes meet on a free loopback "
+                            "port")
     elif node_rank == 0 and not port_is_free(port, "0.0.0.0"):
         raise LaunchError(f"MASTER_PORT={port} is in use on this node (rank 0): pick a free one and pass the same "
                           f"MASTER_PORT to every node")
@@ -122,8 +123,8 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     ``--multi_gpu`` is always passed for several processes: this target is DDP, whatever the
     config file says (a config written where there was no GPU says one process, no
     distribution). On CPU it is also what starts several gloo processes (``--cpu`` starts one
-    and wants mpirun), with mixed precision off. On one node the rendezvous is torchrun's
-    standalone one (see :func:`run_launcher`). A `sharded` (FSDP2) run is started with
+    and wants mpirun), with mixed precision off. The rendezvous is ours (:mod:`.rendezvous`),
+    its endpoint set by :func:`run_launcher`. A `sharded` (FSDP2) run is started with
     ``--use_fsdp``, which takes the distributed launcher for any number of processes (one
     included, where ``--multi_gpu`` is refused): accelerate applies FSDP only to processes its
     distributed launcher started. The FSDP settings themselves come from the run (the trainer's
@@ -140,8 +141,8 @@ def accelerate_command(topology: Topology, config: str, overrides: list[str],
     if topology.standalone:
         command += ["--main_process_port", "0"]
     else:
-        command += ["--main_process_ip", topology.master_addr, "--main_process_port", str(topology.master_port),
-                    "--rdzv_conf", f"timeout={_agent_rendezvous_timeout(timeouts)}"]
+        command += ["--main_process_ip", topology.master_addr, "--main_process_port", str(topology.master_port)]
+    command += ["--rdzv_backend", rendezvous.BACKEND, "--rdzv_conf", _rendezvous_conf(topology, timeouts)]
     if sharded:
         command += ["--use_fsdp", "--fsdp_version", "2"]
     elif topology.world_size > 1:
@@ -161,13 +162,18 @@ def torchrun_command(topology: Topology, config: str, overrides: list[str],
         "--nnodes", str(topology.nnodes),
         "--shutdown_timeout", str(round(timeouts.stop_s)),
     ]
-    if topology.standalone:
-        command += ["--standalone"]
-    else:
-        command += ["--node_rank", str(topology.node_rank), "--master_addr", topology.master_addr,
-                    "--master_port", str(topology.master_port),
-                    "--rdzv_conf", f"timeout={_agent_rendezvous_timeout(timeouts)}"]
+    command += ["--rdzv_backend", rendezvous.BACKEND, "--rdzv_endpoint", rendezvous_endpoint(topology),
+                "--rdzv_conf", _rendezvous_conf(topology, timeouts)]
     return command + [str(TRAIN_SCRIPT), "--config", config, *overrides]
+
+
+def rendezvous_endpoint(topology: Topology) -> str:
+    """Node 0's store: a free loopback port on one node, MASTER_ADDR:MASTER_PORT on several."""
+    return f"{LOOPBACK}:0" if topology.standalone else f"{topology.master_addr}:{topology.master_port}"
+
+
+def _rendezvous_conf(topology: Topology, timeouts: Timeouts) -> str:
+    return f"rank={topology.node_rank},timeout={_agent_rendezvous_timeout(timeouts)}"
 
 
 def _agent_rendezvous_timeout(timeouts: Timeouts) -> int:

@@ -10,9 +10,8 @@ agent), on a thread, so that this process keeps the say over signals and outcome
   30 s, and exit with a traceback);
 - the launcher exits with the training processes' status (75 after a stop that saved), with one
   ``error:`` line instead of a traceback when the launch itself fails;
-- on one node the processes meet through torchrun's standalone rendezvous on a port it picks
-  (two launches at once never race for one); on several nodes, node 0's address and port, and
-  every node says how many are still missing while it waits, for at most
+- the processes meet through :mod:`.rendezvous`: on one node a free loopback port (two launches
+  at once never race for one); on several nodes, node 0's address and port, and every node says how many are still missing while it waits, for at most
   ``distributed.rendezvous_timeout_minutes``.
 """
 
@@ -29,7 +28,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from sft_play.launch import rendezvous
 from sft_play.launch.commands import Timeouts, Topology
+from sft_play.launch.tensorboard import LOOPBACK
 from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, EXIT_INTERRUPTED, EXIT_LOST_PEER, EXIT_USER_ERROR
 
 
@@ -166,8 +167,8 @@ def _run_in_thread(command: list[str], stop: StopForwarder) -> tuple[threading.T
         try:
             if module == "accelerate.commands.launch":
                 args = launch_command_parser().parse_args(arguments)
-                if "--main_process_ip" not in arguments:
-                    args.standalone = True  # one node: passed through to torchrun, as accelerate itself does
+                # accelerate has no flag for it; torchrun's arguments are taken from accelerate's by name
+                args.rdzv_endpoint = f"{args.main_process_ip or LOOPBACK}:{args.main_process_port or 0}"
                 launch_command(args)
             elif module == "torch.distributed.run":
                 run.run(run.parse_args(arguments))
@@ -176,6 +177,7 @@ def _run_in_thread(command: list[str], stop: StopForwarder) -> tuple[threading.T
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             outcome["error"] = exc
 
+    rendezvous.register()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_AgentNoise(stop))
     thread = threading.Thread(target=target, daemon=True, name="sft-play-launcher")
     thread.start()
