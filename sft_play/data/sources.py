@@ -150,9 +150,19 @@ MAX_NESTING = 32
 
 def _bounded(path: Path, number: int, raw: bytes | str) -> InvalidRow | None:
     if len(raw) > MAX_RECORD_BYTES:
-        return InvalidRow(str(path), number, "<line>", f"{len(raw) / (1 << 20):.0f} MiB in one record, over the "
-                          f"{MAX_RECORD_BYTES >> 20} MiB a record may hold (a million-token conversation is ~4 MiB)")
+        return InvalidRow(str(path), number, "<line>", f"over {MAX_RECORD_BYTES >> 20} MiB in one record, more than a "
+                          "record may hold (a million-token conversation is ~4 MiB)")
     return None
+
+
+def _lines(f) -> Iterator[bytes]:
+    """The lines of binary file `f`, none held beyond :data:`MAX_RECORD_BYTES` + 1 bytes: the rest
+    of a longer line is read past in pieces, so a multi-GB line costs no more memory than a record."""
+    while raw := f.readline(MAX_RECORD_BYTES + 1):
+        if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_RECORD_BYTES)) and not rest.endswith(b"\n"):
+                pass
+        yield raw
 
 
 def _record_problem(record: Any, text: str | None = None) -> str | None:
@@ -190,7 +200,7 @@ def _loads(text: str) -> Any:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(_lines(f), start=1):
             too_large = _bounded(path, number, raw)
             if too_large is not None:
                 yield number, too_large
