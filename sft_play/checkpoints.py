@@ -62,21 +62,37 @@ def missing_rank_files(checkpoint: Path, world_size: int) -> list[str]:
 
 
 def write_marker(checkpoint: Path, step: int, world_size: int = 1, strategy: str | None = None,
-                 file_digests: dict[str, str] | None = None) -> None:
-    """Record that `checkpoint` is complete: its files with their sizes and SHA-256 digests, and
-    the number of processes and the strategy that wrote it.
+                 file_digests: dict[str, str] | None = None, elapsed: tuple[float, int] | None = None) -> None:
+    """Record that `checkpoint` is complete: its files with their sizes and SHA-256 digests, the
+    number of processes and the strategy that wrote it, and the training time that led to it.
 
     Args:
         file_digests: digests already computed (e.g. by several ranks); the rest are computed here.
+        elapsed: (seconds of training, segments) up to this checkpoint, every resumed segment's
+            included; :func:`time_before` reads it back.
     """
     names = checkpoint_files(checkpoint)
     known = dict(file_digests or {})
     known.update(digests(checkpoint, [n for n in names if n not in known]))
     files = {name: {"size": (checkpoint / name).stat().st_size, "sha256": known[name]} for name in names}
     staging = checkpoint / f".{MARKER}.tmp"
-    staging.write_text(json.dumps({"step": step, "world_size": world_size, "strategy": strategy, "files": files},
-                                  indent=1))
+    runtime = {"train_runtime_s": round(elapsed[0], 3), "segments": elapsed[1]} if elapsed else {}
+    staging.write_text(json.dumps({"step": step, "world_size": world_size, "strategy": strategy, **runtime,
+                                   "files": files}, indent=1))
     staging.rename(checkpoint / MARKER)
+
+
+def time_before(checkpoint: Path | str | None) -> tuple[float, int]:
+    """(seconds of training, segments) that led to `checkpoint`, as its marker recorded them: what
+    a run resumed from it adds to its own time. (0, 0) for a fresh start; a checkpoint without the
+    record counts as one segment of unknown time."""
+    if checkpoint is None:
+        return 0.0, 0
+    marker = read_marker(Path(checkpoint)) or {}
+    runtime, segments = marker.get("train_runtime_s"), marker.get("segments")
+    if isinstance(runtime, (int, float)) and isinstance(segments, int) and runtime >= 0 and segments >= 1:
+        return float(runtime), segments
+    return 0.0, 1
 
 
 def read_marker(checkpoint: Path) -> dict | None:

@@ -538,18 +538,12 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary.json``: what the run did. A resumed run adds the time of the segments before it,
-    which the summary they stopped with kept; returns what was written."""
+def write_summary(run_dir: Path, summary: dict[str, Any], before: tuple[float, int] = (0.0, 0)) -> dict[str, Any]:
+    """``summary.json``: what the run did. `before`, the training time and segments its resumed
+    checkpoint records (:func:`sft_play.checkpoints.time_before`), is added to this segment's;
+    returns what was written."""
     summary = dict(summary)
-    runtime, segments = summary.get("train_runtime_s"), 1
-    try:
-        before = json.loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
-        before = {}
-    if isinstance(before, dict) and before.get("interrupted") and runtime is not None:
-        runtime += before.get("train_runtime_s") or 0.0
-        segments += before.get("segments", 1)
-    summary.update(train_runtime_s=runtime, segments=segments)
+    runtime = summary.get("train_runtime_s")
+    summary.update(train_runtime_s=None if runtime is None else runtime + before[0], segments=before[1] + 1)
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

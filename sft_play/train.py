@@ -114,12 +114,15 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         watch_gradients=not run.parallel.strategy.shards_states and run.precision.mixed != "fp16",
     )
     faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
-    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.parallel.strategy.name)
+    past_end = callbacks.NothingPastTheEnd()
+    before = checkpoints.time_before(resume_checkpoint)  # the earlier segments' time, carried on
+    marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.parallel.strategy.name,
+                                        before=before)
     patience = config.train.early_stopping_patience
     early = [callbacks.EarlyStopping(patience)] if patience and bundle.validation is not None else []
     make_trainer = training.trainer_factory(
         config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
-        [*faults, callbacks.NothingPastTheEnd(), callbacks.LogLastStep(), callbacks.TokenThroughput(),
+        [*faults, past_end, callbacks.LogLastStep(), callbacks.TokenThroughput(),
          callbacks.ExpertLoad(), marker, stop, guard, *early],
     )
     batch = run.batch
@@ -172,7 +175,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         return EXIT_LOST_PEER
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
-    if state.is_main_process:
+    if state.is_main_process and past_end.reached is None:  # a resume that only saves measured loading alone
         outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, checked, batch, measured, outcome)))
     if guard.stopped_at is not None:
@@ -181,7 +184,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
             run_folder.write_summary(run_dir, training.summary_of(trainer, {
-                "interrupted": stop.received, **batch_record(run, batch, counts["rows"])}))
+                "interrupted": stop.received, **batch_record(run, batch, counts["rows"])}), before)
             print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
                   + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
                   + f"\n  resume: {resume_command()}"
@@ -191,11 +194,11 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         return EXIT_INTERRUPTED
     stop.final_save = True  # a stop during the final save lets it finish: the model is whole, or not there at all
     stop.install()
-    save(trainer, state, run, batch, run_dir, bundle, stop)
+    save(trainer, state, run, batch, run_dir, bundle, stop, before)
     if state.is_main_process and stop.received:
         print(f"(a stop signal, {stop.received}, came during the final save, which finished first: the run is "
               "complete)", flush=True)
-    if state.is_main_process and where.on_cuda:  # what lives outside the allocator here, for the next plans
+    if state.is_main_process and where.on_cuda and past_end.reached is None:  # outside the allocator, for later plans
         memory_check.remember_runtime(facts, run, measured)
     state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
     return 0
@@ -258,26 +261,28 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
         try:
             name, resume_checkpoint, message = run_folder.choose_run_folder(config, config_path, state.num_processes,
                                                                             counts)
+            # a checkpoint named by its path continues in its own run folder, wherever train.output_dir points
+            run_dir = Path(resume_checkpoint).parents[1] if resume_checkpoint else Path(config.train.output_dir) / name
             try:
-                checks.ensure_disk_room(config, Path(config.train.output_dir), shape, run)
+                checks.ensure_disk_room(config, run_dir.parent, shape, run)
             except UserError:
-                run_folder.discard_if_empty(Path(config.train.output_dir) / name)
+                run_folder.discard_if_empty(run_dir)
                 raise
-            decision = [name, resume_checkpoint, message, None]
+            decision = [str(run_dir), resume_checkpoint, message, None]
         except (ValueError, UserError) as exc:
             decision = [None, None, None, str(exc)]
     broadcast_object_list(decision)
-    name, resume_checkpoint, message, refusal = decision
+    run_dir, resume_checkpoint, message, refusal = decision
     if refusal:
         raise UserError(refusal)
-    run_dir = Path(config.train.output_dir) / name
+    run_dir = Path(run_dir)
+    config.train.output_dir, config.train.run_name = str(run_dir.parent), run_dir.name
     if state.is_main_process:
         for line in (message or "").splitlines():
             if line.startswith("warning: "):
                 logger.warning("%s", line.removeprefix("warning: "))
             else:
                 logger.info("%s", line)
-        config.train.run_name = name
         run_folder.write_config(run_dir, config)
     return run_dir, resume_checkpoint
 
@@ -333,8 +338,9 @@ def nan_message(config: RunConfig, step: int, run_dir: Path) -> str:
 
 
 def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Path, bundle: Any,
-         stop: callbacks.GracefulStop) -> None:
-    """The final model, the weights' agreement across ranks, ``summary.json`` and what to do next.
+         stop: callbacks.GracefulStop, before: tuple[float, int]) -> None:
+    """The final model, the weights' agreement across ranks, ``summary.json`` (with `before`, the
+    earlier segments' time) and what to do next.
 
     The model is written into ``model.partial/`` and renamed ``model/`` once whole, and the summary
     that marks the run finished comes after it: a run whose final save was cut short is never
@@ -361,7 +367,7 @@ def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Pat
         trainer, {**batch_record(run, trained, rows), "data": bundle.stats.to_dict(),
                   "world_size": state.num_processes, "weights_fingerprints": fingerprints,
                   **({"early_stopped": {"step": early.stopped_at, "best_eval_loss": early.best,
-                                        "best_step": early.best_step}} if early else {})}))
+                                        "best_step": early.best_step}} if early else {})}), before)
     model_card.write(run_dir, run_dir / "model")
     print(
         f"\nRun folder: {run_dir}\n  model: {run_dir / 'model'}\n  loss: {summary['first_loss']:.3f} -> "

@@ -4,6 +4,7 @@ rotation of older checkpoints after it (:mod:`sft_play.checkpoints` holds the ru
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -24,9 +25,17 @@ class CheckpointMarker(TrainerCallback):
     files each) and is withheld when a rank's files are missing.
     """
 
-    def __init__(self, keep: int | None = None, strategy: str | None = None) -> None:
+    def __init__(self, keep: int | None = None, strategy: str | None = None,
+                 before: tuple[float, int] = (0.0, 0)) -> None:
+        """`before`: the training time and segments the resumed checkpoint records (see
+        :func:`sft_play.checkpoints.time_before`), carried into each new marker."""
         self.keep = keep
         self.strategy = strategy
+        self.before = before
+        self.started = time.monotonic()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.monotonic()
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -54,7 +63,8 @@ class CheckpointMarker(TrainerCallback):
                              folder, ", ".join(missing))
             else:
                 merged = {name: digest for share in shares for name, digest in (share or {}).items()}
-                checkpoints.write_marker(folder, state.global_step, world, self.strategy, merged)
+                elapsed = (self.before[0] + time.monotonic() - self.started, self.before[1] + 1)
+                checkpoints.write_marker(folder, state.global_step, world, self.strategy, merged, elapsed)
                 if self.keep:
                     checkpoints.rotate(folder.parent, self.keep)
         barrier()

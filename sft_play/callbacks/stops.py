@@ -176,8 +176,12 @@ class AlreadyTrained(Exception):
 class NothingPastTheEnd(TrainerCallback):
     """Resumed from a checkpoint of the run's last step (killed before its final save), the trainer
     would train one step more than the run has (step 21 of 20). This stops it before that step,
-    with the checkpoint's weights and history loaded, so that the run only saves."""
+    with the checkpoint's weights and history loaded, so that the run only saves; ``reached`` then
+    holds that step."""
+
+    reached: int | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
+            self.reached = state.global_step
             raise AlreadyTrained(state.global_step)

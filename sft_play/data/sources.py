@@ -160,7 +160,7 @@ def _lines(f) -> Iterator[bytes]:
     of a longer line is read past in pieces, so a multi-GB line costs no more memory than a record."""
     while raw := f.readline(MAX_RECORD_BYTES + 1):
         if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
-            while (rest := f.readline(MAX_RECORD_BYTES)) and not rest.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
                 pass
         yield raw
 
