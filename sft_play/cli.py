@@ -230,6 +230,7 @@ def run(main: Callable[[], int | None]) -> None:
     try:
         status = main()
     except USER_ERRORS as exc:
+        _end_progress_bars()
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {exc}", file=sys.stderr)
@@ -238,6 +239,17 @@ def run(main: Callable[[], int | None]) -> None:
         print("interrupted", file=sys.stderr)
         leave(130)
     leave(status or 0)
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars an error interrupted (the trainer's), so that the error line starts
+    a line of its own instead of trailing a bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a bar that cannot close leaves the line as it is
+            pass
 
 
 def leave(status: int) -> None:

@@ -167,8 +167,11 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
                                         "out_of_memory")
             logger.error("%s", memory_check.line(check))
         raise
-    except RuntimeError as error:
-        if state.num_processes == 1 or not callbacks.lost_another_rank(error):
+    except Exception as error:
+        reason = training.write_failure(error)
+        if reason is not None:
+            raise UserError(unwritten_checkpoint(run_dir, reason)) from None
+        if not isinstance(error, RuntimeError) or state.num_processes == 1 or not callbacks.lost_another_rank(error):
             raise
         print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
               f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
@@ -287,6 +290,15 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
     return run_dir, resume_checkpoint
 
 
+def unwritten_checkpoint(run_dir: Path, reason: str) -> str:
+    """What to say when a checkpoint could not be written (no space, no permission)."""
+    last = checkpoints.newest_complete(run_dir / "checkpoints")
+    kept = f"the checkpoints already written are kept (newest {last.name})" if last else "no checkpoint was complete"
+    return (f"could not write a checkpoint into {run_dir / 'checkpoints'}: {reason}. Training stopped; {kept}, and "
+            f"the one cut short has no completeness marker (set aside on resume). Make room (or make the folder "
+            f"writable) and continue with {resume_command()}")
+
+
 def batch_record(run: Run, trained: Any, rows: int) -> dict[str, Any]:
     """The batch split as the summary and the model card say it (with what the steps really took
     when the data is smaller than one global batch, which the plan warned of), and as planned
@@ -349,7 +361,19 @@ def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Pat
     if state.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)  # an earlier attempt's, cut short
     fingerprints = gather_object([training.weights_fingerprint(trainer.model)])
-    training.save_final_model(trainer, partial, run.precision.weights_dtype)
+    try:
+        training.save_final_model(trainer, partial, run.precision.weights_dtype)
+    except Exception as error:
+        reason = training.write_failure(error)
+        if reason is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # torn, and the room it takes may be what ran out
+        last = checkpoints.newest_complete(run_dir / "checkpoints")
+        kept = (f"its checkpoints are kept (newest {last.name}): make room (or make the folder writable) and "
+                f"continue with {resume_command()}" if last else
+                "there is no checkpoint to resume from (train.save_steps 0): make room and train again")
+        raise UserError(f"could not write the final model into {partial}: {reason}. The run is not finished; "
+                        + kept) from None
     if not state.is_main_process:
         return
     if os.environ.get(callbacks.FAULTS_ENV):  # tests only

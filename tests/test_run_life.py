@@ -304,3 +304,48 @@ def test_a_start_refused_before_writing_leaves_no_folder(tmp_path):
     run_folder.discard_if_empty(tmp_path / name)  # what a refusal for disk room does
     run_folder.discard_if_empty(tmp_path / "kept")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_steps", [1, 0], ids=["checkpoint", "final_model"])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_checkpoints_written(tmp_path, save_steps):
+    """A save that the filesystem refuses part-way (here: files may not grow past 64 KiB from step
+    2 on, as on a full disk) ended in a SafetensorError traceback."""
+    status, output = train(tmp_path, f"train.save_steps={save_steps}", "finetune.method=full", faults="full_disk=2")
+    run = tmp_path / "r"
+    assert status == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "File too large" in errors[0], output[-3000:]
+    if save_steps:
+        assert errors[0].startswith(f"error: could not write a checkpoint into {run / 'checkpoints'}")
+        assert "the checkpoints already written are kept (newest checkpoint-1)" in errors[0]
+        assert checkpoints.newest_intact(run / "checkpoints").name == "checkpoint-1"
+        assert not checkpoints.is_complete(run / "checkpoints" / "checkpoint-2")
+    else:
+        assert errors[0].startswith(f"error: could not write the final model into {run / 'model.partial'}")
+        assert not (run / "model.partial").exists() and not (run / "model").exists()
+    assert not run_folder.is_finished(run)
+
+
+@pytest.mark.slow
+def test_a_checkpoints_folder_made_immutable_mid_run_is_one_line_and_resumes_once_writable(tmp_path):
+    run = tmp_path / "r"
+    held = []
+
+    def freeze(process, line):
+        if "fault injection (slow_step)" in line:
+            held.append(subprocess.run(["chattr", "+i", str(run / "checkpoints")], capture_output=True, text=True))
+
+    try:
+        status, output = train(tmp_path, "train.save_steps=1", faults="slow_step=2:4", on_line=freeze)
+        if held and held[0].returncode != 0:
+            pytest.skip(f"chattr +i is not allowed here: {held[0].stderr.strip()}")
+        assert status == 2 and "Traceback" not in output, output[-3000:]
+        assert f"error: could not write a checkpoint into {run / 'checkpoints'}: Operation not permitted" in output
+        assert checkpoints.newest_intact(run / "checkpoints").name == "checkpoint-1"
+    finally:
+        subprocess.run(["chattr", "-i", str(run / "checkpoints")], capture_output=True)
+    status, output = train(tmp_path, "train.save_steps=1", "train.resume_from=auto")
+    assert status == 0, output[-3000:]
+    assert "from checkpoint-1" in output and run_folder.is_finished(run)

@@ -31,7 +31,10 @@ def injected_faults() -> dict[str, tuple[int, ...]]:
     - ``kill_before_marker=S:RANK``: that rank (default 0) is killed (SIGKILL) once it has written
       its part of checkpoint S, before the ranks agree that the checkpoint is whole and mark it;
     - ``hold_final_save=1``: the final save, its model written but not yet in place, waits for a
-      stop signal; ``kill_in_final_save=1``: the process is killed there (SIGKILL).
+      stop signal; ``kill_in_final_save=1``: the process is killed there (SIGKILL);
+    - ``full_disk=S``: from the end of step S, no file this process writes may grow past 64 KiB
+      (``RLIMIT_FSIZE``): the saves that follow fail in the filesystem's own way, as on a full
+      disk (EFBIG where a full disk says ENOSPC; Python ignores SIGXFSZ).
     """
     faults = {}
     for item in filter(None, (part.strip() for part in os.environ.get(FAULTS_ENV, "").split(","))):
@@ -72,7 +75,13 @@ class FaultInjection(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         faults = injected_faults()
-        slow, hold = faults.get("slow_step"), faults.get("hold_step")
+        slow, hold, full = faults.get("slow_step"), faults.get("hold_step"), faults.get("full_disk")
+        if full and full[0] == state.global_step:
+            import resource
+
+            logger.warning("fault injection (full_disk): files written from step %d on stop at 64 KiB",
+                           state.global_step)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         if slow and slow[0] == state.global_step:
             logger.warning("fault injection (slow_step): step %d takes %d s longer", state.global_step, slow[1])
             deadline = time.monotonic() + slow[1]

@@ -73,6 +73,29 @@ def _save_sharded(trainer: Any, model_dir: Path, weights_dtype: str | None) -> N
     trainer.accelerator.wait_for_everyone()
 
 
+_WRITERS = {"_save_checkpoint", "save_model", "save_final_model"}
+
+
+def write_failure(error: BaseException) -> str | None:
+    """Why writing a checkpoint or the final model failed, when `error` says the filesystem
+    refused it (no space, no permission, a read-only or immutable folder) and was raised while
+    one was being written; None for anything else. The writers word it differently: an OSError
+    (the trainer's own files), a SafetensorError (weights), torch.save's RuntimeError (optimizer
+    state)."""
+    frames, tb = set(), error.__traceback__
+    while tb is not None:
+        frames.add(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if not frames & _WRITERS:
+        return None
+    if isinstance(error, OSError):
+        return f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+    text = str(error).strip()
+    if type(error).__name__ == "SafetensorError" or "PytorchStreamWriter failed" in text:
+        return text.splitlines()[-1][:300] if text else type(error).__name__
+    return None
+
+
 def loss_history(trainer: Any) -> list[tuple[int, float]]:
     """(step, training loss) for every logged step."""
     return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e and math.isfinite(e["loss"])]
