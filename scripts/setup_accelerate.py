@@ -13,7 +13,6 @@ Usage: python scripts/setup_accelerate.py [--auto] [--output configs/accelerate/
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +47,18 @@ def auto_config(output: Path) -> str:
     return note
 
 
+def wizard(output: Path) -> None:
+    """accelerate's own questions (``accelerate config``), in this process: answers it refuses
+    (multi-GPU on a machine of one GPU, say) are its ValueError, said here in one line."""
+    from accelerate.commands.config.config import get_user_input
+
+    try:
+        config = get_user_input()
+    except ValueError as exc:
+        raise cli.UserError(f"accelerate's wizard refused the answers: {exc} Nothing was written") from None
+    config.to_yaml_file(str(output))
+
+
 def main() -> int:
     parser = cli.Parser(description=cli.summary(__doc__))
     parser.add_argument("--auto", action="store_true", help="no questions: write a config for this machine's GPUs")
@@ -67,11 +78,7 @@ def main() -> int:
         if args.auto:
             note = auto_config(staging)
         else:
-            status = subprocess.call([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config",
-                                      "--config_file", str(staging)])
-            if status != 0 or not staging.is_file():
-                print(f"the wizard did not finish; {output} is unchanged", file=sys.stderr)
-                return status or 1
+            wizard(staging)
             note = "with accelerate's wizard"
         staging.replace(output)
     finally:

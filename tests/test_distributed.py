@@ -523,6 +523,56 @@ def test_setup_accelerate_wizard_needs_a_terminal_and_keeps_the_existing_file(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local.yaml"]
 
 
+def test_contradictory_wizard_answers_are_one_line_and_keep_the_existing_file(tmp_path):
+    """multi-GPU on a machine of one GPU: accelerate's wizard refuses with a ValueError, whose
+    traceback (naming our staging file) was all the user saw. Answered through a terminal."""
+    import pty
+    import select
+
+    output = tmp_path / "local.yaml"
+    output.write_text("mine: true\n")
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the make target's command, in a terminal
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "scripts/setup_accelerate.py", "--force", "--output", str(output)])
+    seen = b""
+
+    def until(text: bytes, timeout: float = 60.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while text not in seen and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(terminal, 65536)
+                except OSError:  # the child ended
+                    return
+        time.sleep(0.5)  # a menu puts the terminal in raw mode after its text, flushing what came before
+
+    until(b"In which compute environment")
+    os.write(terminal, b"\r")  # This machine
+    until(b"Which type of machine")
+    os.write(terminal, b"\x1b[B" * 4 + b"\r")  # multi-GPU
+    for question in (b"How many different machines", b"checked while running", b"torch dynamo", b"DeepSpeed?",
+                     b"FullyShardedDataParallel?", b"Megatron-LM", b"How many GPU(s)"):
+        until(question)
+        os.write(terminal, b"\r")  # the defaults: one machine, one GPU
+    until(b"Nothing was written")
+    deadline = time.monotonic() + 60
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if ended[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    status = ended[1]
+    text = seen.decode(errors="replace")
+    assert os.WEXITSTATUS(status) == 2, text[-3000:]
+    assert "Traceback" not in text and ".tmp" not in text, text[-3000:]
+    assert ("error: accelerate's wizard refused the answers: Specified distributed type DistributedType.MULTI_GPU "
+            "but only using 1 GPU") in text
+    assert output.read_text() == "mine: true\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local.yaml"]
+
+
 def test_deepspeed_without_gpus_trains_in_fp32_whatever_the_config_asks():
     # transformers refuses 16-bit autocast without a GPU unless use_cpu, which DeepSpeed's process
     # group cannot use: a config that asks for bf16 (or auto, on a CPU with native bf16) must still
