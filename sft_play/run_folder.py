@@ -40,6 +40,7 @@ LOCK = ".sft_play.lock"
 
 # --- one writer per run folder -----------------------------------------------------------------
 
+OTHER_HOST_WAIT_S = 150.0  # past NFSv4's default 90 s lease, with the grace its recovery takes
 _HELD: dict[str, int] = {}  # run folder -> the open lock file this process holds it by
 
 
@@ -64,15 +65,26 @@ def hold(run_dir: Path) -> None:
     except OSError as error:
         logger.warning("%s cannot be locked (%s): another process could write the run at the same time", run_dir, error)
         return
-    for attempt in range(5):  # a reader's brief shared lock (in_use) is no writer
+    waited_from = None
+    for attempt in range(1_000_000):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            if attempt < 4:
+            if attempt < 4:  # a reader's brief shared lock (in_use) is no writer
                 time.sleep(0.1)
                 continue
             holder = _holder(fd)
+            if _on_another_host(holder):
+                # a node that crashed keeps its lock on NFS until the server's lease for it ends
+                # (NFSv4: 90 s by default): a requeued job waits that long before it is refused
+                waited_from = waited_from or time.monotonic()
+                if attempt == 5:
+                    logger.warning("%s is locked by %s, another host: waiting up to %.0f s (a crashed node's lock "
+                                   "ends with its file-server lease)", run_dir, holder, OTHER_HOST_WAIT_S)
+                if time.monotonic() - waited_from < OTHER_HOST_WAIT_S:
+                    time.sleep(1.0)
+                    continue
             os.close(fd)
             raise RunInUse(f"{run_dir} is in use by another process ({holder}): a run folder has one writer. Wait "
                            "for it to end (or stop it: it saves a checkpoint), or choose another train.run_name") from None
@@ -84,6 +96,11 @@ def hold(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _HELD[key] = fd
+
+
+def _on_another_host(holder: str) -> bool:
+    host = holder.rpartition(" on ")[2]
+    return bool(host) and " on " in holder and host != socket.gethostname()
 
 
 def in_use(run_dir: Path) -> str | None:

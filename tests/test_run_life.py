@@ -126,6 +126,45 @@ def test_one_process_writes_a_run_folder_and_the_lock_dies_with_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_lock_held_from_another_host_is_waited_for_as_a_crashed_nodes_lease_runs_out(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """On NFS a crashed node's lock outlives it until the file server's lease for it ends: a
+    requeued RESUME=auto was refused at once, naming a process that no longer existed."""
+    run = tmp_path / "r"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from pathlib import Path
+        from sft_play import run_folder
+        run = Path({str(run)!r})
+        run_folder.hold(run)
+        os.pwrite(os.open(run / run_folder.LOCK, os.O_WRONLY), b"pid 4242 on node-that-crashed\\n", 0)
+        print("held", flush=True)
+        time.sleep(float(sys.argv[1]))
+    """)
+
+    def holder(seconds: float) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", script, str(seconds)], cwd=REPO, stdout=subprocess.PIPE,
+                                   text=True)
+        assert process.stdout.readline().strip() == "held"
+        return process
+
+    monkeypatch.setattr(run_folder, "OTHER_HOST_WAIT_S", 60.0)
+    lease = holder(3)
+    started = time.monotonic()
+    run_folder.hold(run)  # the lease ran out: taken
+    assert time.monotonic() - started > 1 and lease.wait(timeout=30) == 0
+    assert "locked by pid 4242 on node-that-crashed, another host: waiting up to 60 s" in caplog.text
+    os.close(run_folder._HELD.pop(str(run.resolve())))  # this process lets its lock go, for the second case
+    monkeypatch.setattr(run_folder, "OTHER_HOST_WAIT_S", 1.0)
+    alive = holder(600)
+    try:
+        with pytest.raises(run_folder.RunInUse, match="in use by another process \\(pid 4242 on node-that-crashed\\)"):
+            run_folder.hold(run)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_resume_auto_is_refused_while_the_run_is_being_written(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
