@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sft_play import callbacks, checkpoints, run_folder
@@ -165,21 +166,62 @@ def test_a_lock_held_from_another_host_is_waited_for_as_a_crashed_nodes_lease_ru
         alive.wait()
 
 
-def test_resume_auto_is_refused_while_the_run_is_being_written(tmp_path):
+@pytest.mark.slow
+def test_resume_auto_is_refused_while_another_make_trains_the_run(tmp_path):
+    """Two real `make train` on one run folder: the second (RESUME=auto, what a refused duplicate
+    name advises) trained into the same folder at the same time."""
     run = tmp_path / "r"
-    run.mkdir()
-    (run / "config.yaml").write_text((REPO / "configs" / "run_tiny.yaml").read_text())
-    holder = _holder(run)
+    args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=3 train.save_steps=1 {' '.join(PINNED)}"
+    first = subprocess.Popen(["make", "--no-print-directory", "train", args], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1"})
     try:
-        done = subprocess.run(["make", "train", "RESUME=auto",
-                               f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=2"],
-                              cwd=REPO, capture_output=True, text=True, timeout=600)
+        seen = []
+        for line in first.stdout:  # step 1 waits for a stop signal, holding the run
+            seen.append(line)
+            if "fault injection (hold_step)" in line:
+                break
+        trainer = next(p for p in psutil.Process(first.pid).children(recursive=True)
+                       if "train_distributed.py" in " ".join(p.cmdline()))
+        second = subprocess.run(["make", "--no-print-directory", "train", "RESUME=auto", args], cwd=REPO,
+                                capture_output=True, text=True, timeout=600)
+        trainer.send_signal(signal.SIGTERM)
+        rest = first.communicate(timeout=600)[0]
     finally:
-        holder.kill()
-        holder.wait()
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert f"{run} is in use by another process (pid {holder.pid}" in done.stderr and "Traceback" not in done.stderr
-    assert sorted(p.name for p in run.iterdir()) == [".sft_play.lock", "config.yaml"]  # nothing else written
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"{run} is in use by another process (pid {trainer.pid} on {os.uname().nodename})" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert first.returncode == 2 and "Error 75" in rest, "".join(seen)[-2000:] + rest[-2000:]  # make says 75
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1"], "only the first one wrote"
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_real_launch_end_when_makes_process_group_is_killed(tmp_path):
+    """SIGKILL to make's process group during `make train-distributed CPU=1 NUM_GPUS=2`: the ranks
+    were re-parented to PID 1 and trained on to the end. Now each gets the launcher's end as a stop
+    request, saves the step it is in, and exits."""
+    args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=4 train.save_steps=0 {' '.join(PINNED)}"
+    make = subprocess.Popen(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1"})
+    seen = []
+    for line in make.stdout:
+        seen.append(line)
+        if "fault injection (hold_step)" in line:
+            break
+    ranks = [p for p in psutil.Process(make.pid).children(recursive=True)
+             if "train_distributed.py" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, "".join(seen)[-3000:]
+    os.killpg(make.pid, signal.SIGKILL)
+    make.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=180)
+    for survivor in alive:
+        survivor.kill()
+    assert not alive, f"ranks outlived their launcher: {[p.pid for p in alive]}"
+    checkpoint = tmp_path / "r" / "checkpoints" / "checkpoint-1"
+    assert checkpoints.is_complete(checkpoint, verify=True), "the step they were in was saved"
+    assert not run_folder.is_finished(tmp_path / "r")
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
