@@ -25,6 +25,10 @@ def describe(name: str, stats) -> list[str]:
         + dropped_rows(stats),
         f"  tokens that carry loss: {100 * stats.loss_token_share:.1f}%",
     ]
+    if stats.example_tokens:  # what the planner times attention by (sft_play.planner.simulate.timing)
+        lines.append(f"  a token's example is {stats.example_tokens:,.0f} tokens long on average over tokens: causal "
+                     f"attention without a mask meets {stats.example_tokens / 2:,.0f} keys per token, with a mask "
+                     "the whole row")
     if stats.packed_rows is not None:
         lines.append(f"  rows after packing: {stats.packed_rows} of {stats.max_seq_length} tokens "
                      f"({100 * stats.tokens_total / max(1, stats.packed_rows * stats.max_seq_length):.1f}% filled)")

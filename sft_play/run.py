@@ -141,6 +141,7 @@ class SequenceLength:
     tokens: int
     source: str
     loss_token_share: float = 1.0
+    example_tokens: float | None = None  # token-weighted mean example length (DataStats.example_tokens); None: a row is one example
 
 
 @dataclass(frozen=True)
@@ -295,12 +296,13 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
     if data_stats is None or not data_stats.examples:
         return SequenceLength(limit, "data.max_seq_length (no tokenizer or data at hand: assumed full length)")
     share = data_stats.loss_token_share or 1.0
+    examples = getattr(data_stats, "example_tokens", None)
     if config.data.packing:
         return SequenceLength(limit, f"data.max_seq_length (packed rows; {data_stats.examples} examples, "
-                              f"p95 {data_stats.tokens_p95} tokens)", share)
+                              f"p95 {data_stats.tokens_p95} tokens)", share, examples)
     longest = min(limit, data_stats.tokens_max)
     return SequenceLength(longest, f"longest example in the data ({data_stats.tokens_max} tokens, packing off; "
-                          f"p50 {data_stats.tokens_p50}, p95 {data_stats.tokens_p95})", share)
+                          f"p50 {data_stats.tokens_p50}, p95 {data_stats.tokens_p95})", share, examples)
 
 
 def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:

@@ -177,6 +177,9 @@ def test_stats_describe_the_tokens(tiny_tokenizer):
     lengths = sorted(length for row in bundle.train["seq_lengths"] for length in row)  # per example, from the packing
     assert len(lengths) == 3
     assert stats.tokens_max == lengths[-1] and stats.tokens_total == sum(lengths) and stats.tokens_p50 == lengths[1]
+    # what the planner times causal attention by: the length of a token's example, on average over tokens
+    assert stats.tokens_squared == sum(n * n for n in lengths)
+    assert stats.example_tokens == pytest.approx(sum(n * n for n in lengths) / sum(lengths))
     assert 0 < stats.loss_token_share < 0.5
     assert stats.packed_rows == 1  # three short examples fit one row of 256
     assert not stats.uniform_rows  # one row of three examples: attention needs a mask

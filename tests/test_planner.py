@@ -760,6 +760,36 @@ def test_the_time_prediction_reproduces_the_measured_h100_throughput():
     assert plan.time["gpu_hours"] == pytest.approx(plan.time["wall_seconds"] / 3600)
 
 
+def test_the_step_time_grows_with_the_length_as_attentions_flops_do():
+    """LoRA on Llama-3.1-8B was predicted at the same tokens/s from 8k to 131k tokens: attention's
+    FLOPs, which grow with the keys a token attends to, were not counted beyond the measured rows'."""
+    from sft_play.planner.simulate import timing
+
+    def timed(seq: int, *extra: str) -> dict:
+        config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=1", "lora.dropout=0",
+                             f"data.max_seq_length={seq}", "train.gradient_checkpointing=true", *extra)
+        return make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), with_remedies=False).time
+
+    flash = "model.attn_implementation=flex_attention"  # mask-free, as FlashAttention-2 (needs no package)
+    shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora"))
+    per_key = 4 * 32 * 128 * 32 * 4  # 4 x heads x head_dim x layers per key, forward + backward + recompute
+    weights = 6 * shape.total_params + 6 * shape.lora_params  # 4 N + 6 N_lora, and the recompute's 2 N
+    seconds = {}
+    for seq in (8192, 32768, 131072):
+        time = timed(seq, flash)
+        # causal, one example per row: seq / 2 keys per token, against the measured rows' 2048
+        per_token = weights + per_key * (seq / 2 - timing.MEASURED_KEYS_PER_TOKEN)
+        assert time["tokens_per_second"] == pytest.approx(0.272 * 989.4e12 / per_token, rel=1e-6)
+        assert f"{seq // 2:,} keys per token (causal, within its example)" in time["sources"][2]
+        seconds[seq] = time["seconds_per_step"] / seq
+    assert seconds[8192] < seconds[32768] < seconds[131072]
+    assert seconds[131072] / seconds[8192] > 2.5  # at 131k attention costs about twice the dense forward
+    # a 4-D mask: the kernel computes the whole square
+    masked = timed(32768)
+    assert "32,768 keys per token (a mask: the whole row)" in masked["sources"][2]
+    assert masked["seconds_per_step"] > timed(32768, flash)["seconds_per_step"]
+
+
 def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_said():
     from sft_play.planner.simulate import timing
 

@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 # Bump when reading, splitting, tokenisation or packing change what they produce, or the
 # statistics they keep: 2 holds out each weighted source's share before mixing, refuses empty
 # answers, and names the examples tokenising leaves out; 3 reads Alpaca's history, tool calls and
-# ShareGPT's function_call (rows skip used to drop), and folders by split
-CACHE_VERSION = 3
+# ShareGPT's function_call (rows skip used to drop), and folders by split; 4 keeps the sum of the examples'
+# squared lengths (attention's FLOPs)
+CACHE_VERSION = 4
 
 
 def cache_root() -> Path:

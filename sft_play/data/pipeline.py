@@ -247,6 +247,7 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
     stats.examples = len(dataset)
     stats.max_seq_length = limit
     stats.tokens_total = int(lengths.sum())
+    stats.tokens_squared = int((lengths.astype(np.int64) ** 2).sum())
     stats.loss_tokens = int(sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in dataset["labels"]))
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))

@@ -27,6 +27,7 @@ class DataStats:
     tokens_p50: int = 0
     tokens_p95: int = 0
     tokens_max: int = 0
+    tokens_squared: int = 0  # the sum of every example's length squared: what causal attention's FLOPs grow with
     packed_rows: int | None = None
     max_seq_length: int = 0
     uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
@@ -35,6 +36,13 @@ class DataStats:
     @property
     def truncated_share(self) -> float:
         return self.truncated / max(1, self.examples)
+
+    @property
+    def example_tokens(self) -> float | None:
+        """The length of the example a token is in, on average over tokens (the sum of squares over
+        the sum): the keys a token attends to, twice over, under a causal mask that keeps packed
+        examples apart. None where the data was read before this was counted."""
+        return self.tokens_squared / self.tokens_total if self.tokens_squared and self.tokens_total else None
 
     @property
     def loss_token_share(self) -> float:

@@ -170,7 +170,7 @@ def make_plan(
     step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
-                             split.gradient_accumulation_steps)
+                             split.gradient_accumulation_steps, run.masked(split.micro_batch_size))
     if step_time is None and run.on_cuda:
         notes.append(f"no time: the planner has no peak FLOP/s for '{target.gpu_model or target.device_name}' (it "
                      f"knows {', '.join(sorted(PEAK_BF16))}); GPU_MODEL=<one of them> times the plan as that GPU")

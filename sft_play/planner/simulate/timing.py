@@ -8,7 +8,9 @@ ZeRO over the interconnect. Each number says where it comes from (:class:`StepTi
 FLOPs per token follow the benchmark's definition so that the measured MFUs apply unchanged:
 6 N for full fine-tuning (forward 2 N, backward 4 N), 4 N + 6 N_lora for adapters (a frozen
 base needs no weight gradients); checkpointing adds a second forward (2 N). Attention's own
-FLOPs are in the measured efficiency, not in N.
+FLOPs grow with the keys each token attends to, not with N: the measured efficiencies include
+them at the measured rows' length (:data:`MEASURED_KEYS_PER_TOKEN`), and a plan adds the
+difference at its own length (:func:`attention_flops_per_token`), at the same efficiency.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ MEASURED_MFU = {
     },
 }
 REFERENCE_GPU = "H100"
+# The measured rows: packed 2048-token rows under SDPA with a mask, whose kernel computes every
+# tile of the 2048 x 2048 square
+MEASURED_KEYS_PER_TOKEN = 2048
 # QLoRA has not been measured: its 4-bit weights are de-quantised for every matmul, forward and
 # backward (bitsandbytes' dequantize_4bit + F.linear for many rows). Taken as LoRA's MFU times
 # this factor until bench/throughput.py measures it on a GPU.
@@ -83,6 +88,26 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
         flops = 4.0 * n + 6.0 * shape.lora_params
         recompute = 2.0 * n
     return flops + (recompute if run.gradient_checkpointing else 0.0)
+
+
+def keys_per_token(run: Run, masked: bool) -> float:
+    """The keys a token's query meets on average, as the attention kernel computes them: with a
+    4-D mask, the whole row (the kernel computes every tile of the square and masks it); without
+    one, the tokens before it in its own example (causal), half the token-weighted mean example
+    length (a row of one example when the data was not read)."""
+    s = run.sequence.tokens
+    if masked:
+        return float(s)
+    return min(run.sequence.example_tokens or s, s) / 2
+
+
+def attention_flops_per_token(shape: ModelShape, run: Run, keys: float) -> float:
+    """Training FLOPs per token of the attention products (Q K^T and the weights times V, 2 x
+    keys x heads x head_dim each) in every layer: forward, backward (twice the forward) and, with
+    checkpointing, the forward again. Layers with linear or sliding-window attention are counted
+    as full ones (an overestimate for hybrid and sliding-window models)."""
+    forward = 4.0 * keys * shape.num_attention_heads * shape.head_dim * shape.num_layers
+    return forward * (4.0 if run.gradient_checkpointing else 3.0)
 
 
 def gpu_model(device_name: str) -> str | None:
@@ -158,7 +183,8 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
 
 
 def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name: str, interconnect: str,
-                 gpus_per_node: int, total_steps: int | None, micro_batches: int = 1) -> StepTime | None:
+                 gpus_per_node: int, total_steps: int | None, micro_batches: int = 1,
+                 masked: bool = True) -> StepTime | None:
     """The step time of `run` on the named GPU (None when its peak is unknown, e.g. on a CPU).
 
     Args:
@@ -170,18 +196,26 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
         gpus_per_node: GPUs per node (more processes than that cross the network).
         total_steps: optimizer steps of the run, if known.
         micro_batches: forward/backward passes per optimizer step (FSDP2 communicates in each).
+        masked: attention gets a 4-D mask (:meth:`sft_play.run.Run.masked`).
     """
     peak = peak_flops(device_name)
     if peak is None or not run.on_cuda:
         return None
     mfu, source = efficiency(run, device_name)
-    compute = tokens_per_step * flops_per_token(shape, run) / (run.parallel.world_size * peak * mfu)
+    keys = keys_per_token(run, masked)
+    attention = attention_flops_per_token(shape, run, keys)
+    measured = attention_flops_per_token(shape, run, MEASURED_KEYS_PER_TOKEN)
+    flops = flops_per_token(shape, run) + attention - measured
+    compute = tokens_per_step * flops / (run.parallel.world_size * peak * mfu)
     link = "network" if run.parallel.world_size > gpus_per_node else interconnect
     traffic = gradient_traffic_bytes(shape, run, micro_batches)
     # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
     communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
     seconds = compute + communication
-    sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})"]
+    sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})",
+               f"attention: {keys:,.0f} keys per token ({'a mask: the whole row' if masked else 'causal, within its example'})"
+               f", {attention / 1e9:.1f} GFLOP per token against {measured / 1e9:.1f} in the measured rows; the "
+               f"weights' {flops_per_token(shape, run) / 1e9:.1f}"]
     if traffic:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
