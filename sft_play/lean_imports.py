@@ -30,8 +30,8 @@ def needs_bitsandbytes(config: Any) -> bool:
 
 
 def needs_deepspeed(config: Any) -> bool:
-    """Whether training `config` uses DeepSpeed: its strategy, the one place that decides it."""
-    return Strategy(config.distributed.strategy).deepspeed
+    """Whether training `config` uses DeepSpeed: its strategy, or its tiled MLPs (DeepSpeed's TiledMLP)."""
+    return Strategy(config.distributed.strategy).deepspeed or config.train.tiled_mlp
 
 
 def for_training(config: Any) -> None:

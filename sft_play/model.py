@@ -305,6 +305,11 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     # Training never decodes; and with a cache, transformers stops separating packed examples.
     model.config.use_cache = False
     name_the_experts(model.config)
+    if run.kernels.tiled_mlp:
+        from sft_play import long_rows
+
+        long_rows.tile_mlps(architecture.decoder_layers(model, architecture.num_layers(model.config)),
+                            architecture.hidden_size(model.config))
     if run.kernels.compile_layers:
         compile_decoder_layers(model)
     return model

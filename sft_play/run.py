@@ -155,6 +155,7 @@ class Kernels:
     compile_layers: bool = False  # torch.compile each decoder layer
     liger: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels (CUDA only)
     expandable_segments: bool = False  # the CUDA caching allocator's expandable segments (CUDA only)
+    tiled_mlp: bool = False  # each layer's MLP in tiles of about hidden_size tokens (sft_play.long_rows)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class Run:
     cublas_workspace_bytes: int = 0
     neftune: bool = False  # train.neftune_noise_alpha: noise added to the embeddings' output in training
     loraplus_lr_ratio: float | None = None  # LoRA+: the B matrices' learning rate over the A matrices'
+    offload_activations: bool = False  # checkpointed hidden states kept in host memory (sft_play.long_rows)
 
     @property
     def fsdp_checkpointing(self) -> bool:
@@ -378,6 +380,7 @@ def resolve(
             compile_layers=config.train.torch_compile,
             liger=config.train.liger_kernels and on_cuda,
             expandable_segments=allocator_settings(config, on_cuda) is not None,
+            tiled_mlp=config.train.tiled_mlp,
         ),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
         parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size)),
@@ -396,6 +399,7 @@ def resolve(
             cuda_capability, ":16:8" if config.train.deterministic else None) if on_cuda else 0,
         neftune=bool(config.train.neftune_noise_alpha),
         loraplus_lr_ratio=config.lora.loraplus_lr_ratio if method != "full" else None,
+        offload_activations=config.train.offload_activations,
     )
 
 

@@ -46,6 +46,9 @@ def train(config: RunConfig, config_path: str) -> int:
     if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
+    if config.train.tiled_mlp and strategy.name == "ddp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("train.tiled_mlp: DDP reduces a weight's gradient at the first tile's backward; several "
+                        "processes train tiled MLPs under DeepSpeed ZeRO: make train-deepspeed")
     # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
     # file): "true" brings the process group up through DeepSpeed, or turns FSDP on; "false" keeps a
     # config file's DeepSpeed or FSDP from overruling the run's strategy (or importing DeepSpeed)

@@ -13,7 +13,7 @@ ORDER = [
     "units", "parallelism", "tiny_puzzles", "paths", "cache_usage", "errors", "hub", "stopping", "adapters", "model_card", "chat_templates",
     "config.schema", "config.messages", "config.overrides", "config.environment", "config.reference",
     "config.loading", "config", "lean_imports",
-    "architecture", "hardware.gpu_models", "hardware.runtime", "hardware.machine", "hardware.report", "hardware",
+    "architecture", "long_rows", "hardware.gpu_models", "hardware.runtime", "hardware.machine", "hardware.report", "hardware",
     "precision", "run",
     "data.stats", "data.formats", "data.tokenize", "data.sources", "data.cache", "data.collate", "data.pipeline", "data",
     "checkpoints", "run_folder",

@@ -177,6 +177,14 @@ class TrainConfig(_Section):
         "auto", description="Micro-batches per optimizer step; auto: global / (micro x world)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    offload_activations: bool = Field(
+        False, description="Keep the hidden states gradient checkpointing saves (one [rows, tokens, hidden] per layer) in "
+        "host memory until backward instead of on the GPU: for long rows (needs train.gradient_checkpointing).",
+    )
+    tiled_mlp: bool = Field(
+        False, description="Compute each layer's MLP in tiles of about hidden_size tokens, forward and backward, so its "
+        "intermediates exist for one tile at a time: for long rows (DeepSpeed's TiledMLP; one process or ZeRO).",
+    )
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
         "cosine", description="Learning-rate schedule after warm-up."
@@ -344,6 +352,15 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "needs float32 master weights); use torch_dtype float32 or bfloat16"
         )
     strategy = Strategy(config.distributed.strategy)
+    if train.offload_activations and not train.gradient_checkpointing:
+        problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
+                        "set train.gradient_checkpointing=true too")
+    if train.tiled_mlp and not strategy.deepspeed and strategy.name != "ddp":
+        problems.append(f"train.tiled_mlp: {strategy.label} reduces a weight's gradient at the first tile's backward; "
+                        "tiled MLPs train in one process or under DeepSpeed ZeRO (distributed.strategy=deepspeed_zero2)")
+    if train.tiled_mlp and method != "full" and config.lora.dropout > 0:
+        problems.append(f"train.tiled_mlp recomputes each tile in backward without replaying its random numbers: LoRA "
+                        f"dropout ({config.lora.dropout}) would differ between the passes; set lora.dropout=0")
     if method == "qlora" and strategy.shards_parameters and config.quantization.quant_storage == "uint8":
         problems.append(
             f"quantization.quant_storage: QLoRA under {strategy.label} needs "

@@ -41,7 +41,7 @@ def trainer_factory(
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
-    trainer_class = _trainer_class()
+    trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None)
     held = {"model": model, "peft_config": lora_config(run)}
     layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.parallel.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
@@ -79,7 +79,9 @@ def trainer_factory(
     return make
 
 
-def _trainer_class() -> type:
+def _trainer_class(offload_hidden_size: int | None = None) -> type:
+    """TRL's SFTTrainer as the run uses it; with `offload_hidden_size`, the hidden states saved for
+    backward are kept in host memory (:class:`sft_play.long_rows.OffloadedHiddenStates`)."""
     from trl import SFTTrainer
 
     class Trainer(SFTTrainer):
@@ -89,6 +91,14 @@ def _trainer_class() -> type:
 
         def create_model_card(self, *args: Any, **kwargs: Any) -> None:
             return None
+
+        def compute_loss_context_manager(self):  # around the forward, where tensors are saved for backward
+            stack = super().compute_loss_context_manager()
+            if offload_hidden_size is not None and self.model.training:
+                from sft_play.long_rows import OffloadedHiddenStates
+
+                stack.enter_context(OffloadedHiddenStates(offload_hidden_size))
+            return stack
 
     return Trainer
 

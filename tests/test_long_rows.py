@@ -1,0 +1,105 @@
+"""The memory levers for long rows (sft_play.long_rows) compute what the plain path computes:
+tiled MLPs and hidden states kept in host memory give the same losses and gradients, and they
+act (tiles are computed, hidden states are packed off the device)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_play import config as config_module
+from sft_play import long_rows
+from tests.conftest import PINNED
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_model"
+
+
+def _model(seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY), dtype=torch.float32)
+
+
+def _step(model, ids: torch.Tensor, context=None) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with context if context is not None else torch.enable_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_tiled_mlps_compute_the_plain_gradients_tile_by_tile():
+    ids = torch.randint(0, 512, (2, 300))  # 300 tokens over a hidden size of 128: 3 tiles
+    plain_loss, plain = _step(_model(), ids)
+    model = _model()
+    layers = model.model.layers
+    assert long_rows.tile_mlps(layers, 128) == len(layers) == 4
+    assert long_rows.tile_mlps(layers, 128) == 0  # once
+    calls = []
+    untiled = layers[0].mlp._sft_play_untiled_forward
+    layers[0].mlp._sft_play_untiled_forward = lambda x: (calls.append(x.shape[-2]), untiled(x))[1]
+    loss, grads = _step(model, ids)
+    # three tiles in forward ([2, 100, 128] each), three again in backward (of the 2 x 300 rows flattened)
+    assert calls == [100, 100, 100, 200, 200, 200]
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert grads.keys() == plain.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpointed_hidden_states_are_kept_off_the_device_and_change_nothing():
+    ids = torch.randint(0, 512, (2, 64))
+    reference = _model()
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain_loss, plain = _step(reference, ids)
+
+    model = _model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    packed = []
+    offload = long_rows.OffloadedHiddenStates(128)
+    pack, unpack = offload.pack_hook, offload.unpack_hook
+    offload.pack_hook = lambda t: (lambda p: (packed.append(isinstance(p, tuple)), p)[1])(pack(t))
+    loss, grads = _step(model, ids, offload)
+    # each checkpointed layer's input and the final norm's, [2, 64, 128]: off the device
+    assert sum(packed) >= 4 + 1, packed
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert unpack is offload.unpack_hook
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["train.offload_activations=true"], "set train.gradient_checkpointing=true too"),
+    (["train.tiled_mlp=true", "distributed.strategy=fsdp2"], "train.tiled_mlp: FSDP2 reduces a weight's gradient"),
+    (["train.tiled_mlp=true", "lora.dropout=0.1"], "set lora.dropout=0"),
+])
+def test_levers_that_cannot_work_together_are_refused_in_one_line(overrides, problem):
+    with pytest.raises(config_module.ConfigError, match=problem):
+        config_module.load(None, ["finetune.method=lora", *overrides], check_paths=False)
+
+
+@pytest.mark.slow
+def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
+    def run(name: str, *levers: str) -> list:
+        done = subprocess.run(
+            [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", *PINNED,
+             "train.max_steps=3", "train.logging_steps=1", "train.tensorboard=false", "lora.dropout=0",
+             "train.gradient_checkpointing=true", f"train.output_dir={tmp_path}", f"train.run_name={name}", *levers],
+            cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / name / "summary.json").read_text())["losses"]
+
+    plain = run("plain")
+    levers = run("levers", "train.tiled_mlp=true", "train.offload_activations=true")
+    assert [step for step, _ in levers] == [step for step, _ in plain] == [1, 2, 3]
+    for (_, ours), (_, theirs) in zip(levers, plain):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+    saved = config_module.load(tmp_path / "levers" / "config.yaml", check_paths=False)
+    assert saved.train.tiled_mlp and saved.train.offload_activations
