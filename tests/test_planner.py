@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan, model_shape, target_for
+from sft_play.planner import Target, make_plan, model_shape, resolve_for, target_for
 from sft_play.planner.simulate import memory
 from sft_play.planner.choose.split import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.choose.search import shorter_lengths
@@ -388,7 +388,9 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
 
     from sft_play.planner.choose import remedies as catalogue
 
-    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false")
+    # unpacked rows: the remedies for packed and long rows (FlashAttention-2, tiling, offload) do not apply, and the
+    # stand-in's catalogue is the six remedies whose savings it fixes
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.gradient_checkpointing=false", "data.packing=false")
     target = Target(1, 80 * GIB, "1 x 80 GiB")
     saves = {"train.gradient_checkpointing": 10, "train.optimizer": 20, "model.torch_dtype": 25,
              "distributed.offload_optimizer": 70, "distributed.offload_parameters": 20, "finetune.method": 5}
@@ -1004,3 +1006,53 @@ def test_what_cannot_hold_its_weights_and_optimizer_states_is_refused_without_a_
     checkpointed = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                                "data.max_seq_length=2048", "train.gradient_checkpointing=true")
     assert not beyond_budget(checkpointed, large) and make_plan(checkpointed, large, with_remedies=False).fits
+
+
+# --- long rows -------------------------------------------------------------------------------
+
+
+LONG = ("finetune.method=lora", "lora.modules_to_save=[]", "lora.dropout=0", "train.gradient_checkpointing=true",
+        "model.attn_implementation=flex_attention", "train.global_batch_size=1")
+
+
+def test_offloaded_hidden_states_leave_the_gpu_and_are_counted_in_host_memory():
+    """Each checkpointed layer's input and the final norm's, [micro, seq, hidden] in the residual
+    dtype, go to host memory: the GPU's forward activations lose them, the node's memory gains them."""
+    from sft_play.planner.simulate import memory
+
+    seq = 32768
+    plain = plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}")
+    offloaded = plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", "train.offload_activations=true")
+    target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+    before, after = (make_plan(c, target, with_remedies=False) for c in (plain, offloaded))
+    hidden = seq * 4096 * 2  # one [1, seq, 4096] in bf16
+    kept = before.breakdown["activations"] - after.breakdown.get("activations", 0)
+    assert kept >= 31 * hidden  # every layer's input but the one being recomputed
+    assert after.peak_bytes_per_gpu < before.peak_bytes_per_gpu
+    shape = model_shape(offloaded)
+    run = resolve_for(offloaded, target, None, shape)
+    assert memory.offloaded_hidden_bytes(shape, run, 1) == 33 * hidden  # 32 layers and the final norm
+    assert after.host_bytes_per_node == 33 * hidden and "offloaded while training" in " ".join(after.notes)
+
+
+def test_tiled_mlps_are_traced_as_they_run_and_shrink_the_backward_working_set():
+    seq = 65536
+    target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+    plain = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}"), target, with_remedies=False)
+    tiled = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", "train.tiled_mlp=true"),
+                      target, with_remedies=False)
+    # the MLP's intermediates, [seq, 14336] several times over, now exist for 16 tiles of 4096 tokens at a time
+    saved = plain.peak_bytes_per_gpu - tiled.peak_bytes_per_gpu
+    assert saved > 3 * seq * 14336 * 2, saved / GIB
+
+
+def test_131k_tokens_of_llama_8b_lora_fit_one_80_gib_gpu_with_the_levers_the_remedies_name():
+    """Issue 45's table: at 131,072 tokens nothing offered fit but halving the sequence."""
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.modules_to_save=[]", "data.max_seq_length=131072",
+                         "train.global_batch_size=8")
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"))
+    assert not plan.fits
+    fitting = [r for r in plan.remedies if r["fits"]]
+    assert fitting and "shorter sequences" not in fitting[0]["remedies"], [r["name"] for r in plan.remedies]
+    assert set(fitting[0]["remedies"]) & {"tiled MLP", "activation offload", "FlashAttention-2"}
+    assert "data.max_seq_length" not in " ".join(fitting[0]["change"])

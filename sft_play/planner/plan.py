@@ -189,7 +189,7 @@ def make_plan(
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)
-    host_bytes, host_note = host_memory(shape, run, target)
+    host_bytes, host_note = host_memory(shape, run, target, split.micro_batch_size)
     if host_note:
         more_notes.append(host_note)
     notes += more_notes

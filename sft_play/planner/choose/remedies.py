@@ -102,6 +102,15 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("gradient checkpointing", "recompute activations in backward (about 30% slower)",
            ("train.gradient_checkpointing=true",), "train",
            lambda c, t: not c.train.gradient_checkpointing),
+    Remedy("FlashAttention-2", "packed rows attend within their own examples without an s x s mask (pip install "
+           "flash-attn; CUDA), and faster", ("model.attn_implementation=flash_attention_2",), "train",
+           lambda c, t: t.on_cuda and c.data.packing and c.model.attn_implementation in ("auto", "sdpa")),
+    Remedy("tiled MLP", "each layer's MLP in tiles of about hidden_size tokens (its intermediates one tile at a "
+           "time; the MLP's forward runs once more; LoRA dropout off)", ("train.tiled_mlp=true", "lora.dropout=0"),
+           "train", lambda c, t: not c.train.tiled_mlp and not _strategy(c).fsdp and c.data.max_seq_length >= 8192),
+    Remedy("activation offload", "the hidden states checkpointing keeps, one per layer, in host memory until backward "
+           "(host memory and PCIe transfers)", ("train.gradient_checkpointing=true", "train.offload_activations=true"),
+           "train", lambda c, t: not c.train.offload_activations and c.data.max_seq_length >= 8192),
     Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes)", ("train.optimizer=adamw_8bit",), "train",
            lambda c, t: _full(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused")),
     Remedy("bf16 weights", "train bf16 weights directly, without fp32 master copies: half the model state, but updates "

@@ -122,13 +122,13 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
 
 
 
-def host_memory(shape: ModelShape, run: Run, target: Target) -> tuple[int, str | None]:
+def host_memory(shape: ModelShape, run: Run, target: Target, micro_batch: int = 1) -> tuple[int, str | None]:
     """The host memory one node needs on a GPU run (the larger of loading and training) and the
     note that says what for (:func:`sft_play.planner.simulate.memory.host_bytes_per_node`)."""
     if not target.on_cuda:
         return 0, None
     processes = min(target.world_size, target.gpus_per_node)
-    loading, training = memory.host_bytes_per_node(shape, run, processes)
+    loading, training = memory.host_bytes_per_node(shape, run, processes, micro_batch)
     parts = []
     if loading:
         parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) load the model under ZeRO-3's "

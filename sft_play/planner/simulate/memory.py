@@ -255,7 +255,7 @@ def optimizer_state_bytes(shape: ModelShape, run: Run) -> int:
     return int(n * per_param) // run.parallel.state_shards
 
 
-def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int) -> tuple[int, int]:
+def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int, micro_batch: int = 1) -> tuple[int, int]:
     """Host memory the processes of one node need on a GPU run: (while loading, while training).
 
     Loading: under ZeRO-3 the model loads inside DeepSpeed's ``zero.Init`` (sft_play.train builds
@@ -269,7 +269,8 @@ def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int) ->
     when accumulating, counted always), with ``offload_parameters`` also the 16-bit parameters;
     FSDP2 with ``offload_parameters`` its parameter, gradient and state shards. DeepSpeed's own
     estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
-    add a buffer factor of 1.5 on top of such terms."""
+    add a buffer factor of 1.5 on top of such terms. With ``train.offload_activations``, each
+    process's checkpointed hidden states at `micro_batch` too (:func:`offloaded_hidden_bytes`)."""
     share = processes_per_node / max(1, run.parallel.world_size)  # of the partitions, on this node
     loading = (largest_layer_params(shape) * run.precision.weight_bytes * processes_per_node
                if run.parallel.strategy.zero3 else 0)
@@ -281,7 +282,27 @@ def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int) ->
     elif run.parallel.fsdp and run.parallel.offload_parameters:
         frozen = shape.total_params - shape.trainable_params
         training = 16 * shape.trainable_params + frozen * run.precision.weight_bytes
-    return int(loading), int(training * share)
+    hidden = offloaded_hidden_bytes(shape, run, micro_batch) * processes_per_node  # each process its own
+    return int(loading), int(training * share) + hidden
+
+
+def residual_bytes(run: Run) -> int:
+    """Bytes per element of the residual stream (the hidden states between layers): bf16 under
+    QLoRA, the compute dtype where DeepSpeed casts the module, FSDP2's gathered dtype, else the
+    weights'."""
+    if run.method == "qlora":
+        return 2
+    if run.parallel.deepspeed:
+        return run.precision.compute_bytes
+    return gathered_bytes(run) if run.parallel.fsdp else run.precision.weight_bytes
+
+
+def offloaded_hidden_bytes(shape: ModelShape, run: Run, micro_batch: int) -> int:
+    """Host memory of one process for ``train.offload_activations``: every checkpointed layer's
+    input and the final norm's, ``[micro, seq, hidden]`` each (sft_play.long_rows)."""
+    if not (run.offload_activations and run.gradient_checkpointing):
+        return 0
+    return (shape.num_layers + 1) * micro_batch * run.sequence.tokens * shape.hidden_size * residual_bytes(run)
 
 
 def master_weights_bytes(shape: ModelShape, run: Run) -> int:

@@ -70,6 +70,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         masked=run.masked(micro_batch),
         checkpointing=run.gradient_checkpointing,
         lora=run.lora,
+        tiled_mlp=run.kernels.tiled_mlp,
     )
 
 
@@ -201,6 +202,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         on_cuda=run.on_cuda,
         cublas_workspace=run.cublas_workspace_bytes,
         neftune=run.neftune,
+        offload_hidden=run.offload_activations and run.gradient_checkpointing,
     )
     return replay(shape, trace, spec, capacity, log)
 

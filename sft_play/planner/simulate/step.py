@@ -66,6 +66,7 @@ class StepSpec:
     on_cuda: bool = True  # CUDA: a cuBLAS workspace and Triton's head; elsewhere the head's torch fold
     cublas_workspace: int = 32 * MIB  # taken from the allocator on CUDA (Run.cublas_workspace_bytes)
     neftune: bool = False  # NEFTune's noise, drawn and added to the embedding output (a transient)
+    offload_hidden: bool = False  # the hidden states checkpointing keeps live in host memory (sft_play.long_rows)
     steps: int = 2
 
 
@@ -205,8 +206,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     optimizer step's ``zero_grad``)."""
     run = spec.run
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
-    residual = 2 if run.method == "qlora" else (
-        run.precision.compute_bytes if run.parallel.deepspeed else memory.gathered_bytes(run) if run.parallel.fsdp else run.precision.weight_bytes)
+    residual = memory.residual_bytes(run)
+    hidden_bytes = b * s * h * residual
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
@@ -237,6 +238,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(gpu, layer, layer.forward, i, names, b, "activations")
         if i > 0:
             _play(gpu, layer, layer.after_forward, i, names, b, "activations")
+        if spec.offload_hidden and layer.input_kept:  # copied to host memory; back for the layer's backward
+            gpu.free(names[INPUT])
         previous = _name(names, layer.output, i)
         outputs.append(names)
     last_hidden = previous
@@ -244,6 +247,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     if norm is not None:
         _play(gpu, norm, norm.forward, "norm", norm_names, b, "activations")
         _play(gpu, norm, norm.after_forward, "norm", norm_names, b, "activations")
+        if spec.offload_hidden and norm.input_kept:
+            gpu.free(norm_names[INPUT])
         last_hidden = _name(norm_names, norm.output, "norm")
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
@@ -260,11 +265,15 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
+        if spec.offload_hidden and norm.input_kept:
+            gpu.allocator.malloc(norm_names[INPUT], hidden_bytes, "activations")
         _play(gpu, norm, norm.backward, "norm", norm_names, b, "backward_working")
         incoming = _name(norm_names, norm.input_grad, "norm")
     for i in reversed(range(shape.num_layers)):
         names, layer = outputs[i], layers[i]
         names[GRAD_IN] = incoming
+        if spec.offload_hidden and layer.input_kept:
+            gpu.allocator.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
         parameter_grads = [_name(names, g, i) for g in layer.persistent]

@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from sft_play import long_rows
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    is_sliding, layer_kinds, load_model_config, quantized_linears,
@@ -141,6 +142,7 @@ class TraceSpec:
     checkpointing: bool
     lora: LoraSpec | None = None  # the run's adapter (None for full fine-tuning)
     stand_in: bool = False  # trace a Llama-shaped layer of the model's widths (when its own cannot be traced)
+    tiled_mlp: bool = False  # the MLP in tiles along the sequence (sft_play.long_rows.tile_mlps), as training runs it
 
 
 class _Recorder(TorchDispatchMode):
@@ -399,6 +401,8 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     layers = decoder_layers(model, 1)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    if spec.tiled_mlp:  # the run's own tiling, traced: each tile's intermediates, forward and backward
+        long_rows.tile_mlps(layers, text.hidden_size)
     norm = _final_norm(model, layers[0])
     return layers[0], norm, text, weights
 
