@@ -53,6 +53,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", help="write the per-GPU memory picture to this image file")
     parser.add_argument("--no-data", action="store_true", help="do not read the data; assume data.max_seq_length")
+    parser.add_argument("--longest", action="store_true", help="answer instead: the longest rows that fit, and with "
+                        "which settings (on one GPU and on the GPUs planned for)")
     args = parser.parse_args()
     cli.setup_logging(quiet=args.json)
     lean_imports.without_bitsandbytes()  # planning never runs its kernels
@@ -73,6 +75,8 @@ def main() -> int:
                                     nodes=args.nodes)
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
+    if args.longest:
+        return longest(config, target, args)
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
     # The model's code is imported only where the planner has not kept what it learns from it
     # (sft_play.planner.simulate.cache): a model planned before plans without it
@@ -87,6 +91,29 @@ def main() -> int:
     print(report.to_json(plan, args.config, args.overrides) if args.json
           else report.to_text(plan, args.config, args.overrides))
     return 0 if plan.fits else 3
+
+
+def longest(config, target, args) -> int:
+    """``make plan LONGEST=1``: the longest rows on one GPU and on the GPUs planned for (rows of one
+    example filling each row, as packing makes them; the data is not read)."""
+    import dataclasses
+    import json
+
+    from sft_play.planner import make_plan, model_shape
+    from sft_play.planner.choose import longest as question
+
+    shape = model_shape(config)
+    targets = [target] if target.world_size == 1 else [dataclasses.replace(target, world_size=1), target]
+    report = []
+    for each in targets:
+        answers = question.longest_rows(config, each, lambda c, t: make_plan(c, t, None, with_remedies=False),
+                                        shape.max_positions, args.config, tuple(args.overrides))
+        report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})
+        if not args.json:
+            print("\n".join(question.describe(answers, each, shape.max_positions)) + "\n")
+    if args.json:
+        print(json.dumps({"longest": report}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ ORDER = [
     "planner.simulate.trace", "planner.simulate.step", "planner.simulate.predict", "planner.simulate.timing",
     "planner.simulate.disk", "planner.simulate",
     "planner.target", "planner.choose.split", "planner.choose.search", "planner.choose.calibrate",
-    "planner.choose.remedies", "planner.choose", "planner.present.notes", "planner.plan", "planner",
+    "planner.choose.remedies", "planner.choose.longest", "planner.choose", "planner.present.notes", "planner.plan", "planner",
     "planner.present.report", "planner.present",
     "model", "training.arguments", "training.trainer", "training.backoff", "training.saving", "training",
     "export", "memory_check", "checks", "cli",

@@ -1056,3 +1056,41 @@ def test_131k_tokens_of_llama_8b_lora_fit_one_80_gib_gpu_with_the_levers_the_rem
     assert fitting and "shorter sequences" not in fitting[0]["remedies"], [r["name"] for r in plan.remedies]
     assert set(fitting[0]["remedies"]) & {"tiled MLP", "activation offload", "FlashAttention-2"}
     assert "data.max_seq_length" not in " ".join(fitting[0]["change"])
+
+
+def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_that_do_not():
+    """make plan LONGEST=1: each set of levers adds one to the ones before; its answer fits one row
+    per GPU as the run plans it, the next length of the ladder does not, and more levers never
+    answer shorter."""
+    from sft_play.planner.choose import longest
+
+    config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]")
+    target = Target(1, 6 * GIB, "1 x 6 GiB", gpu_model="L4")
+
+    def plan_for(changed, on):
+        return make_plan(changed, on, None, with_remedies=False)
+
+    answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
+    assert [a["settings"] for a in answers] == ["as configured", "+ gradient checkpointing", "+ FlashAttention-2",
+                                                "+ tiled MLP", "+ activation offload"]
+    tokens = [a["tokens"] for a in answers]
+    assert tokens == sorted(tokens) and tokens[0] > 0 and tokens[-1] > 2 * tokens[0], tokens
+    ladder = longest.ladder()
+    for answer in answers:
+        assert answer["next_tokens"] == ladder[ladder.index(answer["tokens"]) + 1]
+        changed = [*answer["change"]]
+        fits = plan_for(longest._with(config, tuple(changed), answer["tokens"], 1), target)
+        beyond = plan_for(longest._with(config, tuple(changed), answer["next_tokens"], 1), target)
+        assert fits.fits and not beyond.fits
+        assert f"data.max_seq_length={answer['tokens']}" in answer["command"]
+    assert answers[-1]["host_bytes_per_node"] > 0  # offloaded hidden states
+    assert "train.offload_activations=true" in answers[-1]["command"]
+    lines = longest.describe(answers, target, 32768)
+    assert lines[-1].startswith("  run: make train CONFIG=c.yaml")
+
+
+def test_the_ladder_has_four_lengths_an_octave():
+    from sft_play.planner.choose.longest import ladder
+
+    assert ladder()[:6] == [1024, 1280, 1536, 1792, 2048, 2560]
+    assert 131072 in ladder() and 524288 in ladder() and ladder()[-1] == 16 << 20
