@@ -19,6 +19,8 @@ NUM_GPUS ?=
 VRAM_GIB ?=
 GPU_MODEL ?=
 PLOT ?=
+LONGEST ?=
+HOST_GIB ?=
 GPUS ?=
 NNODES ?= 1
 NODE_RANK ?= 0
@@ -59,8 +61,8 @@ check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder
 gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
 	@$(PY) scripts/gpu_info.py $(ARGS)
 
-plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit)
-	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(ARGS)
+plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit, HOST_GIB=512)
+	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB)) $(ARGS)
 
 data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
 	$(PY) scripts/data_stats.py --config $(CONFIG) $(ARGS)

@@ -50,6 +50,9 @@ def main() -> int:
                         "NNODES and NUM_GPUS); without it --gpus counts all GPUs, 8 to a node")
     parser.add_argument("--gpu-model", help="the GPU model to time the plan for (H100, A100, L40S...; default: "
                         "the detected GPU, or the one --vram-gib most often means)")
+    parser.add_argument("--host-gib", type=cli.number(float, "HOST_GIB"),
+                        help="host memory per node to plan offload against, in GiB (default: this machine's available "
+                        "memory where its GPUs are planned; unchecked for hardware described)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", help="write the per-GPU memory picture to this image file")
     parser.add_argument("--no-data", action="store_true", help="do not read the data; assume data.max_seq_length")
@@ -75,6 +78,10 @@ def main() -> int:
                                     nodes=args.nodes)
     except ValueError as exc:
         raise cli.UserError(str(exc)) from None
+    if args.host_gib is not None:
+        if args.host_gib <= 0:
+            raise cli.UserError(f"HOST_GIB={args.host_gib:g}: the host memory must be positive")
+        target.host_bytes = int(args.host_gib * (1 << 30))
     if args.longest:
         return longest(config, target, args)
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)

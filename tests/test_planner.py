@@ -1094,3 +1094,14 @@ def test_the_ladder_has_four_lengths_an_octave():
 
     assert ladder()[:6] == [1024, 1280, 1536, 1792, 2048, 2560]
     assert 131072 in ladder() and 524288 in ladder() and ladder()[-1] == 16 << 20
+
+
+def test_offload_is_checked_against_the_nodes_host_memory():
+    config = plan_config("llama-3.1-8b", *LONG, "data.max_seq_length=131072", "train.offload_activations=true")
+    roomy = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100", host_bytes=256 * GIB),
+                      with_remedies=False)
+    assert roomy.fits and roomy.host_bytes_per_node == 33 * 131072 * 4096 * 2
+    small = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100", host_bytes=16 * GIB),
+                      with_remedies=False)
+    assert not small.fits
+    assert "the node needs 33.0 GiB of host memory for this run and has 16.0 GiB available" in small.warnings

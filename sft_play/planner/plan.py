@@ -192,6 +192,10 @@ def make_plan(
     host_bytes, host_note = host_memory(shape, run, target, split.micro_batch_size)
     if host_note:
         more_notes.append(host_note)
+    if target.host_bytes and host_bytes > target.host_bytes:
+        fits = False  # the node cannot hold what the run keeps in host memory
+        more_warnings.append(f"the node needs {host_bytes / GIB:.1f} GiB of host memory for this run and has "
+                             f"{target.host_bytes / GIB:.1f} GiB available")
     notes += more_notes
     warnings += more_warnings
     return Plan(

@@ -28,6 +28,7 @@ class Target:
     # (hardware.HardwareInfo.outside_allocator; empty for hardware described, not detected)
     outside_allocator_measured: dict[str, int] = field(default_factory=dict)
     compute_capability: tuple[int, int] | None = None  # the GPUs' (None: unknown, or no GPU)
+    host_bytes: int | None = None  # a node's host memory available (None: not known, for hardware described)
 
 
 # GPUs linked by NVLink in the servers they usually come in (SXM boards); the others talk over PCIe
@@ -85,7 +86,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
                       gpu_model=(known_gpu_model(gpu_model) if gpu_model else None) or smallest.name,
                       interconnect="nvlink" if linked else "pcie", gpus_per_node=len(hardware.gpus),
                       outside_allocator_measured=dict(hardware.outside_allocator),
-                      compute_capability=tuple(smallest.compute_capability))
+                      compute_capability=tuple(smallest.compute_capability),
+                      host_bytes=hardware.ram_available_bytes or None)
     if allow_cpu:
         count = gpus or 1
         # Processes on one host share its memory
