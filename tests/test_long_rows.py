@@ -103,3 +103,24 @@ def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
         assert ours == pytest.approx(theirs, rel=1e-5)
     saved = config_module.load(tmp_path / "levers" / "config.yaml", check_paths=False)
     assert saved.train.tiled_mlp and saved.train.offload_activations
+
+
+def test_a_long_packed_row_is_batched_without_a_quadratic_mask():
+    """Rows go to the model as position ids; no [s, s] mask is built on the host (the attention
+    kernel's, or transformers' on the device, is the planner's business): here two rows of
+    131,072 tokens, eight examples each, in linear memory."""
+    import tracemalloc
+
+    from sft_play.data.collate import PackedRowsCollator
+
+    tokens = 131072
+    row = {"input_ids": list(range(tokens)), "labels": list(range(tokens)), "seq_lengths": [tokens // 8] * 8}
+    tracemalloc.start()
+    try:
+        batch = PackedRowsCollator(pad_token_id=0)([row, row])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert batch["position_ids"].shape == (2, tokens) and int(batch["position_ids"][0, tokens // 8]) == 0
+    assert peak < 200 * 2 * tokens, f"{peak / 2**20:.0f} MiB for two rows"  # an [s, s] mask would be 16 GiB
