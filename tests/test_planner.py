@@ -1044,6 +1044,14 @@ def test_tiled_mlps_are_traced_as_they_run_and_shrink_the_backward_working_set()
     # the MLP's intermediates, [seq, 14336] several times over, now exist for 16 tiles of 4096 tokens at a time
     saved = plain.peak_bytes_per_gpu - tiled.peak_bytes_per_gpu
     assert saved > 3 * seq * 14336 * 2, saved / GIB
+    # and the MLP's forward runs again in backward: 2 x its parameters more FLOPs per token, a slower step
+    from sft_play.planner.simulate.timing import flops_per_token
+
+    runs = [resolve_for(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", *extra), target, None, shape)
+            for extra in ((), ("train.tiled_mlp=true",)) for shape in [model_shape(plan_config("llama-3.1-8b", *LONG))]]
+    shape = model_shape(plan_config("llama-3.1-8b", *LONG))
+    assert flops_per_token(shape, runs[1]) - flops_per_token(shape, runs[0]) == 2 * shape.params_by_kind["mlp"]
+    assert tiled.time["seconds_per_step"] > plain.time["seconds_per_step"]
 
 
 def test_131k_tokens_of_llama_8b_lora_fit_one_80_gib_gpu_with_the_levers_the_remedies_name():

@@ -55,6 +55,7 @@ QLORA_FACTOR = 0.75
 # node (H100 SXM), PCIe within a node, and 400 Gb/s InfiniBand or Ethernet between nodes
 BANDWIDTH = {"nvlink": 350e9, "pcie": 20e9, "network": 40e9}
 GPUS_PER_NODE = 8  # assumed for hardware described with --gpus/--vram-gib
+HOST_LINK = 25e9  # bytes/s between a GPU and pinned host memory (PCIe 5.0 x16 sustains about this one way)
 
 
 @dataclass
@@ -87,7 +88,16 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
     else:
         flops = 4.0 * n + 6.0 * shape.lora_params
         recompute = 2.0 * n
-    return flops + (recompute if run.gradient_checkpointing else 0.0)
+    # tiled MLPs run their forward again, tile by tile, inside backward (sft_play.long_rows)
+    tiles_again = 2.0 * _active_mlp_params(shape) if run.kernels.tiled_mlp else 0.0
+    return flops + (recompute if run.gradient_checkpointing else 0.0) + tiles_again
+
+
+def _active_mlp_params(shape: ModelShape) -> float:
+    mlp = shape.params_by_kind.get("mlp", 0)
+    if shape.num_experts and shape.expert_params:  # a token passes through its top-k experts only
+        mlp -= shape.expert_params * (1 - shape.experts_per_token / shape.num_experts)
+    return float(mlp)
 
 
 def keys_per_token(run: Run, masked: bool) -> float:
@@ -211,7 +221,10 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     traffic = gradient_traffic_bytes(shape, run, micro_batches)
     # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
     communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
-    seconds = compute + communication
+    # Offloaded hidden states cross PCIe twice per row (out in forward, back in backward), counted unhidden
+    offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.sequence.tokens)
+    offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
+    seconds = compute + communication + offload_seconds
     sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})",
                f"attention: {keys:,.0f} keys per token ({'a mask: the whole row' if masked else 'causal, within its example'})"
                f", {attention / 1e9:.1f} GFLOP per token against {measured / 1e9:.1f} in the measured rows; the "
@@ -219,6 +232,9 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     if traffic:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+    if offload_seconds:
+        sources.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
+                       f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")
     if run.parallel.offload_optimizer or run.parallel.offload_parameters:
         sources.append("not counted: CPU offload's transfers over PCIe and the optimizer's step on the CPU, which "
                        "make each step several times longer (not yet measured)")
