@@ -61,6 +61,13 @@ def without_bitsandbytes() -> None:
     _absent("bitsandbytes")
 
 
+def needed(package: str) -> None:
+    """Undo :func:`_absent` for `package` (a lever that needs it was chosen after the process
+    skipped it, e.g. a remedy the planner traces)."""
+    if package in sys.modules and sys.modules[package] is None:
+        del sys.modules[package]
+
+
 def _absent(package: str) -> None:
     if package not in sys.modules:
         sys.modules[package] = None  # type: ignore[assignment]

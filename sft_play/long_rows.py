@@ -31,6 +31,9 @@ def tile_mlps(layers: list[Any], hidden_size: int) -> int:
     """Make each decoder layer's ``mlp`` compute in tiles along the sequence; returns how many
     were tiled. Patches the module instances (not their classes), so that another model in
     the process is untouched."""
+    from sft_play import lean_imports
+
+    lean_imports.needed("deepspeed")  # a process that skipped it may still plan or train tiles
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     def forward_in_tiles(module: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -124,3 +124,17 @@ def test_a_long_packed_row_is_batched_without_a_quadratic_mask():
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert batch["position_ids"].shape == (2, tokens) and int(batch["position_ids"][0, tokens // 8]) == 0
     assert peak < 200 * 2 * tokens, f"{peak / 2**20:.0f} MiB for two rows"  # an [s, s] mask would be 16 GiB
+
+
+def test_tiles_are_made_in_a_process_that_skipped_deepspeed():
+    """A training process skips DeepSpeed's import when its strategy does not use it
+    (sft_play.lean_imports); a remedy or plan with tiled MLPs made there still needs it: the
+    tiling took it as absent (ModuleNotFoundError)."""
+    script = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "from sft_play import long_rows\n"
+        f"model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({str(TINY)!r}))\n"
+        "print(long_rows.tile_mlps(model.model.layers, 128))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "4", done.stderr[-2000:]
