@@ -90,7 +90,7 @@ def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
     def run(name: str, *levers: str) -> list:
         done = subprocess.run(
             [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", *PINNED,
-             "train.max_steps=3", "train.logging_steps=1", "train.tensorboard=false", "lora.dropout=0",
+             "train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", "lora.dropout=0",
              "train.gradient_checkpointing=true", f"train.output_dir={tmp_path}", f"train.run_name={name}", *levers],
             cwd=REPO, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -98,7 +98,7 @@ def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
 
     plain = run("plain")
     levers = run("levers", "train.tiled_mlp=true", "train.offload_activations=true")
-    assert [step for step, _ in levers] == [step for step, _ in plain] == [1, 2, 3]
+    assert [step for step, _ in levers] == [step for step, _ in plain] == [1, 2]
     for (_, ours), (_, theirs) in zip(levers, plain):
         assert ours == pytest.approx(theirs, rel=1e-5)
     saved = config_module.load(tmp_path / "levers" / "config.yaml", check_paths=False)

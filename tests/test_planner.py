@@ -1072,15 +1072,16 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     answer shorter."""
     from sft_play.planner.choose import longest
 
-    config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]")
-    target = Target(1, 6 * GIB, "1 x 6 GiB", gpu_model="L4")
+    # checkpointing and a mask-free kernel already on: the levers left to add are tiling and offload
+    config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]",
+                         "train.gradient_checkpointing=true", "model.attn_implementation=flex_attention")
+    target = Target(1, 3 * GIB, "1 x 3 GiB", gpu_model="L4")
 
     def plan_for(changed, on):
         return make_plan(changed, on, None, with_remedies=False)
 
     answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
-    assert [a["settings"] for a in answers] == ["as configured", "+ gradient checkpointing", "+ FlashAttention-2",
-                                                "+ tiled MLP", "+ activation offload"]
+    assert [a["settings"] for a in answers] == ["as configured", "+ tiled MLP", "+ activation offload"]
     tokens = [a["tokens"] for a in answers]
     assert tokens == sorted(tokens) and tokens[0] > 0 and tokens[-1] > 2 * tokens[0], tokens
     ladder = longest.ladder()

@@ -65,8 +65,14 @@ def test_a_kill_during_the_final_save_leaves_no_finished_run_and_resuming_only_s
     trained_s, segments = checkpoints.time_before(run / "checkpoints" / "checkpoint-2")
     assert trained_s > 0 and segments == 1
 
-    status, output = train(tmp_path, "train.save_steps=2", "train.resume_from=auto")
+    # resumed by the checkpoint's path with train.output_dir elsewhere (which locked the checkpoint's
+    # run folder but wrote a new one under output_dir): it continues in its own run folder
+    elsewhere = tmp_path / "elsewhere"
+    status, output = train(elsewhere, "train.save_steps=2", f"train.resume_from={run / 'checkpoints' / 'checkpoint-2'}")
     assert status == 0, output[-3000:]
+    assert f"resuming {run} from checkpoint-2" in output
+    assert not elsewhere.exists() or not any(elsewhere.iterdir()), "nothing written under the other output_dir"
+    assert config_module.load(run / "config.yaml", check_paths=False).train.output_dir == str(tmp_path)
     assert "resumed at step 2, the run's last: nothing left to train, only the final save" in output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["global_step"] == 2 and [step for step, _ in summary["losses"]] == [1, 2]  # no step 3 of 2
@@ -75,22 +81,6 @@ def test_a_kill_during_the_final_save_leaves_no_finished_run_and_resuming_only_s
     # still the one that trained, not one of loading alone
     assert summary["segments"] == 2 and summary["train_runtime_s"] > trained_s
     assert (run / "memory_check.json").read_text() == measured
-
-
-@pytest.mark.slow
-def test_a_checkpoint_named_by_path_continues_in_its_own_run_folder(tmp_path):
-    """train.resume_from=<path> with train.output_dir elsewhere locked the checkpoint's run folder
-    but wrote a new one under output_dir."""
-    status, output = train(tmp_path, "train.save_steps=1", "train.max_steps=2", faults="kill_in_final_save=1")
-    assert status == -signal.SIGKILL, output[-3000:]
-    run, elsewhere = tmp_path / "r", tmp_path / "elsewhere"
-    checkpoint = run / "checkpoints" / "checkpoint-1"
-    status, output = train(elsewhere, "train.save_steps=1", f"train.resume_from={checkpoint}")
-    assert status == 0, output[-3000:]
-    assert f"resuming {run} from checkpoint-1" in output
-    assert json.loads((run / "summary.json").read_text())["global_step"] == 2 and run_folder.is_finished(run)
-    assert not elsewhere.exists() or not any(elsewhere.iterdir()), "nothing written under the other output_dir"
-    assert config_module.load(run / "config.yaml", check_paths=False).train.output_dir == str(tmp_path)
 
 
 def _holder(folder: Path) -> subprocess.Popen:

@@ -4,8 +4,8 @@
 The levers that make long rows fit are added one at a time, cheapest first, each on top of the
 ones before (:data:`LEVERS`; on several GPUs, sharding the parameters first): for each set, the
 longest row of the length ladder (:func:`ladder`, four lengths an octave, 1,024 to 16M tokens)
-at which one row per GPU fits, found by bisection on the ladder and planned exactly as the run
-would plan it (the same replay, and the shorter rows' envelope). Where the levers stop helping,
+at which one row per GPU fits, found an octave at a time then by bisection on the ladder, and
+planned exactly as the run would plan it (the same replay, and the shorter rows' envelope). Where the levers stop helping,
 the answer says so; lengths past the model's trained positions are flagged, not refused.
 """
 
@@ -83,7 +83,13 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
                 plans[index] = plan_for(_with(config, applied, lengths[index], target.world_size), target)
             return bool(plans[index].fits)
 
+        # an octave at a time from the shortest (a plan at a length far beyond the answer is the
+        # slowest to make), then bisection within the octave that stopped fitting
         low, high = -1, len(lengths)  # the longest fitting index is in [low, high)
+        probe = 0
+        while probe < len(lengths) and fits(probe):
+            low, probe = probe, probe + 4
+        high = min(probe, len(lengths))
         while high - low > 1:
             middle = (low + high) // 2
             if fits(middle):
