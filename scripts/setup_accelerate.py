@@ -56,7 +56,10 @@ def wizard(output: Path) -> None:
         config = get_user_input()
     except ValueError as exc:
         raise cli.UserError(f"accelerate's wizard refused the answers: {exc} Nothing was written") from None
-    config.to_yaml_file(str(output))
+    if output.suffix == ".json":  # as accelerate's own `config` command chooses
+        config.to_json_file(str(output))
+    else:
+        config.to_yaml_file(str(output))
 
 
 def main() -> int:

@@ -1,21 +1,24 @@
 """Memory levers for long rows, applied to the model the run trains and to the layer the planner
 traces (:mod:`sft_play.planner.simulate.trace`), so that what is planned is what runs.
 
-- :func:`tile_mlps`: each decoder layer's MLP computes its rows in tiles of about ``hidden_size``
-  tokens, in forward and again in backward, so that its intermediate activations (``[s,
-  intermediate_size]``, 3-4 of them) exist for one tile at a time. DeepSpeed's ``TiledMLP``
-  (from Arctic Long Sequence Training) does the tiling; it runs single-process and under ZeRO,
-  whose gradient reduction waits for the last tile (``ds_grad_is_ready``); DDP and FSDP2
-  reduce a weight's gradient at its first tile, so the config refuses them.
+- :func:`tile_mlps`: each decoder layer's dense MLP computes its rows in tiles of about
+  ``hidden_size`` tokens, in forward and again in backward, so that its intermediate activations
+  (``[s, intermediate_size]``, 3-4 of them) exist for one tile at a time. DeepSpeed's
+  ``TiledMLP`` (from Arctic Long Sequence Training) does the tiling; it runs single-process and
+  under ZeRO, whose gradient reduction waits for the last tile (``ds_grad_is_ready``); DDP and
+  FSDP2 reduce a weight's gradient at its first tile, so the config refuses them. Mixture-of-
+  experts blocks are left whole (they reshape their input to rows and route per call).
 - :class:`OffloadedHiddenStates`: the hidden states gradient checkpointing keeps from the
-  forward pass until backward (each checkpointed layer's input, and the final norm's) are kept in
-  host memory instead, copied back when backward reaches them. torch's own ``save_on_cpu``
-  would move every saved tensor; these are the ones that grow with the layers x the sequence.
+  forward pass until backward (each checkpointed layer's input, and the final norm's saved
+  input) are kept in host memory instead, copied back when backward reaches them. torch's own
+  ``save_on_cpu`` would move every saved tensor; these are the ones that grow with the layers x
+  the sequence.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -40,16 +43,14 @@ def tile_mlps(layers: list[Any], hidden_size: int) -> int:
         plain = module._sft_play_untiled_forward
         if x.dim() < 2 or args or kwargs:
             return plain(x, *args, **kwargs)
-        tiles = tile_count(x.shape[-2], hidden_size)
-        if tiles == 1:
-            return plain(x)
+        tiles = _agreed(tile_count(x.shape[-2], hidden_size), x.device)
         trained = [p for p in module.parameters() if p.requires_grad]  # a list: TiledMLP iterates it
         return TiledMLP.apply(lambda _, tile: plain(tile), module, x, tiles, trained)
 
     tiled = 0
     for layer in layers:
-        mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-        if mlp is None or hasattr(mlp, "_sft_play_untiled_forward"):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or hasattr(mlp, "_sft_play_untiled_forward") or _routed(mlp):
             continue
         mlp._sft_play_untiled_forward = mlp.forward
         mlp.forward = forward_in_tiles.__get__(mlp)
@@ -57,27 +58,51 @@ def tile_mlps(layers: list[Any], hidden_size: int) -> int:
     return tiled
 
 
+def _routed(mlp: Any) -> bool:
+    """A mixture-of-experts block (a router and experts), not a dense MLP."""
+    return any(hasattr(mlp, name) for name in ("experts", "router", "gate")) and not hasattr(mlp, "gate_proj")
+
+
+def _agreed(tiles: int, device: torch.device) -> int:
+    """The most tiles any rank needs: under ZeRO-3 each tile gathers the parameters again, and
+    ranks that made different numbers of gathers would wait for each other forever (DeepSpeed's
+    TiledMLP example agrees the same way)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tiles
+    count = torch.tensor(tiles, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 class OffloadedHiddenStates(torch.autograd.graph.saved_tensors_hooks):
     """Within it, a tensor saved for backward that has the residual stream's shape ``[batch,
     seq, hidden_size]`` (what checkpointing keeps per layer) is kept in host memory, pinned where
     there is CUDA, and copied back to its device when backward unpacks it; other saved tensors
-    stay where they are. On a CPU the copy is made all the same (it saves nothing there, and
-    runs the path a GPU runs)."""
+    stay where they are. A tensor saved twice (RMSNorm saves its fp32 upcast for two products)
+    is copied once. On a CPU the copy is made all the same (it saves nothing there, and runs the
+    path a GPU runs). The host copies are not pinned: torch's pinned-memory cache rounds each
+    block up to a power of two, up to twice what the plan counts; the copies are synchronous
+    instead, small beside a long row's compute."""
 
     def __init__(self, hidden_size: int) -> None:
-        pin = torch.cuda.is_available()
+        copies: dict[int, tuple[Any, torch.Tensor]] = {}  # id -> (a weak reference to the tensor, its copy)
 
         def pack(tensor: torch.Tensor) -> Any:
-            if tensor.dim() != 3 or tensor.shape[-1] != hidden_size:
+            if tensor.dim() != 3 or tensor.shape[-1] != hidden_size or isinstance(tensor, torch.nn.Parameter):
                 return tensor
-            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
-            host.copy_(tensor, non_blocking=pin)
+            known = copies.get(id(tensor))
+            if known is not None and known[0]() is tensor:  # the same tensor saved again
+                return (tensor.device, known[1])
+            host = tensor.detach().to("cpu", copy=True)
+            copies[id(tensor)] = (weakref.ref(tensor), host)
             return (tensor.device, host)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, tuple):
                 device, host = packed
-                return host.to(device, non_blocking=pin)
+                return host.to(device)
             return packed
 
         super().__init__(pack, unpack)

@@ -100,7 +100,8 @@ def hold(run_dir: Path) -> None:
 
 def _on_another_host(holder: str) -> bool:
     host = holder.rpartition(" on ")[2]
-    return bool(host) and " on " in holder and host != socket.gethostname()
+    here = socket.gethostname()
+    return bool(host) and " on " in holder and host.split(".")[0] != here.split(".")[0]  # a name or its FQDN
 
 
 def in_use(run_dir: Path) -> str | None:

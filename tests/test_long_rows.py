@@ -138,3 +138,15 @@ def test_tiles_are_made_in_a_process_that_skipped_deepspeed():
         "print(long_rows.tile_mlps(model.model.layers, 128))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "4", done.stderr[-2000:]
+
+
+def test_mixture_of_experts_blocks_are_left_whole():
+    """A Mixtral block reshapes its input to rows and routes per call: tiled, it failed in forward
+    (a non-contiguous tile's view) and in backward (flattened tiles)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "tests" / "fixtures" / "model_configs" / "tiny-mixtral")
+    model = AutoModelForCausalLM.from_config(config)
+    assert long_rows.tile_mlps(model.model.layers, config.hidden_size) == 0
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+    model(input_ids=ids, labels=ids).loss.backward()  # untouched, it trains

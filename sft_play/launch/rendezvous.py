@@ -59,7 +59,6 @@ def _handler(params):
             self.host, self.port, self.rank, self.nodes, self.run_id = host, port, rank, nodes, run_id
             self.timeout = timedelta(seconds=timeout_s)
             self._store = None
-            self._listener: socket.socket | None = None
 
         def get_backend(self) -> str:
             return BACKEND
@@ -74,12 +73,14 @@ def _handler(params):
                     bind, note = listen_address(self.host, self.nodes)
                     if note:
                         print(note, flush=True)
-                    self._listener = socket.create_server((bind, self.port), backlog=max(128, self.nodes))
-                    self.port = self._listener.getsockname()[1]
+                    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+                    listener = socket.create_server((bind, self.port), family=family, backlog=max(128, self.nodes))
+                    self.port = listener.getsockname()[1]
                     if self.nodes == 1:
                         self.host = bind
+                    # the store owns the socket from here (it closes it): Python's object lets go of it first
                     self._store = TCPStore(self.host, self.port, self.nodes, True, self.timeout, multi_tenant=True,
-                                           master_listen_fd=self._listener.fileno())
+                                           master_listen_fd=listener.detach())
                 else:
                     self._store = TCPStore(self.host, self.port, self.nodes, False, self.timeout, multi_tenant=True)
             return RendezvousInfo(PrefixStore(self.run_id, self._store), self.rank, self.nodes,
@@ -98,8 +99,7 @@ def _handler(params):
             return self.run_id
 
         def shutdown(self) -> bool:
-            if self._listener is not None:
-                self._listener.close()
+            self._store = None  # the store closes its socket as it goes
             return True
 
     host, port = parse_rendezvous_endpoint(params.endpoint.strip() or f"{LOOPBACK}:0", 0)

@@ -73,7 +73,7 @@ def _save_sharded(trainer: Any, model_dir: Path, weights_dtype: str | None) -> N
     trainer.accelerator.wait_for_everyone()
 
 
-_WRITERS = {"_save_checkpoint", "save_model", "save_final_model"}
+_WRITERS = {"_save_checkpoint", "save_model", "save_final_model", "write_marker", "rotate"}
 
 
 def write_failure(error: BaseException) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
+from sft_play.parallelism import Strategy
 from sft_play.planner.choose.remedies import Remedy, command
 
 SHORTEST, LONGEST = 1024, 16 << 20
@@ -44,7 +45,8 @@ def _levers(config: RunConfig, target: Any) -> list[tuple[str, tuple[str, ...]]]
         levers.append(("gradient checkpointing", ("train.gradient_checkpointing=true",)))
     if target.on_cuda and config.model.attn_implementation in ("auto", "sdpa"):
         levers.append(("FlashAttention-2", ("model.attn_implementation=flash_attention_2",)))
-    if not config.train.tiled_mlp:
+    zero = Strategy(config.distributed.strategy).deepspeed or any(name == "ZeRO sharding" for name, _ in levers)
+    if not config.train.tiled_mlp and (target.world_size == 1 or zero):  # one process, or ZeRO (sft_play.long_rows)
         levers.append(("tiled MLP", ("train.tiled_mlp=true", "lora.dropout=0")))
     if not config.train.offload_activations:
         levers.append(("activation offload", ("train.gradient_checkpointing=true", "train.offload_activations=true")))
@@ -109,7 +111,9 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
             "command": None,
         }
         if tokens:
-            make_target = "train-deepspeed" if any("deepspeed" in o for o in applied) else "train"
+            strategy = next((o.split("=", 1)[1] for o in reversed(applied) if o.startswith("distributed.strategy=")),
+                            config.distributed.strategy)
+            make_target = Strategy(strategy).make_target if Strategy(strategy).shards_states else "train"
             levers = Remedy(name, "", applied, make_target, lambda c, t: True)
             answer["command"] = command([levers], target, [*changes, f"data.max_seq_length={tokens}"], config_path,
                                         user_overrides)

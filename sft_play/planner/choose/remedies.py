@@ -107,7 +107,8 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: t.on_cuda and c.data.packing and c.model.attn_implementation in ("auto", "sdpa")),
     Remedy("tiled MLP", "each layer's MLP in tiles of about hidden_size tokens (its intermediates one tile at a "
            "time; the MLP's forward runs once more; LoRA dropout off)", ("train.tiled_mlp=true", "lora.dropout=0"),
-           "train", lambda c, t: not c.train.tiled_mlp and not _strategy(c).fsdp and c.data.max_seq_length >= 8192),
+           "train", lambda c, t: not c.train.tiled_mlp and c.data.max_seq_length >= 8192
+           and (t.world_size == 1 or _strategy(c).deepspeed)),  # one process, or ZeRO (sft_play.long_rows)
     Remedy("activation offload", "the hidden states checkpointing keeps, one per layer, in host memory until backward "
            "(host memory and PCIe transfers)", ("train.gradient_checkpointing=true", "train.offload_activations=true"),
            "train", lambda c, t: not c.train.offload_activations and c.data.max_seq_length >= 8192),
