@@ -5,6 +5,7 @@ act (tiles are computed, hidden states are packed off the device)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,25 @@ def test_mixture_of_experts_blocks_are_left_whole():
     assert long_rows.tile_mlps(model.model.layers, config.hidden_size) == 0
     ids = torch.randint(0, config.vocab_size, (2, 64))
     model(input_ids=ids, labels=ids).loss.backward()  # untouched, it trains
+
+
+def test_ranks_agree_on_the_most_tiles_any_of_them_needs():
+    """Under ZeRO-3 every tile gathers the parameters again: ranks of different row lengths must
+    make the same number of tiles, or they wait for each other forever. Two gloo processes."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = ("import os, torch, torch.distributed as dist\n"
+              "from sft_play import long_rows\n"
+              "dist.init_process_group('gloo')\n"
+              "rank = dist.get_rank()\n"
+              "print(long_rows._agreed(long_rows.tile_count([300, 1000][rank], 128), torch.device('cpu')))\n"
+              "dist.destroy_process_group()\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                              "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": str(REPO)})
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [out.strip() for out, _ in outputs] == ["8", "8"], outputs  # 3 tiles on one, 8 on the other: 8 both
