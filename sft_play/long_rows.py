@@ -69,8 +69,8 @@ def _agreed(tiles: int, device: torch.device) -> int:
     TiledMLP example agrees the same way)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tiles
+    if device.type == "meta" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tiles  # (the planner's trace, on the meta device, runs in one process's head)
     count = torch.tensor(tiles, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
