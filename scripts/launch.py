@@ -70,9 +70,9 @@ def main() -> int:
             )
         except launch.LaunchError as exc:
             raise cli.UserError(str(exc)) from None
-        if config.train.tiled_mlp and config.distributed.strategy == "ddp" and topology.world_size > 1:
-            raise cli.UserError("train.tiled_mlp: DDP reduces a weight's gradient at the first tile's backward; "
-                                "several processes train tiled MLPs under DeepSpeed ZeRO: make train-deepspeed")
+        tiling = config_module.tiling_problem(config, topology.world_size)  # before any rank starts (each would say it)
+        if tiling:
+            raise cli.UserError(tiling)
         for message in messages:
             print(message, flush=True)
         if args.launcher == "accelerate":

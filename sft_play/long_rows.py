@@ -78,13 +78,13 @@ def _agreed(tiles: int, device: torch.device) -> int:
 
 class OffloadedHiddenStates(torch.autograd.graph.saved_tensors_hooks):
     """Within it, a tensor saved for backward that has the residual stream's shape ``[batch,
-    seq, hidden_size]`` (what checkpointing keeps per layer) is kept in host memory, pinned where
-    there is CUDA, and copied back to its device when backward unpacks it; other saved tensors
-    stay where they are. A tensor saved twice (RMSNorm saves its fp32 upcast for two products)
-    is copied once. On a CPU the copy is made all the same (it saves nothing there, and runs the
-    path a GPU runs). The host copies are not pinned: torch's pinned-memory cache rounds each
-    block up to a power of two, up to twice what the plan counts; the copies are synchronous
-    instead, small beside a long row's compute."""
+    seq, hidden_size]`` (what checkpointing keeps per layer) is kept in host memory and copied
+    back to its device when backward unpacks it; other saved tensors stay where they are. A
+    tensor saved twice (RMSNorm saves its fp32 upcast for two products) is copied once. On a CPU
+    the copy is made all the same (it saves nothing there, and runs the path a GPU runs). The
+    host copies are not pinned: torch's pinned-memory cache rounds each block up to a power of
+    two, up to twice what the plan counts; the copies are synchronous instead, small beside a
+    long row's compute."""
 
     def __init__(self, hidden_size: int) -> None:
         copies: dict[int, tuple[Any, torch.Tensor]] = {}  # id -> (a weak reference to the tensor, its copy)

@@ -65,13 +65,14 @@ def hold(run_dir: Path) -> None:
     except OSError as error:
         logger.warning("%s cannot be locked (%s): another process could write the run at the same time", run_dir, error)
         return
-    waited_from = None
-    for attempt in range(1_000_000):
+    attempt, waited_from = 0, None
+    while True:
+        attempt += 1
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            if attempt < 4:  # a reader's brief shared lock (in_use) is no writer
+            if attempt <= 4:  # a reader's brief shared lock (in_use) is no writer
                 time.sleep(0.1)
                 continue
             holder = _holder(fd)
@@ -79,7 +80,7 @@ def hold(run_dir: Path) -> None:
                 # a node that crashed keeps its lock on NFS until the server's lease for it ends
                 # (NFSv4: 90 s by default): a requeued job waits that long before it is refused
                 waited_from = waited_from or time.monotonic()
-                if attempt == 5:
+                if attempt == 5:  # said once
                     logger.warning("%s is locked by %s, another host: waiting up to %.0f s (a crashed node's lock "
                                    "ends with its file-server lease)", run_dir, holder, OTHER_HOST_WAIT_S)
                 if time.monotonic() - waited_from < OTHER_HOST_WAIT_S:
@@ -385,6 +386,12 @@ def choose_run_folder(config, config_path: str, world_size: int = 1,
     if changed_data:
         message += f"\nwarning: {changed_data}"
     return run.name, str(checkpoint), message
+
+
+def folder_of(output_dir: str | Path, name: str, checkpoint: str | None) -> Path:
+    """The folder of the run :func:`choose_run_folder` chose: a resumed checkpoint's own run folder
+    (named by its path, it may lie outside `output_dir`), else `name` under `output_dir`."""
+    return Path(checkpoint).parents[1] if checkpoint else Path(output_dir) / name
 
 
 def _new_run(output_dir: Path, run_name: str | None, stem: str, restart: bool = False) -> str:

@@ -28,7 +28,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner,
                       run_folder, training)
-from sft_play.config import RunConfig
+from sft_play.config import RunConfig, tiling_problem
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.parallelism import Strategy
@@ -46,9 +46,9 @@ def train(config: RunConfig, config_path: str) -> int:
     if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
-    if config.train.tiled_mlp and strategy.name == "ddp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("train.tiled_mlp: DDP reduces a weight's gradient at the first tile's backward; several "
-                        "processes train tiled MLPs under DeepSpeed ZeRO: make train-deepspeed")
+    tiling = tiling_problem(config, int(os.environ.get("WORLD_SIZE", "1")))
+    if tiling:
+        raise UserError(tiling)
     # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
     # file): "true" brings the process group up through DeepSpeed, or turns FSDP on; "false" keeps a
     # config file's DeepSpeed or FSDP from overruling the run's strategy (or importing DeepSpeed)
@@ -173,7 +173,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     except Exception as error:
         reason = training.write_failure(error)
         if reason is not None:
-            raise UserError(unwritten_checkpoint(run_dir, reason)) from None
+            raise UserError(unwritten(run_dir, f"a checkpoint into {run_dir / 'checkpoints'}", reason)) from None
         if not isinstance(error, RuntimeError) or state.num_processes == 1 or not callbacks.lost_another_rank(error):
             raise
         print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
@@ -267,8 +267,7 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
         try:
             name, resume_checkpoint, message = run_folder.choose_run_folder(config, config_path, state.num_processes,
                                                                             counts)
-            # a checkpoint named by its path continues in its own run folder, wherever train.output_dir points
-            run_dir = Path(resume_checkpoint).parents[1] if resume_checkpoint else Path(config.train.output_dir) / name
+            run_dir = run_folder.folder_of(config.train.output_dir, name, resume_checkpoint)
             try:
                 checks.ensure_disk_room(config, run_dir.parent, shape, run)
             except UserError:
@@ -293,13 +292,15 @@ def open_run_folder(config: RunConfig, config_path: str, state: PartialState, sh
     return run_dir, resume_checkpoint
 
 
-def unwritten_checkpoint(run_dir: Path, reason: str) -> str:
-    """What to say when a checkpoint could not be written (no space, no permission)."""
+def unwritten(run_dir: Path, what: str, reason: str) -> str:
+    """What to say when `what` (a checkpoint, the final model) could not be written: no space, no
+    permission. The run is not finished; what it kept, and how it goes on."""
     last = checkpoints.newest_complete(run_dir / "checkpoints")
-    kept = f"the checkpoints already written are kept (newest {last.name})" if last else "no checkpoint was complete"
-    return (f"could not write a checkpoint into {run_dir / 'checkpoints'}: {reason}. Training stopped; {kept}, and "
-            f"the one cut short has no completeness marker (set aside on resume). Make room (or make the folder "
-            f"writable) and continue with {resume_command()}")
+    kept = (f"the checkpoints already written are kept (newest {last.name}); one cut short has no completeness "
+            f"marker (set aside on resume). Make room (or make the folder writable) and continue with "
+            f"{resume_command()}" if last else
+            "no checkpoint is complete (train.save_steps sets how often they are saved): make room and train again")
+    return f"could not write {what}: {reason}. Training stopped, the run is not finished; {kept}"
 
 
 def batch_record(run: Run, trained: Any, rows: int) -> dict[str, Any]:
@@ -371,12 +372,7 @@ def save(trainer: Any, state: PartialState, run: Run, trained: Any, run_dir: Pat
         if reason is None:
             raise
         shutil.rmtree(partial, ignore_errors=True)  # torn, and the room it takes may be what ran out
-        last = checkpoints.newest_complete(run_dir / "checkpoints")
-        kept = (f"its checkpoints are kept (newest {last.name}): make room (or make the folder writable) and "
-                f"continue with {resume_command()}" if last else
-                "there is no checkpoint to resume from (train.save_steps 0): make room and train again")
-        raise UserError(f"could not write the final model into {partial}: {reason}. The run is not finished; "
-                        + kept) from None
+        raise UserError(unwritten(run_dir, f"the final model into {partial}", reason)) from None
     if not state.is_main_process:
         return
     if os.environ.get(callbacks.FAULTS_ENV):  # tests only

@@ -327,6 +327,22 @@ def valid_keys() -> list[str]:
     return [f"{section}.{key}" for section, cls in SECTIONS.items() for key in cls.model_fields]
 
 
+def tiling_problem(config: RunConfig, processes: int = 1) -> str | None:
+    """Why ``train.tiled_mlp`` cannot train under the strategy on `processes` processes: DeepSpeed's
+    TiledMLP produces a weight's gradient tile by tile, which ZeRO waits for and DDP (on several
+    processes) and FSDP2 reduce at the first tile."""
+    strategy = Strategy(config.distributed.strategy)
+    if not config.train.tiled_mlp or strategy.deepspeed:
+        return None
+    if strategy.fsdp:
+        return (f"train.tiled_mlp: {strategy.label} reduces a weight's gradient at the first tile's backward; tiled "
+                "MLPs train in one process or under DeepSpeed ZeRO (distributed.strategy=deepspeed_zero2)")
+    if processes > 1:
+        return ("train.tiled_mlp: DDP reduces a weight's gradient at the first tile's backward; several processes "
+                "train tiled MLPs under DeepSpeed ZeRO: make train-deepspeed")
+    return None
+
+
 def consistency_problems(config: RunConfig) -> list[str]:
     """Values that are each valid but not together (or not in range), one message each."""
     problems = []
@@ -355,9 +371,9 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.offload_activations and not train.gradient_checkpointing:
         problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
                         "set train.gradient_checkpointing=true too")
-    if train.tiled_mlp and not strategy.deepspeed and strategy.name != "ddp":
-        problems.append(f"train.tiled_mlp: {strategy.label} reduces a weight's gradient at the first tile's backward; "
-                        "tiled MLPs train in one process or under DeepSpeed ZeRO (distributed.strategy=deepspeed_zero2)")
+    tiling = tiling_problem(config)  # (several DDP processes: the launcher and the training process ask again)
+    if tiling:
+        problems.append(tiling)
     if train.tiled_mlp and method != "full" and config.lora.dropout > 0:
         problems.append(f"train.tiled_mlp recomputes each tile in backward without replaying its random numbers: LoRA "
                         f"dropout ({config.lora.dropout}) would differ between the passes; set lora.dropout=0")

@@ -11,8 +11,8 @@ agent), on a thread, so that this process keeps the say over signals and outcome
 - the launcher exits with the training processes' status (75 after a stop that saved), with one
   ``error:`` line instead of a traceback when the launch itself fails;
 - the processes meet through :mod:`.rendezvous`: on one node a free loopback port (two launches
-  at once never race for one); on several nodes, node 0's address and port, and every node says how many are still missing while it waits, for at most
-  ``distributed.rendezvous_timeout_minutes``.
+  at once never race for one); on several nodes, node 0's address and port, and every node says
+  how many are still missing while it waits, for at most ``distributed.rendezvous_timeout_minutes``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,23 @@
 """The longest rows a config trains on the given hardware, and with which settings
 (``make plan LONGEST=1``).
 
-The levers that make long rows fit are added one at a time, cheapest first, each on top of the
-ones before (:data:`LEVERS`; on several GPUs, sharding the parameters first): for each set, the
-longest row of the length ladder (:func:`ladder`, four lengths an octave, 1,024 to 16M tokens)
-at which one row per GPU fits, found an octave at a time then by bisection on the ladder, and
-planned exactly as the run would plan it (the same replay, and the shorter rows' envelope). Where the levers stop helping,
-the answer says so; lengths past the model's trained positions are flagged, not refused.
+The remedies that make long rows fit (:data:`LEVERS`, from :mod:`.remedies`; on several GPUs,
+ZeRO first) are added one at a time, cheapest first, each on top of the ones before. For each
+set, the longest length of the ladder (:func:`ladder`, four lengths an octave, 1,024 to 16M
+tokens) at which one row per GPU fits: found an octave at a time, then by bisection within the
+octave, each length planned exactly as the run would plan it (the same replay, and the shorter
+rows' envelope). Lengths past the model's trained positions are flagged, not refused.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
-from sft_play.config import RunConfig, parse_override
+from sft_play.config import RunConfig
 from sft_play.config.schema import consistency_problems
 from sft_play.parallelism import Strategy
-from sft_play.planner.choose.remedies import Remedy, command
+from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, with_overrides
 
 SHORTEST, LONGEST = 1024, 16 << 20
 # Plans a config on a target without remedies (make_plan, partially applied)
@@ -34,31 +33,31 @@ def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
     return lengths
 
 
-def _levers(config: RunConfig, target: Any) -> list[tuple[str, tuple[str, ...]]]:
-    """(name, overrides) of each lever that applies, cheapest first."""
-    levers: list[tuple[str, tuple[str, ...]]] = []
+# The remedies that carry rows further, cheapest first (ZeRO-2 for QLoRA, whose 4-bit base ZeRO-3
+# cannot shard here)
+LEVERS = ("gradient checkpointing", "FlashAttention-2", "tiled MLP", "activation offload")
+_LONG = 1 << 20  # a length every long-row remedy applies to
+
+
+def _levers(config: RunConfig, target: Any) -> list[Remedy]:
+    """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply, each on top of those
+    before it."""
+    catalogue = {remedy.name: remedy for remedy in REMEDIES}
+    names = list(LEVERS)
     if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
-        stage = "deepspeed_zero2" if config.finetune.method == "qlora" else "deepspeed_zero3"
-        if stage != config.distributed.strategy:
-            levers.append(("ZeRO sharding", (f"distributed.strategy={stage}",)))
-    if not config.train.gradient_checkpointing:
-        levers.append(("gradient checkpointing", ("train.gradient_checkpointing=true",)))
-    if target.on_cuda and config.model.attn_implementation in ("auto", "sdpa"):
-        levers.append(("FlashAttention-2", ("model.attn_implementation=flash_attention_2",)))
-    zero = Strategy(config.distributed.strategy).deepspeed or any(name == "ZeRO sharding" for name, _ in levers)
-    if not config.train.tiled_mlp and (target.world_size == 1 or zero):  # one process, or ZeRO (sft_play.long_rows)
-        levers.append(("tiled MLP", ("train.tiled_mlp=true", "lora.dropout=0")))
-    if not config.train.offload_activations:
-        levers.append(("activation offload", ("train.gradient_checkpointing=true", "train.offload_activations=true")))
+        names.insert(0, "ZeRO-2" if config.finetune.method == "qlora" else "ZeRO-3")
+    levers: list[Remedy] = []
+    for name in names:
+        remedy = catalogue[name]
+        so_far = with_overrides(config, [o for lever in levers for o in lever.overrides])
+        so_far.data.max_seq_length = _LONG
+        if remedy.applies(so_far, target):
+            levers.append(remedy)
     return levers
 
 
 def _with(config: RunConfig, overrides: tuple[str, ...], tokens: int, world: int) -> RunConfig:
-    changed = copy.deepcopy(config)
-    for text in overrides:
-        key, value = parse_override(text)
-        section, attribute = key.split(".")
-        setattr(getattr(changed, section), attribute, value)
+    changed = with_overrides(config, overrides)
     changed.data.max_seq_length = tokens
     changed.train.global_batch_size = world  # one row per GPU
     changed.train.micro_batch_size = 1
@@ -73,7 +72,7 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
     does not fit), the peak at the longest, and the command that trains it."""
     lengths = ladder()
     answers, applied = [], ()
-    for name, overrides in [("as configured", ()), *_levers(config, target)]:
+    for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in _levers(config, target))]:
         applied = applied + overrides
         if consistency_problems(_with(config, applied, SHORTEST, target.world_size)):
             applied = applied[:len(applied) - len(overrides)]

@@ -50,11 +50,7 @@ class Remedy:
     halve_sequence: bool = False
 
     def config_for(self, config: RunConfig) -> RunConfig:
-        changed = copy.deepcopy(config)
-        for text in self.overrides:
-            key, value = parse_override(text)
-            section, attribute = key.split(".")
-            setattr(getattr(changed, section), attribute, value)
+        changed = with_overrides(config, self.overrides)
         if self.halve_sequence:
             changed.data.max_seq_length = config.data.max_seq_length // 2
         return changed
@@ -72,6 +68,16 @@ class Remedy:
         if self.gpu_factor > 1:
             changes.insert(0, gpus_text(target.world_size * self.gpu_factor))
         return changes
+
+
+def with_overrides(config: RunConfig, overrides: tuple[str, ...] | list[str]) -> RunConfig:
+    """A copy of `config` with ``section.key=value`` `overrides` applied, later ones winning."""
+    changed = copy.deepcopy(config)
+    for text in overrides:
+        key, value = parse_override(text)
+        section, attribute = key.split(".")
+        setattr(getattr(changed, section), attribute, value)
+    return changed
 
 
 def gpus_text(world: int) -> str:

@@ -88,16 +88,11 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
     else:
         flops = 4.0 * n + 6.0 * shape.lora_params
         recompute = 2.0 * n
-    # tiled MLPs run their forward again, tile by tile, inside backward (sft_play.long_rows)
-    tiles_again = 2.0 * _active_mlp_params(shape) if run.kernels.tiled_mlp else 0.0
+    # tiled MLPs run their forward again, tile by tile, inside backward (sft_play.long_rows): the
+    # MLP's active parameters, those of the experts a token is not routed to being all MLP
+    active_mlp = shape.params_by_kind.get("mlp", 0) - (shape.total_params - n)
+    tiles_again = 2.0 * active_mlp if run.kernels.tiled_mlp else 0.0
     return flops + (recompute if run.gradient_checkpointing else 0.0) + tiles_again
-
-
-def _active_mlp_params(shape: ModelShape) -> float:
-    mlp = shape.params_by_kind.get("mlp", 0)
-    if shape.num_experts and shape.expert_params:  # a token passes through its top-k experts only
-        mlp -= shape.expert_params * (1 - shape.experts_per_token / shape.num_experts)
-    return float(mlp)
 
 
 def keys_per_token(run: Run, masked: bool) -> float:
