@@ -70,9 +70,10 @@ def main() -> int:
             )
         except launch.LaunchError as exc:
             raise cli.UserError(str(exc)) from None
-        tiling = config_module.tiling_problem(config, topology.world_size)  # before any rank starts (each would say it)
-        if tiling:
-            raise cli.UserError(tiling)
+        for problem in (config_module.tiling_problem(config, topology.world_size),  # before any rank starts (each
+                        config_module.sequence_parallel_problem(config, topology.world_size)):  # would say it)
+            if problem:
+                raise cli.UserError(problem)
         for message in messages:
             print(message, flush=True)
         if args.launcher == "accelerate":

@@ -321,15 +321,31 @@ class ModelFacts:
     attention_eager_only: bool  # SDPA cannot run it: Gemma-2's capped logits, gpt-oss's sinks
     expert_parameters: tuple[str, ...] = ()  # the fused expert weights LoRA reaches (adapter_facts)
     lora_exclude: tuple[str, ...] = ()  # the linears LoRA all-linear leaves out
+    attention_heads: int = 0  # query heads (sequence parallelism splits them across its processes)
+    kv_heads: int = 0
+    sliding_window: int | None = None
+    sequential_mixers: tuple[str, ...] = ()  # layers that carry a state along the sequence (sequential_mixers)
 
 
 def model_facts(model_config: Any, trust_remote_code: bool = False, adapters: bool = True) -> ModelFacts:
     """:class:`ModelFacts` from a transformers config; with `adapters`, what LoRA reaches too (for
     which a mixture-of-experts model is built on the meta device)."""
     expert_parameters, lora_exclude = lora_facts(model_config, trust_remote_code) if adapters else ((), ())
+    text = text_config(model_config)
+    heads = config_int(text, "num_attention_heads", "n_head", "num_heads")
     return ModelFacts(hidden_size=hidden_size(model_config), num_experts=experts(model_config)[0],
                       attention_eager_only=attention_eager_only(model_config),
-                      expert_parameters=tuple(expert_parameters), lora_exclude=tuple(lora_exclude))
+                      expert_parameters=tuple(expert_parameters), lora_exclude=tuple(lora_exclude),
+                      attention_heads=heads, kv_heads=config_int(text, "num_key_value_heads", "num_kv_heads", default=heads),
+                      sliding_window=sliding_window(model_config), sequential_mixers=sequential_mixers(model_config))
+
+
+def sequential_mixers(model_config: Any) -> tuple[str, ...]:
+    """The kinds of a hybrid model's layers that mix tokens without attention (Mamba, linear
+    attention, convolutions): each carries a state along the sequence inside its own code, which a
+    sequence split across processes would restart on every process."""
+    return tuple(sorted({kind.partition("+")[0] for kind in layer_kinds(model_config)
+                         if kind.partition("+")[0] and kind.partition("+")[0] not in _ATTENTION_TYPES}))
 
 
 def vocab_size(model_config: Any) -> int | None:

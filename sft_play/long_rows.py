@@ -13,6 +13,10 @@ traces (:mod:`sft_play.planner.simulate.trace`), so that what is planned is what
   input) are kept in host memory instead, copied back when backward reaches them. torch's own
   ``save_on_cpu`` would move every saved tensor; these are the ones that grow with the layers x
   the sequence.
+- :func:`attend_by_example`: where each row is split across processes (DeepSpeed Ulysses),
+  attention gets no mask, and SDPA would then let the examples packed in a row attend to each
+  other; with it, each example attends only to itself, found from the position ids Ulysses
+  gathers (FlashAttention-2 reads them itself).
 """
 
 from __future__ import annotations
@@ -106,3 +110,35 @@ class OffloadedHiddenStates(torch.autograd.graph.saved_tensors_hooks):
             return packed
 
         super().__init__(pack, unpack)
+
+
+def attend_by_example(sdpa: Any) -> Any:
+    """transformers' SDPA attention function `sdpa`, made to run each example of a packed row on
+    its own where no mask is given: a row whose position ids restart at 0 holds several examples,
+    and each span from one restart to the next attends causally to itself only (the
+    variable-length attention FlashAttention-2 does in one kernel, here as one SDPA call per
+    example). With a mask, without position ids, or one example per row, `sdpa` itself.
+
+    Kept rather than a block-diagonal mask: that is [tokens x tokens] per row, what a split
+    sequence exists to avoid (Ulysses drops masks for that reason)."""
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args: Any, position_ids: torch.Tensor | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None or position_ids is None or position_ids.shape[-1] != query.shape[2]:
+            return sdpa(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
+        starts = [(row == 0).nonzero().flatten().tolist() for row in position_ids]
+        if all(row == [0] for row in starts):
+            return sdpa(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
+        length = query.shape[2]
+        rows = []
+        for index, row in enumerate(starts):
+            bounds = [0, *(start for start in row if start > 0), length]
+            spans = [sdpa(module, query[index:index + 1, :, a:b], key[index:index + 1, :, a:b],
+                          value[index:index + 1, :, a:b], None, *args, position_ids=position_ids[index:index + 1, a:b],
+                          **kwargs)[0] for a, b in zip(bounds, bounds[1:])]
+            rows.append(torch.cat(spans, dim=1))  # [1, tokens, heads, head_dim]
+        return torch.cat(rows, dim=0), None
+
+    attention.by_example = True
+    return attention

@@ -73,15 +73,22 @@ class Parallelism:
     reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
     reduce_bucket_elements: int | None = None  # ZeRO's reduce_bucket_size, as the trainer fills it
     allgather_bucket_elements: int | None = None  # ZeRO's allgather_bucket_size
+    # Processes that split each row's tokens between them (DeepSpeed Ulysses): world_size of them
+    # form world_size / sequence_parallel data-parallel groups
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.offload_parameters and not self.offload_optimizer:  # offloaded parameters take their states along
             object.__setattr__(self, "offload_optimizer", True)
+        if self.sequence_parallel < 1 or self.world_size % self.sequence_parallel:
+            raise ValueError(f"sequence parallelism of {self.sequence_parallel} does not divide {self.world_size} "
+                             "process(es)")
 
     @classmethod
     def from_config(cls, distributed: Any, world_size: int = 1,
-                    buckets: tuple[int | None, int | None] = (None, None)) -> Parallelism:
-        """From the config's ``distributed`` section (:class:`sft_play.config.schema.DistributedConfig`)."""
+                    buckets: tuple[int | None, int | None] = (None, None), sequence_parallel: int = 1) -> Parallelism:
+        """From the config's ``distributed`` section (:class:`sft_play.config.schema.DistributedConfig`),
+        with its ``sequence_parallel`` as resolved (``auto`` is the planner's)."""
         return cls(
             strategy=Strategy(distributed.strategy),
             world_size=world_size,
@@ -90,7 +97,17 @@ class Parallelism:
             reshard_after_forward=distributed.reshard_after_forward,
             reduce_bucket_elements=buckets[0],
             allgather_bucket_elements=buckets[1],
+            sequence_parallel=sequence_parallel,
         )
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes that train on different rows: ``micro x accum x data_parallel`` rows a step."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def splits_sequence(self) -> bool:
+        return self.sequence_parallel > 1
 
     @property
     def deepspeed(self) -> bool:

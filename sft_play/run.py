@@ -337,6 +337,7 @@ def resolve(
     local: bool = True,
     outside_allocator_measured: dict[str, int] | None = None,
     cuda_capability: tuple[int, int] | None = None,
+    sequence_parallel: int | None = None,
 ) -> Run:
     """Every decision about the run, from the config, the hardware and (when read) the data.
 
@@ -352,6 +353,8 @@ def resolve(
         outside_allocator_measured: what processes were measured to hold on these GPUs outside
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
         cuda_capability: the training GPUs' compute capability (None: unknown, taken as Hopper's).
+        sequence_parallel: the processes each row is split across, where the planner decides it
+            (``distributed.sequence_parallel: auto``); None: the config's number (auto: 1).
     """
     if Strategy(config.distributed.strategy).fsdp and config.distributed.offload_parameters and not on_cuda:
         from sft_play.errors import UserError
@@ -361,6 +364,14 @@ def resolve(
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else _model_facts(config, adapters=config.finetune.method != "full")
     attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
+    configured = config.distributed.sequence_parallel
+    split = sequence_parallel or (configured if isinstance(configured, int) else 1)
+    if split > 1:
+        problem = sequence_split_problem(facts, split, attention, world_size)
+        if problem:
+            from sft_play.errors import UserError
+
+            raise UserError(problem)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype
@@ -383,7 +394,8 @@ def resolve(
             tiled_mlp=config.train.tiled_mlp,
         ),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
-        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size)),
+        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size),
+                                         split),
         on_cuda=on_cuda,
         gradient_checkpointing=config.train.gradient_checkpointing,
         sequence=sequence_length(config, data_stats),
@@ -401,6 +413,38 @@ def resolve(
         loraplus_lr_ratio=config.lora.loraplus_lr_ratio if method != "full" else None,
         offload_activations=config.train.offload_activations,
     )
+
+
+def sequence_split_problem(facts: ModelFacts, size: int, attention: str, world_size: int) -> str | None:
+    """Why the model cannot train with each row split across `size` processes (DeepSpeed Ulysses,
+    ``deepspeed.runtime.sequence_parallel.ulysses_sp``), or None. Each process attends with
+    1/size of the heads over the whole row, so the query heads must divide among them (the
+    key/value heads too, or be copied to them); the mask is dropped, so a sliding window needs a
+    kernel that takes it itself."""
+    key = f"distributed.sequence_parallel={size}"
+    if world_size % size:
+        return (f"{key} splits each row across {size} processes, and {world_size} process(es) cannot be grouped so: "
+                f"use a number of processes divisible by {size}")
+    if facts.sequential_mixers:
+        return (f"{key}: this model's {', '.join(facts.sequential_mixers)} layers carry a state along the sequence, "
+                "which a split sequence would restart on every process (wrong gradients, no error); train it "
+                "without sequence parallelism")
+    if attention not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        why = "this model needs eager attention" if facts.attention_eager_only else f"attention is {attention}"
+        return (f"{key}: {why}, and a split sequence runs on SDPA or FlashAttention only (Ulysses drops the "
+                "mask eager attention builds); train it without sequence parallelism")
+    heads, kv = facts.attention_heads, facts.kv_heads or facts.attention_heads
+    if heads and heads % size:
+        return (f"{key}: each process attends with 1/{size} of the {heads} attention heads, which do not divide by "
+                f"{size}; use a divisor of {heads}")
+    if heads and kv % size and size % kv:
+        return (f"{key}: the {kv} key/value heads neither divide among {size} processes nor copy evenly to them; "
+                f"use a divisor or a multiple of {kv}")
+    if facts.sliding_window and attention == "sdpa":
+        return (f"{key}: this model's layers attend through a {facts.sliding_window:,}-token window, which SDPA "
+                "takes only as a mask, and a split sequence drops masks; use model.attn_implementation="
+                "flash_attention_2 (GPUs), or train without sequence parallelism")
+    return None
 
 
 def _model_facts(config: RunConfig, adapters: bool) -> ModelFacts:

@@ -28,7 +28,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner,
                       run_folder, training)
-from sft_play.config import RunConfig, tiling_problem
+from sft_play.config import RunConfig, sequence_parallel_problem, tiling_problem
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.parallelism import Strategy
@@ -46,9 +46,10 @@ def train(config: RunConfig, config_path: str) -> int:
     if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
-    tiling = tiling_problem(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if tiling:
-        raise UserError(tiling)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    for problem in (tiling_problem(config, processes), sequence_parallel_problem(config, processes)):
+        if problem:
+            raise UserError(problem)
     # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
     # file): "true" brings the process group up through DeepSpeed, or turns FSDP on; "false" keeps a
     # config file's DeepSpeed or FSDP from overruling the run's strategy (or importing DeepSpeed)
@@ -110,7 +111,10 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         logger.info("model loaded %s", "under DeepSpeed's zero.Init: each process holds only its partition"
                     if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
-    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to)
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
+                                     split=run.parallel.sequence_parallel,
+                                     # gloo gathers only equal shapes: every batch at the longest
+                                     length=None if where.on_cuda else config.data.max_seq_length)
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,
@@ -131,10 +135,12 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     batch = run.batch
     checked = plan  # the prediction memory_check.json compares with: the plan, or calibration's
     if config.planner.calibrate and config.train.micro_batch_size == "auto":
-        if run.parallel.fsdp:  # calibration builds several trainers on one model, which FSDP2 shards in place
+        # calibration builds several trainers on one model: FSDP2 shards it in place, and DeepSpeed's
+        # sequence-parallel groups and attention wrapper are set up once per process
+        if run.parallel.fsdp or run.parallel.splits_sequence:
             if state.is_main_process:
-                logger.warning("planner.calibrate is not done under FSDP2 (it shards the model in place); "
-                               "planning analytically")
+                logger.warning("planner.calibrate is not done under %s; planning analytically",
+                               "FSDP2 (it shards the model in place)" if run.parallel.fsdp else "sequence parallelism")
         elif where.on_cuda:
             checked = training.calibrate(plan, make_trainer, config, run, shape)
             batch = checked.split

@@ -271,6 +271,11 @@ class DistributedConfig(_Section):
         True, description="FSDP2: free each layer's gathered parameters after its forward and gather them again "
         "for backward (full shard); false keeps them from forward to backward (less communication, more memory)."
     )
+    sequence_parallel: Union[int, Auto] = Field(
+        1, description="Split each row's tokens across this many processes (DeepSpeed Ulysses: each holds 1/N of "
+        "the sequence and all-to-alls attention's heads); for rows too long for one GPU. Needs deepspeed_zero2/3, "
+        "a number of processes divisible by it and SDPA or FlashAttention; auto: the smallest that fits (the planner)."
+    )
     deepspeed_config: str = Field("configs/deepspeed_z2.json", description="DeepSpeed JSON whose 'auto' values we fill.")
     timeout_minutes: float = Field(
         30, gt=0, description="How long a process waits for the others in a collective (the process-group "
@@ -343,6 +348,28 @@ def tiling_problem(config: RunConfig, processes: int = 1) -> str | None:
     return None
 
 
+def sequence_parallel_problem(config: RunConfig, processes: int | None = None) -> str | None:
+    """Why ``distributed.sequence_parallel`` cannot train as configured on `processes` processes
+    (None: not known yet). What depends on the model (its heads, its attention) is checked when
+    the run is resolved (:func:`sft_play.run.resolve`)."""
+    size = config.distributed.sequence_parallel
+    if size == 1:
+        return None
+    if isinstance(size, int) and size < 1:
+        return f"distributed.sequence_parallel: got {size}; use a positive number of processes, or auto"
+    strategy = Strategy(config.distributed.strategy)
+    if not strategy.deepspeed:
+        return (f"distributed.sequence_parallel: DeepSpeed's Ulysses runs under ZeRO; set "
+                f"distributed.strategy=deepspeed_zero2 (or deepspeed_zero3) and use make train-deepspeed, not {strategy.label}")
+    if config.model.attn_implementation in ("eager", "flex_attention"):
+        return (f"distributed.sequence_parallel: model.attn_implementation={config.model.attn_implementation} cannot "
+                "run on a split sequence (Ulysses drops the mask it builds); use sdpa or flash_attention_2 (or auto)")
+    if processes is not None and isinstance(size, int) and processes % size:
+        return (f"distributed.sequence_parallel={size} splits each row across {size} processes, and {processes} "
+                f"process(es) cannot be grouped so: use a number of processes (NUM_GPUS x NNODES) divisible by {size}")
+    return None
+
+
 def consistency_problems(config: RunConfig) -> list[str]:
     """Values that are each valid but not together (or not in range), one message each."""
     problems = []
@@ -371,6 +398,9 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.offload_activations and not train.gradient_checkpointing:
         problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
                         "set train.gradient_checkpointing=true too")
+    sequence = sequence_parallel_problem(config)  # (the processes: the launcher and the training process ask again)
+    if sequence:
+        problems.append(sequence)
     tiling = tiling_problem(config)  # (several DDP processes: the launcher and the training process ask again)
     if tiling:
         problems.append(tiling)

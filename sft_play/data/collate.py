@@ -23,9 +23,12 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from sft_play.data.tokenize import IGNORE_INDEX
 
 
-def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+def _pad(rows: list[list[int]], value: int | None) -> torch.Tensor:
+    """Rows padded at the end to the longest, with `value`, or (None: positions) with one span
+    counting from 0: the padding is an example of its own, which no real token attends to."""
     width = max(len(r) for r in rows)
-    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+    return torch.tensor([list(r) + (list(range(width - len(r))) if value is None else [value] * (width - len(r)))
+                         for r in rows], dtype=torch.long)
 
 
 @dataclass
@@ -39,7 +42,7 @@ class PackedRowsCollator:
             [e["seq_lengths"] for e in examples]
         )
         labels = _pad([e["labels"] for e in examples], IGNORE_INDEX)
-        positions = _pad([p.tolist() for p in position_ids], 0)
+        positions = _pad([p.tolist() for p in position_ids], None)
         # An example's first token would be predicted from the previous example's last one
         labels[positions == 0] = IGNORE_INDEX
         return {
@@ -47,6 +50,44 @@ class PackedRowsCollator:
             "labels": labels,
             "position_ids": positions,
         }
+
+
+SPLIT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+@dataclass
+class SplitSequencePadding:
+    """Batches for a run that splits each row's tokens across `split` processes (DeepSpeed
+    Ulysses): padded at the end to a multiple of `split`, and to at least `length` tokens where
+    given (gloo, which CPU processes use, gathers only tensors of equal shapes, and Ulysses
+    gathers each batch across the split). Position ids come with every batch (Ulysses gathers them
+    to find where each example starts): a padded row counts on through its padding, which follows
+    every real token and is therefore attended by none."""
+
+    inner: Any
+    pad_token_id: int
+    split: int
+    length: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        # what Ulysses splits: [rows, tokens] tensors (not the padding-free collator's cumulative
+        # lengths, which FlashAttention-2 then finds again from the gathered position ids)
+        batch = {key: value for key, value in self.inner(examples).items() if key in SPLIT_KEYS}
+        rows, width = batch["input_ids"].shape
+        if "position_ids" not in batch:
+            batch["position_ids"] = torch.arange(width).expand(rows, width).clone()
+        target = max(width, self.length or 0)
+        target = -(-target // self.split) * self.split
+        extra = target - width
+        if extra:
+            tail = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+            for key, value in list(batch.items()):
+                if key == "position_ids":  # one span of padding, counting from 0: an example of its own
+                    pad = torch.arange(extra).expand(rows, extra)
+                else:
+                    pad = torch.full((rows, extra), tail.get(key, 0), dtype=value.dtype)
+                batch[key] = torch.cat([value, pad.to(value.dtype)], dim=1)
+        return batch
 
 
 @dataclass
@@ -65,12 +106,15 @@ class RecordingCollator:
         return self.inner(examples)
 
 
-def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None) -> Any:
+def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None, split: int = 1,
+                  length: int | None = None) -> Any:
     """The collator the run resolved (``Run.kernels.collator``, :func:`sft_play.run.collator_kind`).
 
     ``padded``: TRL's collator, which pads to the longest in the batch; ``padding_free``: TRL's
     padding-free one (packed rows under FlashAttention-2, variable length); ``packed_rows``:
     :class:`PackedRowsCollator`. With `record_to`, every row's fingerprint is recorded there.
+    With `split` above 1 (sequence parallelism), batches are padded for it (:class:`SplitSequencePadding`,
+    to `length` tokens at least).
     """
     if kind == "padded":
         collator: Any = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
@@ -80,4 +124,6 @@ def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None) -
         collator = PackedRowsCollator(pad_token_id=pad_token_id)
     else:
         raise ValueError(f"unknown collator {kind!r}")
+    if split > 1:
+        collator = SplitSequencePadding(collator, pad_token_id, split, length)
     return RecordingCollator(collator, record_to) if record_to is not None else collator

@@ -42,7 +42,7 @@ class Plan:
     params_by_kind: dict[str, int]
     micro_batch_size: int
     gradient_accumulation_steps: int
-    world_size: int
+    world_size: int  # processes; the rows of a step are split among world_size / sequence_parallel of them
     global_batch_size: int
     requested_global_batch_size: int
     sequence_length: int
@@ -72,20 +72,23 @@ class Plan:
     plan_seconds: float = 0.0  # wall clock
     plan_cpu_seconds: float = 0.0  # this process's CPU time: what planning costs, whatever else runs
     replays: int = 0  # training steps replayed through the allocator (remedies' plans included)
+    sequence_parallel: int = 1  # processes each row is split across (distributed.sequence_parallel, as resolved)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def split(self) -> BatchSplit:
-        return BatchSplit(self.micro_batch_size, self.gradient_accumulation_steps, self.world_size,
-                          self.requested_global_batch_size)
+        return BatchSplit(self.micro_batch_size, self.gradient_accumulation_steps,
+                          self.world_size // self.sequence_parallel, self.requested_global_batch_size)
 
     def describe(self) -> str:
         """The start-up line: ``global 64 = micro 4 x accum 2 x world 8; predicted peak 61.2 GiB of 79.1 GiB``."""
         peak, budget = self.peak_bytes_per_gpu / GIB, self.budget_bytes_per_gpu / GIB
         digits = 1 if f"{peak:.1f}" != f"{budget:.1f}" else 2  # "23.3 of 23.3 GiB" read as no room at all
-        return f"{self.split.describe()}; predicted peak {peak:.{digits}f} GiB of {budget:.{digits}f} GiB"
+        split = (f"; each row split across {self.sequence_parallel} processes (sequence parallel)"
+                 if self.sequence_parallel > 1 else "")
+        return f"{self.split.describe()}{split}; predicted peak {peak:.{digits}f} GiB of {budget:.{digits}f} GiB"
 
 
 def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None,
@@ -141,18 +144,18 @@ def make_plan(
             f"{'GPU' if target.on_cuda else 'process'}, less planner.safety_margin_gib={config.planner.safety_margin_gib:g} "
             f"or planner.safety_fraction={fraction:g} of it; lower the margin, or plan for more memory (VRAM_GIB)")
     search = FitSearch(shape, run, budget,
-                       per_process=max(1, -(-train.global_batch_size // target.world_size)),
+                       per_process=max(1, -(-train.global_batch_size // run.parallel.data_parallel)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
                        else train.gradient_accumulation_steps, shorter_rows=shorter_rows)
     fitting = search.largest_fitting()
-    split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
+    split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
     # rows shorter than planned, for the micro-batches this split trains (rare: the cache's swing at
     # a shorter length): the largest that fits is then below them, and the split is chosen again
     rows_fitting = search.shorter_rows_fitting(min(split.micro_batch_size, fitting))
     if rows_fitting < min(split.micro_batch_size, fitting):
         fitting = rows_fitting
-        split = decide_split(train.global_batch_size, target.world_size, train.micro_batch_size,
+        split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                              train.gradient_accumulation_steps, fitting)
     notes, warnings = split_notes(config, search, split, fitting)
     if margin_note:
@@ -240,6 +243,7 @@ def make_plan(
         plan_seconds=round(time.perf_counter() - started, 4),
         plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
         replays=REPLAYS[0] - replays_before,
+        sequence_parallel=run.parallel.sequence_parallel,
     )
 
 

@@ -158,6 +158,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         fsdp=True if run.parallel.fsdp else None,
         fsdp_config=fsdp_settings(run, layer_classes or []),
         accelerator_config=accelerator_settings(run),
+        parallelism_config=sequence_parallelism(run),
     )
     arguments = SFTConfig(**{**settings, **overrides})
     # With bf16 and fp16 both off, transformers takes the autocast mode from ACCELERATE_MIXED_PRECISION,
@@ -167,6 +168,22 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
     if policy and arguments.fsdp_plugin_args is not None:  # transformers has no argument for it
         arguments.fsdp_plugin_args["mixed_precision_policy"] = policy
     return arguments
+
+
+def sequence_parallelism(run: Run) -> Any:
+    """accelerate's ``ParallelismConfig`` for a run that splits each row across processes
+    (DeepSpeed Ulysses, which accelerate sets up when it prepares the model under DeepSpeed): the
+    groups of ``sequence_parallel`` processes, the data-parallel groups of the rest, and the
+    model's attention kernel, which Ulysses wraps. Rows may differ in length from batch to batch
+    (the collator pads each to a multiple of the split). None without a split."""
+    if not run.parallel.splits_sequence:
+        return None
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+    return ParallelismConfig(
+        sp_size=run.parallel.sequence_parallel, sp_backend="deepspeed", dp_replicate_size=run.parallel.data_parallel,
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                                   sp_attn_implementation=run.kernels.attention))
 
 
 def accelerator_settings(run: Run) -> dict[str, Any] | None:

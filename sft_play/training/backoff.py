@@ -29,7 +29,7 @@ def measure_peaks(make_trainer: Callable[..., Any], run: Run, micros: tuple[int,
 
     peaks = {}
     for micro in micros:
-        world = run.parallel.world_size
+        world = run.parallel.data_parallel
         trainer = make_trainer(BatchSplit(micro, 1, world, micro * world), max_steps=steps, learning_rate=0.0,
                                save_strategy="no", report_to="none", logging_strategy="no", eval_strategy="no")
         torch.cuda.empty_cache()

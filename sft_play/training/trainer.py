@@ -41,12 +41,16 @@ def trainer_factory(
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
-    trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None)
+    trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None,
+                                   run.parallel.sequence_parallel)
     held = {"model": model, "peft_config": lora_config(run)}
     layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.parallel.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
 
     def make(split: BatchSplit | None = None, **overrides: Any) -> Any:
+        if run.parallel.splits_sequence:
+            attend_by_example_under_ulysses(run.kernels.attention)
+            resume_split_loaders()
         args = sft_arguments(config, run, run_dir, has_validation=eval_dataset is not None,
                              layer_classes=layer_classes, batch=split, **overrides)
         shard_on_cpu(args, run)
@@ -79,9 +83,59 @@ def trainer_factory(
     return make
 
 
-def _trainer_class(offload_hidden_size: int | None = None) -> type:
+def attend_by_example_under_ulysses(attention: str) -> None:
+    """Before accelerate wraps the model's attention function in DeepSpeed's Ulysses (when the
+    trainer prepares the model for a split sequence): SDPA, which then gets no mask, runs each
+    packed example on its own (:func:`sft_play.long_rows.attend_by_example`). FlashAttention
+    finds the examples itself."""
+    if attention != "sdpa":
+        return
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from sft_play.long_rows import attend_by_example
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attend_by_example(sdpa_attention_forward)
+
+
+def resume_split_loaders() -> None:
+    """Let the trainer resume a split-sequence run mid-epoch. It skips the micro-batches already
+    trained with accelerate's ``skip_first_batches``, which rebuilds a ``DataLoader`` and cannot
+    take DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (it has no dataset: "'UlyssesSPDataLoaderAdapter'
+    object has no attribute 'dataset'"). The function the trainer calls is replaced by one that
+    skips the adapter's loader by whole batches, then the adapter by the rest (each batch is
+    `sequence_parallel` of its micro-batches), and hands every other loader to accelerate's.
+
+    A patch of ``transformers.trainer.skip_first_batches`` (the trainer has no setting for it), kept
+    until accelerate or DeepSpeed skips the adapter itself; tests/test_sequence_parallel.py resumes
+    a stopped run to the uninterrupted run's weights, and fails if this stops being called."""
+    import transformers.trainer as trainer_module
+
+    if getattr(trainer_module.skip_first_batches, "skips_split_loaders", False):
+        return
+    skip = trainer_module.skip_first_batches
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        if not isinstance(dataloader, UlyssesSPDataLoaderAdapter):
+            return skip(dataloader, num_batches)
+        whole, part = divmod(num_batches, dataloader.sp_world_size)
+        adapter = UlyssesSPDataLoaderAdapter(skip(dataloader.dl, whole), sp_rank=dataloader.sp_rank,
+                                             sp_group=dataloader.sp_group, sp_world_size=dataloader.sp_world_size,
+                                             device=dataloader.device)
+        for _ in range(part):
+            next(adapter)
+        return adapter
+
+    skip_first_batches.skips_split_loaders = True
+    trainer_module.skip_first_batches = skip_first_batches
+
+
+def _trainer_class(offload_hidden_size: int | None = None, sequence_parallel: int = 1) -> type:
     """TRL's SFTTrainer as the run uses it; with `offload_hidden_size`, the hidden states saved for
-    backward are kept in host memory (:class:`sft_play.long_rows.OffloadedHiddenStates`)."""
+    backward are kept in host memory (:class:`sft_play.long_rows.OffloadedHiddenStates`); with
+    `sequence_parallel` above 1, the split sequence's gradient is the one of its loss."""
     from trl import SFTTrainer
 
     class Trainer(SFTTrainer):
@@ -99,6 +153,20 @@ def _trainer_class(offload_hidden_size: int | None = None) -> type:
 
                 stack.enter_context(OffloadedHiddenStates(offload_hidden_size))
             return stack
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+            if sequence_parallel == 1 or not model.training:
+                return result
+            # transformers' loss for a split sequence (deepspeed_sp_compute_loss) all-gathers the
+            # shards' losses differentiably, whose backward sums each shard's gradient over the
+            # processes, and ZeRO then sums them over the processes again instead of averaging
+            # (DeepSpeed#5248): every gradient would be `sequence_parallel` times too large. The
+            # loss keeps its value; its gradient is divided back.
+            loss = result[0] if return_outputs else result
+            loss = loss / sequence_parallel + (loss * (1 - 1 / sequence_parallel)).detach()
+            return (loss, result[1]) if return_outputs else loss
 
     return Trainer
 

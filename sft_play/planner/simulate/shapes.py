@@ -18,7 +18,7 @@ from typing import Any
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
 from sft_play.architecture import (ModelFacts, adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
                                    decoder_layers, experts, layer_signature, load_model_config, quantized_linears,
-                                   sliding_window, text_config, with_layers)
+                                   sequential_mixers, sliding_window, text_config, with_layers)
 from sft_play.errors import UserError
 from sft_play.planner.simulate import cache
 
@@ -79,6 +79,7 @@ class ModelShape:
     # what LoRA all-linear adapts beyond linears, and the linears it leaves (architecture.adapter_facts)
     expert_parameters: tuple[str, ...] = ()
     lora_exclude: tuple[str, ...] = ()
+    sequential_mixers: tuple[str, ...] = ()  # hybrid layers without attention (architecture.sequential_mixers)
 
     @property
     def active_params(self) -> int:
@@ -93,7 +94,9 @@ class ModelShape:
         """What resolving a run needs to know of the model (:func:`sft_play.run.resolve`)."""
         return ModelFacts(hidden_size=self.hidden_size, num_experts=self.num_experts,
                           attention_eager_only=self.attention_eager_only,
-                          expert_parameters=tuple(self.expert_parameters), lora_exclude=tuple(self.lora_exclude))
+                          expert_parameters=tuple(self.expert_parameters), lora_exclude=tuple(self.lora_exclude),
+                          attention_heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
+                          sliding_window=self.sliding_window, sequential_mixers=tuple(self.sequential_mixers))
 
     def tensors_of_layer(self, index: int) -> list[tuple[int, bool]]:
         """The parameter tensors of decoder layer `index` as the GPU allocates them."""
@@ -265,6 +268,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         experts_per_token=per_token,
         expert_params=expert_params,
         max_positions=config_int(text, "max_position_embeddings", "n_positions", "max_sequence_length"),
+        sequential_mixers=sequential_mixers(model_config),
         **dict(zip(("expert_parameters", "lora_exclude"), adapter_facts(model))),
     )
 
