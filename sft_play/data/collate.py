@@ -61,8 +61,8 @@ class SplitSequencePadding:
     Ulysses): padded at the end to a multiple of `split`, and to at least `length` tokens where
     given (gloo, which CPU processes use, gathers only tensors of equal shapes, and Ulysses
     gathers each batch across the split). Position ids come with every batch (Ulysses gathers them
-    to find where each example starts): a padded row counts on through its padding, which follows
-    every real token and is therefore attended by none."""
+    to find where each example starts), and count on through the padding, which follows every real
+    token of its row and is therefore attended by none."""
 
     inner: Any
     pad_token_id: int
@@ -82,8 +82,8 @@ class SplitSequencePadding:
         if extra:
             tail = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
             for key, value in list(batch.items()):
-                if key == "position_ids":  # one span of padding, counting from 0: an example of its own
-                    pad = torch.arange(extra).expand(rows, extra)
+                if key == "position_ids":  # counting on from each row's last position
+                    pad = value[:, -1:] + 1 + torch.arange(extra)
                 else:
                     pad = torch.full((rows, extra), tail.get(key, 0), dtype=value.dtype)
                 batch[key] = torch.cat([value, pad.to(value.dtype)], dim=1)

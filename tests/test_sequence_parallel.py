@@ -1,0 +1,208 @@
+"""Sequence parallelism (``distributed.sequence_parallel``, DeepSpeed Ulysses under ZeRO): two
+CPU processes splitting each row train to the losses and gradient norms of one process with the
+whole rows (LoRA and full fine-tuning, packed rows), a run stopped under it resumes to the
+uninterrupted run's weights, and what it cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sft_play import config as config_module
+from sft_play import long_rows
+from sft_play.architecture import ModelFacts
+from sft_play.data import collate
+from sft_play.run import sequence_split_problem
+from tests.conftest import LORA
+
+REPO = Path(__file__).resolve().parents[1]
+# Packed rows of the embedded default (256 tokens, several examples each), two rows a step without
+# accumulation: one process and two that split the rows see the same rows in the same order
+COMMON = ("train.max_steps=4", "train.logging_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+          "train.gradient_accumulation_steps=1", "train.mixed_precision=no", "train.tensorboard=false")
+SPLIT = ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2")
+FULL = ("finetune.method=full", "train.learning_rate=1e-3")
+STEP = re.compile(r"step (\d+)/\d+ +loss ([\d.]+) +grad_norm ([\d.]+)")
+SLOW_S = 31  # the stopped run's step 3 (longer than torchrun's shutdown grace, as in test_distributed)
+
+
+def _command(root: Path, name: str, split: bool, extra: tuple[str, ...], save_steps: int = 0) -> list[str]:
+    args = [*COMMON, *extra, *(SPLIT if split else ()), f"train.save_steps={save_steps}",
+            f"train.output_dir={root}", f"train.run_name={name}"]
+    target = ["train-deepspeed", "CPU=1", "NUM_GPUS=2"] if split else ["train"]
+    return ["make", "--no-print-directory", *target, f"ARGS={' '.join(args)}"]
+
+
+def _steps(output: str) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, grad norm), from the printed log lines."""
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(output.replace("\r", "\n"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Started together: LoRA and full fine-tuning, each in one process and split across two; and a
+    full fine-tuning run split across two, stopped by SIGTERM during step 3, then resumed."""
+    root = tmp_path_factory.mktemp("split")
+    plan = {"lora_one": (False, LORA), "lora_split": (True, LORA), "full_one": (False, FULL),
+            "full_split": (True, FULL)}
+    stopped_command = _command(root, "stopped", True, FULL, save_steps=2)
+    stopped = subprocess.Popen(stopped_command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True,
+                               env={**os.environ, "SFT_PLAY_FAULTS": f"slow_step=3:{SLOW_S}"})
+    lines: list[str] = []
+
+    def stop_in_step_3() -> None:
+        for line in stopped.stdout:
+            lines.append(line)
+            if "fault injection (slow_step)" in line and not any("SIGTERM sent" in x for x in lines):
+                os.killpg(stopped.pid, signal.SIGTERM)
+                lines.append("SIGTERM sent\n")
+
+    reader = threading.Thread(target=stop_in_step_3, daemon=True)
+    reader.start()
+    started = {name: subprocess.Popen(_command(root, name, split, extra), cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+               for name, (split, extra) in plan.items()}
+    done = {name: (process.communicate(timeout=600)[0], process.returncode) for name, process in started.items()}
+    reader.join(600)
+    stopped.wait(60)
+    resumed = subprocess.run(stopped_command + ["RESUME=auto"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done["stopped"] = ("".join(lines), stopped.returncode)
+    done["resumed"] = (resumed.stdout + resumed.stderr, resumed.returncode)
+    return root, done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_two_processes_splitting_each_row_train_like_one_process_with_whole_rows(runs, method):
+    root, done = runs
+    one, split = done[f"{method}_one"], done[f"{method}_split"]
+    assert one[1] == 0 and split[1] == 0, (one[0][-3000:], split[0][-3000:])
+    assert "each row split across 2 processes (sequence parallel)" in split[0]
+    assert "global 2 = micro 2 x accum 1 x world 1" in split[0]  # two processes, one data-parallel group
+    ours, theirs = _steps(split[0]), _steps(one[0])
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    for step, (loss, norm) in theirs.items():
+        # the same loss (each example attending only to itself) and the same gradient (not twice it)
+        assert ours[step][0] == pytest.approx(loss, abs=2e-3), (step, ours, theirs)
+        assert ours[step][1] == pytest.approx(norm, rel=2e-3), (step, ours, theirs)
+    assert theirs[4][0] < theirs[1][0]  # it learns
+    summary = json.loads((root / f"{method}_split" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(set(summary["weights_fingerprints"])) == 1
+
+
+@pytest.mark.slow
+def test_a_split_run_stopped_mid_epoch_resumes_to_the_uninterrupted_runs_weights(runs):
+    root, done = runs
+    output, status = done["stopped"]
+    assert "SIGTERM sent" in output, output[-3000:]
+    # the launcher's exit status (make, signalled with it, dies by the signal)
+    assert "train-deepspeed] Error 75" in output, (status, output[-3000:])
+    assert "Stopped by SIGTERM at step 3; checkpoint saved" in output
+    output, status = done["resumed"]
+    assert status == 0, output[-3000:]
+    assert "from checkpoint-3" in output
+    # step 3 of micro-batches split in two: the loader resumes one batch and one half in
+    assert sorted(_steps(output)) == [4]
+    ours = json.loads((root / "stopped" / "summary.json").read_text())
+    theirs = json.loads((root / "full_split" / "summary.json").read_text())
+    assert ours["global_step"] == theirs["global_step"] == 4
+    assert ours["weights_fingerprints"] == theirs["weights_fingerprints"]
+
+
+def _block_diagonal(position_ids: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, s, s]: causal within each example (position ids restarting at 0), nothing across."""
+    example = (position_ids == 0).cumsum(-1)
+    same = example[:, :, None] == example[:, None, :]
+    causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool).tril()
+    return (same & causal)[:, None]
+
+
+def test_packed_examples_attend_only_to_themselves_without_a_mask():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
+    query, key, value = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    attend = long_rows.attend_by_example(sdpa_attention_forward)
+    ours, _ = attend(module, query, key, value, None, position_ids=positions)
+    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
+                                              attn_mask=_block_diagonal(positions)).transpose(1, 2)
+    torch.testing.assert_close(ours, expected)
+    # the whole row as one example: what SDPA alone gives; it differs where examples are packed
+    plain, _ = sdpa_attention_forward(module, query, key, value, None, position_ids=positions)
+    torch.testing.assert_close(ours[1], plain[1])
+    assert not torch.allclose(ours[0], plain[0])
+    # a mask given (outside a split sequence) is used as it is
+    masked, _ = attend(module, query, key, value, _block_diagonal(positions), position_ids=positions)
+    torch.testing.assert_close(masked, expected)
+
+
+def test_split_batches_are_padded_to_the_split_and_to_one_length():
+    inner = collate.PackedRowsCollator(pad_token_id=0)
+    examples = [{"input_ids": [5] * 7, "labels": [5] * 7, "seq_lengths": [4, 3]},
+                {"input_ids": [6] * 5, "labels": [6] * 5, "seq_lengths": [5]}]
+    batch = collate.make_collator(0, "packed_rows", split=4)(examples)
+    assert batch["input_ids"].shape == (2, 8)  # 7 tokens, padded to a multiple of 4
+    # the packed rows' own padding (row 2) is one example of its own; the split's counts on
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 1, 2]]
+    assert batch["labels"][1, 5:].tolist() == [-100] * 3 and batch["input_ids"][1, 5:].tolist() == [0] * 3
+    fixed = collate.make_collator(0, "packed_rows", split=4, length=10)(examples)
+    assert fixed["input_ids"].shape == (2, 12)  # gloo: every batch at the longest, rounded to the split
+    assert fixed["position_ids"][0, 7:].tolist() == [3, 4, 5, 6, 7]
+    assert inner(examples)["input_ids"].shape == (2, 7)  # unsplit: as before
+    free = collate.make_collator(0, "padding_free", split=2)(examples)
+    assert set(free) == {"input_ids", "labels", "position_ids"}  # no cumulative lengths to split
+    padded = collate.make_collator(0, "padded", split=2)([{"input_ids": [5] * 3, "labels": [5] * 3}])
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3]]
+
+
+def _config(*overrides: str):
+    return config_module.load(str(REPO / "configs" / "run_tiny.yaml"), list(overrides))
+
+
+def test_what_a_split_sequence_cannot_run_is_one_line_each():
+    with pytest.raises(config_module.ConfigError, match="Ulysses runs under ZeRO; set distributed.strategy"):
+        _config("distributed.sequence_parallel=2")
+    with pytest.raises(config_module.ConfigError, match="cannot run on a split sequence"):
+        _config(*SPLIT, "model.attn_implementation=eager")
+    with pytest.raises(config_module.ConfigError, match="use a positive number"):
+        _config("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=0")
+    config = _config(*SPLIT)
+    assert config_module.sequence_parallel_problem(config, 2) is None
+    assert "3 process(es) cannot be grouped" in config_module.sequence_parallel_problem(config, 3)
+    llama = ModelFacts(hidden_size=4096, num_experts=0, attention_eager_only=False, attention_heads=32, kv_heads=8)
+    assert sequence_split_problem(llama, 8, "sdpa", 8) is None
+    assert sequence_split_problem(llama, 16, "flash_attention_2", 16) is None  # the 8 key/value heads copied twice
+    assert "do not divide by 3" in sequence_split_problem(llama, 3, "sdpa", 3)
+    assert "runs on SDPA or FlashAttention only" in sequence_split_problem(llama, 2, "flex_attention", 2)
+    gemma2 = ModelFacts(hidden_size=3584, num_experts=0, attention_eager_only=True, attention_heads=16, kv_heads=8,
+                        sliding_window=4096)
+    assert "needs eager attention" in sequence_split_problem(gemma2, 2, "eager", 2)
+    mistral = ModelFacts(hidden_size=4096, num_experts=0, attention_eager_only=False, attention_heads=32, kv_heads=8,
+                         sliding_window=4096)
+    assert "flash_attention_2" in sequence_split_problem(mistral, 2, "sdpa", 2)
+    assert sequence_split_problem(mistral, 2, "flash_attention_2", 2) is None
+    hybrid = ModelFacts(hidden_size=2048, num_experts=0, attention_eager_only=False, attention_heads=16, kv_heads=2,
+                        sequential_mixers=("linear_attention",))
+    assert "carry a state along the sequence" in sequence_split_problem(hybrid, 2, "sdpa", 2)
+
+
+def test_the_launcher_refuses_a_split_the_processes_cannot_form_before_any_rank_starts():
+    result = subprocess.run(["make", "--no-print-directory", "train-deepspeed", "CPU=1", "NUM_GPUS=3",
+                             f"ARGS={' '.join(SPLIT)}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "3 process(es) cannot be grouped so" in output and "Traceback" not in output
+    assert "launching" not in output
