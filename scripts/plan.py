@@ -108,13 +108,15 @@ def longest(config, target, args) -> int:
 
     from sft_play.planner import make_plan, model_shape
     from sft_play.planner.choose import longest as question
+    from sft_play.planner.plan import largest_split
 
     shape = model_shape(config)
     targets = [target] if target.world_size == 1 else [dataclasses.replace(target, world_size=1), target]
     report = []
     for each in targets:
         answers = question.longest_rows(config, each, lambda c, t: make_plan(c, t, None, with_remedies=False),
-                                        shape.max_positions, args.config, tuple(args.overrides))
+                                        shape.max_positions, args.config, tuple(args.overrides),
+                                        split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})
         if not args.json:
             print("\n".join(question.describe(answers, each, shape.max_positions)) + "\n")

@@ -214,13 +214,20 @@ class Run:
         data["precision"]["compute_dtype"] = self.precision.compute_dtype
         return data
 
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of a row each process holds: the whole row, or its share where rows are split
+        across processes (the collator pads rows to a multiple of the split)."""
+        return -(-self.sequence.tokens // self.parallel.sequence_parallel)
+
     def masked(self, micro_batch: int) -> bool:
         """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
         (or are padded to the longest in the batch), and padded batches of unequal lengths need
         one, unless FlashAttention-2 runs them as variable-length sequences. Eager attention always
         gets one: transformers' ``eager_mask`` never skips the causal mask (``allow_is_causal_skip=False``),
-        where SDPA runs uniform rows with ``is_causal`` instead."""
-        if self.kernels.attention in MASK_FREE_ATTENTION:
+        where SDPA runs uniform rows with ``is_causal`` instead. A split sequence gets none: Ulysses
+        drops masks, and the run builds none (:func:`sft_play.training.trainer.attend_by_example_under_ulysses`)."""
+        if self.kernels.attention in MASK_FREE_ATTENTION or self.parallel.splits_sequence:
             return False
         if self.kernels.attention == "eager":
             return True

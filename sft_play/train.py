@@ -89,7 +89,9 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     plan = planner.make_plan(config, target, bundle.stats, shape=shape, run=run)
     if not plan.fits and config.train.micro_batch_size == "auto":
         raise UserError(f"the run is predicted not to fit:\n{report.to_text(plan)}")
-    run = run.with_changes(batch=plan.split)  # the run as planned: nothing replaces it from here on
+    # the run as planned (with the sequence-parallel size the plan chose for auto): nothing replaces it from here on
+    run = run.with_changes(batch=plan.split,
+                           parallel=dataclasses.replace(run.parallel, sequence_parallel=plan.sequence_parallel))
     counts = run_folder.data_summary(bundle.stats)
 
     run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, counts)

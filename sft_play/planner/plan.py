@@ -11,6 +11,7 @@ plans the remedies when nothing fits (:mod:`sft_play.planner.choose.remedies`), 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from typing import Any
 
 from sft_play.config import RunConfig
 from sft_play.errors import UserError
+from sft_play.parallelism import Strategy
 from sft_play.planner.choose import remedies as remedy_catalogue
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.choose.split import budget_bytes, decide_split, safety_fraction
@@ -26,7 +28,7 @@ from sft_play.planner.simulate.predict import REPLAYS, predict, static_lower_bou
 from sft_play.planner.simulate.shapes import ModelShape, model_shape
 from sft_play.planner.simulate.timing import PEAK_BF16, predict_time, total_steps
 from sft_play.planner.target import Target
-from sft_play.run import BatchSplit, Run, resolve
+from sft_play.run import BatchSplit, Run, resolve, sequence_split_problem
 from sft_play.units import GIB
 
 
@@ -86,7 +88,7 @@ class Plan:
         """The start-up line: ``global 64 = micro 4 x accum 2 x world 8; predicted peak 61.2 GiB of 79.1 GiB``."""
         peak, budget = self.peak_bytes_per_gpu / GIB, self.budget_bytes_per_gpu / GIB
         digits = 1 if f"{peak:.1f}" != f"{budget:.1f}" else 2  # "23.3 of 23.3 GiB" read as no room at all
-        split = (f"; each row split across {self.sequence_parallel} processes (sequence parallel)"
+        split = (f" ({self.world_size} processes, each row split across {self.sequence_parallel}: sequence parallel)"
                  if self.sequence_parallel > 1 else "")
         return f"{self.split.describe()}{split}; predicted peak {peak:.{digits}f} GiB of {budget:.{digits}f} GiB"
 
@@ -117,6 +119,7 @@ def make_plan(
     with_remedies: bool = True,
     run: Run | None = None,
     shorter_rows: bool = True,
+    deciding_split: bool = False,
 ) -> Plan:
     """Plan `config` on `target`: the fit search, the split, the remedies when nothing fits, the
     time, and what the plan says about them, in that order.
@@ -131,10 +134,14 @@ def make_plan(
         run: the resolved run, when the caller already has it (otherwise resolved here).
         shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.choose.search`);
             the remedy search does not: each remedy is a plan of its own once it runs.
+        deciding_split: `run` carries a sequence-parallel size :func:`_fewest_split_that_fits` is
+            trying (``distributed.sequence_parallel: auto``); the plan then keeps it.
     """
     started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
     shape = shape or model_shape(config)
     run = run or resolve_for(config, target, data_stats, shape)
+    if config.distributed.sequence_parallel == "auto" and not deciding_split:
+        return _fewest_split_that_fits(config, target, data_stats, shape, with_remedies, run, shorter_rows)
     train = config.train
 
     budget, fraction, margin_note = plan_budget(config, target, run)
@@ -245,6 +252,46 @@ def make_plan(
         replays=REPLAYS[0] - replays_before,
         sequence_parallel=run.parallel.sequence_parallel,
     )
+
+
+def split_sizes(shape: ModelShape, run: Run) -> list[int]:
+    """The sequence-parallel sizes `run` can take on its processes, fewest first: 1, and under
+    DeepSpeed each divisor of the processes that the model's heads and attention allow
+    (:func:`sft_play.run.sequence_split_problem`)."""
+    world = run.parallel.world_size
+    if not run.parallel.deepspeed:
+        return [1]
+    return [n for n in range(1, world + 1) if world % n == 0
+            and (n == 1 or sequence_split_problem(shape.facts, n, run.kernels.attention, world) is None)]
+
+
+def largest_split(config: RunConfig, target: Target, shape: ModelShape) -> int:
+    """The most processes a row of `config` can be split across on `target` (under DeepSpeed,
+    ZeRO-2 where the config has another strategy; 1 on one GPU)."""
+    if target.world_size == 1 or config.model.attn_implementation in ("eager", "flex_attention"):
+        return 1
+    zero = [] if Strategy(config.distributed.strategy).deepspeed else ["distributed.strategy=deepspeed_zero2"]
+    deepspeed = remedy_catalogue.with_overrides(config, [*zero, "distributed.sequence_parallel=1"])
+    return max(split_sizes(shape, resolve_for(deepspeed, target, None, shape)))
+
+
+def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any | None, shape: ModelShape,
+                            with_remedies: bool, run: Run, shorter_rows: bool) -> Plan:
+    """``distributed.sequence_parallel: auto``: the plan that splits each row across the fewest
+    processes that fit it (fewer all-to-alls, more rows in parallel); where none fits, the plan
+    at the most, with its remedies."""
+    sizes = split_sizes(shape, run)
+    for position, size in enumerate(sizes):
+        last = position == len(sizes) - 1
+        trying = run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size))
+        plan = make_plan(config, target, data_stats, shape, with_remedies=with_remedies and last, run=trying,
+                         shorter_rows=shorter_rows, deciding_split=True)
+        if plan.fits or last:
+            plan.notes.insert(0, f"distributed.sequence_parallel=auto: {size} "
+                              + ("(the fewest processes per row that fit" if plan.fits else "(none fits; the most")
+                              + f"; possible here: {', '.join(map(str, sizes))})")
+            return plan
+    raise AssertionError("unreachable: the last size returns")
 
 
 # What a fit-only question gets where the weights and optimizer states alone exceed the budget

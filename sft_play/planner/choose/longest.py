@@ -11,6 +11,7 @@ rows' envelope). Lengths past the model's trained positions are flagged, not ref
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +36,14 @@ def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
 
 # The remedies that carry rows further, cheapest first (ZeRO-2 for QLoRA, whose 4-bit base ZeRO-3
 # cannot shard here)
-LEVERS = ("gradient checkpointing", "FlashAttention-2", "tiled MLP", "activation offload")
+LEVERS = ("gradient checkpointing", "FlashAttention-2", "tiled MLP", "activation offload", "sequence parallelism")
 _LONG = 1 << 20  # a length every long-row remedy applies to
 
 
-def _levers(config: RunConfig, target: Any) -> list[Remedy]:
+def _levers(config: RunConfig, target: Any, split: int = 1) -> list[Remedy]:
     """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply, each on top of those
-    before it."""
+    before it. Sequence parallelism splits each row across `split` processes, the most the model
+    allows on the target (:func:`sft_play.planner.plan.split_sizes`): the longest row needs them all."""
     catalogue = {remedy.name: remedy for remedy in REMEDIES}
     names = list(LEVERS)
     if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
@@ -51,6 +53,10 @@ def _levers(config: RunConfig, target: Any) -> list[Remedy]:
         remedy = catalogue[name]
         so_far = with_overrides(config, [o for lever in levers for o in lever.overrides])
         so_far.data.max_seq_length = _LONG
+        if name == "sequence parallelism":
+            if split <= 1:
+                continue
+            remedy = dataclasses.replace(remedy, overrides=(f"distributed.sequence_parallel={split}",))
         if remedy.applies(so_far, target):
             levers.append(remedy)
     return levers
@@ -59,20 +65,23 @@ def _levers(config: RunConfig, target: Any) -> list[Remedy]:
 def _with(config: RunConfig, overrides: tuple[str, ...], tokens: int, world: int) -> RunConfig:
     changed = with_overrides(config, overrides)
     changed.data.max_seq_length = tokens
-    changed.train.global_batch_size = world  # one row per GPU
+    split = changed.distributed.sequence_parallel
+    changed.train.global_batch_size = world // split if isinstance(split, int) else world  # one row per GPU, or per group
     changed.train.micro_batch_size = 1
     changed.train.gradient_accumulation_steps = 1
     return changed
 
 
 def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_positions: int = 0,
-                 config_path: str | None = None, user_overrides: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                 config_path: str | None = None, user_overrides: tuple[str, ...] = (),
+                 split: int = 1) -> list[dict[str, Any]]:
     """For the config as it is, then with each lever added to the ones before: the longest length
-    of the ladder at which one row per GPU fits (0: not even the shortest), the next length (which
-    does not fit), the peak at the longest, and the command that trains it."""
+    of the ladder at which one row per GPU (split: per group of `split` GPUs) fits (0: not even the
+    shortest), the next length (which does not fit), the peak at the longest, and the command that
+    trains it."""
     lengths = ladder()
     answers, applied = [], ()
-    for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in _levers(config, target))]:
+    for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in _levers(config, target, split))]:
         applied = applied + overrides
         if consistency_problems(_with(config, applied, SHORTEST, target.world_size)):
             applied = applied[:len(applied) - len(overrides)]

@@ -100,6 +100,13 @@ def _strategy(config: RunConfig) -> Strategy:
     return Strategy(config.distributed.strategy)
 
 
+def _splittable(config: RunConfig, target: Any) -> bool:
+    """Long rows, several GPUs, not split yet, and an attention kernel a split sequence runs on
+    (the model's own limits are the plan's: sft_play.run.sequence_split_problem)."""
+    return (_multi_gpu(target) and config.distributed.sequence_parallel == 1 and config.data.max_seq_length >= 8192
+            and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp)
+
+
 # Cheapest change first: what a remedy costs the user (speed, fidelity, money) grows down the list
 REMEDIES: tuple[Remedy, ...] = (
     Remedy("planner's micro-batch", "the micro-batch that fits, with more accumulation for the same global batch",
@@ -126,6 +133,12 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t)),
     Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
            "train-deepspeed", lambda c, t: _multi_gpu(t) and not _strategy(c).shards_states),
+    Remedy("sequence parallelism", "split each row across the GPUs (DeepSpeed Ulysses: the fewest that fit; all-to-alls "
+           "in every layer's attention, fewer rows in parallel)", ("distributed.sequence_parallel=auto",),
+           "train-deepspeed", lambda c, t: _splittable(c, t) and _strategy(c).deepspeed),
+    Remedy("ZeRO-2 with sequence parallelism", "shard gradients and optimizer states, and split each row across the "
+           "GPUs (DeepSpeed Ulysses)", ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"),
+           "train-deepspeed", lambda c, t: _splittable(c, t) and not _strategy(c).deepspeed),
     Remedy("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
            ("distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"), "train-deepspeed",
            lambda c, t: _full(c) and not c.distributed.offload_optimizer),
@@ -149,6 +162,9 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: c.data.max_seq_length > 256, halve_sequence=True),
     Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding", ("distributed.strategy=deepspeed_zero2",),
            "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),
+    Remedy("more GPUs, each row split", "twice the GPUs with ZeRO-2, each row split across them (DeepSpeed Ulysses)",
+           ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"), "train-deepspeed",
+           lambda c, t: _splittable(c, type(t)(**{**asdict(t), "world_size": 2 * t.world_size})), gpu_factor=2),
 )
 
 

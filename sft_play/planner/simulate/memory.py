@@ -299,11 +299,11 @@ def residual_bytes(run: Run) -> int:
 
 def offloaded_hidden_bytes(shape: ModelShape, run: Run, micro_batch: int) -> int:
     """Host memory of one process for ``train.offload_activations``: every checkpointed layer's
-    input, ``[micro, seq, hidden]`` in the residual dtype, and what the final norm saves of its
+    input, ``[micro, seq, hidden]`` (its share of a split row) in the residual dtype, and what the final norm saves of its
     input, the fp32 upcast RMSNorm and LayerNorm compute in (sft_play.long_rows)."""
     if not (run.offload_activations and run.gradient_checkpointing):
         return 0
-    row = micro_batch * run.sequence.tokens * shape.hidden_size
+    row = micro_batch * run.local_tokens * shape.hidden_size
     return shape.num_layers * row * residual_bytes(run) + row * 4
 
 

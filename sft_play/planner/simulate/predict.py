@@ -71,6 +71,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         checkpointing=run.gradient_checkpointing,
         lora=run.lora,
         tiled_mlp=run.kernels.tiled_mlp,
+        sequence_parallel=run.parallel.sequence_parallel,
     )
 
 
@@ -112,7 +113,7 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
     if workers >= 2 and len(todo) * shape.num_layers >= FORK_LAYER_REPLAYS \
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
-            traced_layers(trace_spec(run, micro), run.sequence.tokens)
+            traced_layers(trace_spec(run, micro), run.local_tokens)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                      initializer=_ignore_stop_signals) as pool:
@@ -188,11 +189,11 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     """One training step of `run` at `micro_batch` replayed through the simulated allocator
     (`capacity` bytes, None: unlimited); `log` collects its allocation events when given."""
     REPLAYS[0] += 1
-    trace = traced_layers(trace_spec(run, micro_batch), run.sequence.tokens)
+    trace = traced_layers(trace_spec(run, micro_batch), run.local_tokens)
     spec = StepSpec(
         run=run,
         micro_batch=micro_batch,
-        seq_len=run.sequence.tokens,
+        seq_len=run.local_tokens,  # a split row's share: all but attention's all-to-all holds only it
         checkpointing=run.gradient_checkpointing,
         masked=run.masked(micro_batch),
         eager_mask=run.kernels.attention == "eager",

@@ -187,6 +187,20 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
     return 2.0 * share * shape.trainable_params * grad_bytes
 
 
+def split_sequence_traffic_bytes(shape: ModelShape, run: Run, tokens_per_step: int) -> float:
+    """Bytes each GPU sends per optimizer step in the all-to-alls of a split sequence (DeepSpeed
+    Ulysses): in every layer, q, k and v (key/value heads repeated up to the split where they are
+    fewer) and the attention output, (split - 1) / split of each process's share, in forward, in
+    backward (their gradients) and in the recomputed forward under checkpointing. 0 unsplit."""
+    split = run.parallel.sequence_parallel
+    if split <= 1:
+        return 0.0
+    per_token = (2 * shape.num_attention_heads + 2 * max(shape.num_key_value_heads, split)) * shape.head_dim
+    passes = 3 if run.gradient_checkpointing else 2
+    tokens = tokens_per_step / run.parallel.world_size
+    return passes * shape.num_layers * tokens * per_token * run.precision.compute_bytes * (split - 1) / split
+
+
 def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name: str, interconnect: str,
                  gpus_per_node: int, total_steps: int | None, micro_batches: int = 1,
                  masked: bool = True) -> StepTime | None:
@@ -217,8 +231,13 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
     communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
     # Offloaded hidden states cross PCIe twice per row (out in forward, back in backward), counted unhidden
-    offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.sequence.tokens)
+    offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.local_tokens)
     offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
+    # A split sequence's all-to-alls sit between a layer's projections and its attention: not hidden
+    split = split_sequence_traffic_bytes(shape, run, tokens_per_step)
+    split_link = "network" if run.parallel.sequence_parallel > gpus_per_node else interconnect
+    split_seconds = split / BANDWIDTH[split_link]
+    communication += split_seconds
     seconds = compute + communication + offload_seconds
     sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})",
                f"attention: {keys:,.0f} keys per token ({'a mask: the whole row' if masked else 'causal, within its example'})"
@@ -227,6 +246,9 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     if traffic:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+    if split_seconds:
+        sources.append(f"sequence parallel: {split / 1e9:.1f} GB per step per GPU in attention's all-to-alls over "
+                       f"{split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
     if offload_seconds:
         sources.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
                        f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")

@@ -143,6 +143,7 @@ class TraceSpec:
     lora: LoraSpec | None = None  # the run's adapter (None for full fine-tuning)
     stand_in: bool = False  # trace a Llama-shaped layer of the model's widths (when its own cannot be traced)
     tiled_mlp: bool = False  # the MLP in tiles along the sequence (sft_play.long_rows.tile_mlps), as training runs it
+    sequence_parallel: int = 1  # rows split across this many processes: attention through Ulysses (_ulysses)
 
 
 class _Recorder(TorchDispatchMode):
@@ -394,6 +395,8 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     # Flex attention is traced as FlashAttention-2: a fused kernel that keeps q, k, v, the output
     # and the log-sum-exp for backward and no s x s mask (its block mask is O((s/128)^2))
     text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
+    if spec.sequence_parallel > 1:
+        text._attn_implementation = _register_ulysses(text._attn_implementation, spec.sequence_parallel)
     if spec.checkpointing:
         recompute = functools.partial(_Autocast, DTYPES[spec.compute_dtype] if spec.compute_dtype else None, False)
         model.activation_checkpointing_enable(
@@ -650,6 +653,60 @@ def _is_attention_layer(layer: Any) -> bool:
     ``q_proj`` (or a fused ``qkv_proj``) and no state-space or convolution mixer in its place."""
     return any(hasattr(module, "q_proj") or hasattr(module, "qkv_proj") or hasattr(module, "c_attn")
                for module in layer.modules())
+
+
+class _AllToAll(torch.autograd.Function):
+    """An all-to-all across the processes that split a row (DeepSpeed's ``_DimZeroAllToAll``): a
+    new tensor of its input's size, in forward and again for the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, input):
+        return torch.empty_like(input)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.empty_like(grad)
+
+
+def _ulysses(core: Any, split: int) -> Any:
+    """transformers' attention function `core` as DeepSpeed's Ulysses wraps it for rows split
+    across `split` processes (``ulysses_sp.UlyssesSPAttentionHF.forward``), its copies and
+    all-to-alls step for step: each process's q, k, v ([rows, heads, tokens / split, head_dim];
+    key/value heads repeated up to `split` where they are fewer) become [rows, heads / split,
+    tokens, head_dim], `core` attends over the whole row without a mask, and the output returns to
+    the process's share of the tokens."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        b, heads, local, d = query.shape
+
+        def combine(x: torch.Tensor) -> torch.Tensor:
+            x = x.permute(2, 0, 1, 3)  # [local, b, heads, d], a view
+            if x.shape[2] < split:  # MQA / GQA: heads copied so that each process gets one
+                x = x.repeat_interleave(split // x.shape[2], dim=2)
+            x = x.reshape(local, b, split, x.shape[2] // split, d).permute(2, 0, 1, 3, 4).contiguous()
+            x = _AllToAll.apply(x).reshape(split * local, b, x.shape[3], d)
+            return x.permute(1, 2, 0, 3).contiguous()  # [b, heads / split, tokens, d]
+
+        q, k, v = combine(query), combine(key), combine(value)
+        if hasattr(module, "num_key_value_groups"):  # as Ulysses sets it after repeating the heads
+            module.num_key_value_groups = q.shape[1] // k.shape[1]
+        out, weights = core(module, q, k, v, None, *args, **kwargs)  # [b, tokens, heads / split, d]
+        out = out.permute(1, 0, 2, 3).reshape(split, local, b, -1).contiguous()
+        out = _AllToAll.apply(out).permute(1, 2, 0, 3).reshape(local, b, -1)
+        return out.permute(1, 0, 2).reshape(b, local, -1), weights
+
+    return attention
+
+
+def _register_ulysses(core_name: str, split: int) -> str:
+    """Registers `core_name`'s attention under Ulysses (:func:`_ulysses`) for traces; its name."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _register_flash_trace()
+    name = f"sft_play_ulysses_{split}_{core_name}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS[name] = _ulysses(ALL_ATTENTION_FUNCTIONS[core_name], split)
+    return name
 
 
 @functools.cache
