@@ -282,3 +282,35 @@ def test_a_split_row_is_planned_by_its_share_with_the_exchanges_on_top():
     per_token = (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * shape.head_dim * 2
     assert exchanged == 3 * shape.num_layers * 65536 * per_token * 3 / 4
     assert timing.split_sequence_traffic_bytes(shape, whole, 16384) == 0
+
+
+def test_under_a_split_sdpa_gets_no_mask_and_attends_by_example(monkeypatch):
+    """What the training process sets up before Ulysses wraps SDPA: the model builds no mask for a
+    packed row (a split would drop it, and it is [tokens / split]^2 per row), and SDPA then runs
+    each example on its own, as the mask would have it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from sft_play.training.trainer import attend_by_example_under_ulysses
+
+    # the process-wide registries, restored after the test
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", AttentionMaskInterface._global_mapping["sdpa"])
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(REPO / "configs" / "tiny_model")
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 512, (1, 24))
+    positions = torch.tensor([list(range(10)) + list(range(14))])
+    with torch.no_grad():
+        # (without a cache, as in training: transformers then builds the block-diagonal mask)
+        masked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        attend_by_example_under_ulysses("sdpa")
+        masks = []
+        inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa",
+                            lambda module, q, k, v, mask, *a, **kw: (masks.append(mask), inner(module, q, k, v, mask, *a, **kw))[1])
+        split = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert masks and all(mask is None for mask in masks)
+    torch.testing.assert_close(split, masked)

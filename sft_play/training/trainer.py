@@ -86,16 +86,26 @@ def trainer_factory(
 def attend_by_example_under_ulysses(attention: str) -> None:
     """Before accelerate wraps the model's attention function in DeepSpeed's Ulysses (when the
     trainer prepares the model for a split sequence): SDPA, which then gets no mask, runs each
-    packed example on its own (:func:`sft_play.long_rows.attend_by_example`). FlashAttention
-    finds the examples itself."""
+    packed example on its own (:func:`sft_play.long_rows.attend_by_example`), and the model
+    builds no mask for it either (transformers would build one for each process's share of a
+    packed row, [tokens / split]^2 per row, which Ulysses drops unread). FlashAttention finds
+    the examples itself and gets no mask anyway."""
     if attention != "sdpa":
         return
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from sft_play.long_rows import attend_by_example
 
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attend_by_example(sdpa_attention_forward)
+    AttentionMaskInterface.register("sdpa", _no_mask)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """A mask function (transformers' ``AttentionMaskInterface``) that builds none: SDPA then runs
+    causally, by example (:func:`attend_by_example_under_ulysses`)."""
+    return None
 
 
 def resume_split_loaders() -> None:
