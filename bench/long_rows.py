@@ -1,6 +1,8 @@
 """Long rows as the planner sees them: Llama-3.1-8B LoRA (r 16, packed rows) on 80 GiB GPUs, at 8k
-to 131k tokens, with each long-row lever (FlashAttention-2, tiled MLPs, offloaded hidden states)
-and all of them, and the longest row that fits (``make plan LONGEST=1``) on 1 and 8 GPUs.
+to 131k tokens on one GPU with each long-row lever (FlashAttention-2, Liger's kernels, tiled MLPs,
+offloaded hidden states) and all of them, at 131k to 4M tokens on eight with each row split
+across them (sequence parallelism), and the longest row that fits (``make plan LONGEST=1``) on 1
+and 8 GPUs.
 
 Planning is CPU work: nothing here ran on a GPU, and the figures are the planner's predictions,
 not measurements. Its accuracy at these lengths awaits a GPU (the plan's memory was checked
@@ -14,7 +16,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -22,22 +23,30 @@ from _common import CONFIGS, REPORTS, versions  # bench/ is the script's folder
 from tiny_default import hardware_line
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan
+from sft_play.planner import Target, make_plan, model_shape
 from sft_play.planner.choose import longest
+from sft_play.planner.plan import largest_split
 from sft_play.units import GIB
 
 MODEL = "llama-3.1-8b"
 BASE = ["finetune.method=lora", "lora.r=16", "lora.modules_to_save=[]", "train.gradient_checkpointing=true",
         "data.packing=true", "train.global_batch_size=8"]
 LENGTHS = [8192, 16384, 32768, 65536, 131072]
+FLASH = ["model.attn_implementation=flash_attention_2"]
+LIGER = [*FLASH, "train.liger_kernels=true"]
+TILED = [*LIGER, "train.tiled_mlp=true", "lora.dropout=0"]
+OFFLOAD = [*TILED, "train.offload_activations=true"]
 LEVERS = [
     ("SDPA with a mask (as the issue planned)", []),
-    ("FlashAttention-2", ["model.attn_implementation=flash_attention_2"]),
-    ("+ tiled MLP", ["model.attn_implementation=flash_attention_2", "train.tiled_mlp=true", "lora.dropout=0"]),
-    ("+ activation offload", ["model.attn_implementation=flash_attention_2", "train.tiled_mlp=true", "lora.dropout=0",
-                              "train.offload_activations=true"]),
+    ("FlashAttention-2", FLASH),
+    ("+ Liger kernels", LIGER),
+    ("+ tiled MLP", TILED),
+    ("+ activation offload", OFFLOAD),
 ]
+SPLIT_LENGTHS = [131072, 524288, 1048576, 2097152, 4194304]
+SPLIT = [*OFFLOAD, "distributed.strategy=deepspeed_zero3", "distributed.sequence_parallel=8"]
 H100 = Target(1, 80 * GIB, "1 x 80 GiB (H100)", gpu_model="H100")
+EIGHT = Target(8, 80 * GIB, "8 x 80 GiB (H100)", gpu_model="H100")
 
 
 def config(*overrides: str):
@@ -61,11 +70,13 @@ def main() -> int:
     for name, overrides in LEVERS:
         rows.append([name] + [cell(make_plan(config(*overrides, f"data.max_seq_length={s}"), H100, with_remedies=False))
                               for s in LENGTHS])
+    split_row = [cell(make_plan(config(*SPLIT, f"data.max_seq_length={s}"), EIGHT, with_remedies=False))
+                 for s in SPLIT_LENGTHS]
     answers = {}
-    for gpus in (1, 8):
-        target = dataclasses.replace(H100, world_size=gpus, device_name=f"{gpus} x 80 GiB (H100)")
-        answers[gpus] = longest.longest_rows(config(), target, lambda c, t: make_plan(c, t, None, with_remedies=False),
-                                             131072)
+    for target in (H100, EIGHT):
+        answers[target.world_size] = longest.longest_rows(
+            config(), target, lambda c, t: make_plan(c, t, None, with_remedies=False), 131072,
+            split=largest_split(config(), target, model_shape(config())))
     minutes = (time.monotonic() - started) / 60
     lines = [
         "# Long rows: what the planner predicts for Llama-3.1-8B LoRA on 80 GiB GPUs",
@@ -81,6 +92,13 @@ def main() -> int:
         "| levers | " + " | ".join(f"{s:,}" for s in LENGTHS) + " |",
         "|---|" + "---|" * len(LENGTHS),
         *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        "Eight GPUs, all the levers above, ZeRO-3, each row split across the eight (`distributed.sequence_parallel=8`;",
+        "a cell's micro-batch is rows per group of eight):",
+        "",
+        "| levers | " + " | ".join(f"{s:,}" for s in SPLIT_LENGTHS) + " |",
+        "|---|" + "---|" * len(SPLIT_LENGTHS),
+        "| + sequence parallelism (8) | " + " | ".join(split_row) + " |",
         "",
         "## The longest row (`make plan LONGEST=1`), one row per GPU",
         "",
@@ -99,13 +117,15 @@ def main() -> int:
         "## Against what peers publish",
         "",
         "DeepSpeed's Arctic Long Sequence Training (ALST, arXiv 2506.13996) reports 500K tokens for Llama-8B on one",
-        "H100 and 3.7M on eight, with Ulysses sequence parallelism, tiled MLP and loss, and checkpoint offload;",
-        "Unsloth reports ~342K for QLoRA with offloaded checkpointing. The levers planned here are the single-GPU",
-        "ones (tiled MLP, checkpoint offload, a mask-free kernel): on one GPU the plan stops where one layer's",
-        "backward working set (its q, k, v, attention output and their gradients, LoRA's saved inputs,",
-        "[tokens, 4096] each) no longer fits beside the weights, and on eight GPUs ZeRO shards the weights but",
-        "not the sequence, so the rows barely grow. Sequence parallelism (each GPU holding 1/N of the row) is",
-        "what carries ALST to 3.7M on eight; it is not yet built here (issue 45 goes on).",
+        "H100 and 3.7M on eight (Ulysses sequence parallelism, tiled MLP and loss, checkpoints offloaded to host",
+        "memory, weights and optimizer offloaded with ZeRO-3); Unsloth reports ~342K for QLoRA with offloaded",
+        "checkpointing. The plan goes further than ALST's figures on both, for reasons it can name: this is LoRA",
+        "(no gradients or optimizer states for the 8B weights, where ALST trains them all), and the plan counts",
+        "host memory without a limit unless told the node's (`HOST_GIB`): its longest rows need the host memory in",
+        "the last column, more than many nodes have. Each row of a LONGEST answer adds its lever to those above;",
+        "without parameter offload, the plan stops where one layer's backward working set (q, k, v, the attention",
+        "output and their gradients, the adapters' inputs, [tokens / split, 4096] each)",
+        "no longer fits beside the weights. None of these lengths has been measured on a GPU yet.",
         "",
     ]
     Path(args.output).write_text("\n".join(lines))

@@ -518,7 +518,7 @@ def test_a_peak_close_to_the_budget_is_not_printed_equal_to_it():
     from sft_play.planner.plan import Plan
 
     def described(peak: float, budget: float) -> str:
-        return Plan.describe(SimpleNamespace(split=SimpleNamespace(describe=lambda: "global 8"),
+        return Plan.describe(SimpleNamespace(split=SimpleNamespace(describe=lambda: "global 8"), sequence_parallel=1,
                                              peak_bytes_per_gpu=int(peak * GIB), budget_bytes_per_gpu=int(budget * GIB)))
 
     assert described(23.27, 23.31).endswith("predicted peak 23.27 GiB of 23.31 GiB")
@@ -1083,7 +1083,8 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
         return make_plan(changed, on, None, with_remedies=False)
 
     answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
-    assert [a["settings"] for a in answers] == ["as configured", "+ tiled MLP", "+ activation offload"]
+    assert [a["settings"] for a in answers] == ["as configured", "+ Liger kernels", "+ tiled MLP", "+ activation offload",
+                                                "+ parameter offload"]
     tokens = [a["tokens"] for a in answers]
     assert tokens == sorted(tokens) and tokens[0] > 0 and tokens[-1] > 2 * tokens[0], tokens
     ladder = longest.ladder()
@@ -1097,7 +1098,8 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     assert answers[-1]["host_bytes_per_node"] > 0  # offloaded hidden states
     assert "train.offload_activations=true" in answers[-1]["command"]
     lines = longest.describe(answers, target, 32768)
-    assert lines[-1].startswith("  run: make train CONFIG=c.yaml")
+    # the last lever offloads the weights with ZeRO-3: DeepSpeed's launcher, on the one GPU
+    assert lines[-1].startswith("  run: make train-deepspeed CONFIG=c.yaml") and "NUM_GPUS" not in lines[-1]
 
 
 def test_the_ladder_has_four_lengths_an_octave():

@@ -142,6 +142,9 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         include_num_input_tokens_seen="non_padding",  # also logs train_tokens_per_second
         # Liger's layer kernels (TRL keeps its own fused, chunked loss head)
         use_liger_kernel=run.kernels.liger,
+        # the trainer binds Liger's SwiGLU over each MLP's forward when it trains, which would undo
+        # the tiles (sft_play.long_rows.tile_mlps): tiled MLPs keep their own
+        liger_kernel_config={"swiglu": False} if run.kernels.liger and run.kernels.tiled_mlp else None,
         max_length=data.max_seq_length,
         # MoE: the load-balancing loss, with the model's own coefficient unless the config says
         router_aux_loss_coef=train.router_aux_loss_coef,

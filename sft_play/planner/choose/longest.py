@@ -36,7 +36,8 @@ def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
 
 # The remedies that carry rows further, cheapest first (ZeRO-2 for QLoRA, whose 4-bit base ZeRO-3
 # cannot shard here)
-LEVERS = ("gradient checkpointing", "FlashAttention-2", "tiled MLP", "activation offload", "sequence parallelism")
+LEVERS = ("gradient checkpointing", "FlashAttention-2", "Liger kernels", "tiled MLP", "activation offload",
+          "sequence parallelism", "parameter offload")
 _LONG = 1 << 20  # a length every long-row remedy applies to
 
 

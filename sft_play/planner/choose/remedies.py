@@ -118,6 +118,9 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("FlashAttention-2", "packed rows attend within their own examples without an s x s mask (pip install "
            "flash-attn; CUDA), and faster", ("model.attn_implementation=flash_attention_2",), "train",
            lambda c, t: t.on_cuda and c.data.packing and c.model.attn_implementation in ("auto", "sdpa")),
+    Remedy("Liger kernels", "Liger's fused RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA): the norms keep no "
+           "fp32 copies of the hidden states, and faster", ("train.liger_kernels=true",), "train",
+           lambda c, t: t.on_cuda and not c.train.liger_kernels and c.data.max_seq_length >= 8192),
     Remedy("tiled MLP", "each layer's MLP in tiles of about hidden_size tokens (its intermediates one tile at a "
            "time; the MLP's forward runs once more; LoRA dropout off)", ("train.tiled_mlp=true", "lora.dropout=0"),
            "train", lambda c, t: not c.train.tiled_mlp and c.data.max_seq_length >= 8192

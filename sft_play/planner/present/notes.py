@@ -12,6 +12,7 @@ from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.simulate import memory
 from sft_play.planner.simulate.predict import STAND_INS
 from sft_play.planner.simulate.shapes import ModelShape
+from sft_play.planner.simulate.trace import LIGER_RMS_NORM_MODELS
 from sft_play.planner.target import Target
 from sft_play.run import BatchSplit, Run
 from sft_play.units import GIB
@@ -150,11 +151,15 @@ def kernel_notes(config: RunConfig, run: Run) -> list[str]:
         notes.append("train.liger_kernels: off without CUDA (Triton kernels)")
     if config.train.expandable_segments and not run.kernels.expandable_segments:
         notes.append("train.expandable_segments: off without CUDA")
-    saving = [name for name, on in (("Liger kernels", run.kernels.liger), ("compiled layers", run.kernels.compile_layers),
+    saving = [name for name, on in (("Liger's RoPE and SwiGLU", run.kernels.liger),
+                                    ("compiled layers", run.kernels.compile_layers),
                                     ("expandable segments", run.kernels.expandable_segments)) if on]
     if saving:
         notes.append(f"{', '.join(saving)}: planned without the memory they may save (not yet measured), "
                      "so the plan is an upper bound for them")
+    if run.kernels.liger:
+        notes.append("Liger's RMSNorm: planned as its fused kernel allocates (no fp32 copies of the hidden states) for "
+                     f"the models it patches ({', '.join(LIGER_RMS_NORM_MODELS)}), as the model's own norm elsewhere")
     if run.kernels.attention == "flex_attention":
         notes.append("flex attention: planned as a fused kernel without a mask, like FlashAttention-2 (not yet "
                      "measured)")

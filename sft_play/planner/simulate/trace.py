@@ -144,6 +144,7 @@ class TraceSpec:
     stand_in: bool = False  # trace a Llama-shaped layer of the model's widths (when its own cannot be traced)
     tiled_mlp: bool = False  # the MLP in tiles along the sequence (sft_play.long_rows.tile_mlps), as training runs it
     sequence_parallel: int = 1  # rows split across this many processes: attention through Ulysses (_ulysses)
+    liger: bool = False  # Liger's kernels: its fused RMSNorm where Liger patches the model (_LigerRMSNorm)
 
 
 class _Recorder(TorchDispatchMode):
@@ -407,6 +408,10 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     if spec.tiled_mlp:  # the run's own tiling, traced: each tile's intermediates, forward and backward
         long_rows.tile_mlps(layers, text.hidden_size)
     norm = _final_norm(model, layers[0])
+    if spec.liger and getattr(text, "model_type", None) in LIGER_RMS_NORM_MODELS:
+        for module in [*layers[0].modules(), *([norm] if norm is not None else [])]:
+            if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
+                module.forward = functools.partial(_liger_rms_norm, module)
     return layers[0], norm, text, weights
 
 
@@ -511,6 +516,8 @@ def _numbered(raw: dict[str, Any]) -> tuple[dict[str, list], dict[str, int], set
         phases[phase] = events
         if phase == "forward":
             named["output"] = ids.get(raw["keys"]["output"], -3)
+    if "input_grad" not in named and raw["keys"]["input_grad"] == raw["keys"]["grad_in"]:
+        named["input_grad"] = GRAD_IN  # the gradient passed on in place (Liger's RMSNorm)
     return phases, named, alive
 
 
@@ -653,6 +660,39 @@ def _is_attention_layer(layer: Any) -> bool:
     ``q_proj`` (or a fused ``qkv_proj``) and no state-space or convolution mixer in its place."""
     return any(hasattr(module, "q_proj") or hasattr(module, "qkv_proj") or hasattr(module, "c_attn")
                for module in layer.modules())
+
+
+# The model types whose RMSNorm Liger replaces by its fused kernel with Llama's casting (only the
+# inverse RMS in fp32), gradient written over the incoming one: liger_kernel.transformers.monkey_patch's
+# MODEL_TYPE_TO_APPLY_LIGER_FN, which transformers' use_liger_kernel applies. Gemma's norms (fp32
+# throughout, not in place) and other models are traced as their own: an upper bound there.
+LIGER_RMS_NORM_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3")
+SM_COUNT = 132  # an H100's multiprocessors: Liger's weight-gradient partials are [SMs, hidden] fp32
+
+
+class _LigerRMSNorm(torch.autograd.Function):
+    """Liger's fused RMSNorm (``liger_kernel.ops.rms_norm.LigerRMSNormFunction``) as it allocates:
+    in forward the output and an fp32 inverse RMS per row, keeping the input; in backward an fp32
+    [SMs, hidden] partial of the weight's gradient, the input's gradient written over the incoming
+    one. Where the model's own norm computes in fp32 ([tokens, hidden] fp32 temporaries, several
+    alive in backward), this keeps none."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        rows = hidden.numel() // hidden.shape[-1]
+        ctx.save_for_backward(hidden, weight, torch.empty(rows, dtype=torch.float32, device=hidden.device))
+        return torch.empty_like(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, _inverse_rms = ctx.saved_tensors
+        partial = torch.empty((SM_COUNT, hidden.shape[-1]), dtype=torch.float32, device=grad.device)
+        weight_grad = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad, weight_grad
+
+
+def _liger_rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    return _LigerRMSNorm.apply(hidden, norm.weight)
 
 
 class _AllToAll(torch.autograd.Function):
