@@ -49,8 +49,9 @@ def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatc
     assert "train.liger_kernels: off without CUDA (Triton kernels)" in plan.notes
     assert "train.expandable_segments: off without CUDA" in plan.notes
     on_gpu = make_plan(config, H100, with_remedies=False)
-    assert any("Liger kernels, expandable segments: planned without the memory they may save" in n
+    assert any("Liger's RoPE and SwiGLU, expandable segments: planned without the memory they may save" in n
                for n in on_gpu.notes), on_gpu.notes
+    assert any(n.startswith("Liger's RMSNorm: planned as its fused kernel allocates") for n in on_gpu.notes)
     assert "Liger kernels: not yet measured" in efficiency(gpu)[1]
 
 
@@ -61,7 +62,11 @@ def test_the_trainer_gets_liger_from_the_resolved_run():
     config = load()
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(2, 1, 1, 2))
     assert sft_arguments(config, run, Path("/tmp/unused"), False).use_liger_kernel is False
-    assert sft_arguments(config, with_kernels(run, liger=True), Path("/tmp/unused"), False).use_liger_kernel
+    liger = sft_arguments(config, with_kernels(run, liger=True), Path("/tmp/unused"), False)
+    assert liger.use_liger_kernel and liger.liger_kernel_config is None
+    # the trainer binds Liger's SwiGLU over each MLP's forward as it trains: tiled MLPs keep theirs
+    tiled = sft_arguments(config, with_kernels(run, liger=True, tiled_mlp=True), Path("/tmp/unused"), False)
+    assert tiled.liger_kernel_config == {"swiglu": False}
 
 
 def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_flash():

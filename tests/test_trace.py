@@ -105,3 +105,22 @@ def test_the_layers_chain_through_their_input_and_gradient():
     assert events.output >= 0 and events.input_grad >= 0
     assert any(kind == "f" and event_id == INPUT for kind, event_id, *_ in events.after_forward)
     assert events.persistent  # the adapters' gradients, alive until the optimizer step
+
+
+def test_ligers_rms_norm_keeps_no_fp32_copy_of_the_hidden_states():
+    """The model's RMSNorm computes in fp32 ([tokens, hidden] fp32 temporaries, kept for backward
+    and made again in it); Liger's fused kernel, traced as it allocates, keeps the input and an fp32
+    value per row, and passes the incoming gradient on as the input's (written in place)."""
+    seq = 96  # [96, 256] fp32: a size no other tensor of the layer has (bf16 adapters: no fp32 inputs either)
+    fp32_rows = seq * H * 4
+
+    def fp32_hidden(module) -> int:
+        return sum(1 for kind, _, size, _ in module.forward + module.backward if kind == "a" and size == fp32_rows)
+
+    own, liger = (layer(spec(adapter_dtype="bfloat16", liger=on), seq=seq) for on in (False, True))
+    assert fp32_hidden(own) >= 4 and fp32_hidden(liger) == 0
+    assert kept_after_forward(liger, 1) < kept_after_forward(own, 1)
+    norm = layer_trace(spec(liger=True), S).at(1)[1]
+    assert norm.input_grad == tracing.GRAD_IN  # the incoming gradient, overwritten: no new one
+    assert {size for kind, _, size, _ in norm.backward if kind == "a"} == {tracing.SM_COUNT * H * 4}  # dW partials
+    assert layer_trace(spec(), S).at(1)[1].input_grad != tracing.GRAD_IN
