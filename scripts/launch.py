@@ -71,7 +71,8 @@ def main() -> int:
         except launch.LaunchError as exc:
             raise cli.UserError(str(exc)) from None
         for problem in (config_module.tiling_problem(config, topology.world_size),  # before any rank starts (each
-                        config_module.sequence_parallel_problem(config, topology.world_size)):  # would say it)
+                        config_module.sequence_parallel_problem(config, topology.world_size),  # would say it)
+                        config_module.context_parallel_problem(config, topology.world_size, on_cpu=args.cpu)):
             if problem:
                 raise cli.UserError(problem)
         for message in messages:

@@ -76,13 +76,13 @@ class Parallelism:
     # Processes that split each row's tokens between them (DeepSpeed Ulysses): world_size of them
     # form world_size / sequence_parallel data-parallel groups
     sequence_parallel: int = 1
+    context_parallel: int = 1  # the same, with torch's ring attention under FSDP2
 
     def __post_init__(self) -> None:
         if self.offload_parameters and not self.offload_optimizer:  # offloaded parameters take their states along
             object.__setattr__(self, "offload_optimizer", True)
-        if self.sequence_parallel < 1 or self.world_size % self.sequence_parallel:
-            raise ValueError(f"sequence parallelism of {self.sequence_parallel} does not divide {self.world_size} "
-                             "process(es)")
+        if self.row_shards < 1 or self.world_size % self.row_shards:
+            raise ValueError(f"rows split across {self.row_shards} processes do not divide {self.world_size} process(es)")
 
     @classmethod
     def from_config(cls, distributed: Any, world_size: int = 1,
@@ -98,16 +98,29 @@ class Parallelism:
             reduce_bucket_elements=buckets[0],
             allgather_bucket_elements=buckets[1],
             sequence_parallel=sequence_parallel,
+            context_parallel=distributed.context_parallel,
         )
+
+    @property
+    def row_shards(self) -> int:
+        """Processes each row is split across (sequence or context parallelism; 1: whole rows)."""
+        return self.sequence_parallel * self.context_parallel
 
     @property
     def data_parallel(self) -> int:
         """Processes that train on different rows: ``micro x accum x data_parallel`` rows a step."""
-        return self.world_size // self.sequence_parallel
+        return self.world_size // self.row_shards
 
     @property
     def splits_sequence(self) -> bool:
+        """Rows split by DeepSpeed's Ulysses (sequence parallelism)."""
         return self.sequence_parallel > 1
+
+    @property
+    def row_multiple(self) -> int:
+        """What a split row's length must divide by: the split (Ulysses), or twice it (the ring's
+        load balancing gives each process two chunks); 1 for whole rows."""
+        return self.sequence_parallel if self.splits_sequence else 2 * self.context_parallel if self.context_parallel > 1 else 1
 
     @property
     def deepspeed(self) -> bool:

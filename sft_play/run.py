@@ -218,7 +218,7 @@ class Run:
     def local_tokens(self) -> int:
         """Tokens of a row each process holds: the whole row, or its share where rows are split
         across processes (the collator pads rows to a multiple of the split)."""
-        return -(-self.sequence.tokens // self.parallel.sequence_parallel)
+        return -(-self.sequence.tokens // self.parallel.row_shards)
 
     def masked(self, micro_batch: int) -> bool:
         """Whether attention gets a 4-D mask at `micro_batch`: packed rows hold several examples
@@ -226,8 +226,9 @@ class Run:
         one, unless FlashAttention-2 runs them as variable-length sequences. Eager attention always
         gets one: transformers' ``eager_mask`` never skips the causal mask (``allow_is_causal_skip=False``),
         where SDPA runs uniform rows with ``is_causal`` instead. A split sequence gets none: Ulysses
-        drops masks, and the run builds none (:func:`sft_play.training.trainer.attend_by_example_under_ulysses`)."""
-        if self.kernels.attention in MASK_FREE_ATTENTION or self.parallel.splits_sequence:
+        drops masks, and the run builds none (:func:`sft_play.training.trainer.attend_by_example_under_ulysses`);
+        torch's ring attention runs SDPA causally in its place."""
+        if self.kernels.attention in MASK_FREE_ATTENTION or self.parallel.row_shards > 1:
             return False
         if self.kernels.attention == "eager":
             return True
@@ -272,6 +273,8 @@ def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, eag
     choice = config.model.attn_implementation
     if choice != "auto":
         return choice
+    if config.distributed.context_parallel > 1:  # torch's ring attention shards SDPA only
+        return "sdpa"
     installed = local and importlib.util.find_spec("flash_attn") is not None
     if on_cuda and precision.compute_dtype != "float32" and installed:
         return "flash_attention_2"

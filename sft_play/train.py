@@ -28,7 +28,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner,
                       run_folder, training)
-from sft_play.config import RunConfig, sequence_parallel_problem, tiling_problem
+from sft_play.config import RunConfig, context_parallel_problem, sequence_parallel_problem, tiling_problem
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.parallelism import Strategy
@@ -47,7 +47,8 @@ def train(config: RunConfig, config_path: str) -> int:
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    for problem in (tiling_problem(config, processes), sequence_parallel_problem(config, processes)):
+    for problem in (tiling_problem(config, processes), sequence_parallel_problem(config, processes),
+                    context_parallel_problem(config, processes, on_cpu=not placement(config).on_cuda)):
         if problem:
             raise UserError(problem)
     # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
@@ -92,6 +93,9 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     # the run as planned (with the sequence-parallel size the plan chose for auto): nothing replaces it from here on
     run = run.with_changes(batch=plan.split,
                            parallel=dataclasses.replace(run.parallel, sequence_parallel=plan.sequence_parallel))
+    if run.parallel.context_parallel > 1 and state.is_main_process:
+        logger.info("context parallelism: each row split across %d processes (torch's ring attention)",
+                    run.parallel.context_parallel)
     counts = run_folder.data_summary(bundle.stats)
 
     run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, counts)
@@ -114,7 +118,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
                     if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
-                                     split=run.parallel.sequence_parallel,
+                                     split=run.parallel.row_multiple,
                                      # gloo gathers only equal shapes: every batch at the longest
                                      length=None if where.on_cuda else config.data.max_seq_length)
     guard = callbacks.NonFiniteGuard(

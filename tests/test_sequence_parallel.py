@@ -314,3 +314,64 @@ def test_under_a_split_sdpa_gets_no_mask_and_attends_by_example(monkeypatch):
         split = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     assert masks and all(mask is None for mask in masks)
     torch.testing.assert_close(split, masked)
+
+
+# --- context parallelism (torch's ring attention under FSDP2): GPUs only, its plumbing tested here ---
+
+RING = ("distributed.strategy=fsdp2", "distributed.context_parallel=2", "data.packing=false")
+
+
+def test_context_parallelism_is_refused_where_it_cannot_run_one_line_each():
+    for overrides, words in [
+        (("distributed.context_parallel=2",), "runs under FSDP2"),
+        (("distributed.strategy=fsdp2", "distributed.context_parallel=2"), "packed examples would attend to each other"),
+        ((*RING, "model.attn_implementation=eager"), "shards SDPA only"),
+        ((*RING, "distributed.sequence_parallel=2"), "use one of the two"),
+    ]:
+        with pytest.raises(config_module.ConfigError, match=words):
+            _config(*overrides)
+    config = _config(*RING)
+    assert config_module.context_parallel_problem(config, 4) is None
+    assert "3 process(es) cannot be grouped" in config_module.context_parallel_problem(config, 3)
+    assert "runs on CUDA GPUs only" in config_module.context_parallel_problem(config, 2, on_cpu=True)
+    result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
+                             f"ARGS={' '.join(RING)}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "runs on CUDA GPUs only" in output and "Traceback" not in output
+    assert "launching" not in output
+
+
+def test_a_ring_run_gets_accelerates_context_parallel_config_and_is_planned_by_its_share():
+    from sft_play.planner import Target, make_plan
+    from sft_play.planner.plan import resolve_for
+    from sft_play.planner.simulate import timing
+    from sft_play.planner.simulate.predict import trace_spec, traced_layers
+    from sft_play.planner.simulate.shapes import model_shape
+    from sft_play.run import BatchSplit
+    from sft_play.training.arguments import context_parallelism
+    from sft_play.units import GIB
+
+    def load(*overrides):
+        return config_module.load(None, [f"model.name_or_path={REPO / 'tests/fixtures/model_configs/llama-3.2-3b'}",
+                                         "finetune.method=lora", "lora.modules_to_save=[]", "data.max_seq_length=65536",
+                                         "train.gradient_checkpointing=true", *overrides],
+                                  check_paths=False, check_packages=False)
+
+    target = Target(4, 80 * GIB, "4 x H100", gpu_model="H100")
+    config = load("distributed.strategy=fsdp2", "distributed.context_parallel=4", "data.packing=false")
+    shape = model_shape(config)
+    run = resolve_for(config, target, None, shape)
+    assert run.kernels.attention == "sdpa" and run.local_tokens == 16384 and not run.masked(1)
+    assert run.parallel.data_parallel == 1 and run.parallel.row_multiple == 8  # two chunks each for the balance
+    ring = context_parallelism(run.with_changes(batch=BatchSplit(1, 1, 1, 1)))
+    assert (ring.cp_size, ring.cp_backend, ring.dp_shard_size) == (4, "torch", 1)
+    assert ring.cp_handler.cp_comm_strategy == "allgather"
+    plan = make_plan(config, target, with_remedies=False)
+    assert "(4 processes, each row split across 4: context parallel)" in plan.describe()
+    # the layer traced at its share of the tokens, the whole row's keys and values gathered for attention
+    layer = traced_layers(trace_spec(run, 1), run.local_tokens).at(1)[0]
+    gathered = 65536 * shape.num_key_value_heads * shape.head_dim * 2
+    assert sum(1 for kind, _, size, _ in layer.forward if kind == "a" and size == gathered) >= 2
+    # each process receives the three others' keys and values, per layer, in three passes
+    kv = 2 * shape.num_key_value_heads * shape.head_dim * 2
+    assert timing.split_sequence_traffic_bytes(shape, run, 65536) == 3 * shape.num_layers * 16384 * kv * 3

@@ -18,10 +18,11 @@ from sft_play.config.overrides import parse_override
 from sft_play.config.reference import reference_markdown
 from sft_play.config.schema import (SECTIONS, ConfigError, DataConfig, DistributedConfig, FinetuneConfig, LoraConfig,
                                     ModelConfig, PlannerConfig, QuantizationConfig, RunConfig, TrainConfig,
-                                    sequence_parallel_problem, tiling_problem, valid_keys)
+                                    context_parallel_problem, sequence_parallel_problem, tiling_problem,
+                                    valid_keys)
 
 __all__ = [
     "SECTIONS", "ConfigError", "DataConfig", "DistributedConfig", "FinetuneConfig", "LoraConfig", "ModelConfig",
     "PlannerConfig", "QuantizationConfig", "RunConfig", "TrainConfig", "load", "parse_override", "reference_markdown",
-    "sequence_parallel_problem", "tiling_problem", "valid_keys",
+    "context_parallel_problem", "sequence_parallel_problem", "tiling_problem", "valid_keys",
 ]

@@ -276,6 +276,11 @@ class DistributedConfig(_Section):
         "the sequence and all-to-alls attention's heads); for rows too long for one GPU. Needs deepspeed_zero2/3, "
         "a number of processes divisible by it and SDPA or FlashAttention; auto: the smallest that fits (the planner)."
     )
+    context_parallel: int = Field(
+        1, ge=1, description="Split each row's tokens across this many processes with torch's ring attention "
+        "(context parallelism through accelerate): FSDP2, SDPA, unpacked rows, CUDA GPUs only. Sequence "
+        "parallelism is the one to reach for first (docs/LONG_ROWS.md says when this one serves better)."
+    )
     deepspeed_config: str = Field("configs/deepspeed_z2.json", description="DeepSpeed JSON whose 'auto' values we fill.")
     timeout_minutes: float = Field(
         30, gt=0, description="How long a process waits for the others in a collective (the process-group "
@@ -370,6 +375,35 @@ def sequence_parallel_problem(config: RunConfig, processes: int | None = None) -
     return None
 
 
+def context_parallel_problem(config: RunConfig, processes: int | None = None, on_cpu: bool = False) -> str | None:
+    """Why ``distributed.context_parallel`` cannot train as configured on `processes` processes
+    (None: not known yet), in CPU processes where `on_cpu`."""
+    size = config.distributed.context_parallel
+    if size == 1:
+        return None
+    key = f"distributed.context_parallel={size}"
+    strategy = Strategy(config.distributed.strategy)
+    if config.distributed.sequence_parallel != 1:
+        return f"{key}: rows are split by distributed.sequence_parallel already; use one of the two"
+    if not strategy.fsdp:
+        return (f"{key}: torch's context parallelism runs under FSDP2 (distributed.strategy=fsdp2, make "
+                f"train-distributed); under {strategy.label} split rows with distributed.sequence_parallel")
+    if config.model.attn_implementation not in ("auto", "sdpa"):
+        return (f"{key}: torch's ring attention shards SDPA only, not {config.model.attn_implementation}; set "
+                "model.attn_implementation=sdpa, or split rows with distributed.sequence_parallel (DeepSpeed)")
+    if config.data.packing:
+        return (f"{key}: the ring attends causally over the whole row without a mask, so packed examples would "
+                "attend to each other; set data.packing=false, or split packed rows with "
+                "distributed.sequence_parallel (DeepSpeed Ulysses, which attends by example)")
+    if processes is not None and processes % size:
+        return (f"{key} splits each row across {size} processes, and {processes} process(es) cannot be grouped so: "
+                f"use a number of processes divisible by {size}")
+    if on_cpu:
+        return (f"{key}: context parallelism runs on CUDA GPUs only (torch has no sharding rule for the CPU's SDPA "
+                "kernel); in CPU processes split rows with distributed.sequence_parallel under deepspeed_zero2")
+    return None
+
+
 def consistency_problems(config: RunConfig) -> list[str]:
     """Values that are each valid but not together (or not in range), one message each."""
     problems = []
@@ -398,9 +432,8 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.offload_activations and not train.gradient_checkpointing:
         problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
                         "set train.gradient_checkpointing=true too")
-    sequence = sequence_parallel_problem(config)  # (the processes: the launcher and the training process ask again)
-    if sequence:
-        problems.append(sequence)
+    # (the processes and the devices: the launcher and the training process ask again)
+    problems += [p for p in (sequence_parallel_problem(config), context_parallel_problem(config)) if p]
     tiling = tiling_problem(config)  # (several DDP processes: the launcher and the training process ask again)
     if tiling:
         problems.append(tiling)

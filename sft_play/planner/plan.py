@@ -75,6 +75,7 @@ class Plan:
     plan_cpu_seconds: float = 0.0  # this process's CPU time: what planning costs, whatever else runs
     replays: int = 0  # training steps replayed through the allocator (remedies' plans included)
     sequence_parallel: int = 1  # processes each row is split across (distributed.sequence_parallel, as resolved)
+    context_parallel: int = 1  # the same with torch's ring attention (distributed.context_parallel)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,14 +83,16 @@ class Plan:
     @property
     def split(self) -> BatchSplit:
         return BatchSplit(self.micro_batch_size, self.gradient_accumulation_steps,
-                          self.world_size // self.sequence_parallel, self.requested_global_batch_size)
+                          self.world_size // (self.sequence_parallel * self.context_parallel),
+                          self.requested_global_batch_size)
 
     def describe(self) -> str:
         """The start-up line: ``global 64 = micro 4 x accum 2 x world 8; predicted peak 61.2 GiB of 79.1 GiB``."""
         peak, budget = self.peak_bytes_per_gpu / GIB, self.budget_bytes_per_gpu / GIB
         digits = 1 if f"{peak:.1f}" != f"{budget:.1f}" else 2  # "23.3 of 23.3 GiB" read as no room at all
-        split = (f" ({self.world_size} processes, each row split across {self.sequence_parallel}: sequence parallel)"
-                 if self.sequence_parallel > 1 else "")
+        shards, kind = ((self.sequence_parallel, "sequence parallel") if self.sequence_parallel > 1
+                        else (self.context_parallel, "context parallel"))
+        split = f" ({self.world_size} processes, each row split across {shards}: {kind})" if shards > 1 else ""
         return f"{self.split.describe()}{split}; predicted peak {peak:.{digits}f} GiB of {budget:.{digits}f} GiB"
 
 
@@ -251,6 +254,7 @@ def make_plan(
         plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
         replays=REPLAYS[0] - replays_before,
         sequence_parallel=run.parallel.sequence_parallel,
+        context_parallel=run.parallel.context_parallel,
     )
 
 

@@ -161,7 +161,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         fsdp=True if run.parallel.fsdp else None,
         fsdp_config=fsdp_settings(run, layer_classes or []),
         accelerator_config=accelerator_settings(run),
-        parallelism_config=sequence_parallelism(run),
+        parallelism_config=sequence_parallelism(run) or context_parallelism(run),
     )
     arguments = SFTConfig(**{**settings, **overrides})
     # With bf16 and fp16 both off, transformers takes the autocast mode from ACCELERATE_MIXED_PRECISION,
@@ -187,6 +187,20 @@ def sequence_parallelism(run: Run) -> Any:
         sp_size=run.parallel.sequence_parallel, sp_backend="deepspeed", dp_replicate_size=run.parallel.data_parallel,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
                                                    sp_attn_implementation=run.kernels.attention))
+
+
+def context_parallelism(run: Run) -> Any:
+    """accelerate's ``ParallelismConfig`` for torch's context parallelism under FSDP2: rows split
+    across ``context_parallel`` processes (ring attention over SDPA, the K/V chunks all-gathered),
+    the parameters sharded over the rest. The trainer shards each batch's tokens and shifts the
+    labels itself (``Trainer._prepare_context_parallel_inputs``). None without it."""
+    if run.parallel.context_parallel == 1:
+        return None
+    from accelerate.utils import ParallelismConfig, TorchContextParallelConfig
+
+    return ParallelismConfig(cp_size=run.parallel.context_parallel, cp_backend="torch",
+                             dp_shard_size=run.parallel.data_parallel,
+                             cp_handler=TorchContextParallelConfig(cp_comm_strategy="allgather"))
 
 
 def accelerator_settings(run: Run) -> dict[str, Any] | None:

@@ -72,6 +72,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         lora=run.lora,
         tiled_mlp=run.kernels.tiled_mlp,
         sequence_parallel=run.parallel.sequence_parallel,
+        context_parallel=run.parallel.context_parallel,
         liger=run.kernels.liger,
     )
 

@@ -188,17 +188,23 @@ def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) 
 
 
 def split_sequence_traffic_bytes(shape: ModelShape, run: Run, tokens_per_step: int) -> float:
-    """Bytes each GPU sends per optimizer step in the all-to-alls of a split sequence (DeepSpeed
-    Ulysses): in every layer, q, k and v (key/value heads repeated up to the split where they are
-    fewer) and the attention output, (split - 1) / split of each process's share, in forward, in
-    backward (their gradients) and in the recomputed forward under checkpointing. 0 unsplit."""
-    split = run.parallel.sequence_parallel
-    if split <= 1:
+    """Bytes each GPU receives per optimizer step where rows are split across processes, in every
+    layer, in forward, in backward (the gradients) and in the recomputed forward under
+    checkpointing. DeepSpeed's Ulysses all-to-alls q, k and v (key/value heads repeated up to the
+    split where they are fewer) and the attention output: (split - 1) / split of each process's
+    share of each. Torch's ring, all-gathering, brings each process the other processes' keys and
+    values. 0 for whole rows."""
+    ulysses, ring = run.parallel.sequence_parallel, run.parallel.context_parallel
+    if ulysses > 1:
+        per_token = ((2 * shape.num_attention_heads + 2 * max(shape.num_key_value_heads, ulysses))
+                     * shape.head_dim * (ulysses - 1) / ulysses)
+    elif ring > 1:
+        per_token = 2 * shape.num_key_value_heads * shape.head_dim * (ring - 1)
+    else:
         return 0.0
-    per_token = (2 * shape.num_attention_heads + 2 * max(shape.num_key_value_heads, split)) * shape.head_dim
     passes = 3 if run.gradient_checkpointing else 2
-    tokens = tokens_per_step / run.parallel.world_size
-    return passes * shape.num_layers * tokens * per_token * run.precision.compute_bytes * (split - 1) / split
+    tokens = tokens_per_step / run.parallel.world_size  # each process's share of the step's tokens
+    return passes * shape.num_layers * tokens * per_token * run.precision.compute_bytes
 
 
 def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name: str, interconnect: str,
@@ -235,7 +241,7 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
     # A split sequence's all-to-alls sit between a layer's projections and its attention: not hidden
     split = split_sequence_traffic_bytes(shape, run, tokens_per_step)
-    split_link = "network" if run.parallel.sequence_parallel > gpus_per_node else interconnect
+    split_link = "network" if run.parallel.row_shards > gpus_per_node else interconnect
     split_seconds = split / BANDWIDTH[split_link]
     communication += split_seconds
     seconds = compute + communication + offload_seconds
@@ -247,8 +253,9 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
         sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
                        f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
     if split_seconds:
-        sources.append(f"sequence parallel: {split / 1e9:.1f} GB per step per GPU in attention's all-to-alls over "
-                       f"{split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
+        exchange = "all-to-alls" if run.parallel.splits_sequence else "key and value all-gathers"
+        sources.append(f"rows split across {run.parallel.row_shards} processes: {split / 1e9:.1f} GB per step per GPU "
+                       f"in attention's {exchange} over {split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
     if offload_seconds:
         sources.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
                        f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")

@@ -145,6 +145,7 @@ class TraceSpec:
     tiled_mlp: bool = False  # the MLP in tiles along the sequence (sft_play.long_rows.tile_mlps), as training runs it
     sequence_parallel: int = 1  # rows split across this many processes: attention through Ulysses (_ulysses)
     liger: bool = False  # Liger's kernels: its fused RMSNorm where Liger patches the model (_LigerRMSNorm)
+    context_parallel: int = 1  # rows split across this many processes: torch's ring attention (_ring)
 
 
 class _Recorder(TorchDispatchMode):
@@ -398,6 +399,8 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
     if spec.sequence_parallel > 1:
         text._attn_implementation = _register_ulysses(text._attn_implementation, spec.sequence_parallel)
+    elif spec.context_parallel > 1:
+        text._attn_implementation = _register_ring(text._attn_implementation, spec.context_parallel)
     if spec.checkpointing:
         recompute = functools.partial(_Autocast, DTYPES[spec.compute_dtype] if spec.compute_dtype else None, False)
         model.activation_checkpointing_enable(
@@ -746,6 +749,47 @@ def _register_ulysses(core_name: str, split: int) -> str:
     name = f"sft_play_ulysses_{split}_{core_name}"
     if name not in ALL_ATTENTION_FUNCTIONS:
         ALL_ATTENTION_FUNCTIONS[name] = _ulysses(ALL_ATTENTION_FUNCTIONS[core_name], split)
+    return name
+
+
+class _GatherKeys(torch.autograd.Function):
+    """Torch's ring attention with the all-gather strategy (``context_parallel``,
+    ``cp_comm_strategy="allgather"``): a process's keys or values gathered from every process of
+    the ring, [rows, heads, tokens, head_dim], and in backward their gradient reduce-scattered back
+    to its share."""
+
+    @staticmethod
+    def forward(ctx, share, shards):
+        ctx.shards = shards
+        b, heads, local, d = share.shape
+        return share.new_empty((b, heads, local * shards, d))
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, heads, tokens, d = grad.shape
+        return grad.new_empty((b, heads, tokens // ctx.shards, d)), None
+
+
+def _ring(core: Any, shards: int) -> Any:
+    """transformers' attention function `core` under torch's context parallelism across `shards`
+    processes: each process's queries (its share of the tokens) attend, causally and without a
+    mask, to the keys and values of the whole row, gathered for the layer and dropped after it."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        return core(module, query, _GatherKeys.apply(key, shards), _GatherKeys.apply(value, shards), None,
+                    *args, **kwargs)
+
+    return attention
+
+
+def _register_ring(core_name: str, shards: int) -> str:
+    """Registers `core_name`'s attention under torch's ring (:func:`_ring`) for traces; its name."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _register_flash_trace()
+    name = f"sft_play_ring_{shards}_{core_name}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS[name] = _ring(ALL_ATTENTION_FUNCTIONS[core_name], shards)
     return name
 
 
