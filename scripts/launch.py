@@ -48,15 +48,18 @@ def main() -> int:
                         help="accelerate config for --launcher accelerate (default configs/accelerate/ddp.yaml)")
     parser.add_argument("--tensorboard", action="store_true", help="serve TensorBoard while training runs")
     args = parser.parse_args()
+    if args.deepspeed:
+        # the strategy the config names, read without what only DeepSpeed allows (rows split by
+        # sequence parallelism), which the switch to ZeRO-2 below makes valid
+        named = config_module.load(args.config, [*args.overrides, "distributed.sequence_parallel=1"]).distributed.strategy
+        if Strategy(named).fsdp:
+            raise cli.UserError("make train-deepspeed trains with DeepSpeed, and the config says "
+                                "distributed.strategy=fsdp2: use make train-distributed for FSDP2, or set "
+                                "distributed.strategy=deepspeed_zero2 (or deepspeed_zero3)")
+        if not Strategy(named).deepspeed:
+            print(f"distributed.strategy {named} -> deepspeed_zero2 (make train-deepspeed)", flush=True)
+            args.overrides.append("distributed.strategy=deepspeed_zero2")
     config = config_module.load(args.config, args.overrides)  # fail before starting anything
-    if args.deepspeed and Strategy(config.distributed.strategy).fsdp:
-        raise cli.UserError("make train-deepspeed trains with DeepSpeed, and the config says "
-                            "distributed.strategy=fsdp2: use make train-distributed for FSDP2, or set "
-                            "distributed.strategy=deepspeed_zero2 (or deepspeed_zero3)")
-    if args.deepspeed and not Strategy(config.distributed.strategy).deepspeed:
-        print(f"distributed.strategy {config.distributed.strategy} -> deepspeed_zero2 (make train-deepspeed)", flush=True)
-        args.overrides.append("distributed.strategy=deepspeed_zero2")
-        config = config_module.load(args.config, args.overrides)
 
     topology = None
     timeouts = launch.Timeouts.from_config(config.distributed)

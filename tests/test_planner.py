@@ -518,7 +518,7 @@ def test_a_peak_close_to_the_budget_is_not_printed_equal_to_it():
     from sft_play.planner.plan import Plan
 
     def described(peak: float, budget: float) -> str:
-        return Plan.describe(SimpleNamespace(split=SimpleNamespace(describe=lambda: "global 8"), sequence_parallel=1,
+        return Plan.describe(SimpleNamespace(split=SimpleNamespace(describe=lambda: "global 8"), sequence_parallel=1, context_parallel=1,
                                              peak_bytes_per_gpu=int(peak * GIB), budget_bytes_per_gpu=int(budget * GIB)))
 
     assert described(23.27, 23.31).endswith("predicted peak 23.27 GiB of 23.31 GiB")
