@@ -114,7 +114,8 @@ def longest(config, target, args) -> int:
     targets = [target] if target.world_size == 1 else [dataclasses.replace(target, world_size=1), target]
     report = []
     for each in targets:
-        answers = question.longest_rows(config, each, lambda c, t: make_plan(c, t, None, with_remedies=False),
+        answers = question.longest_rows(config, each,
+                                        lambda c, t: make_plan(c, t, None, with_remedies=False, octave_rows=True),
                                         shape.max_positions, args.config, tuple(args.overrides),
                                         split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})

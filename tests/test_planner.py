@@ -1068,23 +1068,33 @@ def test_131k_tokens_of_llama_8b_lora_fit_one_80_gib_gpu_with_the_levers_the_rem
     assert "data.max_seq_length" not in " ".join(fitting[0]["change"])
 
 
-def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_that_do_not():
+def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_that_do_not(monkeypatch):
     """make plan LONGEST=1: each set of levers adds one to the ones before; its answer fits one row
     per GPU as the run plans it, the next length of the ladder does not, and more levers never
     answer shorter."""
     from sft_play.planner.choose import longest
 
-    # checkpointing and a mask-free kernel already on: the levers left to add are tiling and offload
+    # checkpointing and a mask-free kernel already on; of the levers left, Liger's kernels, tiling
+    # and offload (parameter offload, sequence parallelism: below, without planning)
     config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]",
                          "train.gradient_checkpointing=true", "model.attn_implementation=flex_attention")
     target = Target(1, 3 * GIB, "1 x 3 GiB", gpu_model="L4")
+    assert [r.name for r in longest._levers(config, target)] == ["Liger kernels", "tiled MLP", "activation offload",
+                                                                "parameter offload"]
+    eight = Target(8, 80 * GIB, "8 x H100", gpu_model="H100")
+    assert "sequence parallelism" not in [r.name for r in longest._levers(config, eight, split=2)]  # flex attention
+    sdpa = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]")
+    levers = longest._levers(sdpa, eight, split=2)
+    assert [r.name for r in levers] == ["ZeRO-3", "gradient checkpointing", "FlashAttention-2", "Liger kernels",
+                                        "tiled MLP", "activation offload", "sequence parallelism", "parameter offload"]
+    assert levers[6].overrides == ("distributed.sequence_parallel=2",)
+    monkeypatch.setattr(longest, "LEVERS", ("Liger kernels", "tiled MLP", "activation offload"))
 
     def plan_for(changed, on):
-        return make_plan(changed, on, None, with_remedies=False)
+        return make_plan(changed, on, None, with_remedies=False, octave_rows=True)
 
     answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
-    assert [a["settings"] for a in answers] == ["as configured", "+ Liger kernels", "+ tiled MLP", "+ activation offload",
-                                                "+ parameter offload"]
+    assert [a["settings"] for a in answers] == ["as configured", "+ Liger kernels", "+ tiled MLP", "+ activation offload"]
     tokens = [a["tokens"] for a in answers]
     assert tokens == sorted(tokens) and tokens[0] > 0 and tokens[-1] > 2 * tokens[0], tokens
     ladder = longest.ladder()
@@ -1098,8 +1108,7 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     assert answers[-1]["host_bytes_per_node"] > 0  # offloaded hidden states
     assert "train.offload_activations=true" in answers[-1]["command"]
     lines = longest.describe(answers, target, 32768)
-    # the last lever offloads the weights with ZeRO-3: DeepSpeed's launcher, on the one GPU
-    assert lines[-1].startswith("  run: make train-deepspeed CONFIG=c.yaml") and "NUM_GPUS" not in lines[-1]
+    assert lines[-1].startswith("  run: make train CONFIG=c.yaml")
 
 
 def test_the_ladder_has_four_lengths_an_octave():

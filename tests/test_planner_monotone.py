@@ -13,7 +13,7 @@ import pytest
 from sft_play import config as config_module
 from sft_play.planner import Target, make_plan, model_shape, resolve_for
 from sft_play.planner.simulate.predict import predict, static_lower_bound
-from sft_play.planner.choose.search import shorter_lengths
+from sft_play.planner.choose.search import octave_lengths, shorter_lengths
 from tests.conftest import FIXTURES
 
 GIB = 1024**3
@@ -64,6 +64,17 @@ SEQUENCE_CASES = [
 def test_the_ladder_is_the_same_for_every_plan():
     assert shorter_lengths(256) == [] and shorter_lengths(257) == [256]
     assert shorter_lengths(4096) == [256, 512, 1024, 2048] and shorter_lengths(3000) == [256, 512, 1024, 2048]
+    # and, at micro-batch 1, the four lengths an octave within the planned length's own
+    assert octave_lengths(4096) == [2560, 3072, 3584] and octave_lengths(3000) == [2560]
+    assert octave_lengths(2048) == [1280, 1536, 1792] and octave_lengths(5000) == [] and octave_lengths(256) == []
+    # what make plan LONGEST=1 compares as it bisects an octave: each of its lengths covers the
+    # shorter ones of its octave
+    from sft_play.planner.choose.longest import ladder
+
+    for length in ladder()[:40]:
+        octave = 1 << (length.bit_length() - 1) if length & (length - 1) else length // 2
+        assert {rung for rung in ladder() if octave <= rung < length} <= {*shorter_lengths(length),
+                                                                          *octave_lengths(length)}
 
 
 @pytest.mark.parametrize("model, method, checkpointing", SEQUENCE_CASES)
@@ -130,3 +141,28 @@ def test_a_bf16_full_fine_tune_keeps_its_head_gradient_in_bf16():
     vocab_by_hidden = 151936 * 896
     assert kept_head_gradient("bfloat16") >= 2 * vocab_by_hidden and kept_head_gradient("bfloat16") < 3 * vocab_by_hidden
     assert kept_head_gradient("float32") >= 4 * vocab_by_hidden
+
+
+def test_a_length_of_the_octave_that_does_not_fit_makes_the_longer_plan_not_fit(monkeypatch):
+    """Were 3,072 predicted past the budget (the allocator's cache swings a few per cent from one
+    length to the next), LONGEST's plan of 4,096 that fits on its own would still be refused: it
+    covers 3,072 at micro-batch 1, so the bisection never finds 3,072 failing where 4,096 fits."""
+    from sft_play.planner.choose import search
+    from sft_play.planner.simulate.predict import Prediction
+
+    real = search.predict_many
+
+    def swinging(shape, requests):
+        predictions = real(shape, requests)
+        return [Prediction(p.micro_batch, 10 * p.peak_bytes, p.allocated_bytes, p.breakdown, False)
+                if run.sequence.tokens == 3072 else p for (run, *_), p in zip(requests, predictions)]
+
+    config = _config("llama-3.2-3b", "lora", True, 4096, 1)
+    gpu = Target(1, 80 * GIB, "1 x H100")
+    assert make_plan(config, gpu, with_remedies=False, octave_rows=True).fits
+    monkeypatch.setattr(search, "predict_many", swinging)
+    assert not make_plan(config, gpu, with_remedies=False, octave_rows=True).fits
+    assert make_plan(config, gpu, with_remedies=False).fits  # other plans: the octaves only
+    shorter = config.model_copy(deep=True)
+    shorter.data.max_seq_length = 2048  # an octave below: 3,072 is not among its lengths
+    assert make_plan(shorter, gpu, with_remedies=False, octave_rows=True).fits

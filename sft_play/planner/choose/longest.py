@@ -18,6 +18,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.config.schema import consistency_problems
 from sft_play.parallelism import Strategy
+from sft_play.planner.choose import search
 from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, with_overrides
 
 SHORTEST, LONGEST = 1024, 16 << 20
@@ -26,12 +27,10 @@ PlanFor = Callable[[RunConfig, Any], Any]
 
 
 def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
-    """Four lengths an octave: 1024, 1280, 1536, 1792, 2048, 2560 ... (multiples of 256 throughout)."""
-    lengths, octave = [], shortest
-    while octave <= longest:
-        lengths += [octave * quarters // 4 for quarters in (4, 5, 6, 7) if octave * quarters // 4 <= longest]
-        octave *= 2
-    return lengths
+    """Four lengths an octave: 1024, 1280, 1536, 1792, 2048, 2560 ...: the plans' own ladder
+    (:func:`sft_play.planner.choose.search.ladder`), whose shorter lengths each plan covers, so
+    that a length fits only where every shorter one does and the bisection is sound."""
+    return search.ladder(longest, shortest)
 
 
 # The remedies that carry rows further, cheapest first (ZeRO-2 for QLoRA, whose 4-bit base ZeRO-3

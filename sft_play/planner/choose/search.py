@@ -13,11 +13,14 @@ monotone here, over both dimensions of a batch:
   accumulation's last micro-batch run smaller ones);
 - **sequence length**: rows shorter than the planned length are trained too (an unpacked batch is
   padded to its longest row; packing leaves rows short), so the same holds over the lengths of a
-  fixed ladder below it (:func:`shorter_lengths`: 256, 512, 1024, ... tokens). The ladder is
-  the same for every plan, so a plan at any length reports at least what a plan at each ladder
+  fixed ladder below it (:func:`shorter_lengths`: 256, 512, 1,024 ... tokens). The ladder is the
+  same for every plan, so a plan at any length reports at least what a plan at each ladder
   length below it reports: between ladder lengths, and from a ladder length to any longer one,
-  reported peaks and fit decisions never fall. A plan at a length off the ladder (2560) is not
-  covered by a longer plan (5000 covers 2048, not 2560): that would take a replay per token count.
+  reported peaks and fit decisions never fall. ``make plan LONGEST=1`` also covers the ladder's
+  four lengths an octave within the planned length's octave (:func:`octave_lengths`) at
+  micro-batch 1, where a length fits or not: there 3,072 cannot fail where 4,096 fits. Not
+  covered: a length off the ladder (3,500 covers 3,072, not 3,000: that would take a replay per
+  token count).
 
 What the search predicted at the planned length stays in :attr:`FitSearch.tried`, for the plan's
 table and picture (no further replays).
@@ -38,13 +41,31 @@ from sft_play.run import BatchSplit, Run
 SHORTEST_RUNG = 256
 
 
-def shorter_lengths(tokens: int) -> list[int]:
-    """The ladder's lengths below `tokens`: 256, 512, 1024, ... (the same for every plan)."""
-    lengths, rung = [], SHORTEST_RUNG
-    while rung < tokens:
-        lengths.append(rung)
-        rung *= 2
+def ladder(longest: int, shortest: int = SHORTEST_RUNG) -> list[int]:
+    """Four lengths an octave from `shortest` up to `longest`: 256, 320, 384, 448, 512, 640 ...;
+    from 1,024 on, multiples of 256 (1,024, 1,280, 1,536, 1,792, 2,048 ...)."""
+    lengths, octave = [], shortest
+    while octave <= longest:
+        lengths += [octave * quarters // 4 for quarters in (4, 5, 6, 7) if octave * quarters // 4 <= longest]
+        octave *= 2
     return lengths
+
+
+def shorter_lengths(tokens: int) -> list[int]:
+    """The ladder's octaves below `tokens`: 256, 512, 1,024 ... (the same for every plan)."""
+    return [rung for rung in ladder(tokens) if rung < tokens and rung & (rung - 1) == 0]
+
+
+def octave_lengths(tokens: int) -> list[int]:
+    """The ladder's other lengths below `tokens` within its octave (4,096: 2,560, 3,072 and
+    3,584), which ``make plan LONGEST=1``'s plans cover at micro-batch 1, where a length fits or
+    not: a length of the octave cannot fail there where a longer one fits, and the bisection
+    within the octave is sound. Other plans leave them out: their replays and traces made the
+    planner's tests half as long again (measured), for lengths a plan is rarely compared with.
+    Covering them at every micro-batch, and every octave's, would make every reported peak
+    monotone over the whole ladder: twice the tests' time."""
+    octave = 1 << (max(tokens - 1, 1).bit_length() - 1)
+    return [rung for rung in ladder(tokens) if octave < rung < tokens and rung & (rung - 1)]
 
 
 @dataclass
@@ -63,11 +84,16 @@ class FitSearch:
     per_process: int
     fixed_accum: int | None
     shorter_rows: bool = True  # cover the ladder's shorter lengths (the remedy search does not)
+    octave_rows: bool = False  # cover the lengths of the planned length's octave at micro-batch 1 (LONGEST)
     tried: dict[int, Prediction] = field(default_factory=dict)
 
     def rungs(self) -> list[int]:
         """The shorter lengths this search covers."""
         return shorter_lengths(self.run.sequence.tokens) if self.shorter_rows else []
+
+    def octave_rungs(self) -> list[int]:
+        """The lengths of the planned length's octave this search covers at micro-batch 1."""
+        return octave_lengths(self.run.sequence.tokens) if self.octave_rows else []
 
     def predicted(self, micro: int, accumulating: bool | None = None, tokens: int | None = None) -> Prediction:
         """The prediction at `micro` (rows of `tokens`, the planned length unless said) against
@@ -106,14 +132,16 @@ class FitSearch:
         # the split's own accumulation, and the search's (they differ when rounding the global
         # batch gave accumulation 1 to a micro-batch below the per-process share)
         smaller = [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)]
-        return self.predicted_all([(micro, accumulating, None), *smaller])
+        octave = [(1, None, tokens) for tokens in self.octave_rungs()]
+        return self.predicted_all([(micro, accumulating, None), *smaller, *octave])
 
     def shorter_rows_fitting(self, micro: int) -> int:
         """The largest micro-batch up to `micro` that fits, with every smaller one, with rows of
         every shorter length of the ladder (`micro` itself when it does; 0 when micro-batch 1 does
         not). Only the micro-batches a run of `micro` trains are replayed: the plan covers them
         anyway (:meth:`covered`), so this costs no replay of its own."""
-        shorter = self.predicted_all([(m, None, tokens) for tokens in self.rungs() for m in range(1, micro + 1)])
+        shorter = self.predicted_all([(m, None, tokens) for tokens in self.rungs() for m in range(1, micro + 1)]
+                                     + [(1, None, tokens) for tokens in self.octave_rungs()])
         return min((p.micro_batch - 1 for p in shorter if not p.fits), default=micro)
 
     def largest_fitting(self) -> int:
