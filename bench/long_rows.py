@@ -75,7 +75,7 @@ def main() -> int:
     answers = {}
     for target in (H100, EIGHT):
         answers[target.world_size] = longest.longest_rows(
-            config(), target, lambda c, t: make_plan(c, t, None, with_remedies=False, quarter_rows=True), 131072,
+            config(), target, lambda c, t: make_plan(c, t, None, with_remedies=False, octave_rows=True), 131072,
             split=largest_split(config(), target, model_shape(config())))
     minutes = (time.monotonic() - started) / 60
     lines = [

@@ -115,7 +115,7 @@ def longest(config, target, args) -> int:
     report = []
     for each in targets:
         answers = question.longest_rows(config, each,
-                                        lambda c, t: make_plan(c, t, None, with_remedies=False, quarter_rows=True),
+                                        lambda c, t: make_plan(c, t, None, with_remedies=False, octave_rows=True),
                                         shape.max_positions, args.config, tuple(args.overrides),
                                         split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})

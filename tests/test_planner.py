@@ -1091,7 +1091,7 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     monkeypatch.setattr(longest, "LEVERS", ("Liger kernels", "tiled MLP", "activation offload"))
 
     def plan_for(changed, on):
-        return make_plan(changed, on, None, with_remedies=False, quarter_rows=True)
+        return make_plan(changed, on, None, with_remedies=False, octave_rows=True)
 
     answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
     assert [a["settings"] for a in answers] == ["as configured", "+ Liger kernels", "+ tiled MLP", "+ activation offload"]

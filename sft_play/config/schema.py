@@ -274,7 +274,8 @@ class DistributedConfig(_Section):
     sequence_parallel: Union[int, Auto] = Field(
         1, description="Split each row's tokens across this many processes (DeepSpeed Ulysses: each holds 1/N of "
         "the sequence and all-to-alls attention's heads); for rows too long for one GPU. Needs deepspeed_zero2/3, "
-        "a number of processes divisible by it and SDPA or FlashAttention; auto: the smallest that fits (the planner)."
+        "a number of processes divisible by it and SDPA or FlashAttention; auto: the fewest that fit (the planner; 1 "
+        "where rows cannot be split)."
     )
     context_parallel: int = Field(
         1, ge=1, description="Split each row's tokens across this many processes with torch's ring attention "
@@ -358,7 +359,7 @@ def sequence_parallel_problem(config: RunConfig, processes: int | None = None) -
     (None: not known yet). What depends on the model (its heads, its attention) is checked when
     the run is resolved (:func:`sft_play.run.resolve`)."""
     size = config.distributed.sequence_parallel
-    if size == 1:
+    if size == 1 or size == "auto":  # auto: the planner's choice, 1 where rows cannot be split
         return None
     if isinstance(size, int) and size < 1:
         return f"distributed.sequence_parallel: got {size}; use a positive number of processes, or auto"

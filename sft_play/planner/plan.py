@@ -123,7 +123,7 @@ def make_plan(
     run: Run | None = None,
     shorter_rows: bool = True,
     deciding_split: bool = False,
-    quarter_rows: bool = False,
+    octave_rows: bool = False,
 ) -> Plan:
     """Plan `config` on `target`: the fit search, the split, the remedies when nothing fits, the
     time, and what the plan says about them, in that order.
@@ -138,8 +138,8 @@ def make_plan(
         run: the resolved run, when the caller already has it (otherwise resolved here).
         shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.choose.search`);
             the remedy search does not: each remedy is a plan of its own once it runs.
-        quarter_rows: cover the ladder's lengths between its octaves at micro-batch 1 too
-            (:func:`sft_play.planner.choose.search.quarter_lengths`; ``make plan LONGEST=1``).
+        octave_rows: cover the lengths of the planned length's octave at micro-batch 1 too
+            (:func:`sft_play.planner.choose.search.octave_lengths`; ``make plan LONGEST=1``).
         deciding_split: `run` carries a sequence-parallel size :func:`_fewest_split_that_fits` is
             trying (``distributed.sequence_parallel: auto``); the plan then keeps it.
     """
@@ -148,7 +148,7 @@ def make_plan(
     run = run or resolve_for(config, target, data_stats, shape)
     if config.distributed.sequence_parallel == "auto" and not deciding_split:
         return _fewest_split_that_fits(config, target, data_stats, shape, with_remedies, run, shorter_rows,
-                                       quarter_rows)
+                                       octave_rows)
     train = config.train
 
     budget, fraction, margin_note = plan_budget(config, target, run)
@@ -161,7 +161,7 @@ def make_plan(
                        per_process=max(1, -(-train.global_batch_size // run.parallel.data_parallel)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
                        else train.gradient_accumulation_steps, shorter_rows=shorter_rows,
-                       quarter_rows=quarter_rows)
+                       octave_rows=octave_rows)
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
@@ -285,7 +285,7 @@ def largest_split(config: RunConfig, target: Target, shape: ModelShape) -> int:
 
 
 def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any | None, shape: ModelShape,
-                            with_remedies: bool, run: Run, shorter_rows: bool, quarter_rows: bool = False) -> Plan:
+                            with_remedies: bool, run: Run, shorter_rows: bool, octave_rows: bool = False) -> Plan:
     """``distributed.sequence_parallel: auto``: the plan that splits each row across the fewest
     processes that fit it (fewer all-to-alls, more rows in parallel); where none fits, the plan
     at the most, with its remedies."""
@@ -294,7 +294,7 @@ def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any |
         last = position == len(sizes) - 1
         trying = run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size))
         plan = make_plan(config, target, data_stats, shape, with_remedies=with_remedies and last, run=trying,
-                         shorter_rows=shorter_rows, deciding_split=True, quarter_rows=quarter_rows)
+                         shorter_rows=shorter_rows, deciding_split=True, octave_rows=octave_rows)
         if plan.fits or last:
             plan.notes.insert(0, f"distributed.sequence_parallel=auto: {size} "
                               + ("(the fewest processes per row that fit" if plan.fits else "(none fits; the most")

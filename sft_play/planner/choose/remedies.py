@@ -163,11 +163,9 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: c.finetune.method == "lora" and not _strategy(c).zero3),
     Remedy("shorter sequences", "halve data.max_seq_length", (), "train",
            lambda c, t: c.data.max_seq_length > 256, halve_sequence=True),
-    Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding", ("distributed.strategy=deepspeed_zero2",),
+    Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding (each row split across them where only that fits: "
+           "sequence parallelism)", ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"),
            "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),
-    Remedy("more GPUs, each row split", "twice the GPUs with ZeRO-2, each row split across them (DeepSpeed Ulysses)",
-           ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"), "train-deepspeed",
-           lambda c, t: _splittable(c, type(t)(**{**asdict(t), "world_size": 2 * t.world_size})), gpu_factor=2),
 )
 
 

@@ -17,8 +17,8 @@ monotone here, over both dimensions of a batch:
   same for every plan, so a plan at any length reports at least what a plan at each ladder
   length below it reports: between ladder lengths, and from a ladder length to any longer one,
   reported peaks and fit decisions never fall. ``make plan LONGEST=1`` also covers the ladder's
-  lengths between its octaves (:func:`quarter_lengths`: four an octave) at micro-batch 1, where a
-  length fits or not: there no length fails where a longer one fits (3,072 where 4,096 does). Not
+  four lengths an octave within the planned length's octave (:func:`octave_lengths`) at
+  micro-batch 1, where a length fits or not: there 3,072 cannot fail where 4,096 fits. Not
   covered: a length off the ladder (3,500 covers 3,072, not 3,000: that would take a replay per
   token count).
 
@@ -56,15 +56,16 @@ def shorter_lengths(tokens: int) -> list[int]:
     return [rung for rung in ladder(tokens) if rung < tokens and rung & (rung - 1) == 0]
 
 
-def quarter_lengths(tokens: int) -> list[int]:
-    """The ladder's lengths below `tokens` between its octaves (4,096: 320, 384, 448, 640 ...
-    3,072, 3,584), which ``make plan LONGEST=1``'s plans cover at micro-batch 1, where a length
-    fits or not: no length of the ladder then fails where a longer one fits, and its gallop and
-    bisection are sound. Other plans leave them out: their replays and traces made the planner's
-    tests half as long again (measured), for lengths a plan is rarely compared with; covering them
-    at every micro-batch too would make every reported peak monotone over the whole ladder, at
-    twice the tests' time."""
-    return [rung for rung in ladder(tokens) if rung < tokens and rung & (rung - 1)]
+def octave_lengths(tokens: int) -> list[int]:
+    """The ladder's other lengths below `tokens` within its octave (4,096: 2,560, 3,072 and
+    3,584), which ``make plan LONGEST=1``'s plans cover at micro-batch 1, where a length fits or
+    not: a length of the octave cannot fail there where a longer one fits, and the bisection
+    within the octave is sound. Other plans leave them out: their replays and traces made the
+    planner's tests half as long again (measured), for lengths a plan is rarely compared with.
+    Covering them at every micro-batch, and every octave's, would make every reported peak
+    monotone over the whole ladder: twice the tests' time."""
+    octave = 1 << (max(tokens - 1, 1).bit_length() - 1)
+    return [rung for rung in ladder(tokens) if octave < rung < tokens and rung & (rung - 1)]
 
 
 @dataclass
@@ -83,16 +84,16 @@ class FitSearch:
     per_process: int
     fixed_accum: int | None
     shorter_rows: bool = True  # cover the ladder's shorter lengths (the remedy search does not)
-    quarter_rows: bool = False  # cover the ladder's lengths between octaves at micro-batch 1 (LONGEST)
+    octave_rows: bool = False  # cover the lengths of the planned length's octave at micro-batch 1 (LONGEST)
     tried: dict[int, Prediction] = field(default_factory=dict)
 
     def rungs(self) -> list[int]:
         """The shorter lengths this search covers."""
         return shorter_lengths(self.run.sequence.tokens) if self.shorter_rows else []
 
-    def quarter_rungs(self) -> list[int]:
-        """The ladder's lengths between its octaves this search covers at micro-batch 1 (LONGEST's)."""
-        return quarter_lengths(self.run.sequence.tokens) if self.quarter_rows else []
+    def octave_rungs(self) -> list[int]:
+        """The lengths of the planned length's octave this search covers at micro-batch 1."""
+        return octave_lengths(self.run.sequence.tokens) if self.octave_rows else []
 
     def predicted(self, micro: int, accumulating: bool | None = None, tokens: int | None = None) -> Prediction:
         """The prediction at `micro` (rows of `tokens`, the planned length unless said) against
@@ -131,7 +132,7 @@ class FitSearch:
         # the split's own accumulation, and the search's (they differ when rounding the global
         # batch gave accumulation 1 to a micro-batch below the per-process share)
         smaller = [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)]
-        octave = [(1, None, tokens) for tokens in self.quarter_rungs()]
+        octave = [(1, None, tokens) for tokens in self.octave_rungs()]
         return self.predicted_all([(micro, accumulating, None), *smaller, *octave])
 
     def shorter_rows_fitting(self, micro: int) -> int:
@@ -140,7 +141,7 @@ class FitSearch:
         not). Only the micro-batches a run of `micro` trains are replayed: the plan covers them
         anyway (:meth:`covered`), so this costs no replay of its own."""
         shorter = self.predicted_all([(m, None, tokens) for tokens in self.rungs() for m in range(1, micro + 1)]
-                                     + [(1, None, tokens) for tokens in self.quarter_rungs()])
+                                     + [(1, None, tokens) for tokens in self.octave_rungs()])
         return min((p.micro_batch - 1 for p in shorter if not p.fits), default=micro)
 
     def largest_fitting(self) -> int:
