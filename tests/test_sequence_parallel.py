@@ -28,8 +28,10 @@ from tests.conftest import LORA
 REPO = Path(__file__).resolve().parents[1]
 # Packed rows of the embedded default (256 tokens, several examples each), two rows a step without
 # accumulation: one process and two that split the rows see the same rows in the same order
-COMMON = ("train.max_steps=4", "train.logging_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
-          "train.gradient_accumulation_steps=1", "train.mixed_precision=no", "train.tensorboard=false")
+COMMON = ("train.max_steps=4", "train.logging_steps=1", "train.global_batch_size=2", "train.mixed_precision=no",
+          "train.tensorboard=false")
+ROWS = ("train.micro_batch_size=2", "train.gradient_accumulation_steps=1")  # two rows at once
+ACCUMULATED = ("train.micro_batch_size=1", "train.gradient_accumulation_steps=2")  # one row, twice
 SPLIT = ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2")
 FULL = ("finetune.method=full", "train.learning_rate=1e-3")
 STEP = re.compile(r"step (\d+)/\d+ +loss ([\d.]+) +grad_norm ([\d.]+)")
@@ -50,12 +52,14 @@ def _steps(output: str) -> dict[int, tuple[float, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Started together: LoRA and full fine-tuning, each in one process and split across two; and a
-    full fine-tuning run split across two, stopped by SIGTERM during step 3, then resumed."""
+    """Started together: LoRA (one row a micro-batch, two accumulated) and full fine-tuning (two rows
+    a micro-batch), each in one process and split across two; and the full fine-tuning run split
+    across two, stopped by SIGTERM during step 3, then resumed."""
     root = tmp_path_factory.mktemp("split")
-    plan = {"lora_one": (False, LORA), "lora_split": (True, LORA), "full_one": (False, FULL),
-            "full_split": (True, FULL)}
-    stopped_command = _command(root, "stopped", True, FULL, save_steps=2)
+    lora, full = (*LORA, *ACCUMULATED), (*FULL, *ROWS)
+    plan = {"lora_one": (False, lora), "lora_split": (True, lora), "full_one": (False, full),
+            "full_split": (True, full)}
+    stopped_command = _command(root, "stopped", True, full, save_steps=2)
     stopped = subprocess.Popen(stopped_command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True,
                                env={**os.environ, "SFT_PLAY_FAULTS": f"slow_step=3:{SLOW_S}"})
@@ -89,11 +93,13 @@ def test_two_processes_splitting_each_row_train_like_one_process_with_whole_rows
     one, split = done[f"{method}_one"], done[f"{method}_split"]
     assert one[1] == 0 and split[1] == 0, (one[0][-3000:], split[0][-3000:])
     # two processes, one data-parallel group
-    assert "global 2 = micro 2 x accum 1 x world 1 (2 processes, each row split across 2: sequence parallel)" in split[0]
+    split_line = {"lora": "global 2 = micro 1 x accum 2 x world 1", "full": "global 2 = micro 2 x accum 1 x world 1"}
+    assert f"{split_line[method]} (2 processes, each row split across 2: sequence parallel)" in split[0]
     ours, theirs = _steps(split[0]), _steps(one[0])
     assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
     for step, (loss, norm) in theirs.items():
-        # the same loss (each example attending only to itself) and the same gradient (not twice it)
+        # the same loss (each example attending only to itself; accumulated micro-batches weighed
+        # by their tokens) and the same gradient (not twice it)
         assert ours[step][0] == pytest.approx(loss, abs=2e-3), (step, ours, theirs)
         assert ours[step][1] == pytest.approx(norm, rel=2e-3), (step, ours, theirs)
     assert theirs[4][0] < theirs[1][0]  # it learns

@@ -164,21 +164,48 @@ def _trainer_class(offload_hidden_size: int | None = None, sequence_parallel: in
                 stack.enter_context(OffloadedHiddenStates(offload_hidden_size))
             return stack
 
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            if sequence_parallel > 1 and items is None and batches and "shift_labels" in batches[0]:
+                # DeepSpeed's loader hands out each process's share of the rows with their labels
+                # shifted; the trainer counts none of them. Every labelled token of the step's rows,
+                # on every process: each counted once, by the process that holds it
+                local = sum((batch["shift_labels"] != -100).sum() for batch in batches).to(device)
+                items = self.accelerator.reduce(local, reduction="sum")
+            return batches, items
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                           num_items_in_batch=num_items_in_batch)
             if sequence_parallel == 1 or not model.training:
                 return result
+            loss = result[0] if return_outputs else result
+            if num_items_in_batch is not None:
+                loss = loss * _share_of_the_step(inputs, num_items_in_batch, self.args.world_size // sequence_parallel,
+                                                 self.current_gradient_accumulation_steps)
             # transformers' loss for a split sequence (deepspeed_sp_compute_loss) all-gathers the
             # shards' losses differentiably, whose backward sums each shard's gradient over the
             # processes, and ZeRO then sums them over the processes again instead of averaging
             # (DeepSpeed#5248): every gradient would be `sequence_parallel` times too large. The
             # loss keeps its value; its gradient is divided back.
-            loss = result[0] if return_outputs else result
             loss = loss / sequence_parallel + (loss * (1 - 1 / sequence_parallel)).detach()
             return (loss, result[1]) if return_outputs else loss
 
     return Trainer
+
+
+def _share_of_the_step(inputs: dict, tokens_in_step: Any, data_parallel: int, accumulation: int) -> Any:
+    """What a split micro-batch's loss is weighed by so that the step's gradient is its tokens'
+    mean, as it is for whole rows (the trainer's ``num_items_in_batch``): transformers' loss for a
+    split micro-batch is the mean over its own labelled tokens (on every process of its split), and
+    the trainer divides it by the accumulation; the micro-batch's tokens are `tokens_in_step`'s
+    share, and ZeRO averages the data-parallel groups' gradients."""
+    import torch
+    from deepspeed.utils import groups
+
+    tokens = (inputs["shift_labels"] != -100).sum()
+    torch.distributed.all_reduce(tokens, group=groups._get_sequence_parallel_group())
+    return (tokens * data_parallel * accumulation / tokens_in_step).detach()
 
 
 class LoraPlus:
