@@ -351,8 +351,8 @@ def test_context_parallelism_is_refused_where_it_cannot_run_one_line_each():
 
 
 def test_a_ring_run_gets_accelerates_context_parallel_config_and_is_planned_by_its_share():
-    from sft_play.planner import Target, make_plan
-    from sft_play.planner.plan import resolve_for
+    from sft_play.planner import Target
+    from sft_play.planner.plan import Plan, resolve_for
     from sft_play.planner.simulate import timing
     from sft_play.planner.simulate.predict import trace_spec, traced_layers
     from sft_play.planner.simulate.shapes import model_shape
@@ -375,8 +375,9 @@ def test_a_ring_run_gets_accelerates_context_parallel_config_and_is_planned_by_i
     ring = context_parallelism(run.with_changes(batch=BatchSplit(1, 1, 1, 1)))
     assert (ring.cp_size, ring.cp_backend, ring.dp_shard_size) == (4, "torch", 1)
     assert ring.cp_handler.cp_comm_strategy == "allgather"
-    plan = make_plan(config, target, with_remedies=False)
-    assert "(4 processes, each row split across 4: context parallel)" in plan.describe()
+    described = Plan.describe(SimpleNamespace(split=BatchSplit(1, 1, 1, 1), sequence_parallel=1, context_parallel=4,
+                                              world_size=4, peak_bytes_per_gpu=GIB, budget_bytes_per_gpu=2 * GIB))
+    assert "world 1 (4 processes, each row split across 4: context parallel)" in described
     # the layer traced at its share of the tokens, the whole row's keys and values gathered for attention
     layer = traced_layers(trace_spec(run, 1), run.local_tokens).at(1)[0]
     gathered = 65536 * shape.num_key_value_heads * shape.head_dim * 2
