@@ -376,12 +376,15 @@ def resolve(
     attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
     configured = config.distributed.sequence_parallel
     split = sequence_parallel or (configured if isinstance(configured, int) else 1)
-    if split > 1:
-        problem = sequence_split_problem(facts, split, attention, world_size)
-        if problem:
-            from sft_play.errors import UserError
+    ring = config.distributed.context_parallel
+    problem = (sequence_split_problem(facts, split, attention, world_size) if split > 1 else
+               f"distributed.context_parallel={ring} splits each row across {ring} processes, and {world_size} "
+               f"process(es) cannot be grouped so: use a number of processes divisible by {ring}"
+               if ring > 1 and world_size % ring else None)
+    if problem:
+        from sft_play.errors import UserError
 
-            raise UserError(problem)
+        raise UserError(problem)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype

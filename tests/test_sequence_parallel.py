@@ -341,6 +341,11 @@ def test_context_parallelism_is_refused_where_it_cannot_run_one_line_each():
             _config(*overrides)
     config = _config(*RING)
     assert config_module.context_parallel_problem(config, 4) is None
+    from sft_play.errors import UserError
+    from sft_play.run import resolve
+
+    with pytest.raises(UserError, match="3 process\\(es\\) cannot be grouped so"):  # planning 3 GPUs, say
+        resolve(config, on_cuda=True, bf16_supported=True, world_size=3)
     assert "3 process(es) cannot be grouped" in config_module.context_parallel_problem(config, 3)
     assert "runs on CUDA GPUs only" in config_module.context_parallel_problem(config, 2, on_cpu=True)
     result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
