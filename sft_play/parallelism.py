@@ -120,7 +120,9 @@ class Parallelism:
     def row_multiple(self) -> int:
         """What a split row's length must divide by: the split (Ulysses), or twice it (the ring's
         load balancing gives each process two chunks); 1 for whole rows."""
-        return self.sequence_parallel if self.splits_sequence else 2 * self.context_parallel if self.context_parallel > 1 else 1
+        if self.splits_sequence:
+            return self.sequence_parallel
+        return 2 * self.context_parallel if self.context_parallel > 1 else 1
 
     @property
     def deepspeed(self) -> bool:

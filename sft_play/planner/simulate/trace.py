@@ -398,9 +398,9 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     # and the log-sum-exp for backward and no s x s mask (its block mask is O((s/128)^2))
     text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
     if spec.sequence_parallel > 1:
-        text._attn_implementation = _register_ulysses(text._attn_implementation, spec.sequence_parallel)
+        text._attn_implementation = _register_split(text._attn_implementation, _ulysses, spec.sequence_parallel)
     elif spec.context_parallel > 1:
-        text._attn_implementation = _register_ring(text._attn_implementation, spec.context_parallel)
+        text._attn_implementation = _register_split(text._attn_implementation, _ring, spec.context_parallel)
     if spec.checkpointing:
         recompute = functools.partial(_Autocast, DTYPES[spec.compute_dtype] if spec.compute_dtype else None, False)
         model.activation_checkpointing_enable(
@@ -741,17 +741,6 @@ def _ulysses(core: Any, split: int) -> Any:
     return attention
 
 
-def _register_ulysses(core_name: str, split: int) -> str:
-    """Registers `core_name`'s attention under Ulysses (:func:`_ulysses`) for traces; its name."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    _register_flash_trace()
-    name = f"sft_play_ulysses_{split}_{core_name}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS[name] = _ulysses(ALL_ATTENTION_FUNCTIONS[core_name], split)
-    return name
-
-
 class _GatherKeys(torch.autograd.Function):
     """Torch's ring attention with the all-gather strategy (``context_parallel``,
     ``cp_comm_strategy="allgather"``): a process's keys or values gathered from every process of
@@ -782,14 +771,15 @@ def _ring(core: Any, shards: int) -> Any:
     return attention
 
 
-def _register_ring(core_name: str, shards: int) -> str:
-    """Registers `core_name`'s attention under torch's ring (:func:`_ring`) for traces; its name."""
+def _register_split(core_name: str, split: Any, shards: int) -> str:
+    """Registers `core_name`'s attention as a split row runs it (`split`: :func:`_ulysses` or
+    :func:`_ring`, across `shards` processes) for traces; its name."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _register_flash_trace()
-    name = f"sft_play_ring_{shards}_{core_name}"
+    name = f"sft_play{split.__name__}_{shards}_{core_name}"
     if name not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS[name] = _ring(ALL_ATTENTION_FUNCTIONS[core_name], shards)
+        ALL_ATTENTION_FUNCTIONS[name] = split(ALL_ATTENTION_FUNCTIONS[core_name], shards)
     return name
 
 
