@@ -33,8 +33,7 @@ def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
     return search.ladder(longest, shortest)
 
 
-# The remedies that carry rows further, cheapest first (ZeRO-2 for QLoRA, whose 4-bit base ZeRO-3
-# cannot shard here)
+# The remedies that carry rows further, cheapest first (on several GPUs ZeRO-3 before them)
 LEVERS = ("gradient checkpointing", "FlashAttention-2", "Liger kernels", "tiled MLP", "activation offload",
           "sequence parallelism", "parameter offload")
 _LONG = 1 << 20  # a length every long-row remedy applies to
@@ -47,18 +46,20 @@ def _levers(config: RunConfig, target: Any, split: int = 1) -> list[Remedy]:
     catalogue = {remedy.name: remedy for remedy in REMEDIES}
     names = list(LEVERS)
     if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
-        names.insert(0, "ZeRO-2" if config.finetune.method == "qlora" else "ZeRO-3")
+        names.insert(0, "ZeRO-3")
     levers: list[Remedy] = []
+    so_far = config
     for name in names:
         remedy = catalogue[name]
-        so_far = with_overrides(config, [o for lever in levers for o in lever.overrides])
-        so_far.data.max_seq_length = _LONG
         if name == "sequence parallelism":
             if split <= 1:
                 continue
             remedy = dataclasses.replace(remedy, overrides=(f"distributed.sequence_parallel={split}",))
-        if remedy.applies(so_far, target):
-            levers.append(remedy)
+        long = with_overrides(so_far, [f"data.max_seq_length={_LONG}"])
+        if remedy.applies(long, target):
+            # as applied to the levers before it (QLoRA sharded: its packed weights' storage)
+            levers.append(dataclasses.replace(remedy, overrides=remedy.overrides_for(so_far)))
+            so_far = remedy.config_for(so_far)
     return levers
 
 

@@ -27,6 +27,16 @@ Applies = Callable[[RunConfig, Any], bool]
 PlanFor = Callable[[RunConfig, Any, bool], Any]
 
 
+# What a remedy does to the trained model: nothing (the same arithmetic, or sharded or moved
+# elsewhere), nearly nothing (rounding or regularisation changes), or the model itself (precision,
+# method, data)
+SAME, CLOSE, CHANGED = 0, 1, 2
+RESULT = {SAME: "the same training", CLOSE: "nearly the same training", CHANGED: "changes what is trained"}
+# A plan that fits with less than this share of its budget left is tight: a careful engineer takes
+# a remedy with room to spare before a faster one without
+TIGHT_HEADROOM = 0.05
+
+
 @dataclass(frozen=True)
 class Remedy:
     """One change that lowers the memory of a run.
@@ -39,6 +49,7 @@ class Remedy:
         applies: whether it changes anything for a config on a target.
         gpu_factor: multiplies the number of GPUs (more hardware).
         halve_sequence: halves ``data.max_seq_length``.
+        result: what it does to the trained model (:data:`SAME`, :data:`CLOSE`, :data:`CHANGED`).
     """
 
     name: str
@@ -48,9 +59,20 @@ class Remedy:
     applies: Applies
     gpu_factor: int = 1
     halve_sequence: bool = False
+    result: int = SAME
+
+    def overrides_for(self, config: RunConfig) -> tuple[str, ...]:
+        """The overrides and, where they leave QLoRA's packed weights sharded (ZeRO-3, FSDP2) but
+        stored as bytes, which cannot be, the float storage that can (the weights' 16-bit dtype)."""
+        changed = with_overrides(config, self.overrides)
+        if (changed.finetune.method == "qlora" and Strategy(changed.distributed.strategy).shards_parameters
+                and changed.quantization.quant_storage == "uint8"):
+            storage = "float16" if changed.model.torch_dtype == "float16" else "bfloat16"
+            return (*self.overrides, f"quantization.quant_storage={storage}")
+        return self.overrides
 
     def config_for(self, config: RunConfig) -> RunConfig:
-        changed = with_overrides(config, self.overrides)
+        changed = with_overrides(config, self.overrides_for(config))
         if self.halve_sequence:
             changed.data.max_seq_length = config.data.max_seq_length // 2
         return changed
@@ -62,7 +84,7 @@ class Remedy:
 
     def change_text(self, config: RunConfig, target: Any) -> list[str]:
         """The overrides as the user types them (plus ``NUM_GPUS=N``, make's variable, for more GPUs)."""
-        changes = list(self.overrides)
+        changes = list(self.overrides_for(config))
         if self.halve_sequence:
             changes.append(f"data.max_seq_length={config.data.max_seq_length // 2}")
         if self.gpu_factor > 1:
@@ -107,6 +129,22 @@ def _splittable(config: RunConfig, target: Any) -> bool:
             and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp)
 
 
+def _masked_sdpa(config: RunConfig, target: Any) -> bool:
+    """Packed rows under SDPA on CUDA, whole rows: an s x s mask a mask-free kernel does without."""
+    return (target.on_cuda and config.data.packing and config.model.attn_implementation in ("auto", "sdpa")
+            and config.distributed.sequence_parallel == 1 and config.distributed.context_parallel == 1)
+
+
+def _shardable(config: RunConfig) -> bool:
+    """FSDP2 takes the config: not a LoRA run training a copy of lm_head (refused under FSDP2)."""
+    return _full(config) or "lm_head" not in (config.lora.modules_to_save or [])
+
+
+def _large_optimizer_states(config: RunConfig) -> bool:
+    """Optimizer states worth shrinking: every weight's (full), or whole copies of modules beside the adapters."""
+    return _full(config) or bool(config.lora.modules_to_save)
+
+
 # Cheapest change first: what a remedy costs the user (speed, fidelity, money) grows down the list
 REMEDIES: tuple[Remedy, ...] = (
     Remedy("planner's micro-batch", "the micro-batch that fits, with more accumulation for the same global batch",
@@ -115,25 +153,29 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("gradient checkpointing", "recompute activations in backward (about 30% slower)",
            ("train.gradient_checkpointing=true",), "train",
            lambda c, t: not c.train.gradient_checkpointing),
+    Remedy("flex attention", "torch's flex attention: packed rows attend within their own examples without an s x s "
+           "mask (CUDA; nothing to install; compiled on its first step)", ("model.attn_implementation=flex_attention",),
+           "train", _masked_sdpa),
     Remedy("FlashAttention-2", "packed rows attend within their own examples without an s x s mask (pip install "
-           "flash-attn; CUDA), and faster", ("model.attn_implementation=flash_attention_2",), "train",
-           lambda c, t: t.on_cuda and c.data.packing and c.model.attn_implementation in ("auto", "sdpa")),
+           "flash-attn; CUDA), and faster", ("model.attn_implementation=flash_attention_2",), "train", _masked_sdpa),
     Remedy("Liger kernels", "Liger's fused RMSNorm, RoPE and SwiGLU (pip install liger-kernel; CUDA): the norms keep no "
            "fp32 copies of the hidden states, and faster", ("train.liger_kernels=true",), "train",
            lambda c, t: t.on_cuda and not c.train.liger_kernels and c.data.max_seq_length >= 8192),
     Remedy("tiled MLP", "each layer's MLP in tiles of about hidden_size tokens (its intermediates one tile at a "
            "time; the MLP's forward runs once more; LoRA dropout off)", ("train.tiled_mlp=true", "lora.dropout=0"),
            "train", lambda c, t: not c.train.tiled_mlp and c.data.max_seq_length >= 8192
-           and (t.world_size == 1 or _strategy(c).deepspeed)),  # one process, or ZeRO (sft_play.long_rows)
+           and (t.world_size == 1 or _strategy(c).deepspeed), result=CLOSE),  # one process, or ZeRO (sft_play.long_rows)
     Remedy("activation offload", "the hidden states checkpointing keeps, one per layer, in host memory until backward "
            "(host memory and PCIe transfers)", ("train.gradient_checkpointing=true", "train.offload_activations=true"),
            "train", lambda c, t: not c.train.offload_activations and c.data.max_seq_length >= 8192),
-    Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes)", ("train.optimizer=adamw_8bit",), "train",
-           lambda c, t: _full(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused")),
+    Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes; its block-wise rounding of the states)",
+           ("train.optimizer=adamw_8bit",), "train",
+           lambda c, t: _large_optimizer_states(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused"),
+           result=CLOSE),
     Remedy("bf16 weights", "train bf16 weights directly, without fp32 master copies: half the model state, but updates "
            "smaller than bf16's precision round away",
            ("model.torch_dtype=bfloat16",), "train",
-           lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t)),
+           lambda c, t: _full(c) and c.model.torch_dtype in ("auto", "float32") and _trains_bf16(c, t), result=CHANGED),
     Remedy("ZeRO-2", "shard gradients and optimizer states across the GPUs", ("distributed.strategy=deepspeed_zero2",),
            "train-deepspeed", lambda c, t: _multi_gpu(t) and not _strategy(c).shards_states),
     Remedy("sequence parallelism", "split each row across the GPUs (DeepSpeed Ulysses: the fewest that fit; all-to-alls "
@@ -145,28 +187,29 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("optimizer offload", "ZeRO-2 with optimizer states in CPU memory (slower steps)",
            ("distributed.strategy=deepspeed_zero2", "distributed.offload_optimizer=true"), "train-deepspeed",
            lambda c, t: _full(c) and not c.distributed.offload_optimizer),
-    Remedy("ZeRO-3", "shard the parameters too (DeepSpeed stage 3)", ("distributed.strategy=deepspeed_zero3",),
-           "train-deepspeed",
-           lambda c, t: _multi_gpu(t) and not _strategy(c).zero3 and c.finetune.method != "qlora"),
-    Remedy("FSDP2", "shard parameters, gradients and optimizer states with PyTorch's FSDP2 (no DeepSpeed)",
-           ("distributed.strategy=fsdp2",), "train-distributed",
-           lambda c, t: _multi_gpu(t) and not _strategy(c).fsdp and c.finetune.method != "qlora"
-           and not (c.finetune.method == "lora" and "lm_head" in (c.lora.modules_to_save or []))),
+    Remedy("ZeRO-3", "shard the parameters too (DeepSpeed stage 3)", ("distributed.strategy=deepspeed_zero3",), "train-deepspeed",
+           lambda c, t: _multi_gpu(t) and not _strategy(c).zero3),
+    Remedy("FSDP2", "shard parameters, gradients and optimizer states with PyTorch's FSDP2 (no DeepSpeed)", ("distributed.strategy=fsdp2",),
+           "train-distributed", lambda c, t: _multi_gpu(t) and not _strategy(c).fsdp and _shardable(c)),
     Remedy("parameter offload", "ZeRO-3 with parameters and optimizer states in CPU memory (much slower; "
            "needs CPU memory for them)",
            ("distributed.strategy=deepspeed_zero3", "distributed.offload_optimizer=true",
             "distributed.offload_parameters=true"), "train-deepspeed",
-           lambda c, t: c.finetune.method != "qlora" and not c.distributed.offload_parameters),
+           lambda c, t: not c.distributed.offload_parameters),
+    Remedy("FSDP2 with offload", "FSDP2 with parameters, gradients and optimizer states in CPU memory (much slower; "
+           "needs CPU memory for them)", ("distributed.strategy=fsdp2", "distributed.offload_parameters=true"),
+           "train-distributed", lambda c, t: t.on_cuda and not c.distributed.offload_parameters and _shardable(c)),
     Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
-           lambda c, t: _full(c)),
+           lambda c, t: _full(c), result=CHANGED),
     Remedy("QLoRA instead of LoRA", "adapters on a 4-bit base", ("finetune.method=qlora",), "train",
-           lambda c, t: c.finetune.method == "lora" and not _strategy(c).zero3),
+           lambda c, t: c.finetune.method == "lora", result=CHANGED),
     Remedy("shorter sequences", "halve data.max_seq_length", (), "train",
-           lambda c, t: c.data.max_seq_length > 256, halve_sequence=True),
+           lambda c, t: c.data.max_seq_length > 256, halve_sequence=True, result=CHANGED),
     Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding (each row split across them where only that fits: "
            "sequence parallelism)", ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"),
            "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),
 )
+_COST = {remedy.name: i for i, remedy in enumerate(REMEDIES)}
 
 
 def command(remedies: list[Remedy], target: Any, changes: list[str], config_path: str | None = None,
@@ -194,28 +237,46 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
 
 
 def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dict[str, Any]]:
-    """Each applicable remedy planned on its own, then the cheapest combination of the remedies
-    cheaper than the cheapest one that fits alone (all of them when none does): added in cost
-    order until the plan fits, then any that are not needed taken out again. Those that fit come
-    first, cheapest first (a combination costs what its dearest remedy costs), then those that do
-    not, in cost order. `plan_for(config, target, as_run)` plans without remedies: with `as_run`
-    False it only answers whether something fits (its `fits` is all that is read), and may leave
-    out what only narrows a plan that fits (the shorter rows' coverage) or, where the weights alone
-    do not fit, the plan itself; what is offered is planned with `as_run` True."""
-    applicable = [r for r in REMEDIES if r.applies(config, target)]
+    """Each applicable remedy planned on its own, then, when none before the first that fits alone
+    does (in :func:`search_order`: on this hardware, keeping the result, cheapest), the first
+    combination of those before it that fits: added in that order until the plan fits, then any
+    that are not needed taken out again. Ranked by :func:`rank`. `plan_for(config, target, as_run)`
+    plans without remedies: with `as_run` False it only answers whether something fits (its `fits`
+    is all that is read), and may leave out what only narrows a plan that fits (the shorter rows'
+    coverage) or, where the weights alone do not fit, the plan itself; what is offered is planned
+    with `as_run` True."""
+    applicable = search_order([r for r in REMEDIES if r.applies(config, target)])
     entries = []
     for remedy in applicable:
         plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
         entries.append(_entry([remedy], config, target, plan))
-    cheapest_fit = next((i for i, e in enumerate(entries) if e["fits"]), len(entries))
-    if cheapest_fit >= 2:  # two or more cheaper remedies, none of which fits alone
-        combination = _fitting_combination(config, target, applicable[:cheapest_fit], plan_for)
+    first_fit = next((i for i, e in enumerate(entries) if e["fits"]), len(entries))
+    before = [r for r in applicable[:first_fit] if r.gpu_factor == 1]
+    if len(before) >= 2:  # two or more remedies ahead of the first that fits, none of which fits alone
+        combination = _fitting_combination(config, target, before, plan_for)
         if combination is not None:
             chosen, plan = combination
             entries.append(_entry(chosen, config, target, plan))
-    cost = {remedy.name: i for i, remedy in enumerate(REMEDIES)}
-    entries.sort(key=lambda e: (not e["fits"], max(cost[name] for name in e["remedies"])))
+    entries.sort(key=rank)
     return entries
+
+
+def search_order(remedies: list[Remedy]) -> list[Remedy]:
+    """Remedies in the order they are combined: on the hardware at hand before more GPUs, then by
+    what they do to the trained model, then cheapest first."""
+    return sorted(remedies, key=lambda r: (r.gpu_factor > 1, r.result, _COST[r.name]))
+
+
+def rank(entry: dict[str, Any]) -> tuple:
+    """How a careful engineer picks among remedies: those that fit first, on the hardware at hand
+    before more GPUs, then the safest result (:data:`RESULT`), then room to spare (less than
+    :data:`TIGHT_HEADROOM` of the budget left is tight), then the fastest predicted step (where
+    time is predicted), then the cheapest change; those that do not fit after them, cheapest first."""
+    cost = max(_COST[name] for name in entry["remedies"])
+    if not entry["fits"]:
+        return (True, cost)
+    seconds = entry["seconds_per_step"]
+    return (False, entry["more_gpus"], entry["result"], entry["tight"], seconds if seconds is not None else 0.0, cost)
 
 
 def _apply(config: RunConfig, target: Any, remedies: list[Remedy]) -> tuple[RunConfig, Any]:
@@ -277,6 +338,8 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
             final[key] = change
         current = remedy.config_for(current)
     changes = sorted(final.values())
+    headroom = plan.budget_bytes_per_gpu - plan.peak_bytes_per_gpu
+    result = max(r.result for r in remedies)
     return {
         "name": " + ".join(r.name for r in remedies),
         "description": "; ".join(r.description if len(remedies) == 1 else f"{r.name}: {r.description}" for r in remedies),
@@ -288,6 +351,12 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
         "fits": plan.fits,
         "micro_batch_size": plan.micro_batch_size if plan.fits else None,
         "host_bytes_per_node": plan.host_bytes_per_node,
+        "result": result,
+        "result_text": RESULT[result],
+        "more_gpus": any(r.gpu_factor > 1 for r in remedies),
+        "headroom_bytes": headroom,
+        "tight": headroom < TIGHT_HEADROOM * plan.budget_bytes_per_gpu,
+        "seconds_per_step": plan.time["seconds_per_step"] if plan.time else None,
     }
 
 
@@ -303,8 +372,8 @@ GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConfig, Any], bool]) -> str | None:
     """The hardware with the least GPU memory in total (fewer GPUs on a tie) on which `config`
-    fits at micro-batch 1, with checkpointing on and, on several GPUs, ZeRO-3 (ZeRO-2 for QLoRA,
-    whose 4-bit weights ZeRO-3 cannot shard here); None when nothing up to 64 x 141 GiB does.
+    fits at micro-batch 1, with checkpointing on and, on several GPUs, ZeRO-3 (QLoRA's 4-bit
+    weights packed in a 16-bit storage dtype to be sharded); None when nothing up to 64 x 141 GiB does.
     `fits_on(config, target)` answers for one candidate, planned as a CUDA GPU of today (bf16,
     whatever machine the plan is made on)."""
     base = copy.deepcopy(config)
@@ -313,12 +382,12 @@ def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConf
     for _total, count, size in options:
         candidate = copy.deepcopy(base)
         if count > 1:
-            candidate.distributed.strategy = "deepspeed_zero2" if config.finetune.method == "qlora" else "deepspeed_zero3"
+            candidate = REMEDIES[_COST["ZeRO-3"]].config_for(candidate)
         hardware = type(target)(**{**asdict(target), "world_size": count, "free_bytes": int(size * GIB),
                                    "device_name": f"{count} x {size} GiB", "on_cuda": True, "bf16_supported": True,
                                    "gpu_model": gpu_model_for_memory(size), "source": "candidate"})
         if fits_on(candidate, hardware):
-            changes = ([f"{candidate.distributed.strategy}"] if count > 1 else []) + (
+            changes = (["ZeRO-3"] if count > 1 else []) + (
                 [] if config.train.gradient_checkpointing else ["gradient checkpointing"])
             return f"{count} x {size} GiB GPU(s)" + (f" with {' and '.join(changes)}" if changes else "")
     return None

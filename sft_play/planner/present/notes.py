@@ -40,12 +40,28 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
         notes.append(f"micro-batch {fitting} is the whole per-process share of the global batch, and it fits: "
                      "memory is not what limits it")
     elif fitting:
-        notes.append(f"largest micro-batch that fits: {fitting}")
+        notes.append(micro_batch_reason(search, split, fitting))
     if split.note:  # the global batch changed: a warning when the user fixed the split it follows from
         fixed = isinstance(train.micro_batch_size, int) or isinstance(train.gradient_accumulation_steps, int)
         (warnings if fixed and split.global_batch_size != train.global_batch_size else notes).append(split.note)
     return notes, warnings
 
+
+
+def micro_batch_reason(search: FitSearch, split: BatchSplit, fitting: int) -> str:
+    """Why the planner's micro-batch is what it is: the largest that fits (and what the next one
+    would need), or a smaller one that divides each process's share of the global batch."""
+    micro, per_process = split.micro_batch_size, search.per_process
+    if micro < fitting:
+        if split.global_batch_size == split.requested_global_batch_size:
+            return (f"micro-batch {micro}, not {fitting} (the largest that fits): {fitting} does not divide the "
+                    f"{per_process} rows each process takes of the global batch, {micro} does (accumulation "
+                    f"{split.gradient_accumulation_steps}, the global batch unchanged)")
+        return f"micro-batch {micro}, not {fitting} (the largest that fits): the nearest global batch (see below)"
+    following = search.tried.get(fitting + 1)
+    beyond = (f"; {fitting + 1} is predicted at {following.peak_bytes / GIB:.1f} GiB of {search.budget / GIB:.1f} GiB"
+              if following is not None and not following.fits else "")
+    return f"micro-batch {micro}: the largest that fits{beyond}"
 
 
 def epoch_notes(train: Any, rows: int | None, packed: bool, split: BatchSplit) -> tuple[str | None, str | None]:
@@ -135,7 +151,11 @@ def host_memory(shape: ModelShape, run: Run, target: Target, micro_batch: int = 
         parts.append(f"{loading / GIB:.1f} GiB while its {processes} process(es) load the model under ZeRO-3's "
                      "zero.Init (a layer at a time)")
     if training:
-        parts.append(f"{training / GIB:.1f} GiB offloaded while training")
+        share = processes / max(1, run.parallel.world_size)
+        what = ", ".join(f"{name} {size * share / GIB:.1f}" for name, size in memory.offloaded_bytes(shape, run).items())
+        hidden = memory.offloaded_hidden_bytes(shape, run, micro_batch) * processes
+        what += f"{', ' if what else ''}checkpointed hidden states {hidden / GIB:.1f}" if hidden else ""
+        parts.append(f"{training / GIB:.1f} GiB offloaded while training ({what})")
     if not parts:
         return 0, None
     allowance = " (DeepSpeed's own estimators allow 1.5x that)" if run.parallel.deepspeed else ""

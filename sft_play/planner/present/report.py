@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
+from sft_play.parallelism import Strategy
 from sft_play.planner.plan import Plan
-from sft_play.planner.choose.remedies import REMEDIES, command
+from sft_play.planner.choose.remedies import REMEDIES, Remedy, command
 from sft_play.units import GIB
 
 # Breakdown terms in the order they are drawn and listed; labels for people.
@@ -81,6 +83,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         "",
         f"Plan     {plan.describe()}  {'FITS' if plan.fits else 'DOES NOT FIT'}",
     ]
+    if plan.fits:
+        lines.append(f"Run      {run_command(plan, config_path, overrides)}")
     if plan.time:
         t = plan.time
         run_part = (f"; {t['steps']} steps: {duration(t['wall_seconds'])}, {t['gpu_hours']:.1f} GPU-hours"
@@ -94,7 +98,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  warning: {warning}" for warning in plan.warnings]
     if plan.remedies:
-        lines += ["", "Remedies (cheapest change first; those that fit lead):"]
+        lines += ["", "Remedies (those that fit first: on the hardware at hand, then the same training, then room to spare, "
+                  "then the fastest; then the rest, cheapest first):"]
         for r in plan.remedies:
             outcome = f"fits, micro {r['micro_batch_size']}" if r["fits"] else "still too big"
             name = r["name"]
@@ -105,6 +110,9 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
             if r.get("host_bytes_per_node"):
                 lines.append(f"  {'':<34} needs {gib(r['host_bytes_per_node'])} GiB of host memory per node")
             if r["fits"]:
+                step = f", {duration(r['seconds_per_step'])} a step" if r.get("seconds_per_step") else ""
+                room = "tight" if r["tight"] else "room to spare"
+                lines.append(f"  {'':<34} {r['result_text']}, {gib(r['headroom_bytes'])} GiB left ({room}){step}")
                 lines.append(f"  {'':<34} what it costs: {r['description']}")
                 lines.append(f"  {'':<34} run: {_command(r, plan, config_path, overrides)}")
     if plan.smallest_hardware:
@@ -113,10 +121,18 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
     return "\n".join(lines)
 
 
+def run_command(plan: Plan, config_path: str | None, overrides=()) -> str:
+    """The make command that trains the planned config on the planned hardware: the target its
+    strategy launches with (one process without a launcher: ``make train``), its GPUs, the config
+    and the user's overrides."""
+    strategy = Strategy(plan.strategy)
+    make_target = strategy.make_target if strategy.shards_states or plan.world_size > 1 else "train"
+    as_planned = Remedy("as planned", "", (), make_target, lambda c, t: True)
+    return command([as_planned], SimpleNamespace(world_size=plan.world_size if plan.on_cuda else 1), [], config_path,
+                   [o for o in overrides if "=" in o])
+
+
 def _command(entry: dict, plan: Plan, config_path: str | None, overrides) -> str:
-    from types import SimpleNamespace
-
-
     chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
     return command(chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,
                    [o for o in overrides if "=" in o])

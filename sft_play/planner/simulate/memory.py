@@ -12,6 +12,8 @@ docs/PLANNER.md gives each formula's source.
 
 from __future__ import annotations
 
+import dataclasses
+
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import Run
 from sft_play.units import MIB
@@ -85,23 +87,28 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
     and final norm gathered for the whole step (:func:`fsdp_step_gathered_tensors`); with the
     parameters offloaded to the CPU, only the gathered parts.
     """
-    base_bytes = stored_bytes(run)
     adapters = shape.lora_params * trainable_bytes(run)
-    if run.method == "qlora":
-        rest = shape.total_params - shape.quantized_params
-        stored = shape.quantized_params // 2 + quantization_constants_bytes(shape, run) + rest * run.precision.weight_bytes
-    else:
-        stored = shape.total_params * base_bytes
+    stored = model_bytes(shape, run)
     gathered = layers_gathered(shape, run)
     if gathered:
-        kept = 0 if run.parallel.offload_parameters else stored // run.parallel.weight_shards
-        if run.parallel.fsdp and run.method == "qlora" and not run.parallel.offload_parameters:
-            constants = quantization_constants_bytes(shape, run)  # not sharded
-            kept = (stored - constants) // run.parallel.weight_shards + constants
+        # QLoRA's constants are attributes of the packed weights, not parameters: never sharded
+        constants = quantization_constants_bytes(shape, run)
+        kept = constants if run.parallel.offload_parameters else (stored - constants) // run.parallel.weight_shards + constants
         stored = kept + gathered * gathered_layer_bytes(shape, run)
         if run.parallel.fsdp:
             stored += sum(fsdp_step_gathered_tensors(shape)) * gathered_bytes(run)
     return stored + adapters // (run.parallel.weight_shards if run.parallel.fsdp else 1)
+
+
+def model_bytes(shape: ModelShape, run: Run) -> int:
+    """Every parameter as stored, whole (before any sharding): QLoRA's quantised linears at half a
+    byte plus their constants and the rest in the weights' dtype, else each in
+    :func:`stored_bytes`'s; the adapters not included."""
+    if run.method == "qlora":
+        rest = shape.total_params - shape.quantized_params
+        return (shape.quantized_params // 2 + quantization_constants_bytes(shape, run)
+                + rest * run.precision.weight_bytes)
+    return shape.total_params * stored_bytes(run)
 
 
 def layers_gathered(shape: ModelShape, run: Run) -> int:
@@ -128,20 +135,20 @@ def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
     return rest
 
 
-def fsdp_gathered_bytes(params: int, quantized: int, run: Run) -> int:
-    """Bytes FSDP2 all-gathers for `params` parameters of which `quantized` are QLoRA's packed
-    4-bit weights: those as they are stored (half a byte per weight, in a float storage dtype),
-    the rest in its ``param_dtype``."""
+def sharded_gathered_bytes(params: int, quantized: int, run: Run) -> int:
+    """Bytes ZeRO-3 or FSDP2 gathers for `params` parameters of which `quantized` are QLoRA's
+    packed 4-bit weights: those as they are stored (half a byte per weight, packed into the float
+    ``quant_storage`` dtype that lets them be sharded), the rest as :func:`gathered_bytes` says."""
     quantized = quantized if run.method == "qlora" else 0
     return quantized // 2 + (params - quantized) * gathered_bytes(run)
 
 
 def gathered_layer_bytes(shape: ModelShape, run: Run) -> int:
     """The largest decoder layer as it is gathered: ZeRO-3's 16-bit copies, FSDP2's all-gather in
-    its ``param_dtype`` (QLoRA's packed weights as stored: :func:`fsdp_gathered_bytes`)."""
-    if run.parallel.fsdp and run.method == "qlora" and shape.layer_tensors:
-        return max(fsdp_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
-                                       run)
+    its ``param_dtype``, QLoRA's packed weights as stored (:func:`sharded_gathered_bytes`)."""
+    if run.method == "qlora" and shape.layer_tensors:
+        return max(sharded_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
+                                          run)
                    for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
     return largest_layer_params(shape) * gathered_bytes(run)
 
@@ -262,28 +269,45 @@ def host_bytes_per_node(shape: ModelShape, run: Run, processes_per_node: int, mi
     the training arguments first), each process gathering a layer at a time as it partitions it:
     the largest layer in the dtype it loads in, per process (DeepSpeed's
     ``estimate_zero3_model_states_mem_needs`` with ``zero_init``); other strategies place the
-    weights straight on each GPU (:func:`sft_play.model.load_model`). Training: what
-    offload keeps there, this node's partitions: DeepSpeed's fp32 master weights, gradients and
-    Adam's two states (16 bytes per trainable parameter) and a 16-bit gradient partition (ZeRO-3's
-    ``grad_partitions_flat_buffer`` on the offload device; ZeRO-1/2's ``accumulated_grads_in_cpu``
-    when accumulating, counted always), with ``offload_parameters`` also the 16-bit parameters;
-    FSDP2 with ``offload_parameters`` its parameter, gradient and state shards. DeepSpeed's own
-    estimators (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``)
-    add a buffer factor of 1.5 on top of such terms. With ``train.offload_activations``, each
+    weights straight on each GPU (:func:`sft_play.model.load_model`). Training: this node's share
+    of what offload keeps there (:func:`offloaded_bytes`). With ``train.offload_activations``, each
     process's checkpointed hidden states at `micro_batch` too (:func:`offloaded_hidden_bytes`)."""
     share = processes_per_node / max(1, run.parallel.world_size)  # of the partitions, on this node
     loading = (largest_layer_params(shape) * run.precision.weight_bytes * processes_per_node
                if run.parallel.strategy.zero3 else 0)
-    training = 0
-    if run.parallel.deepspeed and run.parallel.offload_optimizer:
-        training = (16 + run.precision.compute_bytes) * shape.trainable_params
-        if run.parallel.offload_parameters:
-            training += run.precision.compute_bytes * shape.total_params
-    elif run.parallel.fsdp and run.parallel.offload_parameters:
-        frozen = shape.total_params - shape.trainable_params
-        training = 16 * shape.trainable_params + frozen * run.precision.weight_bytes
     hidden = offloaded_hidden_bytes(shape, run, micro_batch) * processes_per_node  # each process its own
-    return int(loading), int(training * share) + hidden
+    return int(loading), int(sum(offloaded_bytes(shape, run).values()) * share) + hidden
+
+
+def offloaded_bytes(shape: ModelShape, run: Run) -> dict[str, int]:
+    """What offload keeps in host memory for the whole run (all processes' partitions), by part.
+
+    DeepSpeed with ``offload_optimizer``: the fp32 master weights, Adam's two fp32 states and an
+    fp32 gradient partition of the trainable parameters (16 bytes each), and a 16-bit gradient
+    partition (ZeRO-3's ``grad_partitions_flat_buffer`` on the offload device; ZeRO-1/2's
+    ``accumulated_grads_in_cpu`` when accumulating, counted always); with ``offload_parameters``
+    also the parameters as ZeRO-3 partitions them (16-bit; QLoRA's packed 4-bit weights as
+    stored, half a byte each, their constants staying on the GPU). FSDP2 with
+    ``offload_parameters`` (its ``CPUOffloadPolicy``): the parameter shards as stored (the frozen
+    base as for DeepSpeed, the trainable ones in their dtype), their gradients and the
+    optimizer's states. DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+    ``estimate_zero3_model_states_mem_needs``) add a buffer factor of 1.5 on top of such terms."""
+    parts: dict[str, int] = {}
+    frozen = model_bytes(shape, run) - quantization_constants_bytes(shape, run)
+    if run.method == "full":
+        frozen = 0  # every parameter trains: counted as a trainable one below
+    trainable = shape.trainable_params
+    if run.parallel.deepspeed and run.parallel.offload_optimizer:
+        parts["optimizer (fp32 masters, Adam states, gradients)"] = 16 * trainable
+        parts["16-bit gradients"] = run.precision.compute_bytes * trainable
+        if run.parallel.offload_parameters:
+            parts["parameters"] = frozen + run.precision.compute_bytes * trainable
+    elif run.parallel.fsdp and run.parallel.offload_parameters:
+        unsharded = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, offload_parameters=False))
+        parts["parameters"] = frozen + trainable * trainable_bytes(run)
+        parts["gradients"] = trainable * trainable_bytes(run)
+        parts["optimizer states"] = optimizer_state_bytes(shape, unsharded) * unsharded.parallel.state_shards
+    return {name: size for name, size in parts.items() if size}
 
 
 def residual_bytes(run: Run) -> int:

@@ -157,34 +157,68 @@ def efficiency(run: Run, device_name: str = "") -> tuple[float, str]:
     return mfu, text
 
 
-def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) -> float:
-    """Bytes each GPU sends per optimizer step: a ring all-reduce of the gradients (DDP), or a
-    reduce-scatter plus the all-gather of the updated parameters (ZeRO), 2 (W - 1) / W of them.
-    FSDP2, for every micro-batch (it reduce-scatters each one: ``sync_each_batch``): the
-    parameters all-gathered for the forward and again for the backward (once with
-    ``reshard_after_forward`` off) in its ``param_dtype``, and the gradients reduce-scattered in
-    fp32, (W - 1) / W of each."""
-    if run.parallel.world_size <= 1:
-        return 0.0
-    share = (run.parallel.world_size - 1) / run.parallel.world_size
+def gradient_traffic(shape: ModelShape, run: Run, micro_batches: int = 1) -> dict[str, float]:
+    """Bytes each GPU sends per optimizer step, by what they carry; ring collectives, each GPU
+    sending (W - 1) / W of what is reduced or gathered (twice that for an all-reduce).
+
+    - DDP: one all-reduce of the gradients per step, in their dtype.
+    - ZeRO-2: a reduce-scatter of the 16-bit gradients after every micro-batch's backward (each
+      rank keeps its partition only), and one all-gather of the updated 16-bit parameters.
+    - ZeRO-3: the same reduce-scatters, and the parameters gathered for every micro-batch's
+      forward and again for its backward instead (16-bit; QLoRA's packed 4-bit weights as stored,
+      half a byte each: :func:`sft_play.planner.simulate.memory.sharded_gathered_bytes`).
+    - FSDP2 (it reduce-scatters every micro-batch: ``sync_each_batch``): the parameters all-gathered
+      for the forward and again for the backward (once with ``reshard_after_forward`` off) in its
+      ``param_dtype`` (QLoRA's packed weights as stored), and the gradients reduce-scattered in
+      fp32.
+
+    ZeRO-3 and FSDP2 move the same parameters: where one reports several times the other's bytes,
+    the dtypes differ (full fine-tuning's gathers are 16-bit under both) or the micro-batches do."""
+    world = run.parallel.world_size
+    if world <= 1:
+        return {}
+    share = (world - 1) / world
+    micro = max(1, micro_batches)
     if run.parallel.fsdp:
         gathers = 2 if run.parallel.reshard_after_forward else 1
         reduce_bytes = 4 if run.precision.autocast else memory.trainable_bytes(run)
-        gathered = memory.fsdp_gathered_bytes(shape.total_params, shape.quantized_params, run)
-        per_micro = gathers * gathered + shape.trainable_params * reduce_bytes
-        return share * per_micro * max(1, micro_batches)
+        gathered = memory.sharded_gathered_bytes(shape.total_params, shape.quantized_params, run)
+        return {"parameter all-gathers": share * gathers * gathered * micro,
+                "gradient reduce-scatters": share * shape.trainable_params * reduce_bytes * micro}
     grad_bytes = memory.trainable_bytes(run)  # DDP: the gradients' dtype; ZeRO: 16-bit
     if run.parallel.deepspeed:
-        # ZeRO reduce-scatters the gradients after every micro-batch's backward (each rank keeps
-        # its partition only); ZeRO-2 all-gathers the updated parameters once a step, ZeRO-3 gathers
-        # the 16-bit parameters for every forward and backward instead
-        reduced = shape.trainable_params * grad_bytes * max(1, micro_batches)
+        reduced = share * shape.trainable_params * grad_bytes * micro
         if run.parallel.strategy.zero3:
-            gathered = 2 * shape.total_params * run.precision.compute_bytes * max(1, micro_batches)
-        else:
-            gathered = shape.trainable_params * grad_bytes
-        return share * (reduced + gathered)
-    return 2.0 * share * shape.trainable_params * grad_bytes
+            gathered = memory.sharded_gathered_bytes(shape.total_params, shape.quantized_params, run)
+            return {"parameter all-gathers": share * 2 * gathered * micro, "gradient reduce-scatters": reduced}
+        return {"gradient reduce-scatters": reduced,
+                "updated-parameter all-gather": share * shape.trainable_params * grad_bytes}
+    return {"gradient all-reduce": 2.0 * share * shape.trainable_params * grad_bytes}
+
+
+def gradient_traffic_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) -> float:
+    """Bytes each GPU sends per optimizer step (:func:`gradient_traffic`, summed)."""
+    return sum(gradient_traffic(shape, run, micro_batches).values())
+
+
+def offload_transfer_bytes(shape: ModelShape, run: Run, micro_batches: int = 1) -> float:
+    """Bytes each GPU moves to or from host memory per optimizer step for parameter or optimizer
+    offload (its partition of each). DeepSpeed with the optimizer offloaded: every micro-batch's
+    16-bit gradient partition out, the updated 16-bit parameters back once a step; with the
+    parameters offloaded too, its parameter partition in for every micro-batch's forward and
+    again for its backward. FSDP2 with offload: the parameter shards in for the forward and the
+    backward of every micro-batch, the gradient shards out in fp32, every micro-batch."""
+    world, micro = max(1, run.parallel.world_size), max(1, micro_batches)
+    trainable = shape.trainable_params / world
+    parameters = memory.sharded_gathered_bytes(shape.total_params, shape.quantized_params, run) / world
+    if run.parallel.deepspeed and run.parallel.offload_optimizer:
+        moved = trainable * run.precision.compute_bytes * (micro + 1)
+        if run.parallel.offload_parameters:
+            moved += 2 * parameters * micro
+        return moved
+    if run.parallel.fsdp and run.parallel.offload_parameters:
+        return (2 * parameters + 4 * trainable) * micro
+    return 0.0
 
 
 def split_sequence_traffic_bytes(shape: ModelShape, run: Run, tokens_per_step: int) -> float:
@@ -239,6 +273,10 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     # Offloaded hidden states cross PCIe twice per row (out in forward, back in backward), counted unhidden
     offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.local_tokens)
     offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
+    # Offloaded parameters and optimizer states cross it too, counted unhidden (a lower bound: the
+    # optimizer's step on the CPU is not counted)
+    states_moved = offload_transfer_bytes(shape, run, micro_batches)
+    offload_seconds += states_moved / HOST_LINK
     # A split sequence's all-to-alls sit between a layer's projections and its attention: not hidden
     split = split_sequence_traffic_bytes(shape, run, tokens_per_step)
     split_link = "network" if run.parallel.row_shards > gpus_per_node else interconnect
@@ -250,18 +288,21 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
                f", {attention / 1e9:.1f} GFLOP per token against {measured / 1e9:.1f} in the measured rows; the "
                f"weights' {flops_per_token(shape, run) / 1e9:.1f}"]
     if traffic:
-        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU over {link} at "
-                       f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+        parts = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in gradient_traffic(shape, run, micro_batches).items())
+        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU ({parts}; {max(1, micro_batches)} "
+                       f"micro-batch(es) a step) over {link} at {BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden "
+                       "behind backward")
     if split_seconds:
         exchange = "all-to-alls" if run.parallel.splits_sequence else "key and value all-gathers"
         sources.append(f"rows split across {run.parallel.row_shards} processes: {split / 1e9:.1f} GB per step per GPU "
                        f"in attention's {exchange} over {split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
-    if offload_seconds:
+    if offloaded:
         sources.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
                        f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")
-    if run.parallel.offload_optimizer or run.parallel.offload_parameters:
-        sources.append("not counted: CPU offload's transfers over PCIe and the optimizer's step on the CPU, which "
-                       "make each step several times longer (not yet measured)")
+    if states_moved:
+        sources.append(f"parameter/optimizer offload: {states_moved / 1e9:.1f} GB per step per GPU to host memory and "
+                       f"back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden; not counted: the optimizer's step "
+                       "on the CPU (not yet measured), so expect longer")
     if shape.num_experts:
         sources.append("mixture of experts: timed at the efficiency measured on dense models (a routed model's "
                        "has not been measured)")
