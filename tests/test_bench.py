@@ -452,3 +452,14 @@ def test_the_data_bench_prepares_the_same_file_on_both_sides_and_reports(tmp_pat
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| sft_play") or line.startswith("| trl")]
     assert [r[1].strip() for r in rows] == ["sft_play", "trl"]
     assert rows[0][3] == rows[1][3]  # the same packed rows from the same file
+
+
+def test_the_planner_questions_bench_writes_each_answer_with_its_command(tmp_path):
+    out = tmp_path / "planner_questions.md"
+    done = run_scripts_together(("bench/planner_questions.py", "--only", "fits-micro", "--out", str(out)))[0]
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "Planned on: " in text and "make plan NUM_GPUS=2 VRAM_GIB=11" in text
+    assert "- run: `make train-distributed NUM_GPUS=2 ARGS=" in text and "micro-batch 2, not 3" in text
+    refused = run_scripts_together(("bench/planner_questions.py", "--only", "no-such-question", "--out", str(out)))[0]
+    assert refused.returncode == 2 and "unknown question(s) no-such-question" in refused.stderr

@@ -289,9 +289,10 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
                f"weights' {flops_per_token(shape, run) / 1e9:.1f}"]
     if traffic:
         parts = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in gradient_traffic(shape, run, micro_batches).items())
-        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU ({parts}; {max(1, micro_batches)} "
-                       f"micro-batch(es) a step) over {link} at {BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden "
-                       "behind backward")
+        when = ("once a step" if not run.parallel.strategy.shards_states
+                else f"in each of the step's {max(1, micro_batches)} micro-batch(es)")
+        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU ({parts}; {when}) over {link} at "
+                       f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
     if split_seconds:
         exchange = "all-to-alls" if run.parallel.splits_sequence else "key and value all-gathers"
         sources.append(f"rows split across {run.parallel.row_shards} processes: {split / 1e9:.1f} GB per step per GPU "
