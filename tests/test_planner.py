@@ -733,6 +733,7 @@ def test_plan_json_contract(plan_json):
     assert sum(doc["breakdown"].values()) == doc["peak_bytes_per_gpu"]
     assert doc["fits"] is True and doc["remedies"] == []
     assert doc["micro_batch_size"] * doc["gradient_accumulation_steps"] * 8 == doc["global_batch_size"] == 64
+    assert doc["command"].startswith("make train-distributed CONFIG=configs/run_tiny.yaml NUM_GPUS=8 ARGS=\"model.name_or_path=")
     assert doc["sequence_length"] == 4096 and "data.max_seq_length" in doc["sequence_length_source"]
     assert "no tokenizer" in " ".join(doc["notes"])  # a folder with config.json only
 

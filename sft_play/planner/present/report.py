@@ -37,9 +37,10 @@ def gib(value: int) -> str:
 
 
 def to_json(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
-    """The plan as one JSON document; `config_path` and the user's `overrides` complete the
-    remedies' commands, as in :func:`to_text`."""
+    """The plan as one JSON document; `config_path` and the user's `overrides` complete its
+    command (where it fits) and the remedies', as in :func:`to_text`."""
     document = plan.to_dict()
+    document["command"] = run_command(plan, config_path, overrides) if plan.fits else None
     for entry in document.get("remedies") or []:
         entry["command"] = _command(entry, plan, config_path, overrides)
     return json.dumps(document, indent=2)
