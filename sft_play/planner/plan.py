@@ -307,6 +307,21 @@ def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any |
 _NOTHING_FITS: Any = SimpleNamespace(fits=False)
 
 
+def lower_bound_plan(config: RunConfig, target: Target, data_stats: Any | None = None) -> Any | None:
+    """Where what `config` holds on each GPU of `target` before any activation exceeds the budget
+    (:func:`beyond_budget`), a plan of that bound alone, without a replay: it does not fit, and
+    its peak is at least the bound (``peak_is_lower_bound``); None where it may fit. What a remedy
+    that cannot fit reports (most of them for a model far beyond the hardware)."""
+    shape = model_shape(config)
+    run = resolve_for(config, target, data_stats, shape)
+    bound = static_lower_bound(shape, run)
+    budget = plan_budget(config, target, run)[0]
+    if bound <= budget:
+        return None
+    return SimpleNamespace(fits=False, peak_bytes_per_gpu=bound, peak_is_lower_bound=True, budget_bytes_per_gpu=budget,
+                           micro_batch_size=0, time=None, host_bytes_per_node=host_memory(shape, run, target)[0])
+
+
 def beyond_budget(config: RunConfig, target: Target, data_stats: Any | None = None) -> bool:
     """Whether what `config` holds on each GPU of `target` before any activation (parameters,
     optimizer states, buffers: :func:`sft_play.planner.simulate.predict.static_lower_bound`) alone exceeds
@@ -326,9 +341,13 @@ def remedies_for(config: RunConfig, target: Target,
     fits and is offered is planned again as the run will plan it, covering them (the combination
     search decides on the quicker plans: remedies.plan_remedies)."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Any:
-        """A Plan; with `as_run` False, something whose `fits` says whether it fits (a quick Plan)."""
+        """A Plan, or where the weights and states alone exceed the budget, a plan of that bound
+        (:func:`lower_bound_plan`); with `as_run` False, something whose `fits` says whether it fits."""
         if not as_run and beyond_budget(changed, changed_target, data_stats):
             return _NOTHING_FITS  # whether it fits is all the combination search asks: no replay
+        bound = lower_bound_plan(changed, changed_target, data_stats)
+        if bound is not None:
+            return bound
         quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
         if not quick.fits or not as_run:
             return quick

@@ -348,6 +348,7 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
         "remedies": [r.name for r in remedies],
         "command": command(remedies, target, changes),
         "peak_bytes": plan.peak_bytes_per_gpu,
+        "peak_is_lower_bound": getattr(plan, "peak_is_lower_bound", False),  # weights and states alone: no replay
         "fits": plan.fits,
         "micro_batch_size": plan.micro_batch_size if plan.fits else None,
         "host_bytes_per_node": plan.host_bytes_per_node,

@@ -107,7 +107,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
             if len(name) > 34:  # a combination: its names on a line of their own, the columns kept
                 lines.append(f"  {name}")
                 name = ""
-            lines.append(f"  {name:<34} peak {gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
+            bound = ">=" if r.get("peak_is_lower_bound") else "  "  # weights and states alone, not replayed
+            lines.append(f"  {name:<34} peak {bound}{gib(r['peak_bytes']):>7} GiB  {outcome:<16} {' '.join(r['change'])}")
             if r.get("host_bytes_per_node"):
                 lines.append(f"  {'':<34} needs {gib(r['host_bytes_per_node'])} GiB of host memory per node")
             if r["fits"]:
