@@ -130,9 +130,13 @@ def main() -> int:
              "they do to the trained model, then room to spare, then the predicted step time (docs/PLANNER.md). "
              "The plans are predictions; the measured accuracy of the planner is in planner_accuracy.md and "
              "gpu_lease.md.", "", f"Planned on: {hardware_line()}. {versions()}.", ""]
-    for question in asked:
-        made = plan(question)
-        said = answer(question, made)
+    answers = [(question, answer(question, plan(question))) for question in asked]
+    lines += ["| question | hardware | the plan | the first remedy that fits |", "|---|---|---|---|"]
+    for question, said in answers:
+        first = said["remedy"].split(";")[0] if said["remedy"] else ("fits as configured" if said["run"] else "none")
+        lines.append(f"| {question.asked} | {question.gpus} x {question.vram_gib:g} GiB | {said['plan']} | {first} |")
+    lines.append("")
+    for question, said in answers:
         lines += [f"## {question.asked}", "", f"`{question.command_line()}`", "", f"- plan: {said['plan']}"]
         if said["run"]:
             lines.append(f"- run: `{said['run']}`")
