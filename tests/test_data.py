@@ -868,3 +868,31 @@ def test_a_line_longer_than_a_record_is_read_past_in_bounded_memory(tmp_path):
     assert peak < 4 * MAX_RECORD_BYTES, f"{peak / 2**20:.0f} MiB held for one long line"
     with pytest.raises(InvalidRow, match=r"row 2, field '<line>': over 16 MiB in one record"):
         load_records(str(path), data_config(), DataStats())
+
+
+def test_trls_conversational_prompt_completion_trains_the_completion_only(tmp_path, tiny_tokenizer):
+    """{"prompt": [messages], "completion": [messages]} (TRL's conversational prompt-completion)
+    was taken for plain prompt/completion: every row failed with "expected a string, got list"."""
+    from sft_play.data.tokenize import encode_record
+
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse: a b"},
+              {"role": "assistant", "content": "b a"}, {"role": "user", "content": "Reverse: c d"}]
+    completion = [{"role": "assistant", "content": "d c"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "completion": completion}) + "\n"
+                    + json.dumps({"prompt": prompt, "completion": "d c"}) + "\n")
+    stats = DataStats()
+    records = load_records(str(path), data_config(on_invalid="skip"), stats)
+    assert stats.formats == {str(path): "prompt_completion"}
+    assert records[0]["messages"] == prompt + completion and records[0]["prompt_turns"] == 4
+    assert any("expected a list of messages like the other field's" in reason for reason in stats.skipped)
+    # the prompt's earlier answer is context: the labels are those of the last turn alone, on both
+    # of the template paths (generation markers, and spans); with train_on=all every token trains
+    for template in (tiny_tokenizer.chat_template, PLAIN_CHATML):
+        ids, labels = encode_record(records[0], tiny_tokenizer, template, "completion")
+        assert (ids, labels) == encode_chat(tiny_tokenizer, prompt + completion, template, "last")
+        assert encode_record(records[0], tiny_tokenizer, template, "all")[1] == ids
+    bundle = build(data_config(path=str(path), on_invalid="skip", packing=False, cache=False, validation_path=None),
+                   tiny_tokenizer)
+    assert bundle.train[0]["labels"] == encode_chat(tiny_tokenizer, prompt + completion, tiny_tokenizer.chat_template,
+                                                    "last")[1]

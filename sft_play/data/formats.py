@@ -1,7 +1,9 @@
 """Record formats: detect which one a dataset uses and normalise rows to one of three shapes.
 
 Every supported format becomes one of:
-  {"messages": [{"role": ..., "content": ...}, ...]}   chat (messages, sharegpt, alpaca)
+  {"messages": [{"role": ..., "content": ...}, ...]}   chat (messages, sharegpt, alpaca; TRL's
+                                                        conversational prompt/completion, with
+                                                        "prompt_turns": the turns that are its prompt)
   {"prompt": str, "completion": str}                    prompt/completion pairs
   {"text": str}                                         plain text (continued pre-training)
 
@@ -138,7 +140,7 @@ def _string(row: dict, column: str, source: str, index: int, optional: bool = Fa
 
 
 def _chat(messages: Any, source: str, index: int, field: str, role_key: str, content_key: str,
-          role_map: dict[str, str] | None) -> list[dict[str, str]]:
+          role_map: dict[str, str] | None, needs_answer: bool = True) -> list[dict[str, str]]:
     if messages is None:
         raise InvalidRow(source, index, field, "missing")
     if not isinstance(messages, list):
@@ -179,9 +181,24 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
         if role == "tool":  # which call it answers, where the data says (templates render them)
             turn_out.update({k: message[k] for k in ("name", "tool_call_id") if isinstance(message.get(k), str)})
         out.append(turn_out)
-    if not any(m["role"] == "assistant" for m in out):
+    if needs_answer and not any(m["role"] == "assistant" for m in out):
         raise InvalidRow(source, index, field, "no assistant turn to learn from")
     return out
+
+
+def _conversational_pair(row: dict[str, Any], cols: dict[str, str], source: str, index: int) -> dict[str, Any]:
+    """TRL's conversational prompt-completion record (``{"prompt": [messages], "completion":
+    [messages]}``) as one conversation, with the number of turns that are the prompt: those are
+    context, learned from only with ``data.train_on: all`` (as TRL trains the completion)."""
+    prompt, completion = row.get(cols["prompt"]), row.get(cols["completion"])
+    for column, value in ((cols["prompt"], prompt), (cols["completion"], completion)):
+        if not isinstance(value, list):
+            raise InvalidRow(source, index, column, f"expected a list of messages like the other field's (TRL's "
+                             f"conversational prompt-completion), got {type(value).__name__}")
+    context = _chat(prompt, source, index, cols["prompt"], "role", "content", None, needs_answer=False)
+    answer = _chat(completion, source, index, cols["completion"], "role", "content", None)
+    return _with_tools({"messages": context + answer, "prompt_turns": len(context)},
+                       tools_of(row, cols["tools"], source, index))
 
 
 def _json_value(value: Any, source: str, index: int, field: str) -> Any:
@@ -279,6 +296,8 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         return {"messages": messages}
     if fmt == "prompt_completion":
+        if isinstance(row.get(cols["prompt"]), list) or isinstance(row.get(cols["completion"]), list):
+            return _conversational_pair(row, cols, source, index)
         prompt = _string(row, cols["prompt"], source, index)
         completion = _string(row, cols["completion"], source, index)
         if not completion.strip():

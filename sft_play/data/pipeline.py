@@ -23,7 +23,7 @@ from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detec
                                    normalise)
 from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
-                                    renders_tools, resolve_chat_template, uses_tools)
+                                    prompt_turns_unlabelled, renders_tools, resolve_chat_template, uses_tools)
 from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows
 from sft_play.errors import UserError
 
@@ -146,9 +146,9 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         chats = [i for i, record in enumerate(records) if record.get("messages") is not None and not record.get("tools")]
         if chats:
             try:
-                for i, encoded in zip(chats, encode_chats_with_markers(
+                for i, (ids, labels) in zip(chats, encode_chats_with_markers(
                         tokenizer, [records[i]["messages"] for i in chats], template, train_on)):
-                    tokens[i] = encoded
+                    tokens[i] = ids, prompt_turns_unlabelled(records[i], labels, train_on)
             except Exception as exc:
                 if not _template_refused(exc):
                     raise  # one by one below: the record the template refuses is named

@@ -165,10 +165,30 @@ def renders_tools(template: str) -> bool:
     return "tool_calls" in template
 
 
+def prompt_turns_unlabelled(record: dict[str, Any], labels: list[int], train_on: str) -> list[int]:
+    """`labels` of a conversation whose first ``prompt_turns`` turns are a prompt (TRL's
+    conversational prompt-completion) without the prompt's assistant turns where every assistant
+    turn trains (``data.train_on: completion``; ``last`` keeps the completion's last turn alone,
+    ``all`` every token): each assistant turn's labels are one run, so the first runs."""
+    context = record.get("prompt_turns") or 0
+    answered = sum(1 for message in record["messages"][:context] if message["role"] == "assistant")
+    if not answered or train_on != "completion":
+        return labels
+    out, runs, inside = list(labels), 0, False
+    for i, label in enumerate(out):
+        if label != IGNORE_INDEX and not inside:
+            runs += 1
+        inside = label != IGNORE_INDEX
+        if inside and runs <= answered:
+            out[i] = IGNORE_INDEX
+    return out
+
+
 def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_on: str) -> tuple[list[int], list[int]]:
     """Tokens and labels of one canonical record (see :mod:`sft_play.data.formats`)."""
     if record.get("messages") is not None:
-        return encode_chat(tokenizer, record["messages"], template, train_on, record.get("tools"))
+        ids, labels = encode_chat(tokenizer, record["messages"], template, train_on, record.get("tools"))
+        return ids, prompt_turns_unlabelled(record, labels, train_on)
     if record.get("prompt") is not None:
         return encode_prompt_completion(tokenizer, record["prompt"], record["completion"], train_on)
     return encode_text(tokenizer, record["text"])
