@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from sft_play.data import DataStats, build, load_records
 from sft_play.data.collate import PackedRowsCollator
 from sft_play.data.formats import InvalidRow
 from sft_play.data.tokenize import IGNORE_INDEX, encode_chat, encode_prompt_completion, encode_text
+from sft_play.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "data"
@@ -896,3 +898,42 @@ def test_trls_conversational_prompt_completion_trains_the_completion_only(tmp_pa
                    tiny_tokenizer)
     assert bundle.train[0]["labels"] == encode_chat(tiny_tokenizer, prompt + completion, tiny_tokenizer.chat_template,
                                                     "last")[1]
+
+
+@pytest.mark.parametrize("name", ["messages.jsonl", "sharegpt.json", "alpaca.csv", "text.jsonl"])
+@pytest.mark.parametrize("compression", [".gz", ".bz2", ".xz", ".zst"])
+def test_compressed_text_files_read_as_the_plain_ones(tmp_path, name, compression):
+    """data.jsonl.gz (and .bz2, .xz, .zst) was refused as not a supported data file."""
+    import bz2
+    import gzip
+    import lzma
+
+    raw = (FIXTURES / name).read_bytes()
+    if compression == ".zst":
+        zstandard = pytest.importorskip("zstandard")
+        packed = zstandard.ZstdCompressor().compress(raw)
+    else:
+        packed = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[compression](raw)
+    path = tmp_path / f"{name}{compression}"
+    path.write_bytes(packed)
+    def read(where):  # the records, without where each came from (the file's name differs)
+        return [{k: v for k, v in r.items() if k != "_row"} for r in load_records(where, data_config(), DataStats())]
+
+    plain = read(str(FIXTURES / name))
+    assert read(str(path)) == plain
+    assert read(str(tmp_path)) == plain  # found in a folder too
+
+
+def test_a_zstd_file_without_its_package_says_what_to_install(tmp_path, monkeypatch):
+    path = tmp_path / "rows.jsonl.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd")  # zstd's magic number: what is inside is never read
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(UserError, match="needs the zstandard package: pip install zstandard"):
+        load_records(str(path), data_config(), DataStats())
+
+
+def test_a_compressed_parquet_file_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "rows.parquet.gz"
+    path.write_bytes(b"")
+    with pytest.raises(UserError, match=r"not a supported data file; .*also compressed"):
+        load_records(str(path), data_config(), DataStats())

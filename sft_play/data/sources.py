@@ -1,5 +1,6 @@
-"""Reading records from local files (jsonl, json, csv, parquet, txt, arrow; files, folders, globs, folders
-of splits, datasets' save_to_disk folders) or the hub.
+"""Reading records from local files (jsonl, json, csv, parquet, txt, arrow, the text ones also gzip,
+bzip2, xz or zstd compressed; files, folders, globs, folders of splits, datasets' save_to_disk
+folders) or the hub.
 
 Local files are read row by row so that a bad row is reported with its file and row number;
 hub datasets go through ``datasets.load_dataset``.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import logging
 import os
@@ -24,6 +26,44 @@ logger = logging.getLogger(__name__)
 
 EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".arrow")
 NAMED_ONLY = (".txt", ".arrow")  # read where a path or glob names them, not from a folder
+# Whole-file compression of the text formats (``data.jsonl.gz``), read as a stream; Parquet and
+# Arrow compress inside. zstd needs the zstandard package (datasets reads .zst with it too)
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+COMPRESSIBLE = (".jsonl", ".json", ".csv", ".txt")
+
+
+def data_suffix(path: Path) -> str:
+    """The format's suffix of a data file, under any compression's: ``.jsonl`` for ``a.jsonl.gz``."""
+    return Path(path.stem).suffix if path.suffix in COMPRESSIONS else path.suffix
+
+
+def _supported(path: Path) -> bool:
+    kind = data_suffix(path)
+    return kind in EXTENSIONS and (path.suffix not in COMPRESSIONS or kind in COMPRESSIBLE)
+
+
+def _open(path: Path):
+    """`path` opened for reading bytes, decompressed as its suffix says."""
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if path.suffix == ".bz2":
+        import bz2
+
+        return bz2.open(path, "rb")
+    if path.suffix == ".xz":
+        import lzma
+
+        return lzma.open(path, "rb")
+    if path.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"'{path}' is compressed with zstd, which needs the zstandard package: pip install "
+                            "zstandard (or decompress it: zstd -d)") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
 
 
 def is_local(entry: str) -> bool:
@@ -32,6 +72,7 @@ def is_local(entry: str) -> bool:
         os.path.exists(os.path.expanduser(entry))
         or entry.startswith((".", "/", "~"))
         or entry.endswith(EXTENSIONS)
+        or entry.endswith(tuple(e + c for e in COMPRESSIBLE for c in COMPRESSIONS))
         or any(ch in entry for ch in "*?[")
     )
 
@@ -105,7 +146,8 @@ def expand(entry: str, split: str = "train") -> list[Path]:
             raise UserError(f"'{entry}' holds a dataset_info.json but is no dataset saved by datasets' save_to_disk "
                              "(no state.json or dataset_dict.json): a LLaMA-Factory data folder registers its "
                              "datasets there; set data.path to the dataset's own file")
-        files = sorted(p for p in path.rglob("*") if p.suffix in EXTENSIONS and p.suffix not in NAMED_ONLY and p.is_file())
+        files = sorted(p for p in path.rglob("*")
+                       if _supported(p) and data_suffix(p) not in NAMED_ONLY and p.is_file())
         files = _select_split(files, path, split) if files else files
     else:
         files = [path]
@@ -114,9 +156,9 @@ def expand(entry: str, split: str = "train") -> list[Path]:
         raise FileNotFoundError(f"no data files found at '{entry}' (looked for {', '.join(EXTENSIONS)}, or a dataset "
                                 "saved by datasets' save_to_disk)")
     for f in files:
-        if f.suffix not in EXTENSIONS:
-            raise UserError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)}, or a folder "
-                             "written by datasets' save_to_disk")
+        if not _supported(f):
+            raise UserError(f"'{f}' is not a supported data file; use one of {', '.join(EXTENSIONS)} (the text ones "
+                            f"also compressed: {', '.join(COMPRESSIONS)}), or a folder written by datasets' save_to_disk")
     return files
 
 
@@ -199,7 +241,7 @@ def _loads(text: str) -> Any:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for number, raw in enumerate(_lines(f), start=1):
             too_large = _bounded(path, number, raw)
             if too_large is not None:
@@ -227,7 +269,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    raw = path.read_bytes()
+    with _open(path) as f:
+        raw = f.read()
     try:
         data = json.loads(raw.decode("utf-8"))
     except RecursionError:
@@ -263,7 +306,7 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Rows of a CSV file, numbered from 1 after the header. A byte that is not UTF-8 makes its
     row bad (named by row, column and line), not the whole file: the file is decoded with
     ``surrogateescape``, which keeps such bytes as lone surrogates, found per field."""
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+    with io.TextIOWrapper(_open(path), encoding="utf-8", errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f)
         header = reader.fieldnames or []
         for name in header:
@@ -297,7 +340,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def _text_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """A plain-text file: each non-empty line one ``text`` record, numbered by its line (as
     ``datasets``' text loader reads it); documents that span lines belong in JSONL records."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for number, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")
@@ -327,7 +370,7 @@ def read_file(path: Path, split: str = "train") -> Iterator[tuple[int, dict[str,
     the caller can skip it and go on; a file that cannot be read at all raises it.
     """
     yielded = False
-    for item in (_saved_rows(path, split) if saved_dataset(path) else _READERS[path.suffix](path)):
+    for item in (_saved_rows(path, split) if saved_dataset(path) else _READERS[data_suffix(path)](path)):
         yielded = True
         yield item
     if not yielded:
