@@ -1,4 +1,4 @@
-"""Reading models from the Hugging Face hub without waiting on a network that is not there.
+"""Reading models and datasets from the Hugging Face hub without waiting on a network that is not there.
 
 The hub client retries every request five times with back-off: where the hub cannot be reached
 (an offline cluster node, a firewall) a model id that is not in the local cache costs over a
@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -61,7 +62,11 @@ def go_offline() -> None:
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     huggingface_hub.constants.HF_HUB_OFFLINE = True
-    logger.info("the hub cannot be reached: reading hub models from the local cache only (HF_HUB_OFFLINE=1)")
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:  # datasets copies the setting when it is imported
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
+    logger.info("the hub cannot be reached: reading hub models and datasets from the local cache only "
+                "(HF_HUB_OFFLINE=1)")
 
 
 def shipped_config(name: str, revision: str | None = None) -> Path | None:

@@ -26,7 +26,9 @@ def offline_plans():
                 for config in EXAMPLES]
     commands.append(("plan.py", "--config", "configs/run_tiny.yaml", "model.name_or_path=nobody/not-cached",
                      "--gpus", "1", "--vram-gib", "80", UNREACHABLE))
-    return dict(zip([*EXAMPLES, "not cached"], run_scripts_together(*commands)))
+    commands.append(("data_stats.py", "--config", "configs/run_tiny.yaml", "data.path=nobody/not-a-dataset",
+                     "data.validation_path=null", UNREACHABLE))
+    return dict(zip([*EXAMPLES, "not cached", "dataset"], run_scripts_together(*commands)))
 
 
 @pytest.mark.parametrize("config", EXAMPLES)
@@ -62,6 +64,15 @@ def test_a_hub_id_that_cannot_be_read_is_one_error_without_retries(offline_plans
     assert "the hub cannot be reached" in result.stderr and "nobody/not-cached" in result.stderr
     # make plan needs a config.json, not the weights
     assert "to plan only, its config.json is enough: hf download nobody/not-cached config.json" in result.stderr
+
+
+def test_a_hub_dataset_that_cannot_be_read_is_one_error_without_retries(offline_plans):
+    """It took 26 s of retries, printed twice (12 lines), before the clear error."""
+    result = offline_plans["dataset"]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Retrying" not in result.stderr and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "cannot load the dataset 'nobody/not-a-dataset'" in line]
+    assert len(errors) == 1 and "not in the local cache" in errors[0], result.stderr[-2000:]
 
 
 def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play.data.formats import InvalidRow
+from sft_play import hub
 from sft_play.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -384,6 +385,7 @@ def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
     Raises:
         UserError: the dataset cannot be had (offline and not cached, not on the hub, gated), or
             has no such split."""
+    hub.prepare(name)  # an unreachable hub: the local cache, at once, not half a minute of retries
     import datasets
 
     try:
