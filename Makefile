@@ -97,8 +97,8 @@ generate: $(STAMP) ## Answer PROMPT with RUN (default: the newest run; held-out 
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
 	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
 
-eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json
-	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json (DATA=test.jsonl: other data -> RUN/eval-test.json)
+	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(if $(DATA),--data "$(DATA)") $(ARGS)
 
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
 	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)

@@ -1,7 +1,8 @@
-"""Evaluate a run: loss and perplexity on its validation data, and a few greedy generations for
-held-out prompts; written to <run>/eval.json and printed.
+"""Evaluate a run: loss and perplexity on its validation data (or on other data: --data, a
+held-out test set), and a few greedy generations for held-out prompts; written to
+<run>/eval.json (<run>/eval-<name>.json for other data) and printed.
 
-Usage: python scripts/evaluate.py [--config PATH] [--run RUN_DIR] [--count N]
+Usage: python scripts/evaluate.py [--config PATH] [--run RUN_DIR] [--count N] [--data PATH]
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ def main() -> int:
     parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--data", help="evaluate on this data instead of the run's validation data (a file, folder, "
+                        "glob or hub dataset, read as the run read its own; make eval DATA=...)")
     args = parser.parse_args()
     cli.setup_logging()
 
@@ -22,13 +25,13 @@ def main() -> int:
 
     with cli.importing():
         from sft_play import export
-    result = export.evaluate(run, args.count, args.max_new_tokens)
-    print(f"Run: {run}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
+    result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data)
+    print(f"Run: {run}\n  data: {result['data']}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
           f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")
     for g in result["generations"]:
         print(f"  {'ok ' if g['exact_match'] else 'no '} {g['prompt']!r} -> {g['answer']!r} (reference {g['reference']!r})")
     matches = sum(g["exact_match"] for g in result["generations"])
-    print(f"  exact matches: {matches}/{len(result['generations'])}; written to {run}/eval.json")
+    print(f"  exact matches: {matches}/{len(result['generations'])}; written to {run}/{export.eval_file_name(args.data)}")
     return 0
 
 

@@ -87,8 +87,8 @@ def chosen_run(args: argparse.Namespace):
     ignored = [o for o in args.overrides if "=" in o and o.split("=", 1)[0].strip() not in RUN_CHOOSING]
     if ignored:
         raise UserError(f"{' '.join(ignored)}: a finished run is used with the settings it trained with (its "
-                        "config.yaml); only train.output_dir and train.run_name choose the run here. To use other "
-                        "data or settings, train a run with them")
+                        "config.yaml); only train.output_dir and train.run_name choose the run here. To evaluate on "
+                        "other data: make eval DATA=PATH; to train with other data or settings, train a run with them")
     config = config_module.load(args.config, args.overrides, check_paths=False)
     run = args.run
     if run is None and config.train.run_name:

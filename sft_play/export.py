@@ -200,7 +200,8 @@ def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     for record in data.validation_records(config.data, config.train.seed)[:count]:
         if "messages" in record:
             messages = record["messages"]
-            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            context = record.get("prompt_turns") or 0  # a conversational prompt's turns, its answers among them
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= context)
             prompts.append(Prompt(messages[:first], None, messages[first]["content"]))
         elif "prompt" in record:
             prompts.append(Prompt(None, record["prompt"], record["completion"]))
@@ -294,21 +295,34 @@ def _readable(folder: Path) -> None:
             file.chmod(0o666 & ~umask)
 
 
-def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_size: int = 8) -> dict[str, Any]:
+def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_size: int = 8,
+             data_path: str | None = None) -> dict[str, Any]:
     """Loss and perplexity on the run's validation data (the tokens that carry loss, as in
     training), plus greedy answers to the first `count` held-out prompts; written to
-    ``<run>/eval.json`` and returned."""
+    ``<run>/eval.json`` and returned. With `data_path` (a held-out test set, any source
+    ``data.path`` takes; a source of splits gives its held-out split) the same on that data, read
+    and tokenised as the run read its own, written to ``<run>/eval-<name>.json``."""
     model, tokenizer, config = load_trained(path)
     if config is None:
         raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
-    if not config.data.validation_path and not config.data.validation_fraction:
-        raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction")
-    bundle = data.build(config.data, load_tokenizer(config), seed=config.train.seed)
+    if data_path is not None:
+        config = config.model_copy(update={"data": config.data.model_copy(
+            update={"validation_path": data_path, "validation_fraction": 0.0})})
+        stats = data.DataStats()
+        rows = data.tokenize_records(data.load_records(data_path, config.data, stats, data.HELD_OUT),
+                                     load_tokenizer(config), config.data, stats)
+        if len(rows) == 0:
+            raise UserError(f"no usable example in {data_path} to evaluate on"
+                            + (f": {data.skip_summary(stats)}" if stats.skipped else ""))
+    elif not config.data.validation_path and not config.data.validation_fraction:
+        raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction, or "
+                        "evaluate on other data (make eval DATA=test.jsonl)")
+    else:
+        rows = data.build(config.data, load_tokenizer(config), seed=config.train.seed).validation
     # Batches for the kernel the model was loaded with here (SDPA by default), not the training
     # run's: flash-attn may be missing on the machine that evaluates
     collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, model.config._attn_implementation))
     loss_sum, tokens = 0.0, 0
-    rows = bundle.validation
     # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits
     from trl.trainer.utils import add_fused_lm_head
 
@@ -329,8 +343,17 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
         answer = generate(model, tokenizer, prompt, max_new_tokens)
         generations.append({"prompt": prompt.shown(), "reference": prompt.reference, "answer": answer,
                             "exact_match": answer == prompt.reference})
-    result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "loss_tokens": tokens,
-              "validation_rows": len(rows), "generations": generations}
+    result = {"data": data_path or "the run's validation data", "loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+              "loss_tokens": tokens, "validation_rows": len(rows), "generations": generations}
     model_dir, _ = _locate(Path(path))
-    (model_dir.parent / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    (model_dir.parent / eval_file_name(data_path)).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def eval_file_name(data_path: str | None) -> str:
+    """``eval.json`` for the run's own validation data; ``eval-<name>.json`` for other data (its
+    file's or dataset's name, in characters a file name keeps)."""
+    if data_path is None:
+        return "eval.json"
+    name = Path(data_path.rstrip("/")).name.split(".")[0] or "data"
+    return "eval-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in name) + ".json"

@@ -171,6 +171,22 @@ def test_eval_writes_loss_perplexity_and_generations(runs, commands):
     assert saved["loss"] == pytest.approx(float(reference), rel=1e-4)
 
 
+def test_eval_on_other_data_scores_it_as_the_run_read_its_own(runs, commands, tmp_path):
+    """make eval on a held-out test set after training was refused (a finished run's settings)."""
+    assert commands["eval"].returncode == 0, commands["eval"].stderr[-3000:]
+    own = json.loads((runs["lora"] / "eval.json").read_text())
+    test = tmp_path / "test.jsonl"  # the run's validation file under another name: the same score
+    test.write_bytes((REPO / "data" / "tiny" / "validation.jsonl").read_bytes())
+    result = export.evaluate(runs["lora"], 2, 8, data_path=str(test))
+    assert result["loss"] == pytest.approx(own["loss"], rel=1e-6) and result["data"] == str(test)
+    assert json.loads((runs["lora"] / "eval-test.json").read_text())["loss_tokens"] == own["loss_tokens"]
+    assert json.loads((runs["lora"] / "eval.json").read_text()) == own  # the run's own evaluation is kept
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    with pytest.raises(Exception, match="no assistant turn|no usable example"):
+        export.evaluate(runs["lora"], 2, 8, data_path=str(empty))
+
+
 @pytest.mark.parametrize("which", ["merged", "full"])
 def test_generate_works_for_merged_and_full_models(runs, commands, which):
     folder = runs["lora"] / "merged" if which == "merged" else runs["full"]

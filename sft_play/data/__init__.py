@@ -11,7 +11,8 @@
 
 from sft_play.data.pipeline import (build, load_records, mix, remembered_stats, skip_summary, tokenize_records,
                                     validation_records)
+from sft_play.data.sources import HELD_OUT
 from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows
 
-__all__ = ["DataBundle", "DataStats", "NoUsableData", "build", "dropped_reason", "dropped_rows", "load_records", "mix",
+__all__ = ["HELD_OUT", "DataBundle", "DataStats", "NoUsableData", "build", "dropped_reason", "dropped_rows", "load_records", "mix",
            "remembered_stats", "skip_summary", "tokenize_records", "validation_records"]
