@@ -3,7 +3,7 @@ packed (best-fit decreasing) by ``sft_play.data.build`` and by ``SFTTrainer``'s 
 (``assistant_only_loss``, ``packing_strategy="bfd"``), each in a fresh process without a cache:
 wall time and the process's peak resident memory; writes docs/reports/data_prep.md.
 
-Usage: python bench/data_prep.py [--data data/tiny/train.jsonl] [--max-seq-length 256] [--out PATH]
+Usage: python bench/data_prep.py [--data data/tiny/train.jsonl | --rows 20000 80000 ...] [--max-seq-length 256] [--out PATH]
 """
 
 from __future__ import annotations
@@ -53,9 +53,49 @@ def worker(spec: dict) -> dict:
             "peak_bytes": _rss_bytes(), "before_bytes": before}
 
 
+def generate_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    """`rows` chat records of about 1,000 characters each (a question and an answer of random
+    words), the shape issue 47 measured: a file for the bench, kept out of the repository."""
+    import random
+
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
+             "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform"]
+    rng = random.Random(seed)
+
+    def text(characters: int) -> str:
+        out: list[str] = []
+        while sum(len(w) + 1 for w in out) < characters:
+            out.append(rng.choice(words))
+        return " ".join(out)
+
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"messages": [{"role": "user", "content": text(450)},
+                                             {"role": "assistant", "content": text(500)}]}) + "\n")
+    return path
+
+
+def measure(data: str, max_seq_length: int) -> dict[str, dict]:
+    """Both sides on `data`, each in a fresh process: SFT-Play with an empty cache, then again with
+    the cache it wrote (a second run, or every other rank), then TRL with empty caches."""
+    import os
+
+    results = {}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["SFT_PLAY_CACHE"] = cache  # nothing prepared before: both sides do the whole work
+        os.environ["HF_DATASETS_CACHE"] = str(Path(cache) / "hf")
+        spec = {"data": data, "max_seq_length": max_seq_length}
+        results["sft_play"] = run_worker(Path(__file__), {**spec, "side": "sft_play"}, timeout=3600)
+        results["sft_play, cache written"] = run_worker(Path(__file__), {**spec, "side": "sft_play"}, timeout=3600)
+        results["trl"] = run_worker(Path(__file__), {**spec, "side": "trl"}, timeout=3600)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=str(REPO / "data" / "tiny" / "train.jsonl"))
+    parser.add_argument("--rows", type=int, nargs="*", help="instead of --data: generated chat files of these many "
+                        "rows of about 1,000 characters (e.g. 20000 80000 320000 1000000), in a temporary folder")
     parser.add_argument("--max-seq-length", type=int, default=256)
     parser.add_argument("--out", default=str(REPORTS / "data_prep.md"))
     parser.add_argument("--worker")
@@ -63,32 +103,34 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    results = {}
-    with tempfile.TemporaryDirectory() as cache:
-        import os
-
-        os.environ["SFT_PLAY_CACHE"] = cache  # nothing prepared before: both sides do the whole work
-        os.environ["HF_DATASETS_CACHE"] = str(Path(cache) / "hf")
-        for side in ("sft_play", "trl"):
-            results[side] = run_worker(Path(__file__), {"side": side, "data": args.data,
-                                                        "max_seq_length": args.max_seq_length}, timeout=1800)
     gib = 1 << 30
+    with tempfile.TemporaryDirectory() as folder:
+        if args.rows:
+            sources = [(f"{n:,} generated rows", str(generate_rows(Path(folder) / f"rows-{n}.jsonl", n))) for n in args.rows]
+            command = f"--rows {' '.join(map(str, args.rows))}"
+        else:
+            shown = Path(args.data).relative_to(REPO) if Path(args.data).is_relative_to(REPO) else args.data
+            sources, command = [(str(shown), args.data)], f"--data {shown}"
+        measured = [(label, Path(path).stat().st_size, measure(path, args.max_seq_length)) for label, path in sources]
     lines = ["# Data preparation beside TRL's own", "",
-             f"`python bench/data_prep.py --data {Path(args.data).relative_to(REPO) if Path(args.data).is_relative_to(REPO) else args.data} "
-             f"--max-seq-length {args.max_seq_length}`: the same chat file tokenised, labelled on the answers and packed "
-             "(best-fit decreasing), each side in a fresh process with empty caches. Peak memory is the process's "
+             f"`python bench/data_prep.py {command} --max-seq-length {args.max_seq_length}`: the same chat file "
+             "tokenised, labelled on the answers and packed (best-fit decreasing), each side in a fresh process: "
+             "SFT-Play with an empty cache, SFT-Play again reading the cache the first wrote (what a second run and "
+             "every other rank do), TRL's `SFTTrainer` preparation with empty caches. Peak memory is the process's "
              "peak resident set (it includes the libraries; 'before' is the peak once the tokenizer has loaded).", "",
              f"Hardware: {hardware_line()}. {versions()}.", "",
-             "| side | wall (s) | packed rows | peak memory (GiB) | peak before preparing (GiB) |", "|---|---|---|---|---|"]
-    for side, result in results.items():
-        if result.get("ok"):
-            lines.append(f"| {side} | {result['seconds']:.1f} | {result['rows']:,} | {result['peak_bytes'] / gib:.2f} "
-                         f"| {result['before_bytes'] / gib:.2f} |")
-        else:
-            lines.append(f"| {side} | failed: {result.get('error')} | | | |")
+             "| data | file (MB) | side | wall (s) | packed rows | peak memory (GiB) | peak before preparing (GiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for label, size, results in measured:
+        for side, result in results.items():
+            if result.get("ok"):
+                lines.append(f"| {label} | {size / 1e6:.0f} | {side} | {result['seconds']:.1f} | {result['rows']:,} | "
+                             f"{result['peak_bytes'] / gib:.2f} | {result['before_bytes'] / gib:.2f} |")
+            else:
+                lines.append(f"| {label} | {size / 1e6:.0f} | {side} | failed: {result.get('error')} | | | |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if all(r.get("ok") for r in results.values()) else 1
+    return 0 if all(r.get("ok") for _, _, results in measured for r in results.values()) else 1
 
 
 if __name__ == "__main__":

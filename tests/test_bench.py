@@ -446,12 +446,12 @@ def test_the_memory_snapshot_compares_the_planners_order_of_allocations_with_the
 
 def test_the_data_bench_prepares_the_same_file_on_both_sides_and_reports(tmp_path):
     out = tmp_path / "data_prep.md"
-    done = run_scripts_together(("bench/data_prep.py", "--data", str(REPO / "tests" / "fixtures" / "data" / "messages.jsonl"),
-                                 "--max-seq-length", "64", "--out", str(out)))[0]
+    done = run_scripts_together(("bench/data_prep.py", "--rows", "40", "--max-seq-length", "512", "--out", str(out)))[0]
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| sft_play") or line.startswith("| trl")]
-    assert [r[1].strip() for r in rows] == ["sft_play", "trl"]
-    assert rows[0][3] == rows[1][3]  # the same packed rows from the same file
+    rows = [[cell.strip() for cell in line.split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| 40 generated rows")]
+    assert [r[3] for r in rows] == ["sft_play", "sft_play, cache written", "trl"]
+    assert rows[0][5] == rows[1][5] == rows[2][5] and int(rows[0][5]) > 1  # the same packed rows from the same file
 
 
 def test_the_planner_questions_bench_writes_each_answer_with_its_command(tmp_path):
