@@ -28,7 +28,10 @@ GOLDEN = {
     ("prompt_completion.parquet", ()): "36fef13d9a1411d74dd9d3dfee11560db42fd101a3610fdf8b98da9cb1ecb1da",
     ("prompt_completion.parquet", ("data.train_on=all", "data.packing=false")): "752410830e5c9b7bc161ea7d5c6c5ca46631ae29b414212fbf6ac15cc73b01a7",
     ("text.jsonl", ()): "1b39ba9e17270f7e6f8064fb944020de3a5cd0963acaec33b886b56817a2655a",
+    # 24,000 records: data.num_proc auto tokenises them in a process per usable core; the same bytes in one
     ("../../../data/tiny/train.jsonl", ()): "c93de00e01c66a92fc4c6f7961fc82847d5010a20bacc378ac8902c9c4c0a5fd",
+    ("../../../data/tiny/train.jsonl", ("data.num_proc=1",)): "c93de00e01c66a92fc4c6f7961fc82847d5010a20bacc378ac8902c9c4c0a5fd",
+    ("../../../data/tiny/train.jsonl", ("data.num_proc=2",)): "c93de00e01c66a92fc4c6f7961fc82847d5010a20bacc378ac8902c9c4c0a5fd",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -159,7 +159,9 @@ class DataConfig(_Section):
         "make generate and make chat start with it too.",
     )
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
-    num_proc: int | None = Field(None, gt=0, description="Processes for tokenisation.")
+    num_proc: Union[Annotated[int, Field(gt=0)], Literal["auto"], None] = Field(
+        "auto", description="Processes that tokenise: auto uses this machine's usable cores for 10,000 records or "
+        "more (fewer: one process), or a number; the rows are the same bytes whatever it is.")
     cache: bool = Field(True, description="Reuse preprocessed data keyed by the data, tokenizer and settings ($SFT_PLAY_CACHE).")
 
 

@@ -151,7 +151,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         packing=False,  # the data arrives packed (sft_play.data) and batched by our collator
         # ...tokenised, truncated and labelled too: TRL's preparation would map and filter every row again
         dataset_kwargs={"skip_prepare_dataset": True},
-        dataset_num_proc=data.num_proc,
+        dataset_num_proc=data.num_proc if isinstance(data.num_proc, int) else None,
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
         ddp_find_unused_parameters=False,
         ddp_timeout=max(1, round(config.distributed.timeout_minutes * 60)),
