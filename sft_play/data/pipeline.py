@@ -10,6 +10,7 @@ the collator (:mod:`sft_play.data.collate`) keeps them from attending to each ot
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -63,28 +64,34 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             where.append(f"{error.source}:{error.row}")
 
     for source, rows in iter_sources(paths, split or cfg.split):
-        raw: list[tuple[int, dict[str, Any]]] = []
-        unreadable: list[InvalidRow] = []  # lines that could not be read, in order with the rows' own problems
+        rows = iter(rows)
+        head: list[tuple[int, dict[str, Any]]] = []  # the first readable rows: they tell the format
+        problems: list[InvalidRow] = []  # lines that could not be read and rows that do not fit, by row at the end
         for number, row in rows:
             if isinstance(row, InvalidRow):
-                unreadable.append(row)
-            else:
-                raw.append((number, row))
-        if not raw:
-            for error in unreadable:
+                problems.append(row)
+                continue
+            head.append((number, row))
+            if len(head) == _DETECT_ROWS:
+                break
+        if not head:
+            for error in problems:
                 reject(error)
             stats.formats[source] = "empty"
             continue
         try:
-            fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+            fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in head], cfg.columns)
         except UnknownFormat as exc:
             raise UnknownFormat(f"{source}: {exc}") from None
         if cfg.format == "auto":
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
         kept = len(records)
-        problems = list(unreadable)
-        for number, row in raw:
+        # the rest read and normalised one at a time: no second list of the source's raw rows
+        for number, row in itertools.chain(head, rows):
+            if isinstance(row, InvalidRow):
+                problems.append(row)
+                continue
             try:
                 record = normalise(row, fmt, cfg.columns, source, number)
             except InvalidRow as exc:
@@ -97,7 +104,7 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
         for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
             reject(error)
         if len(records) == kept and cfg.format != "auto":
-            _refuse_forced_format(source, fmt, [r for _, r in raw[:_DETECT_ROWS]], cfg.columns)
+            _refuse_forced_format(source, fmt, [r for _, r in head], cfg.columns)
     if bad and cfg.on_invalid == "error":
         raise InvalidRows(bad)
     stats.skipped = dict(skipped)
@@ -219,7 +226,8 @@ def tokenising_processes(setting: int | str | None, records: int) -> int | None:
 
 def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, stats: DataStats) -> Any:
     """A ``datasets.Dataset`` of ``input_ids``/``labels`` (packed, with ``seq_lengths``, when
-    ``data.packing``), over-long examples truncated or dropped and counted in `stats`.
+    ``data.packing``), over-long examples truncated or dropped and counted in `stats`. `records`
+    is emptied once they are in the table.
 
     Tokenisation runs in :func:`tokenising_processes` processes.
     """
@@ -240,6 +248,7 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
                             "render (it would drop them in silence): set data.chat_template to one that does (a "
                             "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
     table = datasets.Dataset.from_dict({c: [_to_cell(c, r.get(c)) for r in records] for c in columns})
+    records.clear()  # in the table now; as Python objects they were most of the memory (issue 47)
     encoded = table.map(
         _encode_batch,
         batched=True,
