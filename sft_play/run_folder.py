@@ -263,7 +263,8 @@ def find_resume_run(output_dir: Path, run_name: str | None, config_stem: str,
 # splits the same global batch on the hardware it now has, and the guards against bad steps
 # (a tighter max_grad_norm after a run stopped on NaN losses).
 _MUST_MATCH = ("model", "finetune", "lora", "quantization", "data")
-_MAY_CHANGE = frozenset({"data.beyond_model_positions"})  # a permission to go on, not a setting of the run
+# A permission to go on, and how many processes tokenise (the same rows whatever it is): not settings of the run
+_MAY_CHANGE = frozenset({"data.beyond_model_positions", "data.num_proc"})
 _MAY_CHANGE_TRAIN = frozenset({
     "output_dir", "run_name", "resume_from", "max_steps", "num_epochs", "logging_steps", "save_steps",
     "save_total_limit", "eval_steps", "tensorboard", "max_bad_steps", "record_samples", "micro_batch_size",

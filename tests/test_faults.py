@@ -178,6 +178,9 @@ def test_resume_with_other_settings_is_refused():
     saved = config_module.load(None, ["lora.r=8"], check_paths=False).to_dict()
     current = config_module.load(None, ["lora.r=16", "train.max_steps=99"], check_paths=False).to_dict()
     assert run_folder.differences(saved, current) == ["lora.r: 8 in the run, 16 now"]
+    # how many processes tokenise is no setting of the run (a run saved before its default became auto resumes)
+    older = {**saved, "data": {**saved["data"], "num_proc": None}}
+    assert run_folder.differences(older, saved) == []
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
