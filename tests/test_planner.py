@@ -638,18 +638,6 @@ def test_70b_qlora_on_one_24_gib_gpu_offloads_or_says_what_hardware_would_do():
     assert named and "gradient checkpointing" not in named
 
 
-def test_70b_full_on_eight_24_gib_gpus_gets_a_working_remedy_or_the_hardware():
-    config = plan_config("llama-3-70b", "finetune.method=full", "train.global_batch_size=16",
-                         "data.max_seq_length=2048")
-    plan = make_plan(config, Target(8, 24 * GIB, "8 x 24 GiB"))
-    assert not plan.fits
-    working = [r for r in plan.remedies if r["fits"]]
-    if working:
-        assert all(r["command"].startswith("make ") for r in working)
-    else:
-        assert plan.smallest_hardware
-
-
 def test_cpu_target_plans_host_memory_without_cuda_runtime():
     config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml",
                                 ["train.mixed_precision=auto"])
