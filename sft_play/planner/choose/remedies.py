@@ -3,7 +3,8 @@ applies, the make target that runs it, and when it applies; and the smallest har
 would run the config when nothing on the given hardware does.
 
 A remedy is planned like the run itself (the same prediction), so each one shown comes with
-its predicted peak and whether it fits.
+its predicted peak and whether it fits; those that fit are ranked as a careful engineer picks
+(:func:`rank`: the hardware at hand, the same training, room to spare, then speed).
 """
 
 from __future__ import annotations
