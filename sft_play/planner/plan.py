@@ -303,15 +303,13 @@ def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any |
     raise AssertionError("unreachable: the last size returns")
 
 
-# What a fit-only question gets where the weights and optimizer states alone exceed the budget
-_NOTHING_FITS: Any = SimpleNamespace(fits=False)
-
-
 def lower_bound_plan(config: RunConfig, target: Target, data_stats: Any | None = None) -> Any | None:
-    """Where what `config` holds on each GPU of `target` before any activation exceeds the budget
-    (:func:`beyond_budget`), a plan of that bound alone, without a replay: it does not fit, and
-    its peak is at least the bound (``peak_is_lower_bound``); None where it may fit. What a remedy
-    that cannot fit reports (most of them for a model far beyond the hardware)."""
+    """Where what `config` holds on each GPU of `target` before any activation (parameters,
+    optimizer states, buffers: :func:`sft_play.planner.simulate.predict.static_lower_bound`)
+    alone exceeds the budget, a plan of that bound, without a replay: it does not fit, and its
+    peak is at least the bound (``peak_is_lower_bound``); None where it may fit. :func:`make_plan`
+    would say the same after replaying the whole step, which the remedy search does without (most
+    remedies, smallest-hardware candidates and combinations of a model far beyond the hardware)."""
     shape = model_shape(config)
     run = resolve_for(config, target, data_stats, shape)
     bound = static_lower_bound(shape, run)
@@ -323,14 +321,9 @@ def lower_bound_plan(config: RunConfig, target: Target, data_stats: Any | None =
 
 
 def beyond_budget(config: RunConfig, target: Target, data_stats: Any | None = None) -> bool:
-    """Whether what `config` holds on each GPU of `target` before any activation (parameters,
-    optimizer states, buffers: :func:`sft_play.planner.simulate.predict.static_lower_bound`) alone exceeds
-    the budget, so that no plan of it fits: :func:`make_plan` would say so after a replay of the
-    whole step, which the remedy search, asking only whether something fits, does without (most
-    of the smallest-hardware candidates and of the combinations it tries are such)."""
-    shape = model_shape(config)
-    run = resolve_for(config, target, data_stats, shape)
-    return static_lower_bound(shape, run) > plan_budget(config, target, run)[0]
+    """Whether no plan of `config` can fit on `target`: its weights and states alone exceed the
+    budget (:func:`lower_bound_plan`)."""
+    return lower_bound_plan(config, target, data_stats) is not None
 
 
 def remedies_for(config: RunConfig, target: Target,
@@ -342,9 +335,7 @@ def remedies_for(config: RunConfig, target: Target,
     search decides on the quicker plans: remedies.plan_remedies)."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Any:
         """A Plan, or where the weights and states alone exceed the budget, a plan of that bound
-        (:func:`lower_bound_plan`); with `as_run` False, something whose `fits` says whether it fits."""
-        if not as_run and beyond_budget(changed, changed_target, data_stats):
-            return _NOTHING_FITS  # whether it fits is all the combination search asks: no replay
+        (:func:`lower_bound_plan`, no replay); with `as_run` False, a quick Plan (no shorter rows)."""
         bound = lower_bound_plan(changed, changed_target, data_stats)
         if bound is not None:
             return bound
@@ -358,7 +349,7 @@ def remedies_for(config: RunConfig, target: Target,
     if any(r["fits"] for r in remedies):
         return remedies, None, None
     smallest = remedy_catalogue.smallest_hardware(
-        config, target, lambda c, t: not beyond_budget(c, t, data_stats) and plan_without_remedies(c, t).fits)
+        config, target, lambda c, t: plan_without_remedies(c, t).fits)
     return remedies, smallest, (f"nothing fits on {target.device_name}: "
                                 + (f"the smallest hardware that would is {smallest}" if smallest else
                                    "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
