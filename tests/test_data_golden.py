@@ -49,3 +49,16 @@ def test_preparation_produces_the_pinned_rows(file, settings, tiny_tokenizer):
     cfg = config_module.load(None, [f"data.path={DATA / file}", "data.validation_path=null", "data.max_seq_length=128",
                                     "data.cache=false", *settings], check_paths=False).data
     assert rows_digest(build(cfg, tiny_tokenizer, seed=0).train) == GOLDEN[(file, settings)]
+
+
+def test_a_weighted_mixture_with_held_out_rows_is_the_pinned_one(tiny_tokenizer):
+    """Mixing by weight (repeats and a random remainder) and holding out each source's share
+    before mixing: the training and validation rows, hashed (pinned as GOLDEN's are)."""
+    paths = [str(DATA / "messages.jsonl"), str(DATA / "alpaca.csv"), str(DATA / "text.jsonl")]
+    cfg = config_module.load(None, [f"data.path={json.dumps(paths)}", "data.weights=[3,1,2]", "data.validation_path=null",
+                                    "data.validation_fraction=0.3", "data.max_seq_length=128", "data.packing=false",
+                                    "data.cache=false"], check_paths=False).data
+    bundle = build(cfg, tiny_tokenizer, seed=3)
+    assert (rows_digest(bundle.train), rows_digest(bundle.validation)) == (
+        "7f633798992fde50027696bb763f1cd604b06009e5dbece65297c6a1334a0b7d",
+        "4669a7ed5db7799f02ac337d8d1c1dbc21e45493e48dadb1e2f93d68eab8caeb")
