@@ -140,7 +140,7 @@ def check_model(config: RunConfig) -> list[Check]:
 
 def check_data(config: RunConfig) -> list[Check]:
     """Every row of the training (and validation) data reads and converts; a sample tokenises."""
-    from sft_play.data import DataStats, load_records
+    from sft_play.data import DataStats, iter_records
     from sft_play.data.formats import InvalidRow
     from sft_play.data.sources import HELD_OUT
 
@@ -151,12 +151,12 @@ def check_data(config: RunConfig) -> list[Check]:
     for key, paths in sources:
         stats = DataStats()
         try:
-            records = load_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT)
+            records = sum(1 for _ in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT))
         except (InvalidRow, ValueError, FileNotFoundError, UserError) as exc:
             checks.append(Check(key, False, str(exc)))
             continue
         formats = ", ".join(sorted(set(stats.formats.values())))
-        detail = f"{len(records)} records ({formats})"
+        detail = f"{records} records ({formats})"
         if stats.skipped:
             from sft_play.data import skip_summary
 

@@ -197,7 +197,7 @@ def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     """The first `count` validation records of the run's data (``data.validation_path``'s, or
     those ``data.validation_fraction`` held out), cut before their first answer."""
     prompts = []
-    for record in data.validation_records(config.data, config.train.seed)[:count]:
+    for record in data.validation_records(config.data, config.train.seed, limit=count):
         if "messages" in record:
             messages = record["messages"]
             context = record.get("prompt_turns") or 0  # a conversational prompt's turns, its answers among them
@@ -309,8 +309,7 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
         config = config.model_copy(update={"data": config.data.model_copy(
             update={"validation_path": data_path, "validation_fraction": 0.0})})
         stats = data.DataStats()
-        rows = data.tokenize_records(data.load_records(data_path, config.data, stats, data.HELD_OUT),
-                                     load_tokenizer(config), config.data, stats)
+        rows = data.tokenize_file(data_path, load_tokenizer(config), config.data, stats)
         if len(rows) == 0:
             raise UserError(f"no usable example in {data_path} to evaluate on"
                             + (f": {data.skip_summary(stats)}" if stats.skipped else ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -400,7 +401,7 @@ def test_the_mix_log_says_what_each_source_gave(tmp_path, caplog):
 def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_trains(tmp_path):
     """Holding out after mixing put copies of training records (the mix repeats the sources it
     weights up) into the validation set: 9 of 20 there."""
-    from sft_play.data.pipeline import _records, validation_records
+    from sft_play.data.pipeline import _records, decoded, validation_records
 
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name}{i}"}) + "\n" for i in range(100)))
@@ -424,7 +425,8 @@ def test_a_validation_fraction_of_mixed_data_holds_out_records_no_copy_of_which_
     assert len(held) == 5 and all(r["text"] != "c0" for r in held)
     # one record in all: it trains, and there is no validation set (an empty one would fail evaluation)
     alone = data_config(path=str(tmp_path / "c.jsonl"), validation_fraction=0.1)
-    assert _records(alone, DataStats(), seed=42) == ([{"text": "c0", "_row": f"{tmp_path / 'c.jsonl'}:1"}], None)
+    records, held = _records(alone, DataStats(), seed=42)
+    assert (decoded(records), held) == ([{"text": "c0", "_row": f"{tmp_path / 'c.jsonl'}:1"}], None)
 
 
 def test_weights_need_one_per_path():
@@ -937,3 +939,88 @@ def test_a_compressed_parquet_file_is_refused_with_what_to_do(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(UserError, match=r"not a supported data file; .*also compressed"):
         load_records(str(path), data_config(), DataStats())
+
+
+def _chat_rows(path: Path, rows: int) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 8},
+                                                     {"role": "assistant", "content": f"answer {i} " * 8}]}) + "\n"
+                            for i in range(rows)))
+    return path
+
+
+def test_a_killed_preparation_leaves_nothing_a_later_run_reads(tmp_path, tiny_tokenizer, monkeypatch):
+    """A preparation killed half-way (SIGKILL: no handler of its own runs) leaves no cache entry,
+    only its scratch folder; the next build prepares the data whole and removes what the dead
+    process left (its folder names its host and process id)."""
+    import socket
+    import subprocess
+    import time
+
+    cache = tmp_path / "cache"
+    data_file = _chat_rows(tmp_path / "chats.jsonl", 4000)
+    code = ("import sys; from transformers import AutoTokenizer; from tests.test_data import data_config; "
+            "from sft_play.data import build; "
+            f"build(data_config(path='{data_file}', max_seq_length=128, num_proc=1), "
+            f"AutoTokenizer.from_pretrained('{REPO / 'configs' / 'tiny_model'}'))")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "SFT_PLAY_CACHE": str(cache)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:  # killed while datasets writes the tokens (its temporary file, beside the records' table)
+        while not list(cache.glob("data/.work-*/*/tmp*")):
+            assert process.poll() is None, process.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the preparation never began tokenising"
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        process.wait()
+    left = list((cache / "data").iterdir())
+    assert [p.name for p in left if not p.name.startswith(".")] == [], "a killed preparation left a cache entry"
+    assert [p.name for p in left] == [f".work-{socket.gethostname()}-{process.pid}-" + p.name.rsplit("-", 1)[1]
+                                      for p in left]
+    (cache / "data" / f".0123456789abcdef0123-{socket.gethostname()}-{process.pid}-x1").mkdir()  # a save it died in
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(cache))
+    cfg = data_config(path=str(data_file), max_seq_length=128, num_proc=1)
+    bundle = build(cfg, tiny_tokenizer)
+    assert bundle.stats.examples == 4000
+    assert not any(p.exists() for p in left), "what the dead process left is removed"
+    entries = [p for p in (cache / "data").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and (entries[0] / "meta.json").is_file()
+    assert build(cfg, tiny_tokenizer).train["input_ids"] == bundle.train["input_ids"]  # (read from the cache)
+
+
+TWO_RANKS = """
+import json, logging, sys
+from accelerate import PartialState
+from transformers import AutoTokenizer
+from tests.test_data import data_config
+from sft_play.data import build
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+state = PartialState(cpu=True, backend="gloo")
+with state.main_process_first():
+    bundle = build(data_config(path=sys.argv[1], max_seq_length=128), AutoTokenizer.from_pretrained(sys.argv[2]))
+print(json.dumps({"rank": state.process_index, "rows": bundle.train["input_ids"][:3], "n": len(bundle.train)}))
+"""
+
+
+def test_two_ranks_prepare_the_data_once(tmp_path):
+    """Under a real two-process launch (gloo), the first rank tokenises and the other maps what it
+    cached: one preparation per run."""
+    import subprocess
+
+    from sft_play.launch import free_port
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    data_file = _chat_rows(tmp_path / "chats.jsonl", 300)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(script), str(data_file), str(REPO / "configs" / "tiny_model")],
+        cwd=REPO, env={**os.environ, "SFT_PLAY_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("examples tokenised") == 1, result.stderr[-3000:]
+    assert result.stderr.count("preprocessed data from the cache") == 1, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and ranks[0]["rows"] == ranks[1]["rows"]

@@ -4,7 +4,9 @@ split), the tokenizer (its vocabulary, merges and chat template) and every ``dat
 
 Kept under ``$SFT_PLAY_CACHE/data/<key>/`` (default ``~/.cache/sft_play``), written atomically,
 and read memory-mapped, so that the second run of a config, and every rank but the first of a
-distributed run, skip tokenisation. Processes that start together with the same data (a sweep,
+distributed run, skip tokenisation. A preparation's own Arrow files (records, tokens, packed rows)
+are written in a folder of its process (:func:`scratch`), removed when it ends; one a killed process
+left is removed by the next preparation on the same host. Processes that start together with the same data (a sweep,
 runs launched side by side) prepare it once: the first holds a lock on the key while it
 tokenises, the others wait for it and read what it saved (:func:`preparing`).
 
@@ -17,12 +19,16 @@ tokenizers nor datasets (about 4 s of the 5 s it took on 2 cores).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -155,6 +161,64 @@ def preparing(key: str):
         lock.release()
 
 
+_SCRATCH: list[Path] = []  # this process's scratch folder, once made
+
+
+def _owner_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def scratch() -> Path:
+    """A new, empty folder for one preparation's Arrow files, inside a folder of this process that
+    is removed when it exits (under the cache root, else the system's temporary folder where the
+    cache cannot be written). Arrow files in memory would hold all of the data in RAM; on disk
+    they are read memory-mapped, batch by batch."""
+    _sweep_abandoned()
+    if not _SCRATCH:
+        try:
+            cache_root().mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".work-{_owner_tag()}-"))
+        except OSError:
+            folder = Path(tempfile.mkdtemp(prefix=f"sft-play-work-{_owner_tag()}-"))
+        _SCRATCH.append(folder)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
+
+
+def discard(folder: Path) -> None:
+    """Remove a :func:`scratch` folder whose datasets are no longer used (their files may still be
+    mapped: Linux frees them when unmapped)."""
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_abandoned() -> None:
+    """Remove the scratch and staging folders that processes of this host left when killed (their
+    names carry the host and process id; a process still running keeps its own)."""
+    host = socket.gethostname()
+    try:
+        entries = list(cache_root().iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = re.match(rf"^\.(?:work-)?(?:[0-9a-f]{{20}}-)?{re.escape(host)}-(\d+)-", entry.name)
+        if match and entry.is_dir() and not _running(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True
+
+
+def out_of_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
 def load(key: str) -> dict[str, Any] | None:
     """{"train", "validation", "stats", "validation_stats"} as saved, or None when not cached."""
     import datasets
@@ -173,11 +237,13 @@ def load(key: str) -> dict[str, Any] | None:
     }
 
 
-def save(key: str, train: Any, validation: Any | None, stats: dict, validation_stats: dict | None) -> None:
-    """Store one preprocessing under `key` (atomically: a reader sees all of it or none)."""
+def save(key: str, train: Any, validation: Any | None, stats: dict, validation_stats: dict | None) -> bool:
+    """Store one preprocessing under `key` (atomically: a reader sees all of it or none; a process
+    killed on the way leaves a staging folder no reader opens, which :func:`scratch` removes).
+    False where it could not be stored."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-{_owner_tag()}-"))
     try:
         train.save_to_disk(str(staging / "train"))
         if validation is not None:
@@ -186,5 +252,7 @@ def save(key: str, train: Any, validation: Any | None, stats: dict, validation_s
             "has_validation": validation is not None, "stats": stats, "validation_stats": validation_stats,
         }))
         os.rename(staging, root / key)
+        return True
     except OSError:  # another process stored it first, or the disk is full: the run goes on uncached
         shutil.rmtree(staging, ignore_errors=True)
+        return (root / key / "meta.json").is_file()

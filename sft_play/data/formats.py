@@ -61,16 +61,17 @@ SHOWN_BAD_ROWS = 20  # bad rows listed by name; the rest are counted
 class InvalidRows(InvalidRow):
     """Every bad row of the data (the first :data:`SHOWN_BAD_ROWS` named, the rest counted)."""
 
-    def __init__(self, rows: list[InvalidRow]):
+    def __init__(self, rows: list[InvalidRow], count: int | None = None):
         first = rows[0]
         super().__init__(first.source, first.row, first.field, first.reason)
         self.rows = rows
+        self.count = max(count or 0, len(rows))  # `rows` may be the first few of `count`
 
     def __str__(self) -> str:
         shown = "\n".join(f"  - {row}" for row in self.rows[:SHOWN_BAD_ROWS])
-        more = len(self.rows) - SHOWN_BAD_ROWS
+        more = self.count - min(len(self.rows), SHOWN_BAD_ROWS)
         tail = f"\n  ... and {more} more" if more > 0 else ""
-        return (f"{len(self.rows)} bad row(s) in the data:\n{shown}{tail}\n"
+        return (f"{self.count} bad row(s) in the data:\n{shown}{tail}\n"
                 "Fix them, or set data.on_invalid=skip to train without them (they are then listed by reason).")
 
 

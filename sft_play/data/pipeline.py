@@ -16,12 +16,14 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from sft_play.config import DataConfig
 from sft_play.data import cache
-from sft_play.data.formats import (InvalidRow, InvalidRows, UnknownFormat, detect_format, mapped_but_absent,
-                                   normalise)
+from sft_play.data.formats import (SHOWN_BAD_ROWS, InvalidRow, InvalidRows, UnknownFormat, detect_format,
+                                   mapped_but_absent, normalise)
 from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
                                     prompt_turns_unlabelled, renders_tools, resolve_chat_template, uses_tools)
@@ -45,18 +47,22 @@ ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what toke
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
 
 
-def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None) -> list[dict[str, Any]]:
+def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats,
+                 split: str | None = None) -> Iterator[dict[str, Any]]:
     """Canonical records from every source in `paths` (of `split` where a source holds splits:
-    ``data.split`` unless said), each with its file and row under
-    :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad
-    row is collected and one :class:`InvalidRows` names them all; with ``skip`` they are counted
-    by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
-    records: list[dict[str, Any]] = []
+    ``data.split`` unless said), one at a time, each with its file and row under :data:`ORIGIN`
+    (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad row
+    is collected and one :class:`InvalidRows` names them all once the sources are read; with
+    ``skip`` they are counted by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
     skipped: Counter[str] = Counter(stats.skipped)
     bad: list[InvalidRow] = []
+    bad_count = 0
 
     def reject(error: InvalidRow) -> None:
-        bad.append(error)
+        nonlocal bad_count
+        bad_count += 1
+        if len(bad) < SHOWN_BAD_ROWS:  # the rest counted: a million bad rows are no list to keep
+            bad.append(error)
         reason = _reason_key(error)
         skipped[reason] += 1
         where = stats.skipped_rows.setdefault(reason, [])
@@ -86,8 +92,7 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
         if cfg.format == "auto":
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
-        kept = len(records)
-        # the rest read and normalised one at a time: no second list of the source's raw rows
+        kept = 0
         for number, row in itertools.chain(head, rows):
             if isinstance(row, InvalidRow):
                 problems.append(row)
@@ -100,15 +105,63 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             record[ORIGIN] = f"{source}:{number}"
             if cfg.system_prompt and record.get("messages") and record["messages"][0]["role"] != "system":
                 record["messages"] = [{"role": "system", "content": cfg.system_prompt}, *record["messages"]]
-            records.append(record)
+            kept += 1
+            yield record
         for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
             reject(error)
-        if len(records) == kept and cfg.format != "auto":
+        if not kept and cfg.format != "auto":
             _refuse_forced_format(source, fmt, [r for _, r in head], cfg.columns)
-    if bad and cfg.on_invalid == "error":
-        raise InvalidRows(bad)
     stats.skipped = dict(skipped)
-    return records
+    if bad and cfg.on_invalid == "error":
+        raise InvalidRows(bad, bad_count)
+
+
+def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None) -> list[dict[str, Any]]:
+    """:func:`iter_records` as a list: for a few records (checks, tests); a preparation writes them
+    to an Arrow file instead (:func:`record_table`)."""
+    return list(iter_records(paths, cfg, stats, split))
+
+
+# Every canonical record's fields, one fixed schema for the table records are written to: sources of
+# several formats leave the fields they lack None
+RECORD_COLUMNS = ("messages", "tools", "prompt_turns", "prompt", "completion", "text", ORIGIN)
+_WRITE_BATCH = 1_000  # records held as Python objects at once on their way to the table
+
+
+def _record_features():
+    import datasets
+
+    return datasets.Features({c: datasets.Value("int64" if c == "prompt_turns" else "string") for c in RECORD_COLUMNS})
+
+
+def record_table(records: Iterable[dict[str, Any]], folder: Path | None = None) -> Any:
+    """`records` as a ``datasets.Dataset`` of :data:`RECORD_COLUMNS`: written batch by batch to an
+    Arrow file in `folder` and read back memory-mapped (never all of them Python objects at once),
+    or held in memory without a folder (a few records)."""
+    import datasets
+
+    features = _record_features()
+    if folder is None:
+        rows = [{c: _to_cell(c, r.get(c)) for c in RECORD_COLUMNS} for r in records]
+        return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in RECORD_COLUMNS}, features=features)
+    from datasets.arrow_writer import ArrowWriter
+
+    path = str(Path(folder) / f"records-{next(_TABLES)}.arrow")
+    with ArrowWriter(features=features, path=path, writer_batch_size=_WRITE_BATCH) as writer:
+        records = iter(records)
+        while batch := list(itertools.islice(records, _WRITE_BATCH)):
+            writer.write_batch({c: [_to_cell(c, r.get(c)) for r in batch] for c in RECORD_COLUMNS})
+        writer.finalize()
+    return datasets.Dataset.from_file(path)
+
+
+_TABLES = itertools.count()
+
+
+def decoded(table: Any, limit: int | None = None) -> list[dict[str, Any]]:
+    """The records of a :func:`record_table` as canonical records again (the first `limit`)."""
+    rows = table.select(range(min(limit, len(table)))) if limit is not None else table
+    return [{c: _from_cell(c, row[c]) for c in row if row[c] is not None} for row in rows]
 
 
 def _refuse_forced_format(source: str, fmt: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
@@ -143,12 +196,18 @@ def skip_summary(stats: DataStats) -> str | None:
 
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
-                  overlong: str) -> dict[str, list]:
+                  overlong: str, tools_rendered: bool = True) -> dict[str, list]:
     """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
     thousand records rather than per record); the chat records of a template with generation
     markers go through the tokenizer together."""
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    if not tools_rendered:
+        with_tools = next((r for r in records if uses_tools(r)), None)
+        if with_tools is not None:
+            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
+                            "render (it would drop them in silence): set data.chat_template to one that does (a "
+                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
     tokens: list[tuple[list[int], list[int]] | None] = [None] * len(records)
     if has_generation_markers(template):  # (a record with tools renders them: one by one below)
         chats = [i for i, record in enumerate(records) if record.get("messages") is not None and not record.get("tools")]
@@ -224,62 +283,66 @@ def tokenising_processes(setting: int | str | None, records: int) -> int | None:
     return setting if setting and setting > 1 and records > 1 else None
 
 
-def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, stats: DataStats) -> Any:
+def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataStats,
+                     folder: Path | None = None) -> Any:
     """A ``datasets.Dataset`` of ``input_ids``/``labels`` (packed, with ``seq_lengths``, when
-    ``data.packing``), over-long examples truncated or dropped and counted in `stats`. `records`
-    is emptied once they are in the table.
+    ``data.packing``) from `records` (a :func:`record_table`, or a list of records), over-long
+    examples truncated or dropped and counted in `stats`. Each step writes its Arrow file in
+    `folder` (in memory without one: a few records).
 
     Tokenisation runs in :func:`tokenising_processes` processes.
     """
     import datasets
     import numpy as np
+    import pyarrow.compute as pc
 
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     limit = cfg.max_seq_length
     stats.max_seq_length = limit
-    if not records:
+    table = records if isinstance(records, datasets.Dataset) else record_table(records)
+    if not len(table):
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
-    # Sources of several formats leave different fields per record: every column, None where absent
-    columns = sorted(set().union(*(r.keys() for r in records))) if records else []
-    if not renders_tools(template):
-        with_tools = next((r for r in records if uses_tools(r)), None)
-        if with_tools is not None:
-            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
-                            "render (it would drop them in silence): set data.chat_template to one that does (a "
-                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
-    table = datasets.Dataset.from_dict({c: [_to_cell(c, r.get(c)) for r in records] for c in columns})
-    records.clear()  # in the table now; as Python objects they were most of the memory (issue 47)
+    files = _Files(folder)
+    tokens = datasets.List(datasets.Value("int32"))
     encoded = table.map(
         _encode_batch,
         batched=True,
         fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
-                   "overlong": cfg.overlong},
-        remove_columns=columns,
-        num_proc=tokenising_processes(cfg.num_proc, len(records)),
+                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template)},
+        remove_columns=table.column_names,
+        features=datasets.Features({"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
+                                    "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"),
+                                    "n_loss": datasets.Value("int32")}),
+        num_proc=tokenising_processes(cfg.num_proc, len(table)),
         desc="Tokenising",
+        **files.kwargs("tokenised"),
     )
-    status = Counter(encoded["status"])
+    status_column = encoded.data.column("status")
+    status = Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(status_column).to_pylist()})
     stats.truncated += status["truncated"]
     stats.dropped_overlong += status["dropped"]
-    if status["no_answer"] or status["dropped"]:
-        # what tokenising left out, named by file and row as the bad rows are
-        left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit)}
-        for kind, origin in zip(encoded["status"], encoded["origin"]):
-            if kind in left_out:
-                where = stats.skipped_rows.setdefault(left_out[kind], [])
-                if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
-                    where.append(origin)
+    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit)}
+    for kind, reason in left_out.items():
+        if status[kind]:  # what tokenising left out, named by file and row as the bad rows are
+            where = stats.skipped_rows.setdefault(reason, [])
+            origins = pc.filter(encoded.data.column("origin"), pc.equal(status_column, kind))
+            for chunk in range(0, len(origins), _WRITE_BATCH):
+                for origin in origins.slice(chunk, _WRITE_BATCH).to_pylist():
+                    if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
+                        where.append(origin)
+                if len(where) >= SKIPPED_ROWS_KEPT:
+                    break
     if status["no_answer"]:
         stats.skipped = {**stats.skipped, NO_ANSWER_LEFT: stats.skipped.get(NO_ANSWER_LEFT, 0) + status["no_answer"]}
     dataset = encoded.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
-                             batched=True).remove_columns(["status", "origin"])
+                             batched=True, **files.kwargs("kept")).remove_columns(["status", "origin"])
     counts = dataset.select_columns(["n_tokens", "n_loss"]).with_format("numpy")[:]  # (the filter's rows only)
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
     stats.examples = len(dataset)
     stats.max_seq_length = limit
     stats.tokens_total = int(lengths.sum())
     stats.tokens_squared = int((lengths ** 2).sum())
-    stats.loss_tokens = int(counts["n_loss"].sum()) if len(dataset) else 0
+    stats.loss_tokens = int(counts["n_loss"].astype(np.int64).sum()) if len(dataset) else 0
     dataset = dataset.remove_columns(["n_tokens", "n_loss"])
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))
@@ -288,17 +351,49 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, cfg: DataCon
     if cfg.packing and len(dataset):
         from trl.data_utils import pack_dataset
 
-        # Best-fit decreasing into rows of max_seq_length; `seq_lengths` records the examples of a row
-        dataset = pack_dataset(dataset, limit, "bfd")
+        # Best-fit decreasing into rows of max_seq_length, a thousand examples at a time (one
+        # process: more would cut the batches elsewhere and pack other rows); `seq_lengths`
+        # records the examples of a row
+        dataset = pack_dataset(dataset, limit, "bfd", map_kwargs={"desc": "Packing", **files.kwargs("packed")})
         stats.packed_rows = len(dataset)
         stats.uniform_rows = stats.uniform_rows and stats.packed_rows == stats.examples
     return dataset
 
 
+def tokenize_file(paths: str | list[str], tokenizer: Any, cfg: DataConfig, stats: DataStats,
+                  split: str = HELD_OUT) -> Any:
+    """:func:`tokenize_records` of the records `paths` hold (their `split`: by default the held-out
+    one), read and tokenised as a run's own data, uncached; its files live as long as this process."""
+    folder = cache.scratch()
+    return tokenize_records(record_table(iter_records(paths, cfg, stats, split), folder), tokenizer, cfg, stats, folder)
+
+
+class _Files:
+    """The ``datasets.map``/``filter`` arguments that write a step's Arrow file in a folder (named,
+    so that no fingerprint of the tokenizer is hashed) or, without one, keep it in memory."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.number = next(_TABLES)
+
+    def kwargs(self, step: str) -> dict[str, Any]:
+        if self.folder is None:
+            return {"keep_in_memory": True, "new_fingerprint": f"{step}-{self.number}"}
+        return {"cache_file_name": str(Path(self.folder) / f"{step}-{self.number}.arrow"),
+                "load_from_cache_file": False, "new_fingerprint": f"{step}-{self.number}"}
+
+
 def mix(parts: list[list[dict[str, Any]]], weights: list[float], seed: int) -> list[dict[str, Any]]:
-    """Datasets mixed by weight: the mixture keeps the total number of records, and source i
-    contributes ``total x w_i / sum(w)`` of them, drawn without replacement while it has enough
-    and repeated (whole passes, then a random remainder) when its share is larger than it is.
+    """Records mixed by weight (:func:`mix_order`)."""
+    flat = [record for part in parts for record in part]
+    return [flat[i] for i in mix_order([len(p) for p in parts], weights, seed)]
+
+
+def mix_order(sizes: list[int], weights: list[float], seed: int) -> list[int]:
+    """Sources of `sizes` records mixed by weight, as positions in their concatenation: the mixture
+    keeps the total number of records, and source i contributes ``total x w_i / sum(w)`` of them,
+    drawn without replacement while it has enough and repeated (whole passes, then a random
+    remainder) when its share is larger than it is.
 
     Kept rather than ``datasets.interleave_datasets(probabilities=...)``: that draws each example's
     source at random, so the shares are right only on average and the length depends on the
@@ -306,14 +401,16 @@ def mix(parts: list[list[dict[str, Any]]], weights: list[float], seed: int) -> l
     import random
 
     rng = random.Random(seed)
-    total = sum(len(p) for p in parts)
-    mixed: list[dict[str, Any]] = []
-    for part, weight in zip(parts, weights):
+    total = sum(sizes)
+    mixed: list[int] = []
+    offset = 0
+    for size, weight in zip(sizes, weights):
         want = round(total * weight / sum(weights))
-        if not part:
-            continue
-        passes, remainder = divmod(want, len(part))
-        mixed += part * passes + rng.sample(part, remainder)
+        if size:
+            passes, remainder = divmod(want, size)
+            positions = range(offset, offset + size)
+            mixed += list(positions) * passes + rng.sample(positions, remainder)
+        offset += size
     rng.shuffle(mixed)
     return mixed
 
@@ -336,7 +433,7 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         ValueError: no usable example, or a format that cannot be detected.
     """
     if not cfg.cache:
-        return _build(cfg, tokenizer, seed)
+        return _prepared(cfg, tokenizer, seed)  # its files live as long as this process
     key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed)
     with cache.preparing(key):  # processes started together with this data prepare it once
         cached = cache.load(key)
@@ -345,13 +442,30 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
             bundle = _bundle_from(cached)
             _log_skips(bundle)
         else:
-            bundle = _build(cfg, tokenizer, seed)
-            cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
-                       bundle.validation_stats.to_dict() if bundle.validation_stats else None)
+            folder = cache.scratch()
+            bundle = _prepared(cfg, tokenizer, seed, folder)
+            if cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
+                          bundle.validation_stats.to_dict() if bundle.validation_stats else None):
+                bundle = _bundle_from(cache.load(key))  # the cache's copy: the steps' files can go
+                cache.discard(folder)
     # what planning reads without loading the tokenizer (transformers keeps the source it loaded from)
     cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed),
                          bundle.stats.to_dict(), bundle.validation_stats.to_dict() if bundle.validation_stats else None)
     return bundle
+
+
+def _prepared(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path | None = None) -> DataBundle:
+    """:func:`_build` in `folder` (a new :func:`cache.scratch` folder unless given), a full disk said
+    as what it is."""
+    folder = folder or cache.scratch()
+    try:
+        return _build(cfg, tokenizer, seed, folder)
+    except OSError as exc:
+        if not cache.out_of_space(exc):
+            raise
+        raise UserError(f"no space left on the disk of {folder.parent} to prepare the data (about 3x the tokenised "
+                        "data's size is written there): free some, or set SFT_PLAY_CACHE to a folder on a larger "
+                        "disk") from None
 
 
 def remembered_stats(cfg: DataConfig, tokenizer_source: str | None, seed: int = 0) -> DataStats | None:
@@ -374,80 +488,97 @@ def _stat_fields(saved: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k in DataStats.__dataclass_fields__}
 
 
-def _records(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(training records, validation records or None) as read: mixed by ``data.weights``, and
-    with ``data.validation_fraction`` that share of each source held out *before* mixing, so
-    that no copy of a held-out record (mixing repeats the sources it weights up) trains."""
+def _records(cfg: DataConfig, stats: DataStats, seed: int, folder: Path | None = None) -> tuple[Any, Any | None]:
+    """(training records, validation records or None) as read, each a :func:`record_table` (its
+    Arrow file in `folder`): mixed by ``data.weights``, and with ``data.validation_fraction`` that
+    share of each source held out *before* mixing, so that no copy of a held-out record (mixing
+    repeats the sources it weights up) trains."""
     if not cfg.weights:
-        return _held_out(load_records(cfg.path, cfg, stats), cfg, seed)
-    parts = [load_records(entry, cfg, stats) for entry in cfg.path]
+        return _held_out(record_table(iter_records(cfg.path, cfg, stats), folder), cfg, seed)
+    import datasets
+
+    parts = [record_table(iter_records(entry, cfg, stats), folder) for entry in cfg.path]
+    sizes = [len(p) for p in parts]
+    kept = [list(range(size)) for size in sizes]
     held = None
     if not cfg.validation_path and cfg.validation_fraction > 0:
         # each source's share, but never its last record (a small source would leave the mix);
         # at least one record in all, from the largest source
-        cuts = [min(len(p) - 1, round(len(p) * cfg.validation_fraction)) if p else 0 for p in parts]
-        if not sum(cuts) and max(len(p) for p in parts) > 1:
-            cuts[max(range(len(parts)), key=lambda i: len(parts[i]))] = 1
-        splits = [_split(part, cut, seed) for part, cut in zip(parts, cuts)]
-        parts = [train for train, _ in splits]
-        held = [record for _, part in splits for record in part] or None
+        cuts = [min(size - 1, round(size * cfg.validation_fraction)) if size else 0 for size in sizes]
+        if not sum(cuts) and max(sizes) > 1:
+            cuts[max(range(len(sizes)), key=lambda i: sizes[i])] = 1
+        splits = [_split(size, cut, seed) for size, cut in zip(sizes, cuts)]
+        kept = [train for train, _ in splits]
+        held = [offset + i for offset, (_, out) in zip(itertools.accumulate([0, *sizes]), splits) for i in out] or None
         import random
 
         if held:
             random.Random(seed).shuffle(held)  # the held-out prompts make generate shows come from every source
-    records = mix(parts, cfg.weights, seed)
-    total = sum(len(p) for p in parts)
+    whole = datasets.concatenate_datasets(parts)
+    offsets = list(itertools.accumulate([0, *sizes]))
+    order = mix_order([len(k) for k in kept], cfg.weights, seed)
+    positions = [offset + i for offset, part in zip(offsets, kept) for i in part]  # the kept records, in sources' order
+    records = whole.select([positions[i] for i in order])
+    total = sum(len(k) for k in kept)
     shares = []
-    for entry, part, weight in zip(cfg.path, parts, cfg.weights):
+    for entry, part, weight in zip(cfg.path, kept, cfg.weights):
         drawn = round(total * weight / sum(cfg.weights)) if part else 0
         shares.append(f"{entry}: {drawn} of its {len(part)} ({drawn / len(part):.2f} passes)" if part
                       else f"{entry}: none (no usable record)")
     logger.info("data: mixed by weights %s into %d records: %s", cfg.weights, len(records), "; ".join(shares))
-    return records, held
+    return records, whole.select(held) if held else None
 
 
-def _held_out(records: list[dict[str, Any]], cfg: DataConfig, seed: int):
+def _held_out(records: Any, cfg: DataConfig, seed: int) -> tuple[Any, Any | None]:
     """(training records, validation records or None) for ``data.validation_fraction``: a seeded
-    split of the records before tokenising, as Dataset.train_test_split would do; they are still
-    Python dicts here, of chat and prompt/completion shapes mixed."""
+    split of the records before tokenising, as Dataset.train_test_split would do (of chat and
+    prompt/completion records mixed)."""
     if cfg.validation_path or cfg.validation_fraction <= 0:
         return records, None
     # at least one record held out, and one left to train on (one record: none held out, no validation)
     cut = min(max(1, round(len(records) * cfg.validation_fraction)), len(records) - 1)
-    return _split(records, cut, seed) if cut > 0 else (records, None)
+    if cut <= 0:
+        return records, None
+    kept, held = _split(len(records), cut, seed)
+    return records.select(kept), records.select(held)
 
 
-def _split(records: list[dict[str, Any]], cut: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the records left, `cut` of them held out at random with `seed`), each in the records' order."""
+def _split(size: int, cut: int, seed: int) -> tuple[list[int], list[int]]:
+    """(the positions of `size` records left, `cut` of them held out at random with `seed`), each in order."""
     import random
 
-    order = list(range(len(records)))
+    order = list(range(size))
     random.Random(seed).shuffle(order)
     held = set(order[:max(0, cut)])
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+    return [i for i in range(size) if i not in held], [i for i in range(size) if i in held]
 
 
-def validation_records(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
-    """The validation records a run of `cfg` held out (``data.validation_path``'s, or its seeded
-    ``data.validation_fraction`` of the training records), untokenised; empty without either."""
+def validation_records(cfg: DataConfig, seed: int, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` validation records a run of `cfg` held out (``data.validation_path``'s, or
+    its seeded ``data.validation_fraction`` of the training records), untokenised; empty without either."""
     if cfg.validation_path:
-        return load_records(cfg.validation_path, cfg, DataStats(), HELD_OUT)
+        return list(itertools.islice(iter_records(cfg.validation_path, cfg, DataStats(), HELD_OUT), limit))
     if cfg.validation_fraction > 0:
-        return _records(cfg, DataStats(), seed)[1] or []
+        folder = cache.scratch()
+        try:
+            held = _records(cfg, DataStats(), seed, folder)[1]
+            return decoded(held, limit) if held is not None else []
+        finally:
+            cache.discard(folder)
     return []
 
 
-def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+def _build(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path) -> DataBundle:
     stats = DataStats()
-    records, validation_records = _records(cfg, stats, seed)
+    records, validation_records = _records(cfg, stats, seed, folder)
     validation_stats = None
     if cfg.validation_path:
         validation_stats = DataStats()
-        validation_records = load_records(cfg.validation_path, cfg, validation_stats, HELD_OUT)
+        validation_records = record_table(iter_records(cfg.validation_path, cfg, validation_stats, HELD_OUT), folder)
     elif validation_records is not None:
         validation_stats = DataStats(formats=dict(stats.formats))
     started = time.perf_counter()
-    train = tokenize_records(records, tokenizer, cfg, stats)
+    train = tokenize_records(records, tokenizer, cfg, stats, folder)
     logger.info("data: %d examples tokenised%s in %.1f s", stats.examples,
                 f" and packed into {stats.packed_rows} rows" if stats.packed_rows is not None else "",
                 time.perf_counter() - started)
@@ -459,7 +590,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         )
     validation = None
     if validation_records is not None and validation_stats is not None:
-        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats)
+        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats, folder)
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:

@@ -334,8 +334,11 @@ def _undecodable(value: Any) -> str | None:
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
-    for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield number, row
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1_000):  # (a whole file as Python objects: GBs)
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row
 
 
 def _text_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
