@@ -518,8 +518,9 @@ def write_plan(run_dir: Path, plan_json: str) -> None:
 def data_summary(stats: Any) -> dict[str, Any]:
     """What the run trains on, in counts (of :class:`sft_play.data.DataStats`): a resume compares
     them (:func:`data_changes`)."""
-    return {"examples": stats.examples, "tokens": stats.tokens_total, "loss_tokens": stats.loss_tokens,
-            "rows": stats.packed_rows if stats.packed_rows is not None else stats.examples}
+    counts = {"examples": stats.examples, "tokens": stats.tokens_total, "loss_tokens": stats.loss_tokens,
+              "rows": stats.packed_rows if stats.packed_rows is not None else stats.examples}
+    return {**counts, "sampled": stats.sampled} if getattr(stats, "sampled", 0) else counts  # (streamed: a sample's)
 
 
 def write_run(run_dir: Path, run: Any, data: dict[str, Any] | None = None, base_weights: str | None = None) -> None:

@@ -1024,3 +1024,50 @@ def test_two_ranks_prepare_the_data_once(tmp_path):
     assert result.stderr.count("preprocessed data from the cache") == 1, result.stderr[-3000:]
     ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and ranks[0]["rows"] == ranks[1]["rows"]
+
+
+def streamed_config(**values):
+    """A data config with ``data.streaming`` (which a run's train.max_steps goes with)."""
+    overrides = [f"data.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
+    return config_module.load(None, [*overrides, "data.streaming=true", "train.max_steps=10"], check_paths=False).data
+
+
+def test_a_stream_gives_the_rows_preparation_gives_with_statistics_of_its_sample(tmp_path, tiny_tokenizer):
+    """``data.streaming``: the same packed rows as the whole preparation, read as they are consumed
+    (again from the start once the stream ends); the statistics are those of the first
+    ``data.sample_rows`` records, and say so."""
+    import datasets
+
+    data_file = _chat_rows(tmp_path / "chats.jsonl", 1500)
+    prepared = build(data_config(path=str(data_file), max_seq_length=128, cache=False), tiny_tokenizer)
+    streamed = build(streamed_config(path=str(data_file), max_seq_length=128, sample_rows=100),
+                     tiny_tokenizer)
+    assert isinstance(streamed.train, datasets.IterableDataset)
+    assert [row["input_ids"] for row in streamed.train] == prepared.train["input_ids"]
+    assert streamed.stats.sampled == 100 and streamed.stats.examples == 100
+    assert streamed.stats.tokens_max <= prepared.stats.tokens_max
+    # bad rows: in the sample as data.on_invalid says; past it skipped, so that no run stops half-way
+    lines = data_file.read_text().splitlines()
+    lines[10] = lines[1400] = '{"messages": []}'
+    data_file.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InvalidRow, match="row 11"):
+        build(streamed_config(path=str(data_file), max_seq_length=128, sample_rows=100), tiny_tokenizer)
+    past = build(streamed_config(path=str(data_file), max_seq_length=128, sample_rows=5), tiny_tokenizer)
+    assert sum(len(row["seq_lengths"]) for row in past.train) == 1498
+
+
+def test_a_streamed_plan_says_its_lengths_are_a_samples_and_a_stream_needs_max_steps():
+    from sft_play.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="set train.max_steps"):
+        config_module.load(REPO / "configs" / "run_tiny.yaml", ["data.streaming=true", "train.max_steps=-1"])
+    with pytest.raises(ConfigError, match="data.validation_path to held-out data"):
+        config_module.load(REPO / "configs" / "run_tiny.yaml", ["data.streaming=true", "train.max_steps=5",
+                                                               "data.validation_fraction=0.1"])
+    from tests.conftest import run_script
+
+    planned = run_script("plan.py", "--config", "configs/run_tiny.yaml", "data.streaming=true", "train.max_steps=5",
+                         "data.sample_rows=500", "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    notes = json.loads(planned.stdout)["notes"]
+    assert any("the data is streamed: its lengths are those of its first 500 records" in note for note in notes), notes

@@ -466,3 +466,30 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume(tmp
     run, checkpoint, message = run_folder.resolve_resume("auto", tmp_path, "killed", "run_tiny")
     assert checkpoint == folder / "checkpoint-4" and message.startswith(f"resuming {run} from checkpoint-4")
     assert (tmp_path / "killed" / "incomplete-checkpoints" / "checkpoint-6").is_dir()
+
+
+def test_a_streamed_run_resumes_at_the_row_it_stopped_and_ends_like_an_uninterrupted_one(tmp_path):
+    """``data.streaming``: the trainer reads the stream as it trains; stopped at step 2 and resumed,
+    it skips the rows already trained (not reading the stream again from its start), so its weights
+    end as those of the run that was never stopped."""
+    class Interrupt(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # (the step under way finishes: stopped at 2)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    streamed = ("data.streaming=true", "data.sample_rows=300", "data.validation_path=null", "train.max_steps=4")
+    whole, _ = training.train_with_backoff(build(tmp_path / "whole", [], *streamed), BatchSplit(8, 1, 1, 8))
+    assert whole.state.global_step == 4
+
+    stop = callbacks.GracefulStop()
+    first, _ = training.train_with_backoff(
+        build(tmp_path / "stopped", [callbacks.CheckpointMarker(), stop, Interrupt()], *streamed), BatchSplit(8, 1, 1, 8))
+    stop.restore()
+    assert first.state.global_step == 2
+    checkpoint = tmp_path / "stopped" / "checkpoints" / "checkpoint-2"
+    resumed, _ = training.train_with_backoff(build(tmp_path / "stopped", [], *streamed), BatchSplit(8, 1, 1, 8),
+                                             resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    ours = {k: v for k, v in resumed.model.state_dict().items() if "lora" in k}
+    theirs = {k: v for k, v in whole.model.state_dict().items() if "lora" in k}
+    assert ours and all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -163,6 +163,11 @@ class DataConfig(_Section):
         "auto", description="Processes that tokenise: auto uses this machine's usable cores for 10,000 records or "
         "more (fewer: one process), or a number; the rows are the same bytes whatever it is.")
     cache: bool = Field(True, description="Reuse preprocessed data keyed by the data, tokenizer and settings ($SFT_PLAY_CACHE).")
+    streaming: bool = Field(
+        False, description="Read, tokenise and pack the training data as training consumes it (corpora larger than "
+        "the disk or memory; needs train.max_steps); the planner reads statistics of a sample.")
+    sample_rows: int = Field(10_000, gt=0, description="With streaming: the first records whose statistics the "
+                             "planner reads.")
 
 
 class TrainConfig(_Section):
@@ -426,6 +431,12 @@ def consistency_problems(config: RunConfig) -> list[str]:
             problems.append(f"train.{key}: got {value}; use a positive number, or auto for the planner's choice")
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(f"train.max_steps: got {train.max_steps}; use a positive number of steps, or -1 for num_epochs")
+    if config.data.streaming and train.max_steps < 1:
+        problems.append("data.streaming: a stream's length is not known before it is read; set train.max_steps (the "
+                        "run's optimizer steps)")
+    if config.data.streaming and config.data.validation_fraction > 0:
+        problems.append("data.streaming: a stream has no records to hold out before training; set "
+                        "data.validation_path to held-out data (prepared whole), and data.validation_fraction=0")
     if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
         problems.append(
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "

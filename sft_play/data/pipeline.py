@@ -47,13 +47,14 @@ ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what toke
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
 
 
-def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats,
-                 split: str | None = None) -> Iterator[dict[str, Any]]:
+def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None,
+                 streaming: bool = False, limit: int | None = None) -> Iterator[dict[str, Any]]:
     """Canonical records from every source in `paths` (of `split` where a source holds splits:
-    ``data.split`` unless said), one at a time, each with its file and row under :data:`ORIGIN`
-    (so that what tokenising leaves out is named). With ``data.on_invalid: error`` every bad row
-    is collected and one :class:`InvalidRows` names them all once the sources are read; with
-    ``skip`` they are counted by reason in `stats.skipped`, their numbers in `stats.skipped_rows`."""
+    ``data.split`` unless said), one at a time (the first `limit`), each with its file and row under
+    :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error``
+    every bad row is collected and one :class:`InvalidRows` names them all once the records are
+    read; with ``skip`` they are counted by reason in `stats.skipped`, their numbers in
+    `stats.skipped_rows`. Hub datasets are streamed with `streaming`."""
     skipped: Counter[str] = Counter(stats.skipped)
     bad: list[InvalidRow] = []
     bad_count = 0
@@ -68,20 +69,22 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats,
         where = stats.skipped_rows.setdefault(reason, [])
         if len(where) < SKIPPED_ROWS_KEPT:
             where.append(f"{error.source}:{error.row}")
+        stats.skipped = dict(skipped)
 
-    for source, rows in iter_sources(paths, split or cfg.split):
+    given = 0
+    for source, rows in iter_sources(paths, split or cfg.split, streaming):
         rows = iter(rows)
         head: list[tuple[int, dict[str, Any]]] = []  # the first readable rows: they tell the format
-        problems: list[InvalidRow] = []  # lines that could not be read and rows that do not fit, by row at the end
+        unread: list[InvalidRow] = []  # lines among them that could not be read: said in row order below
         for number, row in rows:
             if isinstance(row, InvalidRow):
-                problems.append(row)
+                unread.append(row)
                 continue
             head.append((number, row))
             if len(head) == _DETECT_ROWS:
                 break
         if not head:
-            for error in problems:
+            for error in unread:
                 reject(error)
             stats.formats[source] = "empty"
             continue
@@ -94,23 +97,30 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats,
         stats.formats[source] = fmt
         kept = 0
         for number, row in itertools.chain(head, rows):
+            while unread and unread[0].row < number:
+                reject(unread.pop(0))
             if isinstance(row, InvalidRow):
-                problems.append(row)
+                reject(row)
                 continue
             try:
                 record = normalise(row, fmt, cfg.columns, source, number)
             except InvalidRow as exc:
-                problems.append(exc)
+                reject(exc)
                 continue
             record[ORIGIN] = f"{source}:{number}"
             if cfg.system_prompt and record.get("messages") and record["messages"][0]["role"] != "system":
                 record["messages"] = [{"role": "system", "content": cfg.system_prompt}, *record["messages"]]
             kept += 1
+            given += 1
             yield record
-        for error in sorted(problems, key=lambda e: e.row):  # by row, as the file has them
+            if given == limit:
+                break
+        for error in unread:
             reject(error)
         if not kept and cfg.format != "auto":
             _refuse_forced_format(source, fmt, [r for _, r in head], cfg.columns)
+        if given == limit:
+            break
     stats.skipped = dict(skipped)
     if bad and cfg.on_invalid == "error":
         raise InvalidRows(bad, bad_count)
@@ -432,6 +442,8 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         InvalidRow: a bad row, with ``data.on_invalid: error``.
         ValueError: no usable example, or a format that cannot be detected.
     """
+    if cfg.streaming:
+        return _streamed(cfg, tokenizer, seed)
     if not cfg.cache:
         return _prepared(cfg, tokenizer, seed)  # its files live as long as this process
     key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed)
@@ -452,6 +464,63 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed),
                          bundle.stats.to_dict(), bundle.validation_stats.to_dict() if bundle.validation_stats else None)
     return bundle
+
+
+def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
+    """``data.streaming``: the training data as a ``datasets.IterableDataset`` read, tokenised and
+    packed a thousand records at a time as training consumes it (in the sources' order; mixed by
+    ``data.weights`` at random in those shares), and the statistics of its first
+    ``data.sample_rows`` records, prepared whole (bad rows among them as ``data.on_invalid`` says;
+    later ones are skipped and counted, as a stream cannot stop a run half-way for them). The
+    validation data (``data.validation_path``) is prepared whole, uncached."""
+    import datasets
+
+    sample_cfg = cfg.model_copy(update={"streaming": False, "validation_fraction": 0.0})
+    folder = cache.scratch()
+    stats = DataStats()
+    paths = cfg.path if cfg.weights else [cfg.path]
+    records = record_table(iter_records(cfg.path, sample_cfg, stats, streaming=True, limit=cfg.sample_rows), folder)
+    tokenize_records(records, tokenizer, sample_cfg, stats, folder)
+    stats.sampled = len(records)
+    logger.info("data: streamed; the planner reads the statistics of its first %d records (data.sample_rows)",
+                stats.sampled)
+    if not stats.examples:
+        raise NoUsableData(f"no usable training example in the first {stats.sampled} records of {cfg.path}"
+                           + (f": {skip_summary(stats)}" if stats.skipped else ""))
+    skipping = cfg.model_copy(update={"on_invalid": "skip"})
+    streams = [datasets.IterableDataset.from_generator(_stream_cells, features=_record_features(), gen_kwargs={
+        "paths": [entry], "cfg": skipping}) for entry in paths]
+    stream = streams[0] if len(streams) == 1 else datasets.interleave_datasets(
+        streams, probabilities=[w / sum(cfg.weights) for w in cfg.weights], seed=seed,
+        stopping_strategy="all_exhausted")
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    train = stream.map(_encode_batch, batched=True, remove_columns=list(RECORD_COLUMNS), fn_kwargs={
+        "tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
+        "overlong": cfg.overlong, "tools_rendered": renders_tools(template)})
+    train = train.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
+                         batched=True).remove_columns(["status", "origin", "n_tokens", "n_loss"])
+    if cfg.packing:
+        from trl.data_utils import pack_dataset
+
+        train = pack_dataset(train, cfg.max_seq_length, "bfd")  # a thousand examples at a time, as prepared
+    validation = validation_stats = None
+    if cfg.validation_path:
+        validation_stats = DataStats()
+        validation = tokenize_file(cfg.validation_path, tokenizer, sample_cfg, validation_stats)
+    bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
+    _log_skips(bundle)
+    return bundle
+
+
+def _stream_cells(paths: list[str], cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """The records of `paths` as :data:`RECORD_COLUMNS` cells, for ``IterableDataset.from_generator``;
+    the rows skipped as bad said once each pass ends."""
+    stats = DataStats()
+    for record in iter_records(paths, cfg, stats, streaming=True):
+        yield {c: _to_cell(c, record.get(c)) for c in RECORD_COLUMNS}
+    summary = skip_summary(stats)
+    if summary:
+        logger.warning("data (streamed): %s", summary)
 
 
 def _prepared(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path | None = None) -> DataBundle:

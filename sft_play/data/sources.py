@@ -381,9 +381,10 @@ def read_file(path: Path, split: str = "train") -> Iterator[tuple[int, dict[str,
         raise InvalidRow(str(path), 0, "<file>", "no records (the file is empty)")
 
 
-def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row number, record) pairs of a hub dataset split (downloads through ``datasets``); for
-    validation data (:data:`HELD_OUT`) its validation split, else its test split, else its train split.
+def read_hub(name: str, split: str, streaming: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(row number, record) pairs of a hub dataset split (downloads through ``datasets``; with
+    `streaming`, read as they download, nothing kept on disk); for validation data
+    (:data:`HELD_OUT`) its validation split, else its test split, else its train split.
 
     Raises:
         UserError: the dataset cannot be had (offline and not cached, not on the hub, gated), or
@@ -394,7 +395,7 @@ def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
         if split == HELD_OUT:
             split = _held_out_or_train(datasets.get_dataset_split_names(name), name)
-        dataset = datasets.load_dataset(name, split=split)
+        dataset = datasets.load_dataset(name, split=split, streaming=streaming)
     except (ConnectionError, OSError) as exc:  # offline, not found, gated: datasets' errors derive from these
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
@@ -410,11 +411,13 @@ def read_hub(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
         yield number, row
 
 
-def iter_sources(paths: str | list[str], split: str) -> Iterator[tuple[str, Iterator[tuple[int, dict[str, Any]]]]]:
-    """(source name, rows) for every file or hub dataset that `paths` names, in order."""
+def iter_sources(paths: str | list[str], split: str,
+                 streaming: bool = False) -> Iterator[tuple[str, Iterator[tuple[int, dict[str, Any]]]]]:
+    """(source name, rows) for every file or hub dataset that `paths` names, in order (hub datasets
+    streamed with `streaming`; local files are read row by row either way)."""
     for entry in [paths] if isinstance(paths, str) else paths:
         if is_local(entry):
             for file in expand(entry, split):
                 yield str(file), read_file(file, split)
         else:
-            yield f"{entry}[{split}]", read_hub(entry, split)
+            yield f"{entry}[{split}]", read_hub(entry, split, streaming)

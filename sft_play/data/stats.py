@@ -32,6 +32,7 @@ class DataStats:
     max_seq_length: int = 0
     uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
     skipped_rows: dict[str, list[str]] = field(default_factory=dict)  # reason -> "file:row" (the first few)
+    sampled: int = 0  # streamed data: these counts are of its first `sampled` records, not of the whole
 
     @property
     def truncated_share(self) -> float:

@@ -185,6 +185,10 @@ def make_plan(
         if note:
             notes.append(note)
     rows = getattr(data_stats, "packed_rows", None) or getattr(data_stats, "examples", None)
+    if getattr(data_stats, "sampled", 0):
+        rows = None  # a stream's rows are not counted: train.max_steps is the run's length
+        notes.append(f"the data is streamed: its lengths are those of its first {data_stats.sampled:,} records "
+                     "(data.sample_rows), and train.max_steps sets the run's length")
     step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
