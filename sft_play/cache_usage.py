@@ -8,13 +8,16 @@ configs (``lease_configs/``). Nothing here is a result: deleting an entry costs 
 preparation again, nothing else. An entry's last use is its modification time, refreshed when
 a run reads it (:func:`used`); cleaning removes entries not used for a number of days, never
 one whose data a process is preparing (its lock is held), and the staging folders of writes
-that died half-way once they are a day old.
+that died half-way once they are a day old (or at once where their name says they belong to a
+process of this host that is gone; never one of a process still running).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,27 @@ class Entry:
     bytes: int
     last_used: float  # seconds since the epoch
     staging: bool = False  # a write that never finished (".<key>-..." beside the entries)
+
+
+def owner_tag() -> str:
+    """``<host>-<pid>``: what a staging or scratch folder's name carries of the process writing it."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def owner_gone(name: str) -> bool | None:
+    """Whether the process a staging or scratch folder named `name` belongs to (:func:`owner_tag`)
+    has ended: True or False for a process of this host, None where the name says no process of
+    this host (another node's on a shared cache, or a name without one)."""
+    match = re.match(rf"^\.(?:work-)?(?:[0-9a-f]{{20}}-)?{re.escape(socket.gethostname())}-(\d+)-", name)
+    if match is None:
+        return None
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: running
+        return False
+    return False
 
 
 def used(path: str | Path) -> None:
@@ -111,7 +135,8 @@ def to_clean(unused_days: float | None, root: Path | None = None, now: float | N
     for entry in entries(root):
         age = now - entry.last_used
         if entry.staging:
-            old = age > STALE_STAGING_S
+            gone = owner_gone(entry.path.name)
+            old = gone or (gone is None and age > STALE_STAGING_S)
         else:
             old = unused_days is None or age > unused_days * DAY_S
         if old and not _being_prepared(entry, root):

@@ -27,6 +27,16 @@ def test_clean_cache_deletes_what_was_not_used_and_keeps_what_is_being_prepared(
     _entry(cache / "data" / "lockedkey", 1000, 30)  # a process is preparing it right now
     _entry(cache / "data" / ".deadkey-abc", 1000, 2)  # a write that died two days ago
     _entry(cache / "data" / ".livekey-abc", 1000, 0.01)  # a write under way
+    # scratch folders of data preparations (named for their host and process): a killed one's goes
+    # at once, a running one's stays however old (a run with data.cache off trains on its files)
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _entry(cache / "data" / f".work-{socket.gethostname()}-{dead.pid}-x1", 1000, 0.01)
+    running = f".work-{socket.gethostname()}-{os.getpid()}-x2"
+    _entry(cache / "data" / running, 1000, 3)
     _entry(cache / "init_weights" / "0123", 5000, 15)
     (cache / "planner").mkdir()
     trace = cache / "planner" / "trace-ab.pkl"
@@ -38,19 +48,19 @@ def test_clean_cache_deletes_what_was_not_used_and_keeps_what_is_being_prepared(
     with lock:
         dry = run_script("clean_cache.py", "--dry-run", env=env)
         assert dry.returncode == 0, dry.stderr
-        assert "7 entries" in dry.stdout and "Dry run: would delete 4 (entries unused for more than 14 days)" in dry.stdout
+        assert "9 entries" in dry.stdout and "Dry run: would delete 5 (entries unused for more than 14 days)" in dry.stdout
         assert (cache / "data" / "oldkey").is_dir()  # nothing deleted
 
         cleaned = run_script("clean_cache.py", env=env)
         assert cleaned.returncode == 0, cleaned.stderr
-        assert "Deleted 4 (entries unused for more than 14 days)" in cleaned.stdout
+        assert "Deleted 5 (entries unused for more than 14 days)" in cleaned.stdout
         left = {p.relative_to(cache).as_posix() for kind in ("data", "init_weights", "planner")
                 for p in (cache / kind).iterdir()}
-        assert left == {"data/newkey", "data/lockedkey", "data/.livekey-abc"}
+        assert left == {"data/newkey", "data/lockedkey", "data/.livekey-abc", f"data/{running}"}
 
         everything = run_script("clean_cache.py", "--all", env=env)
         assert "Deleted 1 (every entry not in use)" in everything.stdout  # not the data being prepared or written
-        assert {p.name for p in (cache / "data").iterdir()} == {"lockedkey", ".livekey-abc"}
+        assert {p.name for p in (cache / "data").iterdir()} == {"lockedkey", ".livekey-abc", running}
     bad = run_script("clean_cache.py", "--days", "-1", env=env)
     assert bad.returncode == 2 and "error: --days must be 0 or more" in bad.stderr and "Traceback" not in bad.stderr
 

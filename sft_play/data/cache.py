@@ -26,9 +26,7 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -164,10 +162,6 @@ def preparing(key: str):
 _SCRATCH: list[Path] = []  # this process's scratch folder, once made
 
 
-def _owner_tag() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 def scratch() -> Path:
     """A new, empty folder for one preparation's Arrow files, inside a folder of this process that
     is removed when it exits (under the cache root, else the system's temporary folder where the
@@ -177,9 +171,9 @@ def scratch() -> Path:
     if not _SCRATCH:
         try:
             cache_root().mkdir(parents=True, exist_ok=True)
-            folder = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".work-{_owner_tag()}-"))
+            folder = Path(tempfile.mkdtemp(dir=cache_root(), prefix=f".work-{cache_usage.owner_tag()}-"))
         except OSError:
-            folder = Path(tempfile.mkdtemp(prefix=f"sft-play-work-{_owner_tag()}-"))
+            folder = Path(tempfile.mkdtemp(prefix=f"sft-play-work-{cache_usage.owner_tag()}-"))
         _SCRATCH.append(folder)
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
@@ -192,27 +186,14 @@ def discard(folder: Path) -> None:
 
 
 def _sweep_abandoned() -> None:
-    """Remove the scratch and staging folders that processes of this host left when killed (their
-    names carry the host and process id; a process still running keeps its own)."""
-    host = socket.gethostname()
+    """Remove the scratch and staging folders that processes of this host left when killed."""
     try:
         entries = list(cache_root().iterdir())
     except OSError:
         return
     for entry in entries:
-        match = re.match(rf"^\.(?:work-)?(?:[0-9a-f]{{20}}-)?{re.escape(host)}-(\d+)-", entry.name)
-        if match and entry.is_dir() and not _running(int(match.group(1))):
+        if entry.is_dir() and cache_usage.owner_gone(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: running
-        return True
-    return True
 
 
 def out_of_space(exc: BaseException) -> bool:
@@ -243,7 +224,7 @@ def save(key: str, train: Any, validation: Any | None, stats: dict, validation_s
     False where it could not be stored."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-{_owner_tag()}-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-{cache_usage.owner_tag()}-"))
     try:
         train.save_to_disk(str(staging / "train"))
         if validation is not None:

@@ -482,6 +482,8 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     records = record_table(iter_records(cfg.path, sample_cfg, stats, streaming=True, limit=cfg.sample_rows), folder)
     tokenize_records(records, tokenizer, sample_cfg, stats, folder)
     stats.sampled = len(records)
+    del records
+    cache.discard(folder)  # (only the statistics are kept)
     logger.info("data: streamed; the planner reads the statistics of its first %d records (data.sample_rows)",
                 stats.sampled)
     if not stats.examples:
