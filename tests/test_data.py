@@ -1071,3 +1071,12 @@ def test_a_streamed_plan_says_its_lengths_are_a_samples_and_a_stream_needs_max_s
     assert planned.returncode == 0, planned.stderr[-2000:]
     notes = json.loads(planned.stdout)["notes"]
     assert any("the data is streamed: its lengths are those of its first 500 records" in note for note in notes), notes
+
+
+def test_a_stream_of_several_sources_without_weights_reads_them_in_order(tiny_tokenizer):
+    """A list in data.path without weights is one stream of its sources in order: the rows the whole
+    preparation gives (it took the list for a single path and stopped)."""
+    paths = [str(FIXTURES / "messages.jsonl"), str(FIXTURES / "text.jsonl")]
+    streamed = build(streamed_config(path=paths, max_seq_length=128, packing=False), tiny_tokenizer)
+    prepared = build(data_config(path=paths, max_seq_length=128, packing=False, cache=False), tiny_tokenizer)
+    assert [row["input_ids"] for row in streamed.train] == prepared.train["input_ids"]

@@ -152,7 +152,7 @@ def record_table(records: Iterable[dict[str, Any]], folder: Path | None = None) 
 
     features = _record_features()
     if folder is None:
-        rows = [{c: _to_cell(c, r.get(c)) for c in RECORD_COLUMNS} for r in records]
+        rows = [_cells(r) for r in records]
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in RECORD_COLUMNS}, features=features)
     from datasets.arrow_writer import ArrowWriter
 
@@ -160,12 +160,18 @@ def record_table(records: Iterable[dict[str, Any]], folder: Path | None = None) 
     with ArrowWriter(features=features, path=path, writer_batch_size=_WRITE_BATCH) as writer:
         records = iter(records)
         while batch := list(itertools.islice(records, _WRITE_BATCH)):
-            writer.write_batch({c: [_to_cell(c, r.get(c)) for r in batch] for c in RECORD_COLUMNS})
+            rows = [_cells(r) for r in batch]
+            writer.write_batch({c: [r[c] for r in rows] for c in RECORD_COLUMNS})
         writer.finalize()
     return datasets.Dataset.from_file(path)
 
 
 _TABLES = itertools.count()
+
+
+def _cells(record: dict[str, Any]) -> dict[str, Any]:
+    """A canonical record as the table's row: every column of :data:`RECORD_COLUMNS`."""
+    return {c: _to_cell(c, record.get(c)) for c in RECORD_COLUMNS}
 
 
 def decoded(table: Any, limit: int | None = None) -> list[dict[str, Any]]:
@@ -482,7 +488,8 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     sample_cfg = cfg.model_copy(update={"streaming": False, "validation_fraction": 0.0})
     folder = cache.scratch()
     stats = DataStats()
-    paths = cfg.path if cfg.weights else [cfg.path]
+    # one stream per weighted source; without weights one of every source in order
+    sources = [[entry] for entry in cfg.path] if cfg.weights else [[cfg.path] if isinstance(cfg.path, str) else cfg.path]
     records = record_table(iter_records(cfg.path, sample_cfg, stats, streaming=True, limit=cfg.sample_rows), folder)
     tokenize_records(records, tokenizer, sample_cfg, stats, folder)
     stats.sampled = len(records)
@@ -495,7 +502,7 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
                            + (f": {skip_summary(stats)}" if stats.skipped else ""))
     skipping = cfg.model_copy(update={"on_invalid": "skip"})
     streams = [datasets.IterableDataset.from_generator(_stream_cells, features=_record_features(), gen_kwargs={
-        "paths": [entry], "cfg": skipping}) for entry in paths]
+        "paths": paths, "cfg": skipping}) for paths in sources]
     stream = streams[0] if len(streams) == 1 else datasets.interleave_datasets(
         streams, probabilities=[w / sum(cfg.weights) for w in cfg.weights], seed=seed,
         stopping_strategy="all_exhausted")
@@ -523,7 +530,7 @@ def _stream_cells(paths: list[str], cfg: DataConfig) -> Iterator[dict[str, Any]]
     the rows skipped as bad said once each pass ends."""
     stats = DataStats()
     for record in iter_records(paths, cfg, stats, streaming=True):
-        yield {c: _to_cell(c, record.get(c)) for c in RECORD_COLUMNS}
+        yield _cells(record)
     summary = skip_summary(stats)
     if summary:
         logger.warning("data (streamed): %s", summary)
