@@ -93,20 +93,66 @@ def config_identity(name_or_path: str, revision: str | None = None, trust_remote
     return load_model_config(name_or_path, revision, trust_remote_code).to_json_string(use_diff=False)
 
 
+def is_vision_language(model_config: Any) -> bool:
+    """Whether the model sees images: its config holds a vision encoder's (Qwen-VL, Gemma-3, LLaVA...)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def model_class(model_config: Any) -> Any:
+    """The transformers auto class a model of `model_config` trains as: image-text-to-text for a
+    vision-language model (``AutoModelForCausalLM`` refuses Qwen-VL's config, and maps Gemma-3's
+    to a class that is not the one its processor serves), causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(model_config) else AutoModelForCausalLM
+
+
 def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:
-    """The causal LM for `model_config` on the meta device, tied weights tied.
+    """The model for `model_config` on the meta device (:func:`model_class`), tied weights tied.
 
     ``torch.device("meta")`` rather than accelerate's ``init_empty_weights``: with current
     transformers the latter leaves tied embeddings untied (counted twice).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        model = model_class(model_config).from_config(model_config, trust_remote_code=trust_remote_code)
     model.tie_weights()
     return model
+
+
+# What transformers' vision-language families call their vision encoder and their projector
+# (Qwen-VL's projector, the merger, lives inside its encoder)
+VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
+
+
+def vision_parts(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The module paths of a vision-language model's vision encoder(s) and projector(s); empty for
+    a text model."""
+    towers: list[str] = []
+    projectors: list[str] = []
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in VISION_TOWERS and not any(name.startswith(t + ".") for t in towers):
+            towers.append(name)
+        elif leaf in PROJECTORS and not any(name.startswith(p + ".") for p in projectors):
+            projectors.append(name)
+    return tuple(towers), tuple(projectors)
+
+
+def frozen_parts(towers: tuple[str, ...], projectors: tuple[str, ...], train_tower: bool,
+                 train_projector: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the module paths kept frozen, the paths inside them that train): the vision encoder unless
+    `train_tower`, the projector unless `train_projector` (which may lie inside the encoder)."""
+    frozen = (() if train_tower else towers) + (() if train_projector else projectors)
+    inside = tuple(p for p in projectors if train_projector and any(p.startswith(t + ".") for t in frozen))
+    return frozen, inside
+
+
+def in_parts(name: str, paths: tuple[str, ...]) -> bool:
+    return any(name == path or name.startswith(path + ".") for path in paths)
 
 
 def parameter_count(model_config: Any, trust_remote_code: bool = False) -> int:
@@ -325,6 +371,9 @@ class ModelFacts:
     kv_heads: int = 0
     sliding_window: int | None = None
     sequential_mixers: tuple[str, ...] = ()  # layers that carry a state along the sequence (sequential_mixers)
+    # a vision-language model's vision encoder(s) and projector(s), as module paths (vision_parts)
+    vision_towers: tuple[str, ...] = ()
+    projectors: tuple[str, ...] = ()
 
 
 def model_facts(model_config: Any, trust_remote_code: bool = False, adapters: bool = True) -> ModelFacts:
@@ -337,7 +386,9 @@ def model_facts(model_config: Any, trust_remote_code: bool = False, adapters: bo
                       attention_eager_only=attention_eager_only(model_config),
                       expert_parameters=tuple(expert_parameters), lora_exclude=tuple(lora_exclude),
                       attention_heads=heads, kv_heads=config_int(text, "num_key_value_heads", "num_kv_heads", default=heads),
-                      sliding_window=sliding_window(model_config), sequential_mixers=sequential_mixers(model_config))
+                      sliding_window=sliding_window(model_config), sequential_mixers=sequential_mixers(model_config),
+                      **dict(zip(("vision_towers", "projectors"), vision_parts(build_meta_model(
+                          model_config, trust_remote_code)) if is_vision_language(model_config) else ((), ()))))
 
 
 def sequential_mixers(model_config: Any) -> tuple[str, ...]:

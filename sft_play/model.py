@@ -92,7 +92,7 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
         UserError: the host has too little memory to build them.
     """
     import psutil
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     target = init_weights_dir(config_dir, seed, dtype)
     model_config = AutoConfig.from_pretrained(config_dir)
@@ -114,7 +114,7 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
     logger.info("no weights in %s: initialising them from config.json with seed %d in %s", config_dir, seed, dtype)
     quiet_loading()  # and its "Writing model shards" bar
     torch.manual_seed(seed)
-    save_init_weights(AutoModelForCausalLM.from_config(model_config, dtype=TORCH_DTYPES[dtype]), target)
+    save_init_weights(architecture.model_class(model_config).from_config(model_config, dtype=TORCH_DTYPES[dtype]), target)
     return str(target)
 
 
@@ -243,6 +243,48 @@ def load_tokenizer(config: RunConfig) -> Any:
     return tokenizer
 
 
+def load_processor(config: RunConfig, tokenizer: Any) -> Any:
+    """A vision-language model's processor (transformers' ``AutoProcessor``: its image processor,
+    and how an image's placeholder becomes the tokens the image costs), with `tokenizer` (the run's,
+    from :func:`load_tokenizer`) in it and ``data.image_max_pixels``/``image_min_pixels`` applied;
+    None for a text model. Where the config names no chat template and the processor has one,
+    the tokenizer takes the processor's (a vision model's template renders image parts).
+
+    Raises:
+        UserError: the processor cannot be loaded (no processor files; a package it needs missing).
+    """
+    model_config = architecture.load_model_config(config.model.name_or_path, config.model.revision,
+                                                  config.model.trust_remote_code)
+    if not architecture.is_vision_language(model_config):
+        return None
+    from transformers import AutoProcessor
+
+    from sft_play.data.vision import apply_pixel_budget
+
+    source = config.model.tokenizer_name_or_path or config.model.name_or_path
+    hub.prepare(source)
+    try:
+        processor = AutoProcessor.from_pretrained(source, revision=config.model.revision,
+                                                  trust_remote_code=config.model.trust_remote_code)
+    except ImportError as exc:  # transformers names the package (torchvision for Qwen-VL's video processor)
+        reason = " ".join(str(exc).split())[:300]
+        raise UserError(f"cannot load the processor of '{source}': {reason}") from None
+    except OSError as exc:
+        raise hub_error(source, exc, "processor") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot load a processor from '{source}' ({reason}): a vision-language model needs its "
+                        "processor files (preprocessor_config.json or processor_config.json) beside the tokenizer") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise UserError(f"the processor of '{source}' ({type(processor).__name__}) has no image processor")
+    if not config.data.chat_template and getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template
+    processor.tokenizer = tokenizer
+    note = apply_pixel_budget(processor, config.data.image_max_pixels, config.data.image_min_pixels)
+    logger.info("vision-language model: %s (%s)", type(processor).__name__, note)
+    return processor
+
+
 def quantization_config(config: RunConfig, precision: Precision) -> Any:
     """bitsandbytes 4-bit settings for QLoRA (None for the other methods)."""
     if config.finetune.method != "qlora":
@@ -272,8 +314,6 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
             (and DeepSpeed's config with them) exist before this is called (sft_play.train).
     """
     precision = run.precision
-    from transformers import AutoModelForCausalLM
-
     if config.model.trust_remote_code:
         logger.warning("model.trust_remote_code is on: running Python code shipped with %s", config.model.name_or_path)
     location = weights_location(config)
@@ -294,10 +334,13 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
         kwargs["device_map"] = {"": device or ("cuda:0" if run.on_cuda else "cpu")}
     hub.prepare(location)
     quiet_loading()
+    model_class = architecture.model_class(architecture.load_model_config(
+        config.model.name_or_path, config.model.revision, config.model.trust_remote_code))
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        model = model_class.from_pretrained(location, **kwargs)
     except OSError as exc:
         raise hub_error(location, exc) from None
+    freeze_vision(model, config)
     if quant is not None:
         keep_cpu_4bit_inference_general(model)
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
@@ -313,6 +356,21 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     if run.kernels.compile_layers:
         compile_decoder_layers(model)
     return model
+
+
+def freeze_vision(model: Any, config: RunConfig) -> int:
+    """Keep a vision-language model's vision encoder and projector frozen unless
+    ``finetune.train_vision_tower``/``train_projector`` say otherwise (LoRA leaves them without
+    adapters: :class:`sft_play.adapters.LoraSpec`); returns the parameters frozen (0 for a text model)."""
+    towers, projectors = architecture.vision_parts(model)
+    frozen, inside = architecture.frozen_parts(towers, projectors, config.finetune.train_vision_tower,
+                                               config.finetune.train_projector)
+    count = 0
+    for name, parameter in model.named_parameters():
+        if architecture.in_parts(name, frozen) and not architecture.in_parts(name, inside):
+            parameter.requires_grad_(False)
+            count += parameter.numel()
+    return count
 
 
 def name_the_experts(model_config: Any) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sft_play import architecture, hardware
-from sft_play.architecture import ModelFacts
+from sft_play.architecture import ModelFacts, frozen_parts
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.parallelism import Parallelism, Strategy
@@ -188,6 +188,7 @@ class Run:
     neftune: bool = False  # train.neftune_noise_alpha: noise added to the embeddings' output in training
     loraplus_lr_ratio: float | None = None  # LoRA+: the B matrices' learning rate over the A matrices'
     offload_activations: bool = False  # checkpointed hidden states kept in host memory (sft_play.long_rows)
+    images: bool = False  # the data shows images: batches carry their pixels (a vision-language model)
 
     @property
     def fsdp_checkpointing(self) -> bool:
@@ -381,6 +382,10 @@ def resolve(
                f"distributed.context_parallel={ring} splits each row across {ring} processes, and {world_size} "
                f"process(es) cannot be grouped so: use a number of processes divisible by {ring}"
                if ring > 1 and world_size % ring else None)
+    images = bool(getattr(data_stats, "images", 0))
+    if images and (split > 1 or ring > 1):
+        problem = ("the data shows images, and a row split across processes would part an image's tokens from its "
+                   "pixels: leave distributed.sequence_parallel and context_parallel at 1 for vision-language data")
     if problem:
         from sft_play.errors import UserError
 
@@ -415,8 +420,9 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude)
-              if method != "full" else None),
+        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude, frozen_parts(
+                  facts.vision_towers, facts.projectors, config.finetune.train_vision_tower,
+                  config.finetune.train_projector)) if method != "full" else None),
         double_quant=config.quantization.double_quant,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
@@ -425,6 +431,7 @@ def resolve(
         neftune=bool(config.train.neftune_noise_alpha),
         loraplus_lr_ratio=config.lora.loraplus_lr_ratio if method != "full" else None,
         offload_activations=config.train.offload_activations,
+        images=images,
     )
 
 

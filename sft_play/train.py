@@ -78,8 +78,9 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
 
     checks.ensure_positions(config)
     tokenizer = model.load_tokenizer(config)
+    processor = model.load_processor(config, tokenizer)  # (a vision-language model's; None for text)
     with state.main_process_first():
-        bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+        bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor)
 
     # Every decision about the run, once: the planner, the loader, the collator, the trainer
     # arguments and the disk check all read `run`
@@ -120,7 +121,8 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
                                      split=run.parallel.row_multiple,
                                      # gloo gathers only equal shapes: every batch at the longest
-                                     length=None if where.on_cuda else config.data.max_seq_length)
+                                     length=None if where.on_cuda else config.data.max_seq_length,
+                                     processor=processor if run.images else None)
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,
@@ -134,7 +136,8 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     patience = config.train.early_stopping_patience
     early = [callbacks.EarlyStopping(patience)] if patience and bundle.validation is not None else []
     make_trainer = training.trainer_factory(
-        config, run, run_dir, base, tokenizer, bundle.train, bundle.validation, collator,
+        # (a vision-language model's processor: TRL trains such a model only with it, and saves it with the model)
+        config, run, run_dir, base, processor if run.images else tokenizer, bundle.train, bundle.validation, collator,
         [*faults, past_end, callbacks.LogLastStep(), callbacks.TokenThroughput(),
          callbacks.ExpertLoad(), marker, stop, guard, *early],
     )

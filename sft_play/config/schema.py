@@ -70,6 +70,12 @@ class FinetuneConfig(_Section):
     method: Literal["full", "lora", "qlora"] = Field(
         "lora", description="full: every weight; lora: adapters on a 16-bit base; qlora: adapters on a 4-bit base."
     )
+    train_vision_tower: bool = Field(
+        False, description="Vision-language models: train the vision encoder too (full: its weights; lora: adapters "
+        "on its linears); false keeps it frozen, as LLaMA-Factory and Unsloth do by default.")
+    train_projector: bool = Field(
+        False, description="Vision-language models: train the projector that maps image features into the language "
+        "model (full: its weights; lora: adapters on its linears); false keeps it frozen.")
 
 
 class LoraConfig(_Section):
@@ -111,8 +117,8 @@ class QuantizationConfig(_Section):
 
 
 # The fields a record is read from, each from the column of that name unless data.columns maps it
-DATA_FIELDS = ("messages", "conversations", "tools", "instruction", "input", "output", "system", "history", "prompt",
-               "completion", "text")
+DATA_FIELDS = ("messages", "conversations", "tools", "images", "image", "instruction", "input", "output", "system",
+               "history", "prompt", "completion", "text")
 
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
 
@@ -168,6 +174,14 @@ class DataConfig(_Section):
         "the disk or memory; needs train.max_steps); the planner reads statistics of a sample.")
     sample_rows: int = Field(10_000, gt=0, description="With streaming: the first records whose statistics the "
                              "planner reads.")
+    image_max_pixels: int | None = Field(
+        None, gt=0, description="Vision-language models: the most pixels an image keeps (larger ones are scaled down, "
+        "as the model's processor does); for processors that size images by area or edge (Qwen-VL, Idefics3/SmolVLM) it "
+        "sets the image tokens an example costs; null: the processor's own. Fixed-size processors (Gemma-3, LLaVA) "
+        "ignore it.")
+    image_min_pixels: int | None = Field(
+        None, gt=0, description="Vision-language models: the fewest pixels an image is given (smaller ones are scaled "
+        "up), for processors that size images by area (Qwen-VL); null: the processor's own.")
 
 
 class TrainConfig(_Section):
@@ -437,6 +451,10 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if config.data.streaming and config.data.validation_fraction > 0:
         problems.append("data.streaming: a stream has no records to hold out before training; set "
                         "data.validation_path to held-out data (prepared whole), and data.validation_fraction=0")
+    data = config.data
+    if data.image_max_pixels and data.image_min_pixels and data.image_min_pixels > data.image_max_pixels:
+        problems.append(f"data.image_min_pixels={data.image_min_pixels} is above data.image_max_pixels="
+                        f"{data.image_max_pixels}: an image cannot be given more pixels than it may keep")
     if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
         problems.append(
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "

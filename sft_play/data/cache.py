@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 # statistics they keep: 2 holds out each weighted source's share before mixing, refuses empty
 # answers, and names the examples tokenising leaves out; 3 reads Alpaca's history, tool calls and
 # ShareGPT's function_call (rows skip used to drop), and folders by split; 4 keeps the sum of the examples'
-# squared lengths (attention's FLOPs)
-CACHE_VERSION = 4
+# squared lengths (attention's FLOPs); 5 reads content given as parts and images (rows skip used to drop)
+CACHE_VERSION = 5
 
 
 def cache_root() -> Path:
@@ -70,9 +70,13 @@ def _tokenizer_fingerprint(tokenizer: Any, template: str) -> str:
     return hashlib.sha256((body + template + json.dumps(special)).encode()).hexdigest()
 
 
-def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int) -> str:
-    """The key of one preprocessing: data, tokenizer, settings and our code's version."""
-    return _key(cfg, seed, {"tokenizer": _tokenizer_fingerprint(tokenizer, template)})
+def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int, images: str | None = None) -> str:
+    """The key of one preprocessing: data, tokenizer, settings, our code's version, and for a
+    vision-language model how its processor turns `images` into tokens."""
+    identity = {"tokenizer": _tokenizer_fingerprint(tokenizer, template)}
+    if images is not None:
+        identity["images"] = hashlib.sha256(images.encode()).hexdigest()
+    return _key(cfg, seed, identity)
 
 
 def _key(cfg: DataConfig, seed: int, tokenizer: dict[str, Any]) -> str:

@@ -52,6 +52,36 @@ class PackedRowsCollator:
         }
 
 
+@dataclass
+class VisionCollator:
+    """Batches examples with images (:mod:`sft_play.data.vision`): the tokens padded as text is
+    (`inner`), the token types padded with 0, and the pixels the processor makes of the batch's
+    images (``pixel_values`` and what else the model takes), from the references the rows keep.
+    Padded to `length` tokens where given (gloo gathers only equal shapes)."""
+
+    inner: Any
+    processor: Any
+    length: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        from sft_play.data.vision import pixel_inputs
+
+        batch = self.inner([{key: e[key] for key in ("input_ids", "labels")} for e in examples])
+        width = max(batch["input_ids"].shape[1], self.length or 0)
+        if width > batch["input_ids"].shape[1]:
+            extra = width - batch["input_ids"].shape[1]
+            for key, value in (("input_ids", self.inner.pad_token_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)):
+                batch[key] = torch.cat([batch[key], torch.full((len(examples), extra), value, dtype=batch[key].dtype)], 1)
+        if any(e.get("token_types") and any(e["token_types"]) for e in examples):
+            batch[self.token_type_key] = _pad([list(e["token_types"]) + [0] * (width - len(e["token_types"]))
+                                               for e in examples], 0)
+        return {**batch, **pixel_inputs(self.processor, [e.get("images") for e in examples])}
+
+    @property
+    def token_type_key(self) -> str:
+        return "token_type_ids" if "token_type_ids" in getattr(self.processor, "model_input_names", ()) else "mm_token_type_ids"
+
+
 SPLIT_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 
 
@@ -107,15 +137,21 @@ class RecordingCollator:
 
 
 def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None, split: int = 1,
-                  length: int | None = None) -> Any:
+                  length: int | None = None, processor: Any = None) -> Any:
     """The collator the run resolved (``Run.kernels.collator``, :func:`sft_play.run.collator_kind`).
 
     ``padded``: TRL's collator, which pads to the longest in the batch; ``padding_free``: TRL's
     padding-free one (packed rows under FlashAttention-2, variable length); ``packed_rows``:
     :class:`PackedRowsCollator`. With `record_to`, every row's fingerprint is recorded there.
     With `split` above 1 (sequence parallelism), batches are padded for it (:class:`SplitSequencePadding`,
-    to `length` tokens at least).
+    to `length` tokens at least). With a vision-language model's `processor`, batches carry their
+    images' pixels (:class:`VisionCollator`, padded to `length` tokens where given).
     """
+    if processor is not None:
+        if kind != "padded" or split > 1:
+            raise ValueError("examples with images are batched padded, one process per row")
+        collator: Any = VisionCollator(DataCollatorForLanguageModeling(pad_token_id=pad_token_id), processor, length)
+        return RecordingCollator(collator, record_to) if record_to is not None else collator
     if kind == "padded":
         collator: Any = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
     elif kind == "padding_free":

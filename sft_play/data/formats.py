@@ -172,9 +172,12 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
             content = "" if content is None else content
         if content is None:
             raise InvalidRow(source, index, f"{where}.{content_key}", "missing")
-        if not isinstance(content, str):
-            raise InvalidRow(source, index, f"{where}.{content_key}", f"expected a string, got {type(content).__name__}")
-        if role == "assistant" and not content.strip() and not calls:
+        if isinstance(content, list):
+            content = _content_parts(content, source, index, f"{where}.{content_key}")
+        elif not isinstance(content, str):
+            raise InvalidRow(source, index, f"{where}.{content_key}", f"expected a string or a list of parts, got "
+                             f"{type(content).__name__}")
+        if role == "assistant" and not text_of(content).strip() and not calls:
             raise InvalidRow(source, index, f"{where}.{content_key}", EMPTY_ANSWER)
         turn_out: dict[str, Any] = {"role": role, "content": content}
         if calls:
@@ -185,6 +188,51 @@ def _chat(messages: Any, source: str, index: int, field: str, role_key: str, con
     if needs_answer and not any(m["role"] == "assistant" for m in out):
         raise InvalidRow(source, index, field, "no assistant turn to learn from")
     return out
+
+
+def _content_parts(parts: list[Any], source: str, index: int, field: str) -> list[dict[str, Any]]:
+    """A message's content given as parts (OpenAI's and TRL's vision form): text and images."""
+    out = []
+    for i, part in enumerate(parts):
+        where = f"{field}[{i}]"
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if not isinstance(part, dict):
+            raise InvalidRow(source, index, where, f"expected a content part object, got {type(part).__name__}")
+        kind = part.get("type") or ("text" if "text" in part else "image" if "image" in part else None)
+        if kind == "image_url":
+            kind = "image"
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidRow(source, index, f"{where}.text", "missing, or not a string")
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            out.append({k: v for k, v in part.items() if k != "type"} | {"type": "image"})
+        else:
+            raise InvalidRow(source, index, f"{where}.type", f"{kind!r}: only text and image parts are read")
+    return out
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content (a string, or the text parts of a list)."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def _with_images(record: dict[str, Any], row: dict[str, Any], cols: dict[str, str], source: str,
+                 index: int) -> dict[str, Any]:
+    """`record` with the images of its row in place (:func:`sft_play.data.images.attach`); a record
+    without any keeps string content."""
+    from pathlib import Path
+
+    from sft_play.data import images
+
+    field = cols["images"] if row.get(cols["images"]) not in (None, "", []) else cols["image"]
+    listed = row.get(field)
+    has_parts = any(isinstance(m["content"], list) for m in record["messages"])
+    if listed in (None, "", []) and not has_parts:
+        return record
+    base = Path(source).parent if Path(source).is_file() else None
+    return images.attach(record, listed, base, source, index, field)
 
 
 def _conversational_pair(row: dict[str, Any], cols: dict[str, str], source: str, index: int) -> dict[str, Any]:
@@ -198,8 +246,8 @@ def _conversational_pair(row: dict[str, Any], cols: dict[str, str], source: str,
                              f"conversational prompt-completion), got {type(value).__name__}")
     context = _chat(prompt, source, index, cols["prompt"], "role", "content", None, needs_answer=False)
     answer = _chat(completion, source, index, cols["completion"], "role", "content", None)
-    return _with_tools({"messages": context + answer, "prompt_turns": len(context)},
-                       tools_of(row, cols["tools"], source, index))
+    return _with_tools(_with_images({"messages": context + answer, "prompt_turns": len(context)}, row, cols, source,
+                                    index), tools_of(row, cols["tools"], source, index))
 
 
 def _json_value(value: Any, source: str, index: int, field: str) -> Any:
@@ -271,15 +319,16 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
     cols = column_map(columns)
     if fmt == "messages":
         field = cols["messages"] if cols["messages"] in row or cols["conversations"] not in row else cols["conversations"]
-        return _with_tools({"messages": _chat(row.get(field), source, index, field, "role", "content", None)},
-                           tools_of(row, cols["tools"], source, index))
+        record = {"messages": _chat(row.get(field), source, index, field, "role", "content", None)}
+        return _with_tools(_with_images(record, row, cols, source, index), tools_of(row, cols["tools"], source, index))
     if fmt == "sharegpt":
         field = cols["conversations"] if cols["conversations"] in row else cols["messages"]
         messages = _chat(row.get(field), source, index, field, "from", "value", SHAREGPT_ROLES)
         system = row.get(cols["system"])
         if isinstance(system, str) and system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        return _with_tools({"messages": messages}, tools_of(row, cols["tools"], source, index))
+        return _with_tools(_with_images({"messages": messages}, row, cols, source, index),
+                           tools_of(row, cols["tools"], source, index))
     if fmt == "alpaca":
         instruction = _string(row, cols["instruction"], source, index)
         extra = _string(row, cols["input"], source, index, optional=True)

@@ -27,7 +27,8 @@ from sft_play.data.formats import (SHOWN_BAD_ROWS, InvalidRow, InvalidRows, Unkn
 from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
                                     prompt_turns_unlabelled, renders_tools, resolve_chat_template, uses_tools)
-from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows
+from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows, image_cut_reason
+from sft_play.data.vision import CUT_IMAGE, image_settings
 from sft_play.errors import UserError
 from sft_play.hardware.machine import usable_cores
 
@@ -134,7 +135,7 @@ def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
 
 # Every canonical record's fields, one fixed schema for the table records are written to: sources of
 # several formats leave the fields they lack None
-RECORD_COLUMNS = ("messages", "tools", "prompt_turns", "prompt", "completion", "text", ORIGIN)
+RECORD_COLUMNS = ("messages", "tools", "images", "prompt_turns", "prompt", "completion", "text", ORIGIN)
 _WRITE_BATCH = 1_000  # records held as Python objects at once on their way to the table
 
 
@@ -212,12 +213,26 @@ def skip_summary(stats: DataStats) -> str | None:
 
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
-                  overlong: str, tools_rendered: bool = True) -> dict[str, list]:
+                  overlong: str, tools_rendered: bool = True, processor: Any = None) -> dict[str, list]:
     """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
     thousand records rather than per record); the chat records of a template with generation
-    markers go through the tokenizer together."""
+    markers go through the tokenizer together. With a vision-language model's `processor`, records
+    with images go through it (:func:`sft_play.data.vision.encode`), and every row carries its
+    images' references, token types and image counts."""
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    shown = next((r for r in records if r.get("images")), None) if processor is None else None
+    if shown is not None:
+        raise UserError(f"{shown.get(ORIGIN) or 'a record'} shows images, and the model is a text model: train a "
+                        "vision-language model (one whose config has a vision_config: Qwen2.5-VL, Gemma-3, "
+                        "SmolVLM, LLaVA...), or leave the images out of the data")
+    if processor is not None:
+        from sft_play.data import vision
+
+        pictured = {i: record for i, record in enumerate(records) if record.get("images")}
+        records = [r if i not in pictured else {} for i, r in enumerate(records)]  # (encoded below, with the processor)
+    else:
+        pictured = {}
     if not tools_rendered:
         with_tools = next((r for r in records if uses_tools(r)), None)
         if with_tools is not None:
@@ -237,25 +252,40 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
                     raise  # one by one below: the record the template refuses is named
     encoded = []
     for i, record in enumerate(records):
+        record = pictured.get(i, record)
         try:
-            encoded.append(_limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit,
-                                    overlong))
+            if i in pictured:
+                row = vision.limited(vision.encode(record, processor, template, train_on), limit, overlong)
+            else:
+                row = _limited(*(tokens[i] or encode_record(record, tokenizer, template, train_on)), limit, overlong)
         except Exception as exc:
+            if i in pictured and not _template_refused(exc) and not isinstance(exc, UserError):
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                raise UserError(f"the processor could not read {record.get(ORIGIN) or 'a record'} with its images: "
+                                f"{reason}") from None
             if not _template_refused(exc):
                 raise
             raise UserError(f"the chat template cannot render {record.get(ORIGIN) or 'a record'}: {exc}. Choose a "
                             "template that takes these turns (data.chat_template: a name, e.g. chatml, or a .jinja "
                             "file), or change the data") from None
-    return {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
-            "origin": [record.get(ORIGIN) for record in records],
-            # counted here, so that the statistics never read every row's tokens back into Python lists
-            "n_tokens": [len(row["input_ids"]) for row in encoded],
-            "n_loss": [sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in encoded]}
+        encoded.append(row)
+    records = [pictured.get(i, record) for i, record in enumerate(records)]
+    out = {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
+           "origin": [record.get(ORIGIN) for record in records],
+           # counted here, so that the statistics never read every row's tokens back into Python lists
+           "n_tokens": [len(row["input_ids"]) for row in encoded],
+           "n_loss": [sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in encoded]}
+    if processor is not None:
+        out["images"] = [_to_cell("images", record.get("images")) for record in records]
+        out["token_types"] = [row.get("token_types") or [0] * len(row["input_ids"]) for row in encoded]
+        out["n_images"] = [len(record.get("images") or ()) for record in records]
+        out["n_image_tokens"] = [row.get("image_tokens", 0) for row in encoded]
+    return out
 
 
 # Columns of nested structures that go through the Arrow table as JSON text: Arrow would give every
 # tool call's arguments the keys of all others (None where absent), and templates would render them
-_JSON_COLUMNS = ("messages", "tools")
+_JSON_COLUMNS = ("messages", "tools", "images")
 
 
 def _to_cell(column: str, value: Any) -> Any:
@@ -300,11 +330,12 @@ def tokenising_processes(setting: int | str | None, records: int) -> int | None:
 
 
 def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataStats,
-                     folder: Path | None = None) -> Any:
+                     folder: Path | None = None, processor: Any = None) -> Any:
     """A ``datasets.Dataset`` of ``input_ids``/``labels`` (packed, with ``seq_lengths``, when
     ``data.packing``) from `records` (a :func:`record_table`, or a list of records), over-long
     examples truncated or dropped and counted in `stats`. Each step writes its Arrow file in
-    `folder` (in memory without one: a few records).
+    `folder` (in memory without one: a few records). With a vision-language model's `processor`,
+    rows also carry ``images`` (their references, as JSON) and ``token_types``.
 
     Tokenisation runs in :func:`tokenising_processes` processes.
     """
@@ -321,15 +352,18 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
     files = _Files(folder)
     tokens = datasets.List(datasets.Value("int32"))
+    features = {"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
+                "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32")}
+    if processor is not None:
+        features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
+                     "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32")}
     encoded = table.map(
         _encode_batch,
         batched=True,
         fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
-                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template)},
+                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor},
         remove_columns=table.column_names,
-        features=datasets.Features({"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
-                                    "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"),
-                                    "n_loss": datasets.Value("int32")}),
+        features=datasets.Features(features),
         num_proc=tokenising_processes(cfg.num_proc, len(table)),
         desc="Tokenising",
         **files.kwargs("tokenised"),
@@ -338,7 +372,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     status = Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(status_column).to_pylist()})
     stats.truncated += status["truncated"]
     stats.dropped_overlong += status["dropped"]
-    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit)}
+    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit)}
     for kind, reason in left_out.items():
         if status[kind]:  # what tokenising left out, named by file and row as the bad rows are
             where = stats.skipped_rows.setdefault(reason, [])
@@ -349,21 +383,33 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
                         where.append(origin)
                 if len(where) >= SKIPPED_ROWS_KEPT:
                     break
-    if status["no_answer"]:
-        stats.skipped = {**stats.skipped, NO_ANSWER_LEFT: stats.skipped.get(NO_ANSWER_LEFT, 0) + status["no_answer"]}
+    for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit))):
+        if status[kind]:
+            stats.skipped = {**stats.skipped, reason: stats.skipped.get(reason, 0) + status[kind]}
     dataset = encoded.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
                              batched=True, **files.kwargs("kept")).remove_columns(["status", "origin"])
     # the kept rows' counts, read from the tokenised columns as stored (through the filter's
     # indices, datasets would gather whole rows into memory: 0.7 KB a row)
     kept = pc.is_in(status_column, value_set=pa.array(["ok", "truncated"]))
-    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy() for name in ("n_tokens", "n_loss")}
+    counted = ("n_tokens", "n_loss", "n_images", "n_image_tokens") if processor is not None else ("n_tokens", "n_loss")
+    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy() for name in counted}
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
     stats.examples = len(dataset)
     stats.max_seq_length = limit
     stats.tokens_total = int(lengths.sum())
     stats.tokens_squared = int((lengths ** 2).sum())
     stats.loss_tokens = int(counts["n_loss"].astype(np.int64).sum()) if len(dataset) else 0
-    dataset = dataset.remove_columns(["n_tokens", "n_loss"])
+    dataset = dataset.remove_columns([name for name in counted])
+    if processor is not None and len(dataset):
+        stats.images = int(counts["n_images"].astype(np.int64).sum())
+        stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
+        stats.images_max = int(counts["n_images"].max())
+        if not stats.images:
+            dataset = dataset.remove_columns(["images", "token_types"])  # text only: trained as text
+        elif cfg.packing:
+            raise UserError("data.packing joins examples into rows, which examples with images cannot share (their "
+                            "image tokens and pixels go together, as TRL and Axolotl refuse too): set data.packing=false "
+                            "for data with images")
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))
     stats.tokens_max = int(lengths.max())
@@ -381,11 +427,12 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
 
 
 def tokenize_file(paths: str | list[str], tokenizer: Any, cfg: DataConfig, stats: DataStats,
-                  split: str = HELD_OUT) -> Any:
+                  split: str = HELD_OUT, processor: Any = None) -> Any:
     """:func:`tokenize_records` of the records `paths` hold (their `split`: by default the held-out
     one), read and tokenised as a run's own data, uncached; its files live as long as this process."""
     folder = cache.scratch()
-    return tokenize_records(record_table(iter_records(paths, cfg, stats, split), folder), tokenizer, cfg, stats, folder)
+    return tokenize_records(record_table(iter_records(paths, cfg, stats, split), folder), tokenizer, cfg, stats, folder,
+                            processor)
 
 
 class _Files:
@@ -435,7 +482,7 @@ def mix_order(sizes: list[int], weights: list[float], seed: int) -> list[int]:
     return mixed
 
 
-def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+def build(cfg: DataConfig, tokenizer: Any, seed: int = 0, processor: Any = None) -> DataBundle:
     """Read, validate, tokenise and measure the training and validation data, or take all of it
     from the cache when this data, tokenizer and settings were prepared before
     (:mod:`sft_play.data.cache`; ``data.cache: false`` turns it off).
@@ -444,6 +491,8 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         cfg: the ``data`` section of the run config.
         tokenizer: a transformers tokenizer (its chat template is used unless the config overrides it).
         seed: seed for carving a validation split by fraction and for mixing by weight.
+        processor: a vision-language model's processor (:func:`sft_play.model.load_processor`):
+            records with images are read, and their images counted as the tokens they cost.
 
     Returns:
         A :class:`DataBundle`.
@@ -453,10 +502,11 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
         ValueError: no usable example, or a format that cannot be detected.
     """
     if cfg.streaming:
-        return _streamed(cfg, tokenizer, seed)
+        return _streamed(cfg, tokenizer, seed, processor)
     if not cfg.cache:
-        return _prepared(cfg, tokenizer, seed)  # its files live as long as this process
-    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed)
+        return _prepared(cfg, tokenizer, seed, processor=processor)  # its files live as long as this process
+    key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed,
+                          image_settings(processor) if processor is not None else None)
     with cache.preparing(key):  # processes started together with this data prepare it once
         cached = cache.load(key)
         if cached is not None:
@@ -465,7 +515,7 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
             _log_skips(bundle)
         else:
             folder = cache.scratch()
-            bundle = _prepared(cfg, tokenizer, seed, folder)
+            bundle = _prepared(cfg, tokenizer, seed, folder, processor)
             if cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
                           bundle.validation_stats.to_dict() if bundle.validation_stats else None):
                 bundle = _bundle_from(cache.load(key))  # the cache's copy: the steps' files can go
@@ -476,7 +526,7 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
     return bundle
 
 
-def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
+def _streamed(cfg: DataConfig, tokenizer: Any, seed: int, processor: Any = None) -> DataBundle:
     """``data.streaming``: the training data as a ``datasets.IterableDataset`` read, tokenised and
     packed a thousand records at a time as training consumes it (in the sources' order; mixed by
     ``data.weights`` at random in those shares), and the statistics of its first
@@ -491,7 +541,7 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     # one stream per weighted source; without weights one of every source in order
     sources = [[entry] for entry in cfg.path] if cfg.weights else [[cfg.path] if isinstance(cfg.path, str) else cfg.path]
     records = record_table(iter_records(cfg.path, sample_cfg, stats, streaming=True, limit=cfg.sample_rows), folder)
-    tokenize_records(records, tokenizer, sample_cfg, stats, folder)
+    tokenize_records(records, tokenizer, sample_cfg, stats, folder, processor)
     stats.sampled = len(records)
     del records
     cache.discard(folder)  # (only the statistics are kept)
@@ -509,9 +559,10 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     train = stream.map(_encode_batch, batched=True, remove_columns=list(RECORD_COLUMNS), fn_kwargs={
         "tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
-        "overlong": cfg.overlong, "tools_rendered": renders_tools(template)})
+        "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor})
+    counted = ["n_tokens", "n_loss"] + (["n_images", "n_image_tokens"] if processor is not None else [])
     train = train.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
-                         batched=True).remove_columns(["status", "origin", "n_tokens", "n_loss"])
+                         batched=True).remove_columns(["status", "origin", *counted])
     if cfg.packing:
         from trl.data_utils import pack_dataset
 
@@ -519,7 +570,7 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int) -> DataBundle:
     validation = validation_stats = None
     if cfg.validation_path:
         validation_stats = DataStats()
-        validation = tokenize_file(cfg.validation_path, tokenizer, sample_cfg, validation_stats)
+        validation = tokenize_file(cfg.validation_path, tokenizer, sample_cfg, validation_stats, processor=processor)
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     return bundle
@@ -536,12 +587,12 @@ def _stream_cells(paths: list[str], cfg: DataConfig) -> Iterator[dict[str, Any]]
         logger.warning("data (streamed): %s", summary)
 
 
-def _prepared(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path | None = None) -> DataBundle:
+def _prepared(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path | None = None, processor: Any = None) -> DataBundle:
     """:func:`_build` in `folder` (a new :func:`cache.scratch` folder unless given), a full disk said
     as what it is."""
     folder = folder or cache.scratch()
     try:
-        return _build(cfg, tokenizer, seed, folder)
+        return _build(cfg, tokenizer, seed, folder, processor)
     except OSError as exc:
         if not cache.out_of_space(exc):
             raise
@@ -650,7 +701,7 @@ def validation_records(cfg: DataConfig, seed: int, limit: int | None = None) -> 
     return []
 
 
-def _build(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path) -> DataBundle:
+def _build(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path, processor: Any = None) -> DataBundle:
     stats = DataStats()
     records, validation_records = _records(cfg, stats, seed, folder)
     validation_stats = None
@@ -660,7 +711,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path) -> DataBund
     elif validation_records is not None:
         validation_stats = DataStats(formats=dict(stats.formats))
     started = time.perf_counter()
-    train = tokenize_records(records, tokenizer, cfg, stats, folder)
+    train = tokenize_records(records, tokenizer, cfg, stats, folder, processor)
     logger.info("data: %d examples tokenised%s in %.1f s", stats.examples,
                 f" and packed into {stats.packed_rows} rows" if stats.packed_rows is not None else "",
                 time.perf_counter() - started)
@@ -672,7 +723,7 @@ def _build(cfg: DataConfig, tokenizer: Any, seed: int, folder: Path) -> DataBund
         )
     validation = None
     if validation_records is not None and validation_stats is not None:
-        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats, folder)
+        validation = tokenize_records(validation_records, tokenizer, cfg, validation_stats, folder, processor)
     bundle = DataBundle(train=train, validation=validation, stats=stats, validation_stats=validation_stats)
     _log_skips(bundle)
     if stats.truncated or stats.dropped_overlong:

@@ -33,6 +33,10 @@ class DataStats:
     uniform_rows: bool = False  # every row one example of one common length: no mask and no padding needed
     skipped_rows: dict[str, list[str]] = field(default_factory=dict)  # reason -> "file:row" (the first few)
     sampled: int = 0  # streamed data: these counts are of its first `sampled` records, not of the whole
+    # vision-language data: the images the kept examples show, the tokens they cost, the most one example has
+    images: int = 0
+    image_tokens: int = 0
+    images_max: int = 0
 
     @property
     def truncated_share(self) -> float:
@@ -64,6 +68,11 @@ class DataBundle:
     validation: Any | None
     stats: DataStats
     validation_stats: DataStats | None = None
+
+
+def image_cut_reason(limit: int) -> str:
+    """The reason ``skipped_rows`` names the examples with images a cut at `limit` would reach under."""
+    return f"an image's tokens reach past data.max_seq_length={limit} (image tokens are never cut)"
 
 
 def dropped_reason(limit: int) -> str:

@@ -77,6 +77,22 @@ def encode_chats_with_markers(tokenizer: Any, conversations: list[list[dict]], t
 
 def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str,
                           tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    full, spans = assistant_spans(tokenizer, messages, template, tools)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    return ids, labelled_in(ids, encoded["offset_mapping"], spans)
+
+
+def labelled_in(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Labels of the tokens `ids` (at character `offsets`): their id where they overlap one of `spans`."""
+    return [t if any(start < end_tok and begin_tok < end for start, end in spans) else IGNORE_INDEX
+            for t, (begin_tok, end_tok) in zip(ids, offsets)]
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], template: str,
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation rendered through `template`, and the characters of each assistant turn in it,
+    found by rendering the conversation up to each turn."""
     full = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools)
     spans = []
     for i, message in enumerate(messages):
@@ -94,13 +110,7 @@ def _encode_chat_by_spans(tokenizer: Any, messages: list[dict], template: str,
                 "(data.chat_template: e.g. qwen3 is TRL's training variant of Qwen3's) or data.train_on=all"
             )
         spans.append((len(before), len(through)))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"])
-    labels = [
-        t if any(start < end_tok and begin_tok < end for start, end in spans) else IGNORE_INDEX
-        for t, (begin_tok, end_tok) in zip(ids, encoded["offset_mapping"])
-    ]
-    return ids, labels
+    return full, spans
 
 
 def encode_chat(tokenizer: Any, messages: list[dict], template: str, train_on: str,

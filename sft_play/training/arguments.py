@@ -152,8 +152,12 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         # ...tokenised, truncated and labelled too: TRL's preparation would map and filter every row again
         dataset_kwargs={"skip_prepare_dataset": True},
         dataset_num_proc=data.num_proc if isinstance(data.num_proc, int) else None,
-        # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so)
-        ddp_find_unused_parameters=False,
+        # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so),
+        # but a vision encoder or projector that trains gets none from a batch without images
+        ddp_find_unused_parameters=run.images and (config.finetune.train_vision_tower or config.finetune.train_projector),
+        # the rows' image references and token types reach the collator (the trainer keeps only the
+        # columns the model's forward names)
+        remove_unused_columns=not run.images,
         ddp_timeout=max(1, round(config.distributed.timeout_minutes * 60)),
         dataloader_pin_memory=run.on_cuda,
         use_cpu=run.placement.cpu_processes,

@@ -17,8 +17,9 @@ from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
 from sft_play.architecture import (ModelFacts, adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
-                                   decoder_layers, experts, layer_signature, load_model_config, quantized_linears,
-                                   sequential_mixers, sliding_window, text_config, with_layers)
+                                   decoder_layers, experts, frozen_parts, in_parts, layer_signature, load_model_config,
+                                   quantized_linears, sequential_mixers, sliding_window, text_config, vision_parts,
+                                   with_layers)
 from sft_play.errors import UserError
 from sft_play.planner.simulate import cache
 
@@ -80,6 +81,29 @@ class ModelShape:
     expert_parameters: tuple[str, ...] = ()
     lora_exclude: tuple[str, ...] = ()
     sequential_mixers: tuple[str, ...] = ()  # hybrid layers without attention (architecture.sequential_mixers)
+    # Vision-language models: the vision encoder(s) and projector(s) (module paths), the parameters
+    # of each, and how many of the model's parameters stay frozen in this run
+    vision_towers: tuple[str, ...] = ()
+    projectors: tuple[str, ...] = ()
+    part_params: dict[str, int] = field(default_factory=dict)
+    frozen_params: int = 0
+
+    @property
+    def vision_params(self) -> int:
+        """The vision encoder's parameters (a projector inside it not counted)."""
+        inside = sum(n for path, n in self.part_params.items()
+                     if path in self.projectors and in_parts(path, tuple(self.vision_towers)))
+        return sum(self.part_params.get(path, 0) for path in self.vision_towers) - inside
+
+    @property
+    def projector_params(self) -> int:
+        return sum(self.part_params.get(path, 0) for path in self.projectors)
+
+    def frozen_count(self, frozen: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
+        """The parameters the `frozen` parts hold (:func:`sft_play.architecture.frozen_parts`)."""
+        paths, inside = frozen
+        outer = [path for path in paths if not any(path != other and in_parts(path, (other,)) for other in paths)]
+        return sum(self.part_params.get(path, 0) for path in outer) - sum(self.part_params.get(path, 0) for path in inside)
 
     @property
     def active_params(self) -> int:
@@ -96,7 +120,8 @@ class ModelShape:
                           attention_eager_only=self.attention_eager_only,
                           expert_parameters=tuple(self.expert_parameters), lora_exclude=tuple(self.lora_exclude),
                           attention_heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
-                          sliding_window=self.sliding_window, sequential_mixers=tuple(self.sequential_mixers))
+                          sliding_window=self.sliding_window, sequential_mixers=tuple(self.sequential_mixers),
+                          vision_towers=tuple(self.vision_towers), projectors=tuple(self.projectors))
 
     def tensors_of_layer(self, index: int) -> list[tuple[int, bool]]:
         """The parameter tensors of decoder layer `index` as the GPU allocates them."""
@@ -235,6 +260,8 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     layer_tensors = every[0] if every else []
     other_tensors = [p.numel() for p in model.parameters() if id(p) not in in_layers]
     routed, per_token = experts(model_config)
+    towers, projectors = vision_parts(model)
+    part_params = {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in towers + projectors}
     seen: set[int] = set()
     expert_params = 0
     for name, param in model.named_parameters():
@@ -269,17 +296,24 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         expert_params=expert_params,
         max_positions=config_int(text, "max_position_embeddings", "n_positions", "max_sequence_length"),
         sequential_mixers=sequential_mixers(model_config),
+        vision_towers=towers,
+        projectors=projectors,
+        part_params=part_params,
         **dict(zip(("expert_parameters", "lora_exclude"), adapter_facts(model))),
     )
 
 
-def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: int = 0) -> ModelShape:
+def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: int = 0,
+                frozen: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> ModelShape:
     """`base` (from :func:`base_shape`) for `method`; `lora` is :func:`lora_counts`' answer for
-    adapters of rank `rank`."""
+    adapters of rank `rank`; a vision-language model's `frozen` parts
+    (:func:`sft_play.architecture.frozen_parts`) do not train under full fine-tuning."""
     lora_params, in_out, first_layer, outside, unadapted = lora if lora is not None else (0, [], [], [], [])
+    frozen_params = base.frozen_count(frozen)
     return dataclasses.replace(
         base,
-        trainable_params=base.total_params if method == "full" else lora_params,
+        frozen_params=frozen_params,
+        trainable_params=base.total_params - frozen_params if method == "full" else lora_params,
         lora_params=0 if method == "full" else lora_params,
         quantized_params=base.quantized_params if method == "qlora" else 0,
         quantized_blocks=base.quantized_blocks if method == "qlora" else 0,
@@ -313,18 +347,20 @@ def model_shape(config: Any) -> ModelShape:
     """
     model = config.model
     spec = None
+    base = _base_shape(model.name_or_path, model.revision, model.trust_remote_code)
+    frozen = frozen_parts(tuple(base.vision_towers), tuple(base.projectors), config.finetune.train_vision_tower,
+                          config.finetune.train_projector)
     if config.finetune.method != "full":
-        base = _base_shape(model.name_or_path, model.revision, model.trust_remote_code)
-        spec = LoraSpec.from_config(config.lora, tuple(base.expert_parameters), tuple(base.lora_exclude))
-    return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec)
+        spec = LoraSpec.from_config(config.lora, tuple(base.expert_parameters), tuple(base.lora_exclude), frozen)
+    return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec, frozen)
 
 
 def shape_for(name_or_path: str, revision: str | None, trust_remote_code: bool, method: str,
-              lora: LoraSpec | None) -> ModelShape:
+              lora: LoraSpec | None, frozen: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> ModelShape:
     base = _base_shape(name_or_path, revision, trust_remote_code)
     if method == "full" or lora is None:
-        return with_method(base, method)
-    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, lora), lora.r)
+        return with_method(base, method, frozen=frozen)
+    return with_method(base, method, _lora_counts(name_or_path, revision, trust_remote_code, lora), lora.r, frozen)
 
 
 # Remedies plan other methods of the same model: the model and each adapter are counted once
