@@ -1,6 +1,6 @@
 # SFT-Play: the front door. Each target calls one script; the logic lives in sft_play/.
 # Variables: CONFIG (run config), ARGS ("key=value ..." overrides), RUN (a run folder),
-# PROMPT (for generate), PYTHON (interpreter that creates the venv), PIP_ARGS (extra pip flags).
+# PROMPT and IMAGE (for generate), PYTHON (interpreter that creates the venv), PIP_ARGS (extra pip flags).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,6 +14,7 @@ ARGS ?=
 RUN ?=
 RUNS ?= runs
 PROMPT ?=
+IMAGE ?=
 PIP_ARGS ?=
 NUM_GPUS ?=
 VRAM_GIB ?=
@@ -91,8 +92,8 @@ train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopb
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
 	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)
 
-generate: $(STAMP) ## Answer PROMPT with RUN (default: the newest run; held-out prompts when PROMPT is empty)
-	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(ARGS)
+generate: $(STAMP) ## Answer PROMPT (about the picture IMAGE, for a vision-language run) with RUN (default: the newest run; held-out prompts when PROMPT is empty)
+	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(if $(IMAGE),--image "$(IMAGE)") $(ARGS)
 
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
 	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)

@@ -29,6 +29,11 @@ def describe(name: str, stats) -> list[str]:
         lines.append(f"  a token's example is {stats.example_tokens:,.0f} tokens long on average over tokens: causal "
                      f"attention without a mask meets {stats.example_tokens / 2:,.0f} keys per token, with a mask "
                      "the whole row")
+    if getattr(stats, "images", 0):
+        lines.append(f"  images: {stats.images} ({stats.images / max(1, stats.examples):.2f} per example, at most "
+                     f"{stats.images_max}), {stats.image_tokens:,} tokens ({stats.image_tokens / stats.images:,.0f} per "
+                     f"image, {100 * stats.image_tokens / max(1, stats.tokens_total):.1f}% of all tokens; never cut: an "
+                     "example whose cut would reach an image is left out)")
     if stats.packed_rows is not None:
         lines.append(f"  rows after packing: {stats.packed_rows} of {stats.max_seq_length} tokens "
                      f"({100 * stats.tokens_total / max(1, stats.packed_rows * stats.max_seq_length):.1f}% filled)")
@@ -51,7 +56,8 @@ def main() -> int:
 
     config = config_module.load(args.config, args.overrides)
     checks.ensure_positions(config)
-    bundle = data.build(config.data, model.load_tokenizer(config), seed=config.train.seed)
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=model.load_processor(config, tokenizer))
     if args.json:
         print(json.dumps({"train": bundle.stats.to_dict(),
                           "validation": bundle.validation_stats.to_dict() if bundle.validation_stats else None},

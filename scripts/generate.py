@@ -1,7 +1,7 @@
 """Answer a prompt with a trained run, or, without --prompt, held-out prompts from the run's
 validation data with the reference answer and the base model's answer beside the trained one.
 
-Usage: python scripts/generate.py [--config PATH] [--run RUN_DIR] [--prompt TEXT] [--count N]
+Usage: python scripts/generate.py [--config PATH] [--run RUN_DIR] [--prompt TEXT] [--image FILE] [--count N]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ def main() -> int:
     parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--prompt", help="a user message (plain text for a run trained on prompt/completion data); "
                         "default: held-out prompts from the validation data")
+    parser.add_argument("--image", help="a picture the prompt shows (a vision-language run); needs --prompt")
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-base", action="store_true", help="do not show the base model's answers")
@@ -25,8 +26,12 @@ def main() -> int:
     with cli.importing():
         from sft_play import export
     trained, tokenizer, config = export.load_trained(run)
+    if args.image and not args.prompt:
+        raise cli.UserError("IMAGE= goes with a PROMPT= about it (make generate PROMPT=\"What is in the picture?\" "
+                            "IMAGE=...)")
     if args.prompt:
-        prompts = [export.user_prompt(run, args.prompt)]  # as the run's data was: plain, or through the chat template
+        # as the run's data was: plain, or through the chat template
+        prompts = [export.user_prompt(run, args.prompt, args.image)]
     else:
         prompts = export.held_out_prompts(config, args.count) if config else []
         if not prompts:

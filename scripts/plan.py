@@ -36,7 +36,8 @@ def read_data_stats(config):
     except (OSError, ValueError, UserError) as exc:
         return None, f"no tokenizer at {source} ({exc})"
     try:
-        return data.build(config.data, tokenizer, seed=config.train.seed).stats, None
+        processor = model.load_processor(config, tokenizer)  # a vision-language model's: images count as tokens
+        return data.build(config.data, tokenizer, seed=config.train.seed, processor=processor).stats, None
     except (InvalidRow, OSError, ValueError) as exc:
         return None, f"data not read: {exc}"
 

@@ -23,21 +23,20 @@ class LoraSpec:
     # and the linears no adapter may wrap: routers, Mamba mixers (architecture.adapter_facts)
     parameters: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
-    # a vision-language model's parts that stay frozen (module paths: its vision encoder, projector),
-    # and the paths inside them that train (Qwen-VL's projector inside its encoder)
-    frozen: tuple[str, ...] = ()
-    frozen_but: tuple[str, ...] = ()
+    # a vision-language model's parts no adapter goes into (module paths: architecture.adapter_parts)
+    kept_out: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, lora: Any, expert_parameters: tuple[str, ...] = (),
-                    excluded: tuple[str, ...] = (), frozen: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> LoraSpec:
+                    excluded: tuple[str, ...] = (), vision: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> LoraSpec:
         """From the run config's ``lora`` section (:class:`sft_play.config.LoraConfig`) and what
         the model holds (:func:`sft_play.architecture.adapter_facts`, the one account of it, which
         the run and the planner both pass): "all-linear" reaches the fused expert weights
         `expert_parameters` too (peft maps only some families' names onto them) and leaves the
         `excluded` linears out. With fused experts, no dropout: peft cannot apply it to LoRA on
-        them (its ``ParamWrapper`` refuses it). No adapter goes inside the `frozen` parts (the paths
-        kept frozen, and those inside them that train: :func:`sft_play.architecture.frozen_parts`)."""
+        them (its ``ParamWrapper`` refuses it). A vision-language model's `vision` parts are (the
+        paths no adapter goes into, the projectors trained in full):
+        :func:`sft_play.architecture.adapter_parts`."""
         moe = bool(expert_parameters)
         targets = lora.target_modules
         if moe and lora.use_dora and targets == "all-linear":
@@ -50,9 +49,10 @@ class LoraSpec:
         every_linear = targets == "all-linear"
         return cls(r=lora.r, alpha=lora.alpha, dropout=0.0 if moe else lora.dropout,
                    targets=targets if isinstance(targets, str) else tuple(targets), bias=lora.bias,
-                   modules_to_save=tuple(lora.modules_to_save or ()), dora=lora.use_dora, rslora=lora.use_rslora,
+                   modules_to_save=tuple(dict.fromkeys([*(lora.modules_to_save or ()), *vision[1]])),
+                   dora=lora.use_dora, rslora=lora.use_rslora,
                    parameters=tuple(expert_parameters) if every_linear else (),
-                   exclude=tuple(excluded) if every_linear else (), frozen=tuple(frozen[0]), frozen_but=tuple(frozen[1]))
+                   exclude=tuple(excluded) if every_linear else (), kept_out=tuple(vision[0]))
 
 
 def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | None = None,
@@ -85,17 +85,16 @@ def peft_config(spec: LoraSpec, base_model: str | None = None, revision: str | N
 
 def excluded_modules(spec: LoraSpec) -> list[str] | str | None:
     """peft's ``exclude_modules`` for `spec`: its excluded names (peft matches a name or a dotted
-    suffix), or, with frozen parts, one regular expression (peft matches it against each module's
-    whole path) that also covers everything inside them but what trains there."""
-    if not spec.frozen:
+    suffix), or, with parts kept out, one regular expression (peft matches it against each
+    module's whole path) that also covers everything inside them."""
+    if not spec.kept_out:
         return list(spec.exclude) or None
     import re
 
     def either(names: tuple[str, ...]) -> str:
         return "|".join(re.escape(name) for name in names)
 
-    inside = f"(?!(?:{either(spec.frozen_but)})(?:\\.|$))" if spec.frozen_but else ""
-    pattern = f"{inside}(?:{either(spec.frozen)})(?:\\..*)?"
+    pattern = f"(?:{either(spec.kept_out)})(?:\\..*)?"
     if spec.exclude:
         pattern = f"(?:.*\\.)?(?:{either(spec.exclude)})|{pattern}"
     return pattern

@@ -151,6 +151,17 @@ def frozen_parts(towers: tuple[str, ...], projectors: tuple[str, ...], train_tow
     return frozen, inside
 
 
+def adapter_parts(towers: tuple[str, ...], projectors: tuple[str, ...], train_tower: bool,
+                  train_projector: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """How LoRA treats a vision-language model's parts: (the module paths no adapter goes into,
+    the projectors trained in full beside the adapters, by name). The vision encoder gets adapters
+    on its linears only where it trains (Unsloth's finetune_vision_layers); a projector never does:
+    it is small, and trains in full (peft's modules_to_save) or not at all (Gemma-3's is a bare
+    weight that no adapter could reach)."""
+    kept_out = (() if train_tower else towers) + projectors
+    return kept_out, tuple(path.rsplit(".", 1)[-1] for path in projectors) if train_projector else ()
+
+
 def in_parts(name: str, paths: tuple[str, ...]) -> bool:
     return any(name == path or name.startswith(path + ".") for path in paths)
 

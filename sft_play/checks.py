@@ -135,6 +135,15 @@ def check_model(config: RunConfig) -> list[Check]:
                                                f"{config.model.tokenizer_name_or_path or name}"))
     except UserError as exc:
         checks.append(Check("tokenizer", False, str(exc)))
+        return checks
+    from sft_play.model import load_processor
+
+    try:
+        processor = load_processor(config, tokenizer)
+        if processor is not None:
+            checks.append(Check("processor", True, f"{type(processor).__name__} (vision-language model)"))
+    except UserError as exc:
+        checks.append(Check("processor", False, str(exc)))
     return checks
 
 

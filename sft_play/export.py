@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from sft_play import architecture, data, hardware, hub, model_card
 from sft_play import config as config_module
-from sft_play import data, hardware, hub, model_card
 from sft_play.config import RunConfig
 from sft_play.data.collate import make_collator
+from sft_play.data.formats import text_of
 from sft_play.errors import UserError, hub_error
 from sft_play.model import (TORCH_DTYPES, keep_cpu_4bit_inference_general, load_tokenizer, quantization_config,
                              quiet_loading, weights_location)
@@ -92,8 +93,6 @@ def loading_dtype(config: RunConfig | None, device: str) -> torch.dtype:
 def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: bool) -> Any:
     """The run's base model as it trained (4-bit for QLoRA when `quantized`, with the compute
     dtype training used on this device; else in `dtype`)."""
-    from transformers import AutoModelForCausalLM
-
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": config.model.trust_remote_code,
                               "use_safetensors": True}
     if quantized and config.finetune.method == "qlora":
@@ -101,8 +100,10 @@ def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: b
         kwargs["device_map"] = {"": device}
     location = weights_location(config)
     hub.prepare(location)  # offline: at once, without the hub client's minute of retries
+    model_class = architecture.model_class(architecture.load_model_config(
+        config.model.name_or_path, config.model.revision, config.model.trust_remote_code))
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        model = model_class.from_pretrained(location, **kwargs)
     except OSError as exc:
         raise hub_error(location, exc) from None
     if "quantization_config" in kwargs:
@@ -111,19 +112,25 @@ def _base_model(config: RunConfig, device: str, dtype: torch.dtype, quantized: b
 
 
 def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any, RunConfig | None]:
-    """(model, tokenizer, run config) for a run folder or a model folder, ready for inference.
+    """(model, tokenizer, run config) for a run folder or a model folder, ready for inference; for
+    a vision-language model the processor (with its tokenizer inside) in the tokenizer's place,
+    as TRL's processing class.
 
     An adapter is loaded onto its base as the base trained (QLoRA: the 4-bit base), a merged or
     full model as it is. Raises FileNotFoundError for a folder with neither.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
     quiet_loading()
     model_dir, config = _locate(Path(path))
     device = device or default_device()
     dtype = loading_dtype(config, device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trust = bool(config and config.model.trust_remote_code)
+    model_config = (AutoConfig.from_pretrained(model_dir, trust_remote_code=trust) if (model_dir / "config.json").is_file()
+                    else architecture.load_model_config(config.model.name_or_path, config.model.revision, trust)
+                    if config is not None else None)
+    vision = model_config is not None and architecture.is_vision_language(model_config)
+    tokenizer = (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_dir)
     if (model_dir / "adapter_config.json").is_file():
         if config is None:
             raise FileNotFoundError(f"{model_dir} is an adapter outside a run folder: pass the run folder")
@@ -136,8 +143,8 @@ def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any,
             raise FileNotFoundError(f"{model_dir} has no safetensors weights" + (
                 f" (only {', '.join(pickled)}: pickled files, which can run code and are not loaded here; convert "
                 "them to safetensors where you trust them)" if pickled else ""))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust,
-                                                     use_safetensors=True)
+        model = architecture.model_class(model_config).from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust,
+                                                                       use_safetensors=True)
     else:
         raise FileNotFoundError(f"{model_dir} holds neither an adapter nor a model")
     if not getattr(model, "is_loaded_in_4bit", False) and not hasattr(model, "hf_device_map"):
@@ -145,16 +152,26 @@ def load_trained(path: str | Path, device: str | None = None) -> tuple[Any, Any,
     return model.eval(), tokenizer, config
 
 
+def text_tokenizer(processing: Any) -> Any:
+    """The tokenizer of a processing class (:func:`load_trained`'s: a tokenizer, or a processor holding one)."""
+    return processing.tokenizer if hasattr(processing, "image_processor") else processing
+
+
 @dataclass
 class Prompt:
-    """A held-out question: the conversation up to the first answer, or a plain prompt."""
+    """A held-out question: the conversation up to the first answer (and the images it shows, as
+    references: :mod:`sft_play.data.images`), or a plain prompt."""
 
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     text: str | None
     reference: str
+    images: list[dict[str, str]] | None = None
 
     def shown(self) -> str:
-        return self.messages[-1]["content"] if self.messages else (self.text or "")
+        if not self.messages:
+            return self.text or ""
+        shown = text_of(self.messages[-1]["content"])
+        return f"[{len(self.images)} image(s)] {shown}" if self.images else shown
 
 
 # Formats that train on text as it is (sft_play.data.formats): no chat template around the prompt
@@ -175,9 +192,24 @@ def trained_on_plain_text(path: str | Path) -> bool:
     return False
 
 
-def user_prompt(path: str | Path, text: str) -> Prompt:
+def user_prompt(path: str | Path, text: str, image: str | None = None) -> Prompt:
     """`text` typed by a user, as the run at `path` was trained to read it: as it is after plain
-    prompt/completion data, else a user message through the chat template."""
+    prompt/completion data, else a user message through the chat template (showing `image`, a
+    file, first).
+
+    Raises:
+        UserError: `image` cannot be read.
+    """
+    if image is not None:
+        from sft_play.data import images
+        from sft_play.data.formats import InvalidRow
+
+        try:
+            ref = images.reference(image, Path.cwd(), "IMAGE", 0, "image")
+        except InvalidRow as exc:
+            raise UserError(f"IMAGE={image}: {exc.reason}") from None
+        return Prompt([*system_turn(path), {"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": text}]}], None, "", [ref])
     if trained_on_plain_text(path):
         return Prompt(None, text, "")
     return Prompt([*system_turn(path), {"role": "user", "content": text}], None, "")
@@ -202,17 +234,30 @@ def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
             messages = record["messages"]
             context = record.get("prompt_turns") or 0  # a conversational prompt's turns, its answers among them
             first = next(i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= context)
-            prompts.append(Prompt(messages[:first], None, messages[first]["content"]))
+            shown = sum(1 for m in messages[:first] if isinstance(m["content"], list)
+                        for part in m["content"] if part.get("type") == "image")
+            prompts.append(Prompt(messages[:first], None, text_of(messages[first]["content"]),
+                                  (record.get("images") or [])[:shown] or None))
         elif "prompt" in record:
             prompts.append(Prompt(None, record["prompt"], record["completion"]))
     return prompts
 
 
 def generate(model: Any, tokenizer: Any, prompt: Prompt | list[dict[str, str]], max_new_tokens: int = 64) -> str:
-    """The model's greedy answer: chat prompts go through the chat template, plain prompts as they are."""
+    """The model's greedy answer: chat prompts go through the chat template, plain prompts as they
+    are; a prompt with images through a vision-language model's processor (`tokenizer`)."""
     if isinstance(prompt, list):
         prompt = Prompt(prompt, None, "")
-    if prompt.messages is not None:
+    processor, tokenizer = tokenizer, text_tokenizer(tokenizer)
+    if prompt.images and processor is tokenizer:
+        raise UserError("the prompt shows an image, and this model reads text only")
+    if prompt.images:
+        from sft_play.data import images
+
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], images=[[images.load(ref) for ref in prompt.images]], add_special_tokens=False,
+                           return_tensors="pt")
+    elif prompt.messages is not None:
         inputs = tokenizer.apply_chat_template(
             prompt.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
@@ -258,6 +303,8 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
+    from transformers import AutoProcessor
+
     quiet_loading()
     model_dir, config = _locate(Path(path))
     if config is None:
@@ -276,7 +323,8 @@ def merge(path: str | Path, output: str | Path | None = None) -> Path:
     merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     merged.config.name_or_path = str(output)
     merged.save_pretrained(output, safe_serialization=True)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
+    vision = architecture.is_vision_language(merged.config)
+    (AutoProcessor if vision else AutoTokenizer).from_pretrained(model_dir).save_pretrained(output)
     (output / "sft_play_merge.json").write_text(json.dumps(
         {"run": str(run_dir), "method": config.finetune.method, "base": config.model.name_or_path,
          "dtype": str(dtype).removeprefix("torch.")}, indent=2) + "\n")
@@ -302,14 +350,17 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     ``<run>/eval.json`` and returned. With `data_path` (a held-out test set, any source
     ``data.path`` takes; a source of splits gives its held-out split) the same on that data, read
     and tokenised as the run read its own, written to ``<run>/eval-<name>.json``."""
-    model, tokenizer, config = load_trained(path)
+    model, processing, config = load_trained(path)
     if config is None:
         raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
+    # (the run's own tokenizer, as it prepared the data; a vision-language model's in its processor)
+    processor = processing if text_tokenizer(processing) is not processing else None
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config)
     if data_path is not None:
         config = config.model_copy(update={"data": config.data.model_copy(
             update={"validation_path": data_path, "validation_fraction": 0.0})})
         stats = data.DataStats()
-        rows = data.tokenize_file(data_path, load_tokenizer(config), config.data, stats)
+        rows = data.tokenize_file(data_path, tokenizer, config.data, stats, processor=processor)
         if len(rows) == 0:
             raise UserError(f"no usable example in {data_path} to evaluate on"
                             + (f": {data.skip_summary(stats)}" if stats.skipped else ""))
@@ -317,10 +368,11 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
         raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction, or "
                         "evaluate on other data (make eval DATA=test.jsonl)")
     else:
-        rows = data.build(config.data, load_tokenizer(config), seed=config.train.seed).validation
+        rows = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor).validation
     # Batches for the kernel the model was loaded with here (SDPA by default), not the training
     # run's: flash-attn may be missing on the machine that evaluates
-    collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, model.config._attn_implementation))
+    collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, model.config._attn_implementation),
+                             processor=processor if processor is not None and "images" in rows.column_names else None)
     loss_sum, tokens = 0.0, 0
     # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits
     from trl.trainer.utils import add_fused_lm_head
@@ -339,7 +391,7 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     loss = loss_sum / max(1, tokens)
     generations = []
     for prompt in held_out_prompts(config, count):
-        answer = generate(model, tokenizer, prompt, max_new_tokens)
+        answer = generate(model, processing, prompt, max_new_tokens)
         generations.append({"prompt": prompt.shown(), "reference": prompt.reference, "answer": answer,
                             "exact_match": answer == prompt.reference})
     result = {"data": data_path or "the run's validation data", "loss": loss, "perplexity": math.exp(min(loss, 50.0)),

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sft_play import architecture, hardware
-from sft_play.architecture import ModelFacts, frozen_parts
+from sft_play.architecture import ModelFacts, adapter_parts
 from sft_play.adapters import LoraSpec
 from sft_play.config import RunConfig
 from sft_play.parallelism import Parallelism, Strategy
@@ -420,7 +420,7 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude, frozen_parts(
+        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude, adapter_parts(
                   facts.vision_towers, facts.projectors, config.finetune.train_vision_tower,
                   config.finetune.train_projector)) if method != "full" else None),
         double_quant=config.quantization.double_quant,

@@ -110,7 +110,9 @@ def check(ref: dict[str, str], source: str, index: int, field: str) -> None:
         raise InvalidRow(source, index, field, f"{where} is a folder, not an image file") from None
     except PermissionError:
         raise InvalidRow(source, index, field, f"cannot read {where}: permission denied") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:  # (PIL reports a broken file so)
+    except UnidentifiedImageError:
+        raise InvalidRow(source, index, field, f"{where} is not an image (no format PIL reads)") from None
+    except (OSError, SyntaxError, ValueError) as exc:  # (PIL reports a broken file so)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InvalidRow(source, index, field, f"{where} is not a readable image ({reason})") from None
     except Image.DecompressionBombError:

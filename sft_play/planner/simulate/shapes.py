@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sft_play.adapters import LoraSpec, peft_config, unmatched_modules
-from sft_play.architecture import (ModelFacts, adapter_facts, attention_eager_only, build_meta_model, config_identity, config_int,
-                                   decoder_layers, experts, frozen_parts, in_parts, layer_signature, load_model_config,
-                                   quantized_linears, sequential_mixers, sliding_window, text_config, vision_parts,
-                                   with_layers)
+from sft_play.architecture import (ModelFacts, adapter_facts, adapter_parts, attention_eager_only, build_meta_model,
+                                   config_identity, config_int, decoder_layers, experts, frozen_parts, in_parts,
+                                   layer_signature, load_model_config, quantized_linears, sequential_mixers,
+                                   sliding_window, text_config, vision_parts, with_layers)
 from sft_play.errors import UserError
 from sft_play.planner.simulate import cache
 
@@ -351,7 +351,9 @@ def model_shape(config: Any) -> ModelShape:
     frozen = frozen_parts(tuple(base.vision_towers), tuple(base.projectors), config.finetune.train_vision_tower,
                           config.finetune.train_projector)
     if config.finetune.method != "full":
-        spec = LoraSpec.from_config(config.lora, tuple(base.expert_parameters), tuple(base.lora_exclude), frozen)
+        spec = LoraSpec.from_config(config.lora, tuple(base.expert_parameters), tuple(base.lora_exclude), adapter_parts(
+            tuple(base.vision_towers), tuple(base.projectors), config.finetune.train_vision_tower,
+            config.finetune.train_projector))
     return shape_for(model.name_or_path, model.revision, model.trust_remote_code, config.finetune.method, spec, frozen)
 
 
