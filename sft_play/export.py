@@ -202,11 +202,10 @@ def user_prompt(path: str | Path, text: str, image: str | None = None) -> Prompt
     """
     if image is not None:
         from sft_play.data import images
-        from sft_play.data.formats import InvalidRow
 
         try:
-            ref = images.reference(image, Path.cwd(), "IMAGE", 0, "image")
-        except InvalidRow as exc:
+            ref = images.reference(image, Path.cwd(), "IMAGE")
+        except images.ImageProblem as exc:
             raise UserError(f"IMAGE={image}: {exc.reason}") from None
         return Prompt([*system_turn(path), {"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": text}]}], None, "", [ref])

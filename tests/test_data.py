@@ -225,7 +225,7 @@ def test_packed_rows_give_the_same_per_example_loss_as_single_examples(tiny_toke
     "content, match",
     [
         ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]}\n', r"row 1, field 'messages\[1\].content': missing"),
-        ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].content': expected a string, got int"),
+        ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}\n', r"messages\[0\].content': expected a string or a list of parts, got int"),
         ('{"messages": []}\n', r"row 1, field 'messages': empty conversation"),
         ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}\n',
          r"row 1, field 'messages\[1\].content': empty answer"),

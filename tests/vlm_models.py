@@ -95,11 +95,17 @@ def tiny_llava(folder: Path) -> Path:
     return folder
 
 
+# Keys transformers writes that describe how the files were loaded, not what they are
+_LOADED_HOW = ("local_files_only", "is_local")
+
+
 def _tidy(folder: Path) -> None:
-    """Every JSON file with sorted keys and a final newline (stable bytes for the shipped copy)."""
+    """Every JSON file with sorted keys and a final newline, without how it was loaded (stable bytes
+    for the shipped copy, whether the hub is reachable or not)."""
     for path in folder.glob("*.json"):
         if path.name != "tokenizer.json":
-            path.write_text(json.dumps(json.loads(path.read_text()), indent=2, sort_keys=True) + "\n")
+            settings = {k: v for k, v in json.loads(path.read_text()).items() if k not in _LOADED_HOW}
+            path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def colour_image(path: Path, colour: str, shade: int = 0, size: tuple[int, int] = (56, 56)) -> Path:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sft_play.config.schema import DATA_FIELDS
+from sft_play.data import images
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
@@ -222,17 +224,16 @@ def _with_images(record: dict[str, Any], row: dict[str, Any], cols: dict[str, st
                  index: int) -> dict[str, Any]:
     """`record` with the images of its row in place (:func:`sft_play.data.images.attach`); a record
     without any keeps string content."""
-    from pathlib import Path
-
-    from sft_play.data import images
-
     field = cols["images"] if row.get(cols["images"]) not in (None, "", []) else cols["image"]
     listed = row.get(field)
     has_parts = any(isinstance(m["content"], list) for m in record["messages"])
     if listed in (None, "", []) and not has_parts:
         return record
     base = Path(source).parent if Path(source).is_file() else None
-    return images.attach(record, listed, base, source, index, field)
+    try:
+        return images.attach(record, listed, base, field)
+    except images.ImageProblem as exc:
+        raise InvalidRow(source, index, exc.field, exc.reason) from None
 
 
 def _conversational_pair(row: dict[str, Any], cols: dict[str, str], source: str, index: int) -> dict[str, Any]:

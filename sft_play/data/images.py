@@ -11,7 +11,8 @@ not depend on what a web server answers later.
 A canonical record keeps its images in order under ``images``, each as a reference
 (``{"path": absolute path}`` or ``{"bytes": base64 text}``), and every image part of its messages
 is ``{"type": "image"}``. Each image is opened and checked as the record is read, so that a missing,
-unreadable or oversized one is named by file, row and field like any bad row.
+unreadable or oversized one is named by file, row and field like any bad row (:class:`ImageProblem`,
+which the reader turns into an :class:`sft_play.data.formats.InvalidRow`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ import io
 from pathlib import Path
 from typing import Any
 
-from sft_play.data.formats import InvalidRow
+
+
+class ImageProblem(ValueError):
+    """An image of a record that cannot be used, or images that do not fit the record's places for
+    them (the data's reader names the file and row: :class:`sft_play.data.formats.InvalidRow`)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(reason)
+        self.field, self.reason = field, reason
+
 
 PLACEHOLDER = "<image>"  # LLaMA-Factory's and ShareGPT's mark of where an image goes in string content
 _INLINE_KEYS = ("image", "path", "url", "image_url")  # where a part names its own image
@@ -38,31 +48,31 @@ def part_image(part: dict[str, Any]) -> Any:
     return None
 
 
-def reference(value: Any, base: Path | None, source: str, index: int, field: str) -> dict[str, str]:
+def reference(value: Any, base: Path | None, field: str) -> dict[str, str]:
     """An image value of the data as a canonical reference, checked (:func:`check`).
 
     Raises:
-        InvalidRow: a URL, a value of another kind, or an image that cannot be used.
+        ImageProblem: a URL, a value of another kind, or an image that cannot be used.
     """
     if isinstance(value, dict):
         if value.get("bytes"):
             raw = value["bytes"]
             ref = {"bytes": raw if isinstance(raw, str) else base64.b64encode(raw).decode("ascii")}
         elif value.get("path"):
-            return reference(str(value["path"]), base, source, index, field)
+            return reference(str(value["path"]), base, field)
         else:
-            raise InvalidRow(source, index, field, "an image object needs 'bytes' or 'path'")
+            raise ImageProblem(field, "an image object needs 'bytes' or 'path'")
     elif isinstance(value, (bytes, bytearray)):
         ref = {"bytes": base64.b64encode(bytes(value)).decode("ascii")}
     elif isinstance(value, str):
         text = value.strip()
         if text.startswith(("http://", "https://")):
-            raise InvalidRow(source, index, field, f"{text[:80]} is a URL: images are read from files or the data "
+            raise ImageProblem(field, f"{text[:80]} is a URL: images are read from files or the data "
                              "itself, not fetched (download them and give their paths)")
         if text.startswith("data:"):
             head, _, body = text.partition(",")
             if ";base64" not in head or not body:
-                raise InvalidRow(source, index, field, "a data: URI of an image must be base64 (data:image/png;base64,...)")
+                raise ImageProblem(field, "a data: URI of an image must be base64 (data:image/png;base64,...)")
             ref = {"bytes": body}
         else:
             path = Path(text.removeprefix("file://")).expanduser()
@@ -70,8 +80,8 @@ def reference(value: Any, base: Path | None, source: str, index: int, field: str
                 path = base / path
             ref = {"path": str(path.resolve())}
     else:
-        raise InvalidRow(source, index, field, f"expected an image path or bytes, got {type(value).__name__}")
-    check(ref, source, index, field)
+        raise ImageProblem(field, f"expected an image path or bytes, got {type(value).__name__}")
+    check(ref, field)
     return ref
 
 
@@ -83,12 +93,12 @@ def describe(ref: dict[str, str]) -> str:
     return ref["path"] if "path" in ref else "the image bytes in the data"
 
 
-def check(ref: dict[str, str], source: str, index: int, field: str) -> None:
+def check(ref: dict[str, str], field: str) -> None:
     """Open `ref` and read it through (PIL's ``verify``), so that a missing, unreadable or oversized
     image is named now rather than failing a batch hours into training.
 
     Raises:
-        InvalidRow: naming what is wrong with it.
+        ImageProblem: naming what is wrong with it.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -98,25 +108,25 @@ def check(ref: dict[str, str], source: str, index: int, field: str) -> None:
             with Image.open(handle) as image:
                 width, height = image.size
                 if width * height > Image.MAX_IMAGE_PIXELS:
-                    raise InvalidRow(source, index, field, f"{where} is {width}x{height} pixels, more than the "
+                    raise ImageProblem(field, f"{where} is {width}x{height} pixels, more than the "
                                      f"{Image.MAX_IMAGE_PIXELS:,} an image may have (PIL's decompression-bomb limit): "
                                      "scale it down first")
                 image.verify()
-    except InvalidRow:
+    except ImageProblem:
         raise
     except FileNotFoundError:
-        raise InvalidRow(source, index, field, f"no such image file: {where}") from None
+        raise ImageProblem(field, f"no such image file: {where}") from None
     except IsADirectoryError:
-        raise InvalidRow(source, index, field, f"{where} is a folder, not an image file") from None
+        raise ImageProblem(field, f"{where} is a folder, not an image file") from None
     except PermissionError:
-        raise InvalidRow(source, index, field, f"cannot read {where}: permission denied") from None
+        raise ImageProblem(field, f"cannot read {where}: permission denied") from None
     except UnidentifiedImageError:
-        raise InvalidRow(source, index, field, f"{where} is not an image (no format PIL reads)") from None
+        raise ImageProblem(field, f"{where} is not an image (no format PIL reads)") from None
     except (OSError, SyntaxError, ValueError) as exc:  # (PIL reports a broken file so)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InvalidRow(source, index, field, f"{where} is not a readable image ({reason})") from None
+        raise ImageProblem(field, f"{where} is not a readable image ({reason})") from None
     except Image.DecompressionBombError:
-        raise InvalidRow(source, index, field, f"{where} is larger than PIL's decompression-bomb limit") from None
+        raise ImageProblem(field, f"{where} is larger than PIL's decompression-bomb limit") from None
 
 
 def load(ref: dict[str, str]) -> Any:
@@ -127,7 +137,7 @@ def load(ref: dict[str, str]) -> Any:
         return image.convert("RGB")
 
 
-def attach(record: dict[str, Any], listed: Any, base: Path | None, source: str, index: int, field: str) -> dict[str, Any]:
+def attach(record: dict[str, Any], listed: Any, base: Path | None, field: str) -> dict[str, Any]:
     """`record` (a chat, its content strings or lists of parts) with its images in place: the
     `listed` images (the ``images``/``image`` column's) matched in order to its image parts or
     ``<image>`` placeholders, and images given inside parts taken in turn; each checked.
@@ -136,7 +146,7 @@ def attach(record: dict[str, Any], listed: Any, base: Path | None, source: str, 
     (as TRL does). Without images, parts of text only become strings again.
 
     Raises:
-        InvalidRow: the images and the places marked for them do not match in number, or an image
+        ImageProblem: the images and the places marked for them do not match in number, or an image
             cannot be used.
     """
     if listed is None or listed == "" or listed == []:
@@ -154,11 +164,11 @@ def attach(record: dict[str, Any], listed: Any, base: Path | None, source: str, 
     if listed and not marked:
         first = next((m for m in messages if m["role"] == "user"), None)
         if first is None:
-            raise InvalidRow(source, index, field, f"{len(listed)} image(s) but no user turn to show them in")
+            raise ImageProblem(field, f"{len(listed)} image(s) but no user turn to show them in")
         first["content"] = [{"type": "image"}] * len(listed) + _parts(first["content"])
         marked = len(listed)
     if marked != len(listed) + inline:
-        raise InvalidRow(source, index, field, f"{len(listed) + inline} image(s) for {marked} place(s) marked in the "
+        raise ImageProblem(field, f"{len(listed) + inline} image(s) for {marked} place(s) marked in the "
                          f"messages ({PLACEHOLDER} or {{\"type\": \"image\"}} parts): they must match in number")
     refs, queue = [], iter(listed)
     for turn, message in enumerate(messages):
@@ -170,7 +180,7 @@ def attach(record: dict[str, Any], listed: Any, base: Path | None, source: str, 
             if part.get("type") == "image":
                 own = part_image(part)
                 value, where = (own, f"messages[{turn}].content") if own is not None else (next(queue), field)
-                refs.append(reference(value, base, source, index, where))
+                refs.append(reference(value, base, where))
                 parts.append({"type": "image"})
             else:
                 parts.append(part)
