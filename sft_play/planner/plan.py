@@ -23,7 +23,7 @@ from sft_play.parallelism import Strategy
 from sft_play.planner.choose import remedies as remedy_catalogue
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.choose.split import budget_bytes, decide_split, safety_fraction
-from sft_play.planner.present.notes import epoch_notes, host_memory, run_notes, split_notes
+from sft_play.planner.present.notes import epoch_notes, host_memory, run_notes, split_notes, vision_notes
 from sft_play.planner.simulate.predict import REPLAYS, predict, static_lower_bound
 from sft_play.planner.simulate.shapes import ModelShape, model_shape
 from sft_play.planner.simulate.timing import PEAK_BF16, predict_time, total_steps
@@ -211,6 +211,9 @@ def make_plan(
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)
+    seen_notes, seen_warnings = vision_notes(config, run, shape, data_stats)
+    more_notes += seen_notes
+    more_warnings += seen_warnings
     host_bytes, host_note = host_memory(shape, run, target, split.micro_batch_size)
     if host_note:
         more_notes.append(host_note)

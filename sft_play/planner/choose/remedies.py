@@ -200,6 +200,9 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("FSDP2 with offload", "FSDP2 with parameters, gradients and optimizer states in CPU memory (much slower; "
            "needs CPU memory for them)", ("distributed.strategy=fsdp2", "distributed.offload_parameters=true"),
            "train-distributed", lambda c, t: t.on_cuda and not c.distributed.offload_parameters and _shardable(c)),
+    Remedy("frozen vision encoder", "keep the vision encoder frozen, as released (no gradients or optimizer states for "
+           "it; the text model and projector still learn to read it)", ("finetune.train_vision_tower=false",), "train",
+           lambda c, t: c.finetune.train_vision_tower, result=CHANGED),
     Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
            lambda c, t: _full(c), result=CHANGED),
     Remedy("QLoRA instead of LoRA", "adapters on a 4-bit base", ("finetune.method=qlora",), "train",

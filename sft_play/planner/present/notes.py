@@ -139,6 +139,42 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
 
 
 
+def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any | None) -> tuple[list[str], list[str]]:
+    """What the plan says about a vision-language model (notes, warnings): what its images cost in
+    tokens (read from the data), which of its vision parts train, and what is not planned yet."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    if not shape.vision_towers:
+        return notes, warnings
+    images = getattr(data_stats, "images", 0) or 0
+    if images:
+        examples = max(1, data_stats.examples)
+        notes.append(f"images: {images / examples:.2f} per example (at most {data_stats.images_max}), "
+                     f"{data_stats.image_tokens / images:,.0f} tokens each on average: "
+                     f"{100 * data_stats.image_tokens / max(1, data_stats.tokens_total):.0f}% of the tokens the "
+                     "sequence length is planned from; where the processor sizes images by pixels (Qwen-VL, Idefics3, "
+                     "SmolVLM), data.image_max_pixels sets how many")
+    elif data_stats is None:
+        notes.append("a vision-language model planned without its data: the sequence length is data.max_seq_length, "
+                     "image tokens included (the data, read with the model's processor, tells what each image costs)")
+    full = run.method == "full"
+    parts = []
+    for name, count, trained in (("vision encoder", shape.vision_params, config.finetune.train_vision_tower),
+                                 ("projector", shape.projector_params, config.finetune.train_projector)):
+        how = ("trains" if full else "trains with adapters" if name == "vision encoder" else "trains in full") \
+            if trained else "frozen"
+        parts.append(f"{name} {count:,} parameters, {how}")
+    notes.append("; ".join(parts) + " (finetune.train_vision_tower, finetune.train_projector)")
+    if config.finetune.train_vision_tower:
+        warnings.append("the vision encoder trains: the activations it keeps for backward (one set per layer for "
+                        "every image patch) are not in this plan yet, nor its working set; the out-of-memory "
+                        "backoff is the safety net")
+    elif images:
+        notes.append("the frozen vision encoder keeps nothing for backward; its working set while it encodes a "
+                     "micro-batch's images is not in this plan yet")
+    return notes, warnings
+
+
 def host_memory(shape: ModelShape, run: Run, target: Target, micro_batch: int = 1) -> tuple[int, str | None]:
     """The host memory one node needs on a GPU run (the larger of loading and training) and the
     note that says what for (:func:`sft_play.planner.simulate.memory.host_bytes_per_node`)."""
