@@ -1,5 +1,6 @@
 """Chat with a trained run in the terminal: each line you type is a user turn; the history is
-kept. /reset starts over, /exit (or Ctrl-D) leaves.
+kept. /image PATH shows a picture with your next line (a vision-language run), /reset starts over,
+/exit (or Ctrl-D) leaves.
 
 Usage: python scripts/chat.py [--config PATH] [--run RUN_DIR] [--system TEXT]
 """
@@ -31,7 +32,11 @@ def main() -> int:
                             "message to take; leave out --system")
     start = [{"role": "system", "content": args.system}] if args.system else export.system_turn(run)
     history = list(start)
-    commands = "/reset starts over, /exit leaves, /help lists these"
+    pictures: list = []  # the images the conversation has shown, in order
+    pending = None  # the image /image gave, shown with the next line
+    sees = export.text_tokenizer(tokenizer) is not tokenizer  # a vision-language model's processor
+    commands = ("/image PATH shows a picture with your next line, " if sees else "") + \
+        "/reset starts over, /exit leaves, /help lists these"
     print(f"Chatting with {run}. {commands}.", flush=True)
     if plain:
         print("It trained on plain prompt/completion text (no chat template): each line goes to it as it is, "
@@ -45,8 +50,18 @@ def main() -> int:
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            history = list(start)
+            history, pictures, pending = list(start), [], None
             print("(conversation cleared)", flush=True)
+            continue
+        if line.startswith("/image"):
+            if not sees:
+                print("(this model reads text only)", flush=True)
+                continue
+            try:
+                pending = export.user_prompt(run, "", line.removeprefix("/image").strip() or "?").images[0]
+                print("(the picture goes with your next line)", flush=True)
+            except cli.UserError as exc:
+                print(f"({exc})", flush=True)
             continue
         if re.match(r"/[A-Za-z]+\b", line):  # a command, not a message
             word = line.split()[0]
@@ -58,8 +73,14 @@ def main() -> int:
             print(f"model> {export.generate(trained, tokenizer, export.Prompt(None, line, ''), args.max_new_tokens)}",
                   flush=True)
             continue
-        history.append({"role": "user", "content": line})
-        answer = export.generate(trained, tokenizer, history, args.max_new_tokens)
+        if pending is not None:
+            history.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": line}]})
+            pictures.append(pending)
+            pending = None
+        else:
+            history.append({"role": "user", "content": line})
+        answer = export.generate(trained, tokenizer, export.Prompt(history, None, "", pictures or None),
+                                 args.max_new_tokens)
         history.append({"role": "assistant", "content": answer})
         print(f"model> {answer}", flush=True)
 

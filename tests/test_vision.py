@@ -367,3 +367,18 @@ def test_lora_generates_from_an_image_and_merges_into_the_same_answers(vision_ru
     missing, = run_scripts_together(("generate.py", "--run", str(run), "--prompt", "Colour?", "--image", "nope.png"))
     assert missing.returncode != 0 and "IMAGE=nope.png: no such image file" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.slow
+def test_chat_shows_a_picture_with_the_next_line(vision_runs, colours):
+    import subprocess
+    import sys
+
+    picture = sorted((colours / "images").iterdir())[0]
+    lines = f"/image {picture}\nWhat colour is this picture?\n/image missing.png\nAnd now?\n"
+    done = subprocess.run([sys.executable, "scripts/chat.py", "--run", str(vision_runs["gemma3-full"])], cwd=REPO,
+                          input=lines, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("(the picture goes with your next line)") == 1
+    assert "(IMAGE=missing.png: no such image file" in done.stdout
+    assert done.stdout.count("model> ") == 2 and "Traceback" not in done.stderr
