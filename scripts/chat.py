@@ -79,8 +79,8 @@ def main() -> int:
             pending = None
         else:
             history.append({"role": "user", "content": line})
-        answer = export.generate(trained, tokenizer, export.Prompt(history, None, "", pictures or None),
-                                 args.max_new_tokens)
+        shown = export.Prompt(history, None, "", pictures) if pictures else history
+        answer = export.generate(trained, tokenizer, shown, args.max_new_tokens)
         history.append({"role": "assistant", "content": answer})
         print(f"model> {answer}", flush=True)
 

@@ -92,7 +92,7 @@ def test_images_are_read_in_the_forms_peers_write(tmp_path):
     ]
     vlm_models.write_jsonl(tmp_path / "train.jsonl", rows)
     records = load_records(str(tmp_path / "train.jsonl"), _config(tmp_path, tmp_path).data, DataStats())
-    resolved = {"path": str(picture.resolve())}
+    resolved = {"path": str(picture.resolve()), "size": picture.stat().st_size, "mtime": picture.stat().st_mtime_ns}
     assert records[0]["images"] == [resolved]
     assert records[0]["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "Colour?"}]
     assert records[1]["images"] == [resolved, {"bytes": base64.b64encode(raw).decode()}]
@@ -231,6 +231,30 @@ def test_the_collator_batches_pixels_and_token_types(tmp_path, families):
     assert batch["input_ids"].shape == batch["token_type_ids"].shape == (3, 64)
     assert batch["pixel_values"].shape == (2, 3, 56, 56)  # the text-only row contributes none
     assert int(batch["token_type_ids"].sum()) == 8 == int((batch["input_ids"] == processor.tokenizer.image_token_id).sum())
+
+
+def test_an_image_changed_after_preparation_is_prepared_again_and_one_gone_is_named(tmp_path, families, caplog):
+    from sft_play import model as model_module
+    from sft_play.data import collate
+
+    rows = vlm_models.colour_rows(tmp_path, 2)
+    rows[1]["images"] = rows[0]["images"]
+    config = _config(families["gemma3"], vlm_models.write_jsonl(tmp_path / "rows.jsonl", rows))
+    tokenizer = model_module.load_tokenizer(config)
+    processor = model_module.load_processor(config, tokenizer)
+    first = build(config.data, tokenizer, processor=processor)
+    picture = tmp_path / rows[0]["images"][0]
+    vlm_models.colour_image(picture, "blue", size=(112, 56))  # the same path, another picture
+    with caplog.at_level("WARNING"):
+        again = build(config.data, tokenizer, processor=processor)
+    assert "2 image(s) changed since the data was prepared" in caplog.text
+    assert json.loads(again.train[0]["images"])[0]["size"] == picture.stat().st_size != json.loads(
+        first.train[0]["images"])[0]["size"]
+    collator = collate.make_collator(tokenizer.pad_token_id, "padded", processor=processor)
+    assert collator([again.train[0]])["pixel_values"].shape[0] == 1
+    picture.unlink()
+    with pytest.raises(UserError, match="changed or went since the data was prepared"):
+        collator([again.train[0]])
 
 
 PUBLISHED = {"qwen2.5-vl-7b": 8_292_166_656, "gemma-3-4b": 4_300_079_472}  # the released checkpoints' parameters

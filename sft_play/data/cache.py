@@ -183,6 +183,18 @@ def scratch() -> Path:
     return Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
 
 
+def forget(key: str) -> None:
+    """Remove the preprocessing stored under `key` (stale: what it was made from changed in a way
+    its key cannot see): renamed aside first, so that a reader sees all of it or none."""
+    folder = cache_root() / key
+    aside = cache_root() / f".{key}-{cache_usage.owner_tag()}-forgotten"
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def discard(folder: Path) -> None:
     """Remove a :func:`scratch` folder whose datasets are no longer used (their files may still be
     mapped: Linux frees them when unmapped)."""

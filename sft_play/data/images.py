@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,30 @@ def reference(value: Any, base: Path | None, field: str) -> dict[str, str]:
             if not path.is_absolute() and base is not None:
                 path = base / path
             ref = {"path": str(path.resolve())}
+            check(ref, field)
+            return {**ref, **_stamp(ref["path"])}
     else:
         raise ImageProblem(field, f"expected an image path or bytes, got {type(value).__name__}")
     check(ref, field)
     return ref
+
+
+def _stamp(path: str) -> dict[str, int]:
+    """What a file's size and modification time are now: a prepared example records them, so that an
+    image changed after its tokens were counted is noticed (:func:`changed`)."""
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime": stat.st_mtime_ns}
+
+
+def changed(ref: dict[str, Any]) -> bool:
+    """Whether the file `ref` names is gone, or not the one whose tokens were counted (its size or
+    modification time differ from those recorded); never for bytes in the data."""
+    if "path" not in ref or "size" not in ref:
+        return False
+    try:
+        return _stamp(ref["path"]) != {"size": ref["size"], "mtime": ref["mtime"]}
+    except OSError:
+        return True
 
 
 def raw_bytes(ref: dict[str, str]) -> bytes:
@@ -129,10 +150,18 @@ def check(ref: dict[str, str], field: str) -> None:
         raise ImageProblem(field, f"{where} is larger than PIL's decompression-bomb limit") from None
 
 
-def load(ref: dict[str, str]) -> Any:
-    """The image `ref` names, decoded (a ``PIL.Image`` in RGB, as processors take it)."""
+def load(ref: dict[str, Any]) -> Any:
+    """The image `ref` names, decoded (a ``PIL.Image`` in RGB, as processors take it).
+
+    Raises:
+        ImageProblem: the file changed, or went, since its tokens were counted.
+    """
     from PIL import Image
 
+    if changed(ref):
+        raise ImageProblem("images", f"{ref['path']} changed or went since the data was prepared (its tokens were "
+                           "counted from the image as it was): put it back, or start the run again, which prepares "
+                           "the data again")
     with Image.open(ref["path"] if "path" in ref else io.BytesIO(raw_bytes(ref))) as image:
         return image.convert("RGB")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_play.config import DataConfig
-from sft_play.data import cache
+from sft_play.data import cache, vision
 from sft_play.data.formats import (SHOWN_BAD_ROWS, InvalidRow, InvalidRows, UnknownFormat, detect_format,
                                    mapped_but_absent, normalise)
 from sft_play.data.sources import HELD_OUT, iter_sources
@@ -509,6 +509,12 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0, processor: Any = None)
                           image_settings(processor) if processor is not None else None)
     with cache.preparing(key):  # processes started together with this data prepare it once
         cached = cache.load(key)
+        stale = vision.changed_images(cached["train"], cached["validation"]) if cached and processor else []
+        if stale:  # (the key sees the data files, not the image files they name)
+            logger.warning("data: %d image(s) changed since the data was prepared (%s%s): preparing it again",
+                           len(stale), stale[0], ", ..." if len(stale) > 1 else "")
+            cached = None
+            cache.forget(key)
         if cached is not None:
             logger.info("data: preprocessed data from the cache (%s)", key)
             bundle = _bundle_from(cached)

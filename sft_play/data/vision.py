@@ -90,12 +90,32 @@ def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]
     and the like where the model takes them) for the examples' JSON lists of image references; the
     examples without images contribute none (models place image features in order, at the image
     tokens). Empty when no example has an image."""
-    nested = [[images.load(ref) for ref in json.loads(refs)] for refs in references if refs]
+    try:
+        nested = [[images.load(ref) for ref in json.loads(refs)] for refs in references if refs]
+    except images.ImageProblem as exc:
+        from sft_play.errors import UserError
+
+        raise UserError(exc.reason) from None
     nested = [pictures for pictures in nested if pictures]
     if not nested:
         return {}
     out = processor(images=nested, return_tensors="pt", padding=True)
     return {key: value for key, value in out.items() if key not in _TEXT_KEYS}
+
+
+def changed_images(*datasets: Any) -> list[str]:
+    """The image files that tokenised `datasets` (with an ``images`` column) name and that changed
+    or went since their tokens were counted (:func:`sft_play.data.images.changed`): their tokens
+    may no longer be what the processor makes of them."""
+    found: list[str] = []
+    for dataset in datasets:
+        if dataset is None or "images" not in dataset.column_names:
+            continue
+        column = dataset.data.column("images")
+        for chunk in column.chunks:
+            for refs in chunk.to_pylist():
+                found += [ref["path"] for ref in json.loads(refs) if images.changed(ref)] if refs else []
+    return found
 
 
 def image_settings(processor: Any) -> str:
