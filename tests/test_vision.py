@@ -277,8 +277,10 @@ def test_public_vlms_are_counted_exactly_and_planned_without_a_traceback(name):
     assert 0.05 * total < vision < 0.15 * total and 0 < projector < vision
     peaks = {}
     for method in ("qlora", "lora", "full"):
+        # one micro-batch a GPU: the peaks compared, without the search for the largest that fits
         config = load_config(None, [f"model.name_or_path={path}", f"finetune.method={method}",
-                                    "data.max_seq_length=2048", "train.gradient_checkpointing=true"], check_paths=False)
+                                    "data.max_seq_length=2048", "train.gradient_checkpointing=true",
+                                    "train.global_batch_size=8", "train.micro_batch_size=1"], check_paths=False)
         shape = model_shape(config)
         assert shape.total_params == total and shape.vision_params == vision and shape.projector_params == projector
         assert shape.frozen_params == vision + projector
