@@ -1,5 +1,6 @@
 """Merge a run's LoRA/QLoRA adapter into its base and save a standalone model (safetensors) and
-tokenizer, loadable with AutoModelForCausalLM.from_pretrained; QLoRA bases are de-quantised first.
+tokenizer (a vision-language model's processor), loadable with transformers' from_pretrained; QLoRA bases are
+de-quantised first.
 
 Usage: python scripts/merge.py [--config PATH] [--run RUN_DIR] [--output DIR]   (default RUN_DIR/merged)
 """
@@ -22,7 +23,8 @@ def main() -> int:
     with cli.importing():
         from sft_play import export
     merged = export.merge(run, args.output)
-    print(f"Merged model: {merged}\n  load it: AutoModelForCausalLM.from_pretrained('{merged}')\n"
+    model_class = "AutoModelForImageTextToText" if (merged / "processor_config.json").is_file() else "AutoModelForCausalLM"
+    print(f"Merged model: {merged}\n  load it: {model_class}.from_pretrained('{merged}')\n"
           f"  try it:  make generate RUN={merged}")
     return 0
 

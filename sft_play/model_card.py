@@ -48,25 +48,31 @@ def _what(config: dict[str, Any], run: dict[str, Any], merged: bool) -> str:
     return f"An adapter ({adapter}), merged into its base" if merged else f"An adapter: {adapter}"
 
 
-def _loading(method: str, merged: bool, base: str, base_weights: str | None, dtype: str | None) -> str:
+def _loading(method: str, merged: bool, base: str, base_weights: str | None, dtype: str | None,
+             vision: bool = False) -> str:
     """How to load the model in Python. An adapter names its base as the run did: a relative
     folder, or a config-only one whose weights were initialised into the cache, loads from
-    elsewhere than the adapter says, so the snippet loads the base from where the run did."""
+    elsewhere than the adapter says, so the snippet loads the base from where the run did. A
+    vision-language model loads as image-text-to-text, with its processor (peft's auto class
+    would load its base as a causal LM)."""
     in_dtype = f", dtype={dtype!r}" if dtype else ""  # the base as it trained (else its config.json's dtype)
+    model_class, reader = ("AutoModelForImageTextToText", "AutoProcessor") if vision else ("AutoModelForCausalLM",
+                                                                                           "AutoTokenizer")
+    name = "processor" if vision else "tokenizer"
     if method != "full" and not merged:
-        if base_weights and base_weights != base:
-            why = ("initialised from its config.json, kept in SFT-Play's cache" if "init_weights" in base_weights
+        if (base_weights and base_weights != base) or vision:
+            why = ("initialised from its config.json, kept in SFT-Play's cache" if "init_weights" in (base_weights or "")
                    else "where the run loaded them from")
-            return ("from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                    f"BASE = {base_weights!r}  # the base's weights: {why}\n"
-                    f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE{in_dtype}), FOLDER)\n"
-                    "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+            return (f"from peft import PeftModel\nfrom transformers import {model_class}, {reader}\n\n"
+                    f"BASE = {(base_weights or base)!r}  # the base's weights: {why}\n"
+                    f"model = PeftModel.from_pretrained({model_class}.from_pretrained(BASE{in_dtype}), FOLDER)\n"
+                    f"{name} = {reader}.from_pretrained(FOLDER)")
         return ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
                 f"model = AutoPeftModelForCausalLM.from_pretrained(FOLDER{in_dtype})  # loads the base, then the adapter\n"
                 "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
-    return ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-            "model = AutoModelForCausalLM.from_pretrained(FOLDER)\n"
-            "tokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+    return (f"from transformers import {model_class}, {reader}\n\n"
+            f"model = {model_class}.from_pretrained(FOLDER)\n"
+            f"{name} = {reader}.from_pretrained(FOLDER)")
 
 
 def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
@@ -124,7 +130,8 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
              + ", trained with SFT-Play on TRL's SFTTrainer.", "",
              "| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows], "",
              "## Use", "", "```python", f"FOLDER = {str(model_dir)!r}",
-             _loading(method, merged, base, run.get("base_weights"), (run.get("precision") or {}).get("weights_dtype")),
+             _loading(method, merged, base, run.get("base_weights"), (run.get("precision") or {}).get("weights_dtype"),
+                      vision=bool(run.get("images"))),
              "```", "",
              f"In the SFT-Play workspace: `make generate RUN={run_dir}` (held-out prompts), `make chat RUN={run_dir}`, "
              f"`make eval RUN={run_dir}`.", ""]

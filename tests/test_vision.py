@@ -388,6 +388,9 @@ def test_lora_generates_from_an_image_and_merges_into_the_same_answers(vision_ru
     for result in (adapter, merged, held_out):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert printed_answers(adapter.stdout) == printed_answers(merged.stdout)
+    for folder in (run / "model", merged_dir):  # the model cards load it as what it is, with its processor
+        card = (folder / "README.md").read_text()
+        assert "AutoModelForImageTextToText.from_pretrained(" in card and "AutoProcessor.from_pretrained(" in card
     assert "[1 image(s)] What colour is this picture?" in adapter.stdout
     assert held_out.stdout.count("[1 image(s)]") == 4 and len(printed_answers(held_out.stdout)) == 4
     missing, = run_scripts_together(("generate.py", "--run", str(run), "--prompt", "Colour?", "--image", "nope.png"))
