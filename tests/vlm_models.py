@@ -99,6 +99,30 @@ def tiny_llava(folder: Path) -> Path:
 _LOADED_HOW = ("local_files_only", "is_local")
 
 
+def tiny_idefics3(folder: Path) -> Path:
+    """An Idefics3-shaped model (SmolVLM's architecture): images scaled to a longest edge of 112
+    pixels and split into crops of 56x56 beside a global view, each crop a 2-layer SigLIP-like
+    encoding of 14-pixel patches pixel-shuffled to 4 tokens, and the tiny Llama."""
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tokenizer = _tokenizer(folder, ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *grid])
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=CHATML_IMAGES.replace("IMAGE", "<image>"))
+    processor.save_pretrained(folder)
+    config = Idefics3Config(
+        text_config={**_text(), "model_type": "llama"},
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": 56, "patch_size": 14},
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    config.save_pretrained(folder)
+    _tidy(folder)
+    return folder
+
+
 def _tidy(folder: Path) -> None:
     """Every JSON file with sorted keys and a final newline, without how it was loaded (stable bytes
     for the shipped copy, whether the hub is reachable or not)."""
