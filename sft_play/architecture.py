@@ -122,6 +122,30 @@ def build_meta_model(model_config: Any, trust_remote_code: bool = False) -> Any:
     return model
 
 
+def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int, str] | None:
+    """The most tokens one image costs a vision-language model, read from its config (and, where the
+    processor sizes images by area, `max_pixels`), and how that follows; None where the config alone
+    does not tell (a processor that sizes by area without a budget given, or splits into crops)."""
+    vision = getattr(model_config, "vision_config", None)
+    if vision is None:
+        return None
+    patch = getattr(vision, "patch_size", None) or 0
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge and patch:  # Qwen-VL: one token per (patch x merge)^2 pixels of the resized image
+        if not max_pixels:
+            return None
+        side = patch * merge
+        return max_pixels // (side * side), f"one per {side}x{side} pixels of at most data.image_max_pixels={max_pixels:,}"
+    fixed = getattr(model_config, "mm_tokens_per_image", None)
+    if fixed:  # Gemma-3: pooled to a fixed count
+        return int(fixed), "a fixed count: the projector pools every image to it"
+    size = getattr(vision, "image_size", None)
+    if size and patch and getattr(model_config, "vision_feature_select_strategy", None) in ("default", "full"):
+        tokens = (size // patch) ** 2 + (1 if model_config.vision_feature_select_strategy == "full" else 0)
+        return tokens, f"one per {patch}x{patch} patch of the {size}x{size} image (LLaVA)"
+    return None
+
+
 # What transformers' vision-language families call their vision encoder and their projector
 # (Qwen-VL's projector, the merger, lives inside its encoder)
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")

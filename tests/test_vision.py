@@ -435,3 +435,20 @@ def test_chat_shows_a_picture_with_the_next_line(vision_runs, colours):
     assert done.stdout.count("(the picture goes with your next line)") == 1
     assert "(IMAGE=missing.png: no such image file" in done.stdout
     assert done.stdout.count("model> ") == 2 and "Traceback" not in done.stderr
+
+
+def test_a_plan_without_data_says_what_an_image_costs_from_the_config(families):
+    from sft_play.architecture import image_tokens, load_model_config
+    from sft_play.planner import Target, make_plan
+    from sft_play.units import GIB
+
+    qwen = load_model_config(str(FIXTURES / "model_configs" / "qwen2.5-vl-7b"))
+    assert image_tokens(qwen, 1280 * 28 * 28)[0] == 1280 and image_tokens(qwen) is None  # by area: the budget's
+    assert image_tokens(load_model_config(str(FIXTURES / "model_configs" / "gemma-3-4b")))[0] == 256
+    assert image_tokens(load_model_config(str(families["llava"])))[0] == 4  # 28x28 in 14-pixel patches
+    assert image_tokens(load_model_config(str(families["idefics3"]))) is None  # crops: the processor's to say
+    config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'qwen2.5-vl-7b'}",
+                                "data.image_max_pixels=200704", "data.max_seq_length=1024", "train.micro_batch_size=1",
+                                "train.global_batch_size=1"], check_paths=False)
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+    assert any("an image costs up to 256 tokens (one per 28x28 pixels" in note for note in plan.notes), plan.notes

@@ -155,8 +155,14 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
                      "sequence length is planned from; where the processor sizes images by pixels (Qwen-VL, Idefics3, "
                      "SmolVLM), data.image_max_pixels sets how many")
     elif data_stats is None:
-        notes.append("a vision-language model planned without its data: the sequence length is data.max_seq_length, "
-                     "image tokens included (the data, read with the model's processor, tells what each image costs)")
+        from sft_play.architecture import image_tokens, load_model_config
+
+        known = image_tokens(load_model_config(config.model.name_or_path, config.model.revision,
+                                               config.model.trust_remote_code), config.data.image_max_pixels)
+        cost = f"an image costs up to {known[0]:,} tokens ({known[1]})" if known else \
+            "what an image costs is the processor's to say (the data, read with it, tells)"
+        notes.append(f"a vision-language model planned without its data: the sequence length is data.max_seq_length, "
+                     f"image tokens included; {cost}")
     full = run.method == "full"
     parts = []
     for name, count, trained in (("vision encoder", shape.vision_params, config.finetune.train_vision_tower),
