@@ -80,7 +80,12 @@ def main() -> int:
         else:
             history.append({"role": "user", "content": line})
         shown = export.Prompt(history, None, "", pictures) if pictures else history
-        answer = export.generate(trained, tokenizer, shown, args.max_new_tokens)
+        try:
+            answer = export.generate(trained, tokenizer, shown, args.max_new_tokens)
+        except cli.UserError as exc:  # a picture shown earlier changed or went: the conversation starts over
+            print(f"({exc}; conversation cleared)", flush=True)
+            history, pictures, pending = list(start), [], None
+            continue
         history.append({"role": "assistant", "content": answer})
         print(f"model> {answer}", flush=True)
 

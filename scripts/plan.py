@@ -37,6 +37,9 @@ def read_data_stats(config):
         return None, f"no tokenizer at {source} ({exc})"
     try:
         processor = model.load_processor(config, tokenizer)  # a vision-language model's: images count as tokens
+    except UserError as exc:
+        return None, f"data not read: {exc}"
+    try:
         return data.build(config.data, tokenizer, seed=config.train.seed, processor=processor).stats, None
     except (InvalidRow, OSError, ValueError) as exc:
         return None, f"data not read: {exc}"

@@ -149,7 +149,7 @@ def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int,
 # What transformers' vision-language families call their vision encoder and their projector
 # (Qwen-VL's projector, the merger, lives inside its encoder)
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
-PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector")
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list", "mm_projector")
 
 
 def vision_parts(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -324,6 +324,18 @@ def quantized_linears(model: Any) -> list[tuple[str, Any]]:
         for name, module in model.named_modules()
         if type(module) is torch.nn.Linear and should_convert_module(name, skip)
     ]
+
+
+def unquantised(model: Any, train_projector: bool) -> list[str] | None:
+    """bitsandbytes' modules not to convert under QLoRA (``llm_int8_skip_modules``), where they
+    differ from transformers' defaults: a vision-language model's projector, when it trains, keeps
+    its 16-bit weights (peft trains it whole, which a 4-bit weight cannot). None: the defaults."""
+    projectors = vision_parts(model)[1] if train_projector else ()
+    if not projectors:
+        return None
+    from transformers.quantizers.base import HfQuantizer
+
+    return sorted({*HfQuantizer.get_modules_to_not_convert(model, None), *projectors})
 
 
 def experts(model_config: Any) -> tuple[int, int]:

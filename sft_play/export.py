@@ -254,8 +254,11 @@ def generate(model: Any, tokenizer: Any, prompt: Prompt | list[dict[str, str]], 
         from sft_play.data import images
 
         text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[text], images=[[images.load(ref) for ref in prompt.images]], add_special_tokens=False,
-                           return_tensors="pt")
+        try:
+            pictures = [images.load(ref) for ref in prompt.images]
+        except images.ImageProblem as exc:
+            raise UserError(exc.reason) from None
+        inputs = processor(text=[text], images=[pictures], add_special_tokens=False, return_tensors="pt")
     elif prompt.messages is not None:
         inputs = tokenizer.apply_chat_template(
             prompt.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -292,8 +292,14 @@ def quantization_config(config: RunConfig, precision: Precision) -> Any:
     from transformers import BitsAndBytesConfig
 
     quant = config.quantization
+    model_config = architecture.load_model_config(config.model.name_or_path, config.model.revision,
+                                                  config.model.trust_remote_code)
+    skipped = (architecture.unquantised(architecture.build_meta_model(model_config, config.model.trust_remote_code),
+                                        config.finetune.train_projector)
+               if architecture.is_vision_language(model_config) else None)
     return BitsAndBytesConfig(
         load_in_4bit=True,
+        llm_int8_skip_modules=skipped,
         bnb_4bit_quant_type=quant.quant_type,
         bnb_4bit_use_double_quant=quant.double_quant,  # what the run holds as run.double_quant
         bnb_4bit_compute_dtype=TORCH_DTYPES[precision.compute_dtype],
@@ -341,6 +347,9 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     except OSError as exc:
         raise hub_error(location, exc) from None
     freeze_vision(model, config)
+    if quant is not None and config.finetune.train_projector:
+        for path in architecture.vision_parts(model)[1]:
+            model.get_submodule(path).register_forward_pre_hook(_in_weights_dtype)
     if quant is not None:
         keep_cpu_4bit_inference_general(model)
     # Adapters and saved configs record where the base came from: the configured name, not a cache folder.
@@ -371,6 +380,14 @@ def freeze_vision(model: Any, config: RunConfig) -> int:
             parameter.requires_grad_(False)
             count += parameter.numel()
     return count
+
+
+def _in_weights_dtype(module: Any, args: tuple) -> tuple:
+    """A projector trained whole under QLoRA (architecture.unquantised) is bf16, as TRL casts every
+    trainable weight of a quantised model; the 4-bit encoder before it computes in the compute
+    dtype, fp32 without autocast, which a bf16 linear refuses: its input is cast to its weights'."""
+    dtype = next(module.parameters()).dtype
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def name_the_experts(model_config: Any) -> None:

@@ -131,7 +131,7 @@ def card(run_dir: Path, model_dir: Path, merged: bool = False) -> str:
              "| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows], "",
              "## Use", "", "```python", f"FOLDER = {str(model_dir)!r}",
              _loading(method, merged, base, run.get("base_weights"), (run.get("precision") or {}).get("weights_dtype"),
-                      vision=bool(run.get("images"))),
+                      vision=bool(run.get("vision"))),
              "```", "",
              f"In the SFT-Play workspace: `make generate RUN={run_dir}` (held-out prompts), `make chat RUN={run_dir}`, "
              f"`make eval RUN={run_dir}`.", ""]

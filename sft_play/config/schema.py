@@ -75,7 +75,7 @@ class FinetuneConfig(_Section):
         "on its linears); false keeps it frozen, as LLaMA-Factory and Unsloth do by default.")
     train_projector: bool = Field(
         False, description="Vision-language models: train the projector that maps image features into the language "
-        "model (full: its weights; lora: adapters on its linears); false keeps it frozen.")
+        "model (its weights, under LoRA and QLoRA too: beside the adapters, kept 16-bit); false keeps it frozen.")
 
 
 class LoraConfig(_Section):

@@ -63,6 +63,10 @@ def reference(value: Any, base: Path | None, field: str) -> dict[str, str]:
             return reference(str(value["path"]), base, field)
         else:
             raise ImageProblem(field, "an image object needs 'bytes' or 'path'")
+    elif hasattr(value, "getexif") and hasattr(value, "save"):  # a PIL image: datasets decodes an Image column so
+        buffer = io.BytesIO()
+        value.save(buffer, format=value.format or "PNG")
+        ref = {"bytes": base64.b64encode(buffer.getvalue()).decode("ascii")}
     elif isinstance(value, (bytes, bytearray)):
         ref = {"bytes": base64.b64encode(bytes(value)).decode("ascii")}
     elif isinstance(value, str):
@@ -159,9 +163,7 @@ def load(ref: dict[str, Any]) -> Any:
     from PIL import Image
 
     if changed(ref):
-        raise ImageProblem("images", f"{ref['path']} changed or went since the data was prepared (its tokens were "
-                           "counted from the image as it was): put it back, or start the run again, which prepares "
-                           "the data again")
+        raise ImageProblem("images", f"{ref['path']} changed or went since it was read")
     with Image.open(ref["path"] if "path" in ref else io.BytesIO(raw_bytes(ref))) as image:
         return image.convert("RGB")
 

@@ -221,6 +221,12 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
     images' references, token types and image counts."""
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    if not tools_rendered:
+        with_tools = next((r for r in records if uses_tools(r)), None)
+        if with_tools is not None:
+            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
+                            "render (it would drop them in silence): set data.chat_template to one that does (a "
+                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
     shown = next((r for r in records if r.get("images")), None) if processor is None else None
     if shown is not None:
         raise UserError(f"{shown.get(ORIGIN) or 'a record'} shows images, and the model is a text model: train a "
@@ -230,15 +236,10 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         from sft_play.data import vision
 
         pictured = {i: record for i, record in enumerate(records) if record.get("images")}
+        image_ids = vision.image_token_ids(processor)
         records = [r if i not in pictured else {} for i, r in enumerate(records)]  # (encoded below, with the processor)
     else:
         pictured = {}
-    if not tools_rendered:
-        with_tools = next((r for r in records if uses_tools(r)), None)
-        if with_tools is not None:
-            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
-                            "render (it would drop them in silence): set data.chat_template to one that does (a "
-                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
     tokens: list[tuple[list[int], list[int]] | None] = [None] * len(records)
     if has_generation_markers(template):  # (a record with tools renders them: one by one below)
         chats = [i for i, record in enumerate(records) if record.get("messages") is not None and not record.get("tools")]
@@ -268,6 +269,10 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
             raise UserError(f"the chat template cannot render {record.get(ORIGIN) or 'a record'}: {exc}. Choose a "
                             "template that takes these turns (data.chat_template: a name, e.g. chatml, or a .jinja "
                             "file), or change the data") from None
+        if processor is not None and i not in pictured and image_ids and not image_ids.isdisjoint(row["input_ids"]):
+            raise UserError(f"{record.get(ORIGIN) or 'a record'} has no image, and its text holds one of the model's "
+                            "image tokens (as a placeholder written out): the model would look for an image that is "
+                            "not there. Give the row its image (an images column), or take the token out of its text")
         encoded.append(row)
     records = [pictured.get(i, record) for i, record in enumerate(records)]
     out = {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
@@ -404,6 +409,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         stats.images = int(counts["n_images"].astype(np.int64).sum())
         stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
         stats.images_max = int(counts["n_images"].max())
+        stats.pictured = int((counts["n_images"] > 0).sum())
         if not stats.images:
             dataset = dataset.remove_columns(["images", "token_types"])  # text only: trained as text
         elif cfg.packing:
@@ -501,6 +507,10 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0, processor: Any = None)
         InvalidRow: a bad row, with ``data.on_invalid: error``.
         ValueError: no usable example, or a format that cannot be detected.
     """
+    if cfg.streaming and processor is not None:
+        raise UserError("data.streaming is not done for vision-language models yet (whether a stream shows images, "
+                        "and what they cost, is known only as it is read): set data.streaming=false; the data is then "
+                        "prepared once and cached")
     if cfg.streaming:
         return _streamed(cfg, tokenizer, seed, processor)
     if not cfg.cache:

@@ -37,6 +37,7 @@ class DataStats:
     images: int = 0
     image_tokens: int = 0
     images_max: int = 0
+    pictured: int = 0  # the examples that show at least one image
 
     @property
     def truncated_share(self) -> float:

@@ -95,12 +95,26 @@ def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]
     except images.ImageProblem as exc:
         from sft_play.errors import UserError
 
-        raise UserError(exc.reason) from None
+        raise UserError(f"{exc.reason}, after its tokens were counted from the image as it was: put it back, or start "
+                        "the run again, which prepares the data again") from None
     nested = [pictures for pictures in nested if pictures]
     if not nested:
         return {}
     out = processor(images=nested, return_tensors="pt", padding=True)
     return {key: value for key, value in out.items() if key not in _TEXT_KEYS}
+
+
+def image_token_ids(processor: Any) -> set[int]:
+    """The token ids that stand for an image's features in `processor`'s model (what its image
+    placeholder expands into, and the placeholder itself): a text that holds one would make the
+    model look for an image."""
+    tokenizer = processor.tokenizer
+    names = {getattr(processor, key, None) for key in ("image_token", "boi_token")}
+    names |= {getattr(tokenizer, key, None) for key in ("image_token", "boi_token")}
+    ids = {tokenizer.convert_tokens_to_ids(name) for name in names if isinstance(name, str)}
+    ids |= {value for key in ("image_token_id", "image_token_index") if isinstance(
+        value := getattr(processor, key, None), int)}
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
 def changed_images(*datasets: Any) -> list[str]:

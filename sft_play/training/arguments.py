@@ -154,7 +154,7 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         dataset_num_proc=data.num_proc if isinstance(data.num_proc, int) else None,
         # Every adapter/parameter gets a gradient each step (non-reentrant checkpointing keeps it so),
         # but a vision encoder or projector that trains gets none from a batch without images
-        ddp_find_unused_parameters=run.images and (config.finetune.train_vision_tower or config.finetune.train_projector),
+        ddp_find_unused_parameters=run.vision and (config.finetune.train_vision_tower or config.finetune.train_projector),
         # the rows' image references and token types reach the collator (the trainer keeps only the
         # columns the model's forward names)
         remove_unused_columns=not run.images,

@@ -87,6 +87,8 @@ class ModelShape:
     projectors: tuple[str, ...] = ()
     part_params: dict[str, int] = field(default_factory=dict)
     frozen_params: int = 0
+    # the projectors' linears QLoRA quantises by default, (weights, NF4 blocks): kept 16-bit where they train
+    projector_quantized: tuple[int, int] = (0, 0)
 
     @property
     def vision_params(self) -> int:
@@ -203,11 +205,16 @@ def lora_counts(model: Any, lora_config: Any) -> tuple[int, list[tuple[int, int]
     if isinstance(lora_config.target_modules, str) or lora_config.target_parameters:  # all-linear, as peft read it
         import torch
 
-        excluded = set(lora_config.exclude_modules or ())
+        excluded = lora_config.exclude_modules or ()
+
+        def kept_out(name: str) -> bool:  # as peft reads exclude_modules: a regular expression, or names
+            key = name.removeprefix("base_model.model.")
+            return bool(re.fullmatch(excluded, key)) if isinstance(excluded, str) else key.rsplit(".", 1)[-1] in excluded
+
         for name, module in peft_model.named_modules():
             match = _ANY_LAYER.search(f".{name}.")
             if (match and type(module) is torch.nn.Linear and not hasattr(module, "lora_A")
-                    and ".base_layer" not in name and ".lora_" not in name and name.rsplit(".", 1)[-1] not in excluded):
+                    and ".base_layer" not in name and ".lora_" not in name and not kept_out(name)):
                 unadapted.append(f".{name}."[match.end():].strip("."))
     peft_model.unload()
     return total, in_out, first_layer, outside, sorted(set(unadapted))
@@ -248,11 +255,15 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     heads = config_int(text, "num_attention_heads", "n_head")
     quantized = blocks = 0
     quantizable = set()
-    for _, module in quantized_linears(model):
+    towers, projectors = vision_parts(model)
+    in_projector = [0, 0]
+    for name, module in quantized_linears(model):
         n = module.weight.numel()
         quantized += n
         blocks += -(-n // 64)
         quantizable.add(id(module.weight))
+        if in_parts(name, projectors):
+            in_projector = [in_projector[0] + n, in_projector[1] + -(-n // 64)]
     num_layers = config_int(text, "num_hidden_layers", "n_layer", "num_layers")
     layers = decoder_layers(model, num_layers)
     in_layers = {id(p) for p in layers.parameters()} if layers is not None else set()
@@ -260,7 +271,6 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
     layer_tensors = every[0] if every else []
     other_tensors = [p.numel() for p in model.parameters() if id(p) not in in_layers]
     routed, per_token = experts(model_config)
-    towers, projectors = vision_parts(model)
     part_params = {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in towers + projectors}
     seen: set[int] = set()
     expert_params = 0
@@ -299,6 +309,7 @@ def base_shape(model_config: Any, trust_remote_code: bool = False) -> ModelShape
         vision_towers=towers,
         projectors=projectors,
         part_params=part_params,
+        projector_quantized=tuple(in_projector),
         **dict(zip(("expert_parameters", "lora_exclude"), adapter_facts(model))),
     )
 
@@ -310,13 +321,16 @@ def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: 
     (:func:`sft_play.architecture.frozen_parts`) do not train under full fine-tuning."""
     lora_params, in_out, first_layer, outside, unadapted = lora if lora is not None else (0, [], [], [], [])
     frozen_params = base.frozen_count(frozen)
+    paths, inside = frozen
+    projector_trains = any(p in inside or not in_parts(p, paths) for p in base.projectors)
+    kept, kept_blocks = base.projector_quantized if projector_trains else (0, 0)  # (architecture.unquantised)
     return dataclasses.replace(
         base,
         frozen_params=frozen_params,
         trainable_params=base.total_params - frozen_params if method == "full" else lora_params,
         lora_params=0 if method == "full" else lora_params,
-        quantized_params=base.quantized_params if method == "qlora" else 0,
-        quantized_blocks=base.quantized_blocks if method == "qlora" else 0,
+        quantized_params=base.quantized_params - kept if method == "qlora" else 0,
+        quantized_blocks=base.quantized_blocks - kept_blocks if method == "qlora" else 0,
         lora_in_out=[] if method == "full" else list(in_out),
         lora_rank=0 if method == "full" else rank,
         lora_layer_tensors=[] if method == "full" else list(first_layer),
