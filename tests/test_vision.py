@@ -507,3 +507,19 @@ def test_qlora_keeps_a_training_projector_16_bit_and_zero3_refuses_text_only_row
     every = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=2,
                     data_stats=DataStats(examples=10, images=10, pictured=10))
     assert every.images and every.vision
+
+
+def test_an_image_that_passes_the_check_but_cannot_be_decoded_is_named_or_skipped(tmp_path, families):
+    from PIL import Image
+
+    whole = tmp_path / "whole.jpg"
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(whole, quality=95)
+    (tmp_path / "cut.jpg").write_bytes(whole.read_bytes()[:-10])  # its end cut: PIL's verify passes, decoding fails
+    rows = [{"images": [name], "messages": [{"role": "user", "content": "<image>Colour?"},
+                                            {"role": "assistant", "content": "red"}]} for name in ("whole.jpg", "cut.jpg")]
+    with pytest.raises(UserError, match=r"rows.jsonl:2 with its images"):
+        _encoded(tmp_path, families["gemma3"], rows)
+    bundle, _ = _encoded(tmp_path, families["gemma3"], rows, "data.on_invalid=skip")
+    reason = "images: an image the processor could not decode (a file cut short?)"
+    assert bundle.stats.examples == 1 and bundle.stats.skipped == {reason: 1}
+    assert bundle.stats.skipped_rows[reason] == [f"{tmp_path / 'rows.jsonl'}:2"]

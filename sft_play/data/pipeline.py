@@ -46,6 +46,8 @@ def _reason_key(error: InvalidRow) -> str:
 SKIPPED_ROWS_KEPT = 20  # row numbers kept per reason for the skip summary
 ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what tokenising leaves out
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
+UNREADABLE = "unreadable"  # the status of a record whose image the processor could not decode
+UNREADABLE_REASON = "images: an image the processor could not decode (a file cut short?)"
 
 
 def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None,
@@ -213,12 +215,15 @@ def skip_summary(stats: DataStats) -> str | None:
 
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
-                  overlong: str, tools_rendered: bool = True, processor: Any = None) -> dict[str, list]:
+                  overlong: str, tools_rendered: bool = True, processor: Any = None,
+                  skip_unreadable: bool = False) -> dict[str, list]:
     """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
     thousand records rather than per record); the chat records of a template with generation
     markers go through the tokenizer together. With a vision-language model's `processor`, records
     with images go through it (:func:`sft_play.data.vision.encode`), and every row carries its
-    images' references, token types and image counts."""
+    images' references, token types and image counts; a record whose image the processor cannot
+    decode (a file cut short that PIL's check let through) stops the preparation naming it, or with
+    `skip_unreadable` (``data.on_invalid: skip``) is left out as :data:`UNREADABLE`."""
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
     if not tools_rendered:
@@ -262,6 +267,10 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         except Exception as exc:
             if i in pictured and not _template_refused(exc) and not isinstance(exc, UserError):
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                if skip_unreadable:
+                    encoded.append({"input_ids": [], "labels": [], "token_types": [], "status": UNREADABLE,
+                                    "image_tokens": 0})
+                    continue
                 raise UserError(f"the processor could not read {record.get(ORIGIN) or 'a record'} with its images: "
                                 f"{reason}") from None
             if not _template_refused(exc):
@@ -366,7 +375,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         _encode_batch,
         batched=True,
         fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
-                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor},
+                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
+                   "skip_unreadable": cfg.on_invalid == "skip"},
         remove_columns=table.column_names,
         features=datasets.Features(features),
         num_proc=tokenising_processes(cfg.num_proc, len(table)),
@@ -377,7 +387,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     status = Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(status_column).to_pylist()})
     stats.truncated += status["truncated"]
     stats.dropped_overlong += status["dropped"]
-    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit)}
+    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit),
+                UNREADABLE: UNREADABLE_REASON}
     for kind, reason in left_out.items():
         if status[kind]:  # what tokenising left out, named by file and row as the bad rows are
             where = stats.skipped_rows.setdefault(reason, [])
@@ -388,7 +399,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
                         where.append(origin)
                 if len(where) >= SKIPPED_ROWS_KEPT:
                     break
-    for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit))):
+    for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit)),
+                         (UNREADABLE, UNREADABLE_REASON)):
         if status[kind]:
             stats.skipped = {**stats.skipped, reason: stats.skipped.get(reason, 0) + status[kind]}
     dataset = encoded.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
