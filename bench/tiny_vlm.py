@@ -14,7 +14,8 @@ match.
 Paths, as bench/tiny_default.py's: ``auto`` (bf16 autocast where this CPU computes bf16 natively) and
 ``without-bf16`` (oneDNN and ATen capped at AVX2: fp32, as on a CPU without native bf16).
 
-Usage: python bench/tiny_vlm.py [--paths auto without-bf16] [--steps N] [--out docs/reports/tiny_vlm.md]
+Usage: python bench/tiny_vlm.py [--paths auto without-bf16] [--out docs/reports/tiny_vlm.md]
+       [--steps N --count N]   (fewer steps and held-out questions: a smoke run, as the tests do)
 """
 
 from __future__ import annotations
@@ -101,13 +102,13 @@ def trl_worker(folder: Path, steps: int | None) -> None:
                       "model": str(folder / "model")}), flush=True)
 
 
-def score(model_path: str) -> dict:
-    """Exact matches of greedy answers to the held-out questions (make generate's way)."""
+def score(model_path: str, count: int = 10_000) -> dict:
+    """Exact matches of greedy answers to the first `count` held-out questions (make generate's way)."""
     from sft_play import config as config_module
     from sft_play import export
 
     model, processor, _ = export.load_trained(model_path, device="cpu")
-    prompts = export.held_out_prompts(config_module.load(CONFIG), 10_000)
+    prompts = export.held_out_prompts(config_module.load(CONFIG), count)
     right = [export.generate(model, processor, p, 8) == p.reference for p in prompts]
     return {"exact": sum(right), "of": len(right)}
 
@@ -140,6 +141,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["auto", "without-bf16"])
     parser.add_argument("--steps", type=int, help="train this many steps instead of the config's (a smoke run)")
+    parser.add_argument("--count", type=int, default=10_000, help="held-out questions to score (default all 32)")
     parser.add_argument("--out", default=str(REPORTS / "tiny_vlm.md"))
     parser.add_argument("--trl", help=argparse.SUPPRESS)  # the worker: TRL's side, into this folder
     args = parser.parse_args()
@@ -154,7 +156,7 @@ def main() -> int:
         for path in args.paths:
             for side in (ours, theirs):
                 row = side(path, Path(root), args.steps)
-                row.update(score(row["model"]))
+                row.update(score(row["model"], args.count))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     Path(args.out).write_text(report(rows))

@@ -463,3 +463,13 @@ def test_the_planner_questions_bench_writes_each_answer_with_its_command(tmp_pat
     assert "- run: `make train-distributed NUM_GPUS=2 ARGS=" in text and "micro-batch 2, not 3" in text
     refused = run_scripts_together(("bench/planner_questions.py", "--only", "no-such-question", "--out", str(out)))[0]
     assert refused.returncode == 2 and "unknown question(s) no-such-question" in refused.stderr
+
+
+def test_the_vision_bench_trains_both_sides_from_the_same_weights_and_reports(tmp_path):
+    out = tmp_path / "tiny_vlm.md"
+    done = run_scripts_together(("bench/tiny_vlm.py", "--paths", "auto", "--steps", "2", "--count", "4", "--out", str(out)))[0]
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| auto |")]
+    assert [r[2] for r in rows] == ["SFT-Play", "TRL"]
+    assert rows[0][3] == rows[1][3] and all(r[6] == "2" and r[7].endswith("of 4") for r in rows)
