@@ -57,8 +57,11 @@ def main() -> int:
             if not sees:
                 print("(this model reads text only)", flush=True)
                 continue
+            if not line.removeprefix("/image").strip():
+                print("(/image needs the path of a picture: /image PATH)", flush=True)
+                continue
             try:
-                pending = export.user_prompt(run, "", line.removeprefix("/image").strip() or "?").images[0]
+                pending = export.user_prompt(run, "", line.removeprefix("/image").strip()).images[0]
                 print("(the picture goes with your next line)", flush=True)
             except cli.UserError as exc:
                 print(f"({exc})", flush=True)

@@ -523,3 +523,19 @@ def test_an_image_that_passes_the_check_but_cannot_be_decoded_is_named_or_skippe
     reason = "images: an image the processor could not decode (a file cut short?)"
     assert bundle.stats.examples == 1 and bundle.stats.skipped == {reason: 1}
     assert bundle.stats.skipped_rows[reason] == [f"{tmp_path / 'rows.jsonl'}:2"]
+
+
+def test_an_image_placeholder_with_an_empty_images_list_is_a_bad_row_and_a_plan_too_short_for_an_image_warns(tmp_path):
+    from sft_play.planner import Target, make_plan
+    from sft_play.units import GIB
+
+    rows = [{"conversations": [{"from": "human", "value": "<image>Colour?"}, {"from": "gpt", "value": "red"}],
+             "images": []}]
+    path = vlm_models.write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(InvalidRow, match=r"row 1, field 'images': 0 image\(s\) for 1 place\(s\) marked"):
+        load_records(str(path), _config(tmp_path, tmp_path).data, DataStats())
+    config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'gemma-3-4b'}",
+                                "data.max_seq_length=128", "train.micro_batch_size=1", "train.global_batch_size=1"],
+                         check_paths=False)
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+    assert any("data.max_seq_length=128 cannot hold one image (256 tokens)" in w for w in plan.warnings), plan.warnings

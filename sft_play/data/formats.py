@@ -224,14 +224,16 @@ def _with_images(record: dict[str, Any], row: dict[str, Any], cols: dict[str, st
                  index: int) -> dict[str, Any]:
     """`record` with the images of its row in place (:func:`sft_play.data.images.attach`); a record
     without any keeps string content."""
-    field = cols["images"] if row.get(cols["images"]) not in (None, "", []) else cols["image"]
+    field = cols["image"] if row.get(cols["image"]) not in (None, "", []) or cols["images"] not in row else cols["images"]
     listed = row.get(field)
+    given = cols["images"] in row or cols["image"] in row  # (an empty list: its "<image>" marks are places)
     has_parts = any(isinstance(m["content"], list) for m in record["messages"])
-    if listed in (None, "", []) and not has_parts:
+    if listed in (None, "", []) and not has_parts and not (given and any(
+            isinstance(m["content"], str) and images.PLACEHOLDER in m["content"] for m in record["messages"])):
         return record
     base = Path(source).parent if Path(source).is_file() else None
     try:
-        return images.attach(record, listed, base, field)
+        return images.attach(record, listed, base, field, given)
     except images.ImageProblem as exc:
         raise InvalidRow(source, index, exc.field, exc.reason) from None
 

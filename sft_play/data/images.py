@@ -168,7 +168,7 @@ def load(ref: dict[str, Any]) -> Any:
         return image.convert("RGB")
 
 
-def attach(record: dict[str, Any], listed: Any, base: Path | None, field: str) -> dict[str, Any]:
+def attach(record: dict[str, Any], listed: Any, base: Path | None, field: str, given: bool = False) -> dict[str, Any]:
     """`record` (a chat, its content strings or lists of parts) with its images in place: the
     `listed` images (the ``images``/``image`` column's) matched in order to its image parts or
     ``<image>`` placeholders, and images given inside parts taken in turn; each checked.
@@ -185,7 +185,7 @@ def attach(record: dict[str, Any], listed: Any, base: Path | None, field: str) -
     elif not isinstance(listed, list):
         listed = [listed]
     messages = record["messages"]
-    if not listed:  # an "<image>" in the text of a record without images is text
+    if not listed and not given:  # an "<image>" in the text of a record without an images column is text
         for message in messages:
             if isinstance(message["content"], str):
                 message["content"] = message["content"].replace(PLACEHOLDER, _KEPT)

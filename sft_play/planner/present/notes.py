@@ -163,6 +163,10 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
             "what an image costs is the processor's to say (the data, read with it, tells)"
         notes.append(f"a vision-language model planned without its data: the sequence length is data.max_seq_length, "
                      f"image tokens included; {cost}")
+        if known and known[0] >= config.data.max_seq_length:
+            warnings.append(f"data.max_seq_length={config.data.max_seq_length} cannot hold one image ({known[0]:,} "
+                            "tokens): every example with an image would be left out (image tokens are never cut); "
+                            "raise it, or lower data.image_max_pixels where the processor sizes images by pixels")
     full = run.method == "full"
     parts = []
     for name, count, trained in (("vision encoder", shape.vision_params, config.finetune.train_vision_tower),
