@@ -33,13 +33,15 @@ CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 PATHS = {"auto": {}, "without-bf16": CAPPED}
 
 
-def train(seed: int, path: str, root: Path, steps: int | None = None) -> dict:
-    """Train the default once in a fresh process; the run's summary plus the wall time."""
-    name = f"seed{seed}-{path}"
+def train(seed: int, path: str, root: Path, steps: int | None = None, config: str = "configs/run_tiny.yaml",
+          name: str | None = None) -> dict:
+    """Train `config` (the default) once in a fresh process, as `make train` does; the run's summary
+    plus the wall time."""
+    name = name or f"seed{seed}-{path}"
     more = [f"train.max_steps={steps}"] if steps else []
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
+        [sys.executable, "scripts/train_distributed.py", "--config", config, f"train.seed={seed}",
          f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *more],
         cwd=REPO, capture_output=True, text=True, env={**worker_env(), **PATHS[path]},
     )

@@ -29,27 +29,16 @@ import time
 from pathlib import Path
 
 from _common import REPO, REPORTS, versions, worker_env
-from tiny_default import PATHS, hardware_line
+from tiny_default import PATHS, hardware_line, train
 
 CONFIG = "configs/run_tiny_vlm.yaml"
 
 
 def ours(path: str, root: Path, steps: int | None) -> dict:
-    """`make train CONFIG=configs/run_tiny_vlm.yaml` in a fresh process; its summary and wall time."""
-    name = f"sft-play-{path}"
-    more = [f"train.max_steps={steps}"] if steps else []
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "scripts/train_distributed.py", "--config", CONFIG,
-                             f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *more],
-                            cwd=REPO, capture_output=True, text=True, env={**worker_env(), **PATHS[path]})
-    wall = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((root / name / "summary.json").read_text())
-    precision = next((line.split("mixed precision ", 1)[1].split(" (")[0] for line in result.stderr.splitlines()
-                      if "mixed precision " in line), "?")
-    return {"side": "SFT-Play", "path": path, "precision": precision, "wall_s": wall,
-            "train_s": summary["train_runtime_s"], "steps": summary["global_step"], "model": str(root / name)}
+    """`make train CONFIG=configs/run_tiny_vlm.yaml` in a fresh process (bench/tiny_default.py's way)."""
+    row = train(42, path, root, steps, config=CONFIG, name=f"sft-play-{path}")
+    return {"side": "SFT-Play", "path": path, "precision": row["precision"], "wall_s": row["wall_s"],
+            "train_s": row["train_s"], "steps": row["steps"], "model": row["run"]}
 
 
 def theirs(path: str, root: Path, steps: int | None) -> dict:

@@ -251,7 +251,3 @@ def _text_only(content: Any) -> Any:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content)
-
-
-def count(record: dict[str, Any]) -> int:
-    return len(record.get("images") or ())
