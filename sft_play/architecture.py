@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,28 @@ def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int,
     return None
 
 
+def image_inputs(model_config: Any, max_pixels: int | None = None) -> dict[str, Any] | None:
+    """What the processor gives the vision encoder for one image, described as
+    :func:`sft_play.data.vision.encoder_inputs` describes it, read from the config where
+    :func:`image_tokens` can tell: Qwen-VL's patches of a near-square image of `max_pixels`, or one
+    image of the encoder's fixed size. None otherwise."""
+    vision = getattr(model_config, "vision_config", None)
+    known = image_tokens(model_config, max_pixels)
+    if vision is None or known is None:
+        return None
+    patch = vision.patch_size
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge:
+        rows = max(1, math.isqrt(known[0]))
+        height, width = rows * merge, max(1, known[0] // rows) * merge
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None) or 3
+        values = channels * (getattr(vision, "temporal_patch_size", None) or 1) * patch * patch
+        return {"image_grid_thw": {"values": [[1, height, width]]},
+                "pixel_values": {"shape": [height * width, values], "dtype": "float32"}}
+    size = vision.image_size
+    return {"pixel_values": {"shape": [1, getattr(vision, "num_channels", 3), size, size], "dtype": "float32"}}
+
+
 # What transformers' vision-language families call their vision encoder and their projector
 # (Qwen-VL's projector, the merger, lives inside its encoder)
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -184,6 +207,23 @@ def adapter_parts(towers: tuple[str, ...], projectors: tuple[str, ...], train_to
     weight that no adapter could reach)."""
     kept_out = (() if train_tower else towers) + projectors
     return kept_out, tuple(path.rsplit(".", 1)[-1] for path in projectors) if train_projector else ()
+
+
+def keep_out_of_backward(model: Any, towers: tuple[str, ...]) -> None:
+    """Keep the frozen vision encoders at `towers` out of the backward pass. transformers'
+    ``enable_input_require_grads`` (run when checkpointing is enabled, and by peft) makes the
+    output of every sub-model's input embeddings require grad, a vision encoder's patch embedding
+    included: a frozen encoder would then keep its activations for a backward pass that updates
+    nothing (and, checkpointed, run its forward twice). Its sub-model no longer shows it the
+    embeddings; what trains after the encoder (a projector) gets its gradients all the same."""
+    for path in towers:
+        module = model.get_submodule(path)
+        if hasattr(module, "get_input_embeddings"):
+            module.get_input_embeddings = _no_embeddings
+
+
+def _no_embeddings() -> None:
+    return None
 
 
 def in_parts(name: str, paths: tuple[str, ...]) -> bool:

@@ -347,6 +347,8 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     except OSError as exc:
         raise hub_error(location, exc) from None
     freeze_vision(model, config)
+    if not config.finetune.train_vision_tower:
+        architecture.keep_out_of_backward(model, architecture.vision_parts(model)[0])
     if quant is not None and config.finetune.train_projector:
         for path in architecture.vision_parts(model)[1]:
             model.get_submodule(path).register_forward_pre_hook(_in_weights_dtype)

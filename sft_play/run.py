@@ -190,6 +190,12 @@ class Run:
     offload_activations: bool = False  # checkpointed hidden states kept in host memory (sft_play.long_rows)
     images: bool = False  # the data shows images: batches carry their pixels (a vision-language model)
     vision: bool = False  # the model is a vision-language model (it has a vision encoder)
+    # What the vision encoder is given for the heaviest example (sft_play.data.vision.encoder_inputs,
+    # JSON), or for one image sized from the config without data; "" where it encodes nothing or
+    # the config cannot tell. The planner traces the encoder on it.
+    encoder_inputs: str = ""
+    train_vision_tower: bool = False
+    train_projector: bool = False
 
     @property
     def fsdp_checkpointing(self) -> bool:
@@ -439,7 +445,21 @@ def resolve(
         offload_activations=config.train.offload_activations,
         images=images,
         vision=bool(facts.vision_towers),
+        encoder_inputs=_encoder_inputs(config, data_stats) if facts.vision_towers else "",
+        train_vision_tower=config.finetune.train_vision_tower and bool(facts.vision_towers),
+        train_projector=config.finetune.train_projector and bool(facts.vision_towers),
     )
+
+
+def _encoder_inputs(config: RunConfig, data_stats: Any | None) -> str:
+    """:attr:`Run.encoder_inputs`: the data's heaviest example's, or without data one image's as
+    the config tells (architecture.image_inputs)."""
+    if data_stats is not None:
+        described = getattr(data_stats, "encoder_inputs", None) if getattr(data_stats, "images", 0) else None
+    else:
+        described = architecture.image_inputs(architecture.load_model_config(
+            config.model.name_or_path, config.model.revision, config.model.trust_remote_code), config.data.image_max_pixels)
+    return json.dumps(described, sort_keys=True) if described else ""
 
 
 def sequence_split_problem(facts: ModelFacts, size: int, attention: str, world_size: int) -> str | None:

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 # answers, and names the examples tokenising leaves out; 3 reads Alpaca's history, tool calls and
 # ShareGPT's function_call (rows skip used to drop), and folders by split; 4 keeps the sum of the examples'
 # squared lengths (attention's FLOPs); 5 reads content given as parts and images (rows skip used to drop); 6
-# counts the examples that show images
-CACHE_VERSION = 6
+# counts the examples that show images; 7 keeps the vision encoder's inputs for the heaviest example
+CACHE_VERSION = 7
 
 
 def cache_root() -> Path:

@@ -48,6 +48,8 @@ ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what toke
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
 UNREADABLE = "unreadable"  # the status of a record whose image the processor could not decode
 UNREADABLE_REASON = "images: an image the processor could not decode (a file cut short?)"
+# Per-example columns of image data, counted into the statistics and then dropped
+IMAGE_COUNTS = ("n_images", "n_image_tokens", "n_pixels", "encoder_inputs")
 
 
 def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None,
@@ -268,8 +270,7 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
             if i in pictured and not _template_refused(exc) and not isinstance(exc, UserError):
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
                 if skip_unreadable:
-                    encoded.append({"input_ids": [], "labels": [], "token_types": [], "status": UNREADABLE,
-                                    "image_tokens": 0})
+                    encoded.append({"input_ids": [], "labels": [], "token_types": [], "status": UNREADABLE})
                     continue
                 raise UserError(f"the processor could not read {record.get(ORIGIN) or 'a record'} with its images: "
                                 f"{reason}") from None
@@ -294,6 +295,8 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         out["token_types"] = [row.get("token_types") or [0] * len(row["input_ids"]) for row in encoded]
         out["n_images"] = [len(record.get("images") or ()) for record in records]
         out["n_image_tokens"] = [row.get("image_tokens", 0) for row in encoded]
+        out["n_pixels"] = [row.get("pixels", 0) for row in encoded]
+        out["encoder_inputs"] = [row.get("encoder_inputs", "") for row in encoded]
     return out
 
 
@@ -370,7 +373,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
                 "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32")}
     if processor is not None:
         features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
-                     "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32")}
+                     "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32"),
+                     "n_pixels": datasets.Value("int64"), "encoder_inputs": datasets.Value("string")}
     encoded = table.map(
         _encode_batch,
         batched=True,
@@ -408,8 +412,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     # the kept rows' counts, read from the tokenised columns as stored (through the filter's
     # indices, datasets would gather whole rows into memory: 0.7 KB a row)
     kept = pc.is_in(status_column, value_set=pa.array(["ok", "truncated"]))
-    counted = ("n_tokens", "n_loss", "n_images", "n_image_tokens") if processor is not None else ("n_tokens", "n_loss")
-    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy() for name in counted}
+    counted = ("n_tokens", "n_loss", *IMAGE_COUNTS) if processor is not None else ("n_tokens", "n_loss")
+    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy() for name in counted if name != "encoder_inputs"}
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
     stats.examples = len(dataset)
     stats.max_seq_length = limit
@@ -422,6 +426,9 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
         stats.images_max = int(counts["n_images"].max())
         stats.pictured = int((counts["n_images"] > 0).sum())
+        if stats.images:  # the vision encoder's inputs for the example with the most pixels (the planner's)
+            heaviest = int(counts["n_pixels"].argmax())
+            stats.encoder_inputs = json.loads(pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py())
         if not stats.images:
             dataset = dataset.remove_columns(["images", "token_types"])  # text only: trained as text
         elif cfg.packing:
@@ -588,7 +595,7 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int, processor: Any = None)
     train = stream.map(_encode_batch, batched=True, remove_columns=list(RECORD_COLUMNS), fn_kwargs={
         "tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
         "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor})
-    counted = ["n_tokens", "n_loss"] + (["n_images", "n_image_tokens"] if processor is not None else [])
+    counted = ["n_tokens", "n_loss"] + (list(IMAGE_COUNTS) if processor is not None else [])
     train = train.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
                          batched=True).remove_columns(["status", "origin", *counted])
     if cfg.packing:

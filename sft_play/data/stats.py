@@ -38,6 +38,9 @@ class DataStats:
     image_tokens: int = 0
     images_max: int = 0
     pictured: int = 0  # the examples that show at least one image
+    # what the processor gives the vision encoder for the example with the most pixels
+    # (sft_play.data.vision.encoder_inputs): the planner traces the encoder on it
+    encoder_inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def truncated_share(self) -> float:

@@ -57,8 +57,34 @@ def encode(record: dict[str, Any], processor: Any, template: str, train_on: str)
     labels = prompt_turns_unlabelled(record, labels, train_on)
     types = next((list(out[key][0]) for key in TOKEN_TYPE_KEYS if key in out), [0] * len(ids))
     image_end = max((i + 1 for i, image in enumerate(in_image) if image), default=0)
+    pixels, inputs = encoder_inputs(out)
     return {"input_ids": ids, "labels": labels, "token_types": types, "image_end": image_end,
-            "image_tokens": sum(in_image)}
+            "image_tokens": sum(in_image), "pixels": pixels, "encoder_inputs": inputs}
+
+
+def encoder_inputs(out: Any) -> tuple[int, str]:
+    """(the pixel values, a description) of what `out`, the processor's answer for one example,
+    gives the vision encoder: each input's shape and dtype, and the values of small integer ones
+    (Qwen-VL's ``image_grid_thw``), as JSON. The planner traces the encoder on the heaviest
+    example's (:mod:`sft_play.planner.simulate.encoder`)."""
+    import numpy as np
+
+    described: dict[str, Any] = {}
+    pixels = 0
+    for key, value in out.items():
+        if key in _TEXT_KEYS:
+            continue
+        array = np.asarray(value)
+        if array.dtype.kind in "iu" and array.size <= SMALL_INPUT:
+            described[key] = {"values": array.tolist()}
+        else:
+            described[key] = {"shape": list(array.shape), "dtype": str(array.dtype)}
+        if array.dtype.kind == "f":
+            pixels += int(array.size)
+    return pixels, json.dumps(described, sort_keys=True)
+
+
+SMALL_INPUT = 4096  # integer inputs up to this many values are kept (grids, sizes), larger ones by shape
 
 
 def _moved(position: int, replaced: list[tuple[tuple[int, int], tuple[int, int]]]) -> int:
@@ -82,7 +108,8 @@ def limited(encoded: dict[str, Any], limit: int, overlong: str) -> dict[str, Any
             ids, labels, types = ids[:limit], labels[:limit], types[:limit]
             status = "no_answer" if all(label == IGNORE_INDEX for label in labels) else "truncated"
     return {"input_ids": ids, "labels": labels, "token_types": types, "status": status,
-            "image_tokens": encoded["image_tokens"]}
+            "image_tokens": encoded["image_tokens"], "pixels": encoded["pixels"],
+            "encoder_inputs": encoded["encoder_inputs"]}
 
 
 def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]:

@@ -4,13 +4,14 @@ numbers come from the simulation and the choice; only the wording lives here."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from sft_play.config import RunConfig
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import STAND_INS
+from sft_play.planner.simulate.predict import STAND_INS, UNTRACED_ENCODERS
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import LIGER_RMS_NORM_MODELS
 from sft_play.planner.target import Target
@@ -141,7 +142,7 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
 
 def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any | None) -> tuple[list[str], list[str]]:
     """What the plan says about a vision-language model (notes, warnings): what its images cost in
-    tokens (read from the data), which of its vision parts train, and what is not planned yet."""
+    tokens (read from the data), which of its vision parts train, and what its encoder is traced on."""
     notes: list[str] = []
     warnings: list[str] = []
     if not shape.vision_towers:
@@ -175,14 +176,31 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
             if trained else "frozen"
         parts.append(f"{name} {count:,} parameters, {how}")
     notes.append("; ".join(parts) + " (finetune.train_vision_tower, finetune.train_projector)")
-    if config.finetune.train_vision_tower:
-        warnings.append("the vision encoder trains: the activations it keeps for backward (one set per layer for "
-                        "every image patch) are not in this plan yet, nor its working set; the out-of-memory "
-                        "backoff is the safety net")
-    elif images:
-        notes.append("the frozen vision encoder keeps nothing for backward; its working set while it encodes a "
-                     "micro-batch's images is not in this plan yet")
+    traced = _traced_on(run)
+    if config.model.name_or_path in UNTRACED_ENCODERS:
+        warnings.append(f"the vision encoder of {config.model.name_or_path} could not be traced "
+                        f"({UNTRACED_ENCODERS[config.model.name_or_path]}): its activations are not in this plan; "
+                        "the out-of-memory backoff is the safety net")
+    elif traced:
+        kept = ("keeps for backward what its training parts need, to the end of the backward pass"
+                if run.train_vision_tower or run.train_projector else
+                "keeps nothing for backward: its working set lasts while it encodes the micro-batch's images")
+        notes.append(f"the vision encoder is traced on {traced}, once per example of the micro-batch: it {kept}")
+    elif data_stats is None or images:
+        warnings.append("the vision encoder's activations are not in this plan: the config alone does not say what "
+                        "the processor makes of an image; plan with the data (make plan reads it), or, where the "
+                        "processor sizes images by pixels (Qwen-VL), set data.image_max_pixels")
     return notes, warnings
+
+
+def _traced_on(run: Run) -> str:
+    """What the vision encoder is traced on, in words ("" where nothing is)."""
+    if not run.encoder_inputs:
+        return ""
+    described = json.loads(run.encoder_inputs)
+    pixels = described.get("pixel_values", {}).get("shape")
+    where = "the example with the most pixels" if run.images else "one image sized from the config"
+    return f"{where} (pixel_values {'x'.join(map(str, pixels))})" if pixels else where
 
 
 def host_memory(shape: ModelShape, run: Run, target: Target, micro_batch: int = 1) -> tuple[int, str | None]:

@@ -39,7 +39,8 @@ T = TypeVar("T")
 
 _PACKAGE = Path(__file__).resolve().parents[2]
 # The modules whose code decides a shape or a trace
-_SOURCES = ("planner/simulate/trace.py", "planner/simulate/shapes.py", "architecture.py", "adapters.py", "run.py")
+_SOURCES = ("planner/simulate/trace.py", "planner/simulate/encoder.py", "planner/simulate/shapes.py", "architecture.py",
+            "adapters.py", "run.py")
 _PACKAGES = ("torch", "transformers", "peft")
 
 

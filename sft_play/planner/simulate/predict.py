@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from sft_play import hardware
 from sft_play.planner.simulate import memory
+from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.step import StepSpec, replay
 from sft_play.planner.simulate.trace import TraceSpec, layer_trace
@@ -116,6 +117,7 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
             traced_layers(trace_spec(run, micro), run.local_tokens)
+            traced_encoder(run)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                      initializer=_ignore_stop_signals) as pool:
@@ -154,6 +156,8 @@ _CACHE: dict = {}
 # Models whose layers the tracer could not follow, and why: they are planned with a stand-in layer
 STAND_INS: dict[str, str] = {}
 _UNTRACEABLE: set[tuple[str, str]] = set()
+# Vision encoders the tracer could not follow, and why: planned without their activations
+UNTRACED_ENCODERS: dict[str, str] = {}
 REPLAYS = [0]  # allocator replays so far in this process: what planning costs, counted (Plan.replays)
 
 
@@ -206,8 +210,23 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         cublas_workspace=run.cublas_workspace_bytes,
         neftune=run.neftune,
         offload_hidden=run.offload_activations and run.gradient_checkpointing,
+        encoder=traced_encoder(run),
     )
     return replay(shape, trace, spec, capacity, log)
+
+
+def traced_encoder(run: Run) -> EncoderTrace | None:
+    """The vision encoder on the run's images (:attr:`Run.encoder_inputs`) traced, or None where
+    the run encodes none, or where the tracer cannot follow the encoder (recorded in
+    :data:`UNTRACED_ENCODERS` for the plan to say)."""
+    if not run.encoder_inputs or run.model in UNTRACED_ENCODERS:
+        return None
+    try:
+        return encoder_trace(trace_spec(run, 1), run.encoder_inputs, run.train_vision_tower, run.train_projector)
+    except Exception as error:  # noqa: BLE001 - the plan goes on without the encoder's activations
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        UNTRACED_ENCODERS[run.model] = f"{type(error).__name__}: {reason}"
+        return None
 
 
 def traced_layers(spec, seq_len: int):

@@ -8,6 +8,8 @@ The step is assembled from what is known exactly and what was traced:
 - each decoder layer's and the final norm's allocations from the meta-device trace
   (:mod:`sft_play.planner.simulate.trace`), chained layer to layer: a layer's output is the next layer's
   input, the gradient it produces for its input is the incoming gradient of the layer below;
+- a vision-language model's vision encoder on the micro-batch's images, from its own trace
+  (:mod:`sft_play.planner.simulate.encoder`), its features placed at the image tokens;
 - what the backbone allocates around the layers (the batch, the embedding output, the
   attention mask, the rotary tables) and TRL's chunked loss head, from their code (cited where
   they are replayed);
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from sft_play.planner.simulate import memory
 from sft_play.planner.simulate.allocator import CachingAllocator, OutOfMemory
+from sft_play.planner.simulate.encoder import EncoderTrace
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
 from sft_play.run import Run
@@ -67,6 +70,7 @@ class StepSpec:
     cublas_workspace: int = 32 * MIB  # taken from the allocator on CUDA (Run.cublas_workspace_bytes)
     neftune: bool = False  # NEFTune's noise, drawn and added to the embedding output (a transient)
     offload_hidden: bool = False  # the hidden states checkpointing keeps live in host memory (sft_play.long_rows)
+    encoder: EncoderTrace | None = None  # the vision encoder on each example's images (None: none planned)
     steps: int = 2
 
 
@@ -217,6 +221,12 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     gathered_embedding = _gather_embedding(gpu, shape, run)
     embeddings = gpu.new(b * s * h * residual, "activations")
     gpu.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
+    encoded = _encode_images(gpu, spec.encoder, b) if spec.encoder is not None else None
+    if encoded is not None:  # inputs_embeds.masked_scatter(image_mask, features): a new tensor
+        placed = gpu.new(b * s * h * residual, "activations")
+        gpu.free(embeddings)
+        _play(gpu, spec.encoder.at(b), spec.encoder.at(b).after_forward, "vision", encoded, b, "activations")
+        embeddings = placed
     if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
         noise = gpu.new(b * s * h * residual, "activations")
         noised = gpu.new(b * s * h * residual, "activations")
@@ -260,6 +270,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
         _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")
+    if encoded is not None:
+        _play(gpu, spec.encoder.at(b), spec.encoder.at(b).cache_release, "vision", encoded, b, "activations")
 
     # Backward: the head, the final norm, then the layers from the top
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
@@ -284,6 +296,17 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
             gpu.free(*parameter_grads)
         else:
             grads += parameter_grads
+    if encoded is not None and spec.encoder.trains:
+        # the features' gradient (masked_scatter's backward: the image tokens' rows of the
+        # embeddings' gradient), then the encoder's and projector's backward
+        events = spec.encoder.at(b)
+        encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
+        _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
+        parameter_grads = [_name(encoded, g, "vision") for g in events.persistent]
+        if run.parallel.strategy.shards_states or not keep_grads:
+            gpu.free(*parameter_grads)
+        else:
+            grads += parameter_grads
     gpu.free(incoming)
     if run.method == "full" and not run.parallel.deepspeed:
         # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
@@ -298,12 +321,22 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         else:
             grads.append(embedding)
     gpu.free(*rotary, *masks, *batch)
+    if encoded is not None:
+        gpu.free(encoded[INPUT])
     if layers[0].input_kept:
         gpu.free(embeddings)
     if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
         gpu.free(*grads)
         return []
     return grads
+
+
+def _encode_images(gpu: _Replay, encoder: EncoderTrace, micro: int) -> dict:
+    """The micro-batch's pixel inputs, collated and moved to the GPU, and the vision encoder's
+    forward pass on them (:mod:`sft_play.planner.simulate.encoder`); the names of its tensors."""
+    names = {INPUT: gpu.new(encoder.input_bytes * micro, "inputs")}
+    _play(gpu, encoder.at(micro), encoder.at(micro).forward, "vision", names, micro, "activations")
+    return names
 
 
 def _gather_embedding(gpu: _Replay, shape: ModelShape, run: Run):
@@ -320,8 +353,8 @@ def _name(names: dict, event_id: int, layer):
 
 def _handle_base(layer) -> int:
     """Integer handles for traced tensors: layer i's event k is (i + 2) << 24 | k; the final norm's
-    1 << 24 | k; tensors the replay names itself are tuples."""
-    return (1 if layer == "norm" else layer + 2) << 24
+    1 << 24 | k; the vision encoder's k; tensors the replay names itself are tuples."""
+    return 0 if layer == "vision" else (1 if layer == "norm" else layer + 2) << 24
 
 
 def _play(gpu: _Replay, module: ModuleEvents, events, layer, names: dict, micro: int, category: str,

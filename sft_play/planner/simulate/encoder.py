@@ -1,0 +1,304 @@
+"""What a vision-language model's vision encoder allocates through a training step, recorded by
+running the model's own encoder and projector (``get_image_features``) on the meta device, as
+:mod:`sft_play.planner.simulate.trace` records a decoder layer: the same recorder, autocast,
+fused attention and dropout, LoRA wrappers, 4-bit matmuls and checkpointing.
+
+The inputs are what the processor gave the data's heaviest example (the most pixel values:
+:func:`sft_play.data.vision.encoder_inputs`), or one image sized from the config where the plan
+has no data, repeated for every example of the micro-batch as the collator batches them (along
+their first dimension). Traced at micro-batch 1 and 2, the sizes are affine in the micro-batch
+where both run the same operations (else micro-batch 1 stands alone and 2 and 3 give the rest, as
+for the decoder layers); where the encoder loops over images, micro-batch 2's sizes are taken in
+proportion to the micro-batch.
+
+The inputs are made on the CPU, with values (integers as the processor gave them: Qwen-VL's
+``image_grid_thw``, from which the encoder computes patch positions, windows and each image's
+attention span; pixel values and masks as ones: every crop a real one, every patch attended,
+where Idefics3 drops all-padding crops), so that what the encoder reads of them it reads; an
+operation that meets the meta device's weights takes them there (:class:`_OnMeta`). What the
+CPU computes is counted as the GPU would hold it.
+
+A frozen encoder (the default) keeps nothing for backward: what it allocates is its working set,
+alive only while it encodes the micro-batch's images, and its features until they are placed at
+the image tokens. Where the encoder or the projector trains, what they keep for backward stays
+until the end of the backward pass, which ends in theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+import json
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from sft_play.adapters import LoraSpec, peft_config
+from sft_play.architecture import (config_identity, frozen_parts, in_parts, keep_out_of_backward, quantized_linears,
+                                   vision_parts)
+from sft_play.planner.simulate import cache
+from sft_play.planner.simulate.trace import (_FLASH_TRACE, _SEEDED, DTYPES, ModuleEvents, TraceSpec,
+                                             _Autocast, _four_bit_linear, _meta_compatible, _module_events, _Recorder,
+                                             _register_flash_trace, _Seed, _one_layer_model)
+from sft_play.run import MASK_FREE_ATTENTION
+
+_NUMPY_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool,
+                 "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+
+
+@dataclass(frozen=True)
+class EncoderTrace:
+    """The encoder's events at micro-batch 1 and, as functions of the micro-batch, from 2 on (as
+    :class:`sft_play.planner.simulate.trace.LayerTrace`): each a :class:`ModuleEvents` whose
+    ``forward`` runs from the pixels on the GPU to the features, ``after_forward`` drops the
+    features once placed, ``backward`` runs from the features' gradient on (empty where nothing
+    in the encoder trains) and ``persistent`` names the gradients of what trains; and the bytes
+    of one example's pixel inputs as collated."""
+
+    single: ModuleEvents
+    batched: ModuleEvents
+    input_bytes: int
+
+    def at(self, micro: int) -> ModuleEvents:
+        return self.single if micro == 1 else self.batched
+
+    @property
+    def trains(self) -> bool:
+        return bool(self.single.backward)
+
+    def features_bytes(self, micro: int) -> int:
+        """The features' bytes at `micro` (their gradient's too)."""
+        events = self.at(micro)
+        for event in events.forward:
+            if event[0] == "a" and event[1] == events.output:
+                return events.size(event, micro)
+        return 0
+
+
+def encoder_trace(spec: TraceSpec, inputs: str, train_tower: bool, train_projector: bool) -> EncoderTrace:
+    """The vision encoder's allocations for `spec`'s model and method, on `inputs` (the JSON of
+    :func:`sft_play.data.vision.encoder_inputs`), with the tower and projector trained as said
+    (cached in this process and on disk)."""
+    return _cached(spec, inputs, train_tower, train_projector)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(spec: TraceSpec, inputs: str, train_tower: bool, train_projector: bool) -> EncoderTrace:
+    identity = config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)
+    return cache.remembered("encoder", (spec, inputs, train_tower, train_projector, identity),
+                            lambda: _traced(spec, json.loads(inputs), train_tower, train_projector),
+                            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+
+
+def _traced(spec: TraceSpec, inputs: dict[str, Any], train_tower: bool, train_projector: bool) -> EncoderTrace:
+    _register_flash_trace()
+    with warnings.catch_warnings(), _meta_compatible():
+        warnings.simplefilter("ignore")
+        model = _prepared_encoder(spec, train_tower, train_projector)
+        one, two = (_record_encoder(model, spec, _batched(inputs, micro)) for micro in (1, 2))
+        try:  # the same operations for one example and two: one description for every micro-batch
+            scaled = _module_events(one, two, 1)
+            return EncoderTrace(scaled, scaled, input_bytes(inputs))
+        except ValueError:  # (a single row skips some copies: micro-batch 1 on its own, as for the layers)
+            three = _record_encoder(model, spec, _batched(inputs, 3))
+    single = _module_events(one, one, 1)
+    try:
+        batched = _module_events(two, three, 2)
+    except ValueError:  # image by image: sizes in proportion to the images, from two examples' (exact there)
+        batched = _proportional(_module_events(two, two, 2), 2)
+    return EncoderTrace(single, batched, input_bytes(inputs))
+
+
+def input_bytes(inputs: dict[str, Any]) -> int:
+    """The bytes of one example's encoder inputs as the collator hands them over (the small integer
+    ones by their values, as int64)."""
+    total = 0
+    for described in inputs.values():
+        if "values" in described:
+            total += 8 * max(1, len(tree_flatten(described["values"])[0]))
+        else:
+            total += math.prod(described["shape"]) * _NUMPY_DTYPES.get(described["dtype"], torch.float32).itemsize
+    return total
+
+
+def _batched(inputs: dict[str, Any], micro: int) -> dict[str, torch.Tensor]:
+    """`inputs` for `micro` examples alike, as the collator batches them, on the CPU: the small
+    integer ones with their values, the others as ones (every pixel value non-zero, every mask
+    entry set: no crop is padding, every patch is attended). The encoder reads what values it
+    reads from them; its weights are on the meta device, where the heavy work goes
+    (:class:`_OnMeta`)."""
+    batch = {}
+    for key, described in inputs.items():
+        if "values" in described:
+            values = torch.tensor(described["values"])
+            batch[key] = torch.cat([values] * micro) if values.dim() else values
+        else:
+            shape = list(described["shape"])
+            shape[0] *= micro
+            batch[key] = torch.ones(shape, dtype=_NUMPY_DTYPES.get(described["dtype"], torch.float32))
+    return batch
+
+
+def _prepared_encoder(spec: TraceSpec, train_tower: bool, train_projector: bool) -> Any:
+    """The model (one decoder layer, the whole vision encoder and projector) on the meta device,
+    trained as the run trains it."""
+    model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code))
+    model.to(DTYPES[spec.weights_dtype])
+    towers, projectors = vision_parts(model)
+    if spec.method == "qlora":
+        kept = projectors if train_projector else ()  # left 16-bit where it trains (architecture.unquantised)
+        for name, linear in quantized_linears(model):
+            if not in_parts(name, kept):
+                linear.forward = functools.partial(_four_bit_linear, linear)
+    if spec.method != "full":
+        from peft import get_peft_model
+
+        lora = peft_config(spec.lora or LoraSpec(16, 32, 0.0, "all-linear"), initialise=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(model, lora, low_cpu_mem_usage=True).get_base_model()
+        adapter = DTYPES[spec.adapter_dtype]
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = torch.empty(param.shape, dtype=adapter, device="meta")
+    else:
+        frozen, inside = frozen_parts(towers, projectors, train_tower, train_projector)
+        for name, param in model.named_parameters():
+            param.requires_grad_(not in_parts(name, frozen) or in_parts(name, inside))
+    if not train_tower:
+        keep_out_of_backward(model, towers)
+    model.train()
+    # The encoder's attention as a fused kernel runs it, in one variable-length call over the
+    # images' patches: what the kernels keep is the same whether they run image by image and
+    # window by window (Qwen-VL's SDPA path) or at once, and the trace stays one call per layer.
+    # Eager attention (where the run needs it) runs its own code.
+    text = model.config.get_text_config()
+    text._attn_implementation = _FLASH_TRACE if spec.attention in MASK_FREE_ATTENTION else spec.attention
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None:
+        vision._attn_implementation = "eager" if spec.attention == "eager" else _FLASH_TRACE
+    if spec.checkpointing:
+        recompute = functools.partial(_Autocast, DTYPES[spec.compute_dtype] if spec.compute_dtype else None, False)
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), recompute())})
+    return model
+
+
+def _record_encoder(model: Any, spec: TraceSpec, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The raw events of encoding `batch`, forward and backward, by phase (the form
+    :func:`sft_play.planner.simulate.trace._numbered` reads)."""
+    ignore = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    recorder = _Recorder(ignore)
+    autocast = _Autocast(DTYPES[spec.compute_dtype] if spec.compute_dtype else None)
+    collecting = gc.isenabled()
+    gc.disable()  # releases must follow reference counts alone
+    try:
+        with recorder:
+            recorder.cut()
+            with _OnMeta(), autocast:
+                result = model.get_image_features(**batch)
+            features = _features(result)
+            del result
+            forward = recorder.cut()
+            keys = {"input": -1, "output": features[0].untyped_storage()._cdata}
+            trained = [f for f in features if f.requires_grad]
+            seeds = [_Seed.apply(f) for f in trained]
+            autocast.cache = None  # autocast clears its cache when the model's forward pass ends
+            cache_release = recorder.cut()
+            del features, trained
+            after_forward = recorder.cut()
+            backward: list = []
+            keys["grad_in"] = keys["input_grad"] = -2
+            if seeds:
+                _SEEDED.clear()
+                torch.autograd.backward(seeds, [torch.ones((), device="meta") for _ in seeds])
+                backward = recorder.cut()
+                keys["grad_in"] = keys["input_grad"] = _SEEDED[0]
+                first = next(i for i, (kind, key, _) in enumerate(backward) if kind == "a" and key == _SEEDED[0])
+                backward[first] = ("bind", *backward[first][1:])
+    finally:
+        if collecting:
+            gc.enable()
+    return {"forward": forward, "cache_release": cache_release, "after_forward": after_forward,
+            "backward": backward, "keys": keys}
+
+
+def _features(result: Any) -> list[torch.Tensor]:
+    """The tensors the language model takes from ``get_image_features``' answer: the projected
+    features (``pooler_output`` in transformers' outputs, or the answer itself), and the deepstack
+    features where the model adds them to its first layers (Qwen3-VL)."""
+    main = getattr(result, "pooler_output", None)
+    if main is None and not isinstance(result, torch.Tensor) and hasattr(result, "last_hidden_state"):
+        main = result.last_hidden_state
+    if main is None:
+        main = result
+    found = tree_flatten((main, getattr(result, "deepstack_features", None)))[0]
+    tensors, seen = [], set()
+    for tensor in found:
+        if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in seen:
+            seen.add(tensor.untyped_storage()._cdata)
+            tensors.append(tensor)
+    if not tensors:
+        raise ValueError(f"get_image_features returned no tensor ({type(result).__name__})")
+    return tensors
+
+
+def _proportional(events: ModuleEvents, base: int) -> ModuleEvents:
+    """`events` (at micro-batch `base`) with every size in proportion to the micro-batch."""
+    def scaled(phase):
+        return tuple((kind, i, size, size / base) for kind, i, size, _ in phase)
+
+    return ModuleEvents(scaled(events.forward), scaled(events.after_forward), scaled(events.cache_release),
+                        scaled(events.backward), events.output, events.input_grad, events.input_kept,
+                        events.persistent, base)
+
+
+class _OnMeta(TorchFunctionMode):
+    """Runs an operation that mixes CPU tensors with meta ones (the model's weights) on the meta
+    device; a CPU tensor asked to move there (``.to(device)``, the device of the model's
+    activations) stays on the CPU with its values until an operation mixes it so. The meta copy of a CPU tensor is that tensor moved, not a new one: it is made
+    unrecorded, and keeps the CPU tensor (whose allocation was recorded, unless it is an input)
+    alive for as long as it lives."""
+
+    def __init__(self):
+        super().__init__()
+        self._sources: dict[int, torch.Tensor] = {}
+
+    def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            return tensor
+        with _disable_current_modes():
+            moved = tensor.to("meta")
+        key = moved.untyped_storage()._cdata
+        self._sources[key] = tensor
+        weakref.finalize(moved.untyped_storage(), self._sources.pop, key, None)
+        return moved
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and args[0].device.type == "cpu" and _to_meta(args[1:], kwargs):
+            dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+            return args[0].to(dtype) if dtype is not None else args[0]
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in leaves) and any(t.device.type == "cpu" and t.dim() for t in leaves):
+            args, kwargs = tree_map_only(torch.Tensor, self._moved, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _to_meta(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves a tensor to the meta device."""
+    for target in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(target, torch.Tensor):
+            target = target.device
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "meta":
+            return True
+    return False

@@ -1,0 +1,172 @@
+"""The vision encoder's meta-device trace (sft_play.planner.simulate.encoder) against the encoder
+itself: the tiny Gemma-3, LLaVA and Idefics3 of tests/vlm_models.py, run on the CPU on the
+processor's own pixels with every allocation recorded, keep for backward exactly what the trace
+says, frozen or training, one example or two; a frozen encoder keeps nothing and runs no
+backward, with checkpointing on as training runs it; and plans of public configs trace theirs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft_play.adapters import LoraSpec
+from sft_play.architecture import frozen_parts, in_parts, keep_out_of_backward, vision_parts
+from sft_play.data import vision
+from sft_play.planner.simulate import encoder as tracing
+from sft_play.planner.simulate.trace import TraceSpec, _Recorder
+from tests import vlm_models
+from tests.conftest import FIXTURES
+
+BUILDERS = {"gemma3": vlm_models.tiny_gemma3, "llava": vlm_models.tiny_llava, "idefics3": vlm_models.tiny_idefics3}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("encoders")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+def _spec(model: Path, method: str = "full") -> TraceSpec:
+    return TraceSpec(str(model), None, False, method, "float32", "float32", None, "eager", False, False,
+                     None if method == "full" else LoraSpec(8, 16, 0.0, "all-linear"))
+
+
+def _inputs(model: Path, pictures: int) -> tuple[dict, str]:
+    """The processor's encoder inputs for one example of `pictures` images (as tensors) and their
+    description (sft_play.data.vision.encoder_inputs)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    images = [Image.new("RGB", (90 + 20 * i, 70), ("red", "blue", "green")[i % 3]) for i in range(pictures)]
+    out = processor(images=[images], return_tensors="pt")
+    kept = {key: value for key, value in out.items() if key not in vision._TEXT_KEYS}
+    return kept, vision.encoder_inputs({key: value.numpy() for key, value in kept.items()})[1]
+
+
+def _kept(events: list, output: int) -> int:
+    """Bytes alive after the forward pass (less the features), from ("a"/"f", id, bytes) events."""
+    alive: dict = {}
+    for kind, key, size in events:
+        if kind == "a":
+            alive[key] = size
+        else:
+            alive.pop(key, None)
+    alive.pop(output, None)
+    return sum(alive.values())
+
+
+def _measured(model_path: Path, batch: dict, train_tower: bool, train_projector: bool) -> int:
+    """What the real encoder (fp32, eager attention, on the CPU) keeps for backward once it has
+    encoded `batch`, recorded allocation by allocation."""
+    model = _model(model_path, "eager")
+    towers, projectors = vision_parts(model)
+    frozen, inside = frozen_parts(towers, projectors, train_tower, train_projector)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not in_parts(name, frozen) or in_parts(name, inside))
+    model.train()
+    ignore = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    recorder = _Recorder(ignore)
+    with recorder:
+        features = tracing._features(model.get_image_features(**batch))
+    return _kept(recorder.cut(), features[0].untyped_storage()._cdata)
+
+
+def _model(path: Path, attention: str = "sdpa"):
+    """The tiny model of `path`'s config, built with random weights (the builders write none)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path), attn_implementation=attention)
+
+
+def _traced(events, micro: int) -> int:
+    alive: dict = {}
+    for event in events.forward:
+        if event[0] == "a":
+            alive[event[1]] = events.size(event, micro)
+        else:
+            alive.pop(event[1], None)
+    alive.pop(events.output, None)
+    return sum(alive.values())
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_the_trace_keeps_what_the_real_encoder_keeps(families, family):
+    model = families[family]
+    for pictures in (1, 2):
+        batch, described = _inputs(model, pictures)
+        for train_tower, train_projector in ((True, True), (False, True), (False, False)):
+            trace = tracing._traced(_spec(model), json.loads(described), train_tower, train_projector)
+            measured = _measured(model, batch, train_tower, train_projector)
+            assert _traced(trace.at(1), 1) == measured, (pictures, train_tower, train_projector)
+            assert trace.trains == (train_tower or train_projector)
+            if not trace.trains:
+                assert measured == 0  # a frozen encoder keeps nothing for backward
+        # the collated pixels on the GPU: what the processor handed over
+        assert trace.input_bytes == sum(t.numel() * t.element_size() for t in batch.values())
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_two_examples_keep_twice_what_one_keeps(families, family):
+    model = families[family]
+    _, described = _inputs(model, 1)
+    trace = tracing._traced(_spec(model), json.loads(described), True, True)
+    one, two = _traced(trace.at(1), 1), _traced(trace.at(2), 2)
+    batch, _ = _inputs(model, 1)
+    doubled = {key: torch.cat([value, value]) for key, value in batch.items()}
+    assert two == _measured(model, doubled, True, True) and one < two <= 2 * one + 1024
+
+
+def test_a_frozen_encoder_runs_no_backward_with_checkpointing_on(families):
+    """transformers' enable_input_require_grads, which checkpointing runs, would make a frozen
+    encoder's patch embedding require grad: architecture.keep_out_of_backward keeps it out."""
+    model_path = families["gemma3"]
+    batch, described = _inputs(model_path, 1)
+    model = _model(model_path)
+    model.requires_grad_(False)
+    model.model.language_model.requires_grad_(True)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    assert model.get_image_features(**batch).pooler_output.requires_grad  # transformers' own behaviour
+    model = _model(model_path)
+    model.requires_grad_(False)
+    model.model.language_model.requires_grad_(True)
+    keep_out_of_backward(model, vision_parts(model)[0])
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    assert not model.get_image_features(**batch).pooler_output.requires_grad
+    assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad  # the text still takes gradients
+    for method in ("full", "lora"):
+        frozen = tracing._traced(TraceSpec(str(model_path), None, False, method, "float32", "float32", None, "sdpa",
+                                           False, True, LoraSpec(8, 16, 0.0, "all-linear", kept_out=vision_parts(
+                                               model)[0] + vision_parts(model)[1])), json.loads(described), False, False)
+        assert not frozen.trains and _traced(frozen.at(1), 1) == 0
+
+
+def test_plans_of_public_configs_trace_their_encoders():
+    from sft_play.config import load as load_config
+    from sft_play.planner import Target, make_plan
+    from sft_play.units import GIB
+
+    def plan(name: str, *overrides: str):
+        config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / name}", "finetune.method=lora",
+                                    "data.max_seq_length=2048", "train.gradient_checkpointing=true",
+                                    "train.global_batch_size=8", "train.micro_batch_size=1", *overrides],
+                             check_paths=False)
+        return make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+
+    untold = plan("qwen2.5-vl-7b")  # Qwen-VL sizes images by pixels: without a budget, no image to trace
+    assert any("vision encoder's activations are not in this plan" in w for w in untold.warnings)
+    peaks = {}
+    for pixels in (200_704, 1_003_520):
+        planned = plan("qwen2.5-vl-7b", f"data.image_max_pixels={pixels}")
+        assert any("vision encoder is traced on one image sized from the config" in n for n in planned.notes)
+        assert not any("not in this plan" in w for w in planned.warnings), planned.warnings
+        peaks[pixels] = planned.peak_bytes_per_gpu
+    assert peaks[200_704] < peaks[1_003_520]
+    gemma = plan("gemma-3-4b")  # a fixed 896x896 image
+    assert any("pixel_values 1x3x896x896" in n and "keeps nothing for backward" in n for n in gemma.notes)
