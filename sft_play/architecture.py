@@ -169,6 +169,36 @@ def image_inputs(model_config: Any, max_pixels: int | None = None) -> dict[str, 
     return {"pixel_values": {"shape": [1, getattr(vision, "num_channels", 3), size, size], "dtype": "float32"}}
 
 
+def sizes_by_pixels(model_config: Any) -> bool:
+    """Whether the model's processor sizes each image by a budget of pixels (Qwen-VL: one token per
+    (patch x merge)^2 pixels of the resized image), so that ``data.image_max_pixels`` sets its tokens."""
+    vision = getattr(model_config, "vision_config", None)
+    return bool(getattr(vision, "spatial_merge_size", None) and getattr(vision, "patch_size", None))
+
+
+def within_pixels(model_config: Any, described: dict[str, Any], max_pixels: int) -> dict[str, Any]:
+    """`described` encoder inputs (:func:`image_inputs`' form) with every image larger than
+    `max_pixels` scaled down to it, keeping its aspect, as Qwen-VL's processor resizes it
+    (``smart_resize``: each side a multiple of patch x merge)."""
+    vision = model_config.vision_config
+    patch, merge = vision.patch_size, vision.spatial_merge_size
+    grids = described.get("image_grid_thw", {}).get("values")
+    if not grids:
+        return described
+    scaled = []
+    for frames, height, width in grids:
+        area = height * width * patch * patch
+        if area > max_pixels:
+            factor = math.sqrt(max_pixels / area)
+            height = max(merge, int(height * factor) // merge * merge)
+            width = max(merge, int(width * factor) // merge * merge)
+        scaled.append([frames, height, width])
+    pixels = described["pixel_values"]
+    rows = sum(frames * height * width for frames, height, width in scaled)
+    return {**described, "image_grid_thw": {"values": scaled},
+            "pixel_values": {**pixels, "shape": [rows, *pixels["shape"][1:]]}}
+
+
 # What transformers' vision-language families call their vision encoder and their projector
 # (Qwen-VL's projector, the merger, lives inside its encoder)
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")

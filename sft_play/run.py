@@ -321,8 +321,35 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
         return SequenceLength(limit, f"data.max_seq_length (packed rows; {data_stats.examples} examples, "
                               f"p95 {data_stats.tokens_p95} tokens)", share, examples)
     longest = min(limit, data_stats.tokens_max)
-    return SequenceLength(longest, f"longest example in the data ({data_stats.tokens_max} tokens, packing off; "
-                          f"p50 {data_stats.tokens_p50}, p95 {data_stats.tokens_p95})", share, examples)
+    source = (f"longest example in the data ({data_stats.tokens_max} tokens, packing off; p50 {data_stats.tokens_p50}, "
+              f"p95 {data_stats.tokens_p95})")
+    budget = _smaller_pixel_budget(config, data_stats)
+    if budget:
+        per_image, _ = architecture.image_tokens(_model_config(config), budget)
+        bound = data_stats.text_tokens_max + data_stats.images_max * per_image
+        if bound < longest:
+            longest = bound
+            prepared = f"{data_stats.image_max_pixels:,}" if data_stats.image_max_pixels else "the processor's own"
+            source = (f"at most {data_stats.text_tokens_max} text tokens and {data_stats.images_max} image(s) of at "
+                      f"most {per_image} tokens: data.image_max_pixels={budget:,}, below the budget the data were "
+                      f"prepared with ({prepared})")
+    return SequenceLength(longest, source, share, examples)
+
+
+def _smaller_pixel_budget(config: RunConfig, data_stats: Any) -> int | None:
+    """``data.image_max_pixels`` where it is below the budget the data's images were prepared with
+    and the model's processor sizes images by pixels (a remedy plans it from the same data: image
+    tokens and pixels are bounded by it); None otherwise."""
+    budget = config.data.image_max_pixels
+    prepared = getattr(data_stats, "image_max_pixels", 0)
+    if not budget or not getattr(data_stats, "images", 0) or (prepared and budget >= prepared):
+        return None
+    return budget if architecture.sizes_by_pixels(_model_config(config)) else None
+
+
+def _model_config(config: RunConfig) -> Any:
+    return architecture.load_model_config(config.model.name_or_path, config.model.revision,
+                                          config.model.trust_remote_code)
 
 
 def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:
@@ -456,9 +483,11 @@ def _encoder_inputs(config: RunConfig, data_stats: Any | None) -> str:
     the config tells (architecture.image_inputs)."""
     if data_stats is not None:
         described = getattr(data_stats, "encoder_inputs", None) if getattr(data_stats, "images", 0) else None
+        budget = _smaller_pixel_budget(config, data_stats)
+        if described and budget:
+            described = architecture.within_pixels(_model_config(config), described, budget)
     else:
-        described = architecture.image_inputs(architecture.load_model_config(
-            config.model.name_or_path, config.model.revision, config.model.trust_remote_code), config.data.image_max_pixels)
+        described = architecture.image_inputs(_model_config(config), config.data.image_max_pixels)
     return json.dumps(described, sort_keys=True) if described else ""
 
 

@@ -140,10 +140,11 @@ def test_a_frozen_encoder_runs_no_backward_with_checkpointing_on(families):
     model.train()
     assert not model.get_image_features(**batch).pooler_output.requires_grad
     assert model.get_input_embeddings()(torch.tensor([[1, 2]])).requires_grad  # the text still takes gradients
+    towers, projectors = vision_parts(model)
+    lora = LoraSpec(8, 16, 0.0, "all-linear", kept_out=towers + projectors)
     for method in ("full", "lora"):
-        frozen = tracing._traced(TraceSpec(str(model_path), None, False, method, "float32", "float32", None, "sdpa",
-                                           False, True, LoraSpec(8, 16, 0.0, "all-linear", kept_out=vision_parts(
-                                               model)[0] + vision_parts(model)[1])), json.loads(described), False, False)
+        spec = TraceSpec(str(model_path), None, False, method, "float32", "float32", None, "sdpa", False, True, lora)
+        frozen = tracing._traced(spec, json.loads(described), False, False)
         assert not frozen.trains and _traced(frozen.at(1), 1) == 0
 
 
@@ -170,3 +171,59 @@ def test_plans_of_public_configs_trace_their_encoders():
     assert peaks[200_704] < peaks[1_003_520]
     gemma = plan("gemma-3-4b")  # a fixed 896x896 image
     assert any("pixel_values 1x3x896x896" in n and "keeps nothing for backward" in n for n in gemma.notes)
+
+
+def test_smaller_images_are_a_remedy_planned_from_the_same_data():
+    """Data prepared at the processor's own budget, its heaviest example one 3,136-token image:
+    halving the pixel budget is planned from the same statistics (image tokens and pixels bounded
+    by the new budget), and the remedies of a vision-language model never split its rows."""
+    from sft_play.config import load as load_config
+    from sft_play.data import DataStats
+    from sft_play.planner import Target, make_plan
+    from sft_play.planner.choose import remedies
+    from sft_play.run import resolve
+    from sft_play.units import GIB
+
+    path = FIXTURES / "model_configs" / "qwen2.5-vl-7b"
+    stats = DataStats(examples=100, tokens_total=330_000, tokens_max=3300, tokens_p50=3300, tokens_p95=3300,
+                      loss_tokens=10_000, images=100, image_tokens=313_600, images_max=1, pictured=100,
+                      text_tokens_max=164, image_max_pixels=0, encoder_inputs={
+                          "image_grid_thw": {"values": [[1, 112, 112]]},
+                          "pixel_values": {"shape": [112 * 112, 1176], "dtype": "float32"}})
+    config = load_config(None, [f"model.name_or_path={path}", "finetune.method=lora", "data.max_seq_length=4096",
+                                "data.packing=false", "train.global_batch_size=8", "train.micro_batch_size=1",
+                                "train.gradient_checkpointing=true"], check_paths=False)
+    target = Target(8, 80 * GIB, "8 x H100")
+    smaller = next(r for r in remedies.REMEDIES if r.name == "smaller images")
+    assert smaller.applies(config, target)
+    assert smaller.change_text(config, target) == ["data.image_max_pixels=1003520"]
+    halved = smaller.config_for(smaller.config_for(config))
+    assert halved.data.image_max_pixels == 501_760
+    before, after = (make_plan(c, target, stats, with_remedies=False) for c in (config, smaller.config_for(config)))
+    assert before.sequence_length == 3300
+    assert after.sequence_length == 164 + 1280  # the text, and one image of at most 1,280 tokens
+    assert "below the budget the data were prepared with" in after.sequence_length_source
+    pixels = json.loads(resolve(smaller.config_for(config), on_cuda=True, bf16_supported=True, world_size=8,
+                                data_stats=stats).encoder_inputs)["pixel_values"]["shape"][0]
+    assert 0.9 * 1_003_520 // (14 * 14) <= pixels <= 1_003_520 // (14 * 14)  # patches of 14x14 pixels
+    assert after.peak_bytes_per_gpu < before.peak_bytes_per_gpu
+    for remedy in remedies.REMEDIES:
+        if remedy.applies(config, target):
+            assert remedy.name not in ("shorter sequences", "sequence parallelism")
+            assert not any(o.startswith("distributed.sequence_parallel") for o in remedy.overrides_for(config))
+
+
+def test_the_data_keeps_the_encoder_inputs_of_its_heaviest_example(tmp_path, families):
+    from tests.test_vision import _encoded
+
+    rows = vlm_models.colour_rows(tmp_path, 3)
+    rows[1]["images"] = rows[1]["images"] * 2
+    rows[1]["messages"][0]["content"].insert(0, {"type": "image"})
+    bundle, processor = _encoded(tmp_path, families["idefics3"], rows, "data.image_max_pixels=12544")
+    stats = bundle.stats
+    pictures = [vision.images.load({"path": str(tmp_path / name)}) for name in rows[1]["images"]]
+    own = processor(images=[pictures], return_tensors="np")
+    assert stats.encoder_inputs["pixel_values"] == {"shape": list(own["pixel_values"].shape), "dtype": "float32"}
+    assert stats.image_max_pixels == 12544
+    lengths = [len(row["input_ids"]) for row in bundle.train]
+    assert 0 < stats.text_tokens_max < min(lengths)  # every example's image tokens left out

@@ -413,7 +413,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     # indices, datasets would gather whole rows into memory: 0.7 KB a row)
     kept = pc.is_in(status_column, value_set=pa.array(["ok", "truncated"]))
     counted = ("n_tokens", "n_loss", *IMAGE_COUNTS) if processor is not None else ("n_tokens", "n_loss")
-    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy() for name in counted if name != "encoder_inputs"}
+    counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy()
+              for name in counted if name != "encoder_inputs"}
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
     stats.examples = len(dataset)
     stats.max_seq_length = limit
@@ -426,6 +427,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
         stats.images_max = int(counts["n_images"].max())
         stats.pictured = int((counts["n_images"] > 0).sum())
+        stats.text_tokens_max = int((counts["n_tokens"].astype(np.int64) - counts["n_image_tokens"]).max())
+        stats.image_max_pixels = cfg.image_max_pixels or 0
         if stats.images:  # the vision encoder's inputs for the example with the most pixels (the planner's)
             heaviest = int(counts["n_pixels"].argmax())
             stats.encoder_inputs = json.loads(pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py())

@@ -41,6 +41,8 @@ class DataStats:
     # what the processor gives the vision encoder for the example with the most pixels
     # (sft_play.data.vision.encoder_inputs): the planner traces the encoder on it
     encoder_inputs: dict[str, Any] = field(default_factory=dict)
+    text_tokens_max: int = 0  # the most tokens one example holds besides its image tokens
+    image_max_pixels: int = 0  # the pixel budget the images were prepared with (0: the processor's own)
 
     @property
     def truncated_share(self) -> float:

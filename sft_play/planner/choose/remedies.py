@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sft_play.architecture import is_vision_language, load_model_config, sizes_by_pixels
 from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
@@ -50,6 +51,7 @@ class Remedy:
         applies: whether it changes anything for a config on a target.
         gpu_factor: multiplies the number of GPUs (more hardware).
         halve_sequence: halves ``data.max_seq_length``.
+        halve_pixels: halves ``data.image_max_pixels`` (:func:`smaller_pixel_budget`).
         result: what it does to the trained model (:data:`SAME`, :data:`CLOSE`, :data:`CHANGED`).
     """
 
@@ -60,22 +62,30 @@ class Remedy:
     applies: Applies
     gpu_factor: int = 1
     halve_sequence: bool = False
+    halve_pixels: bool = False
     result: int = SAME
 
     def overrides_for(self, config: RunConfig) -> tuple[str, ...]:
         """The overrides and, where they leave QLoRA's packed weights sharded (ZeRO-3, FSDP2) but
-        stored as bytes, which cannot be, the float storage that can (the weights' 16-bit dtype)."""
-        changed = with_overrides(config, self.overrides)
+        stored as bytes, which cannot be, the float storage that can (the weights' 16-bit dtype).
+        A vision-language model's rows are never split (an image's tokens stay with its pixels):
+        no sequence parallelism for it."""
+        overrides = self.overrides
+        if _vision_language(config):
+            overrides = tuple(o for o in overrides if not o.startswith("distributed.sequence_parallel="))
+        changed = with_overrides(config, overrides)
         if (changed.finetune.method == "qlora" and Strategy(changed.distributed.strategy).shards_parameters
                 and changed.quantization.quant_storage == "uint8"):
             storage = "float16" if changed.model.torch_dtype == "float16" else "bfloat16"
-            return (*self.overrides, f"quantization.quant_storage={storage}")
-        return self.overrides
+            return (*overrides, f"quantization.quant_storage={storage}")
+        return overrides
 
     def config_for(self, config: RunConfig) -> RunConfig:
         changed = with_overrides(config, self.overrides_for(config))
         if self.halve_sequence:
             changed.data.max_seq_length = config.data.max_seq_length // 2
+        if self.halve_pixels:
+            changed.data.image_max_pixels = smaller_pixel_budget(config)
         return changed
 
     def target_for(self, target: Any) -> Any:
@@ -88,6 +98,8 @@ class Remedy:
         changes = list(self.overrides_for(config))
         if self.halve_sequence:
             changes.append(f"data.max_seq_length={config.data.max_seq_length // 2}")
+        if self.halve_pixels:
+            changes.append(f"data.image_max_pixels={smaller_pixel_budget(config)}")
         if self.gpu_factor > 1:
             changes.insert(0, gpus_text(target.world_size * self.gpu_factor))
         return changes
@@ -127,7 +139,16 @@ def _splittable(config: RunConfig, target: Any) -> bool:
     """Long rows, several GPUs, not split yet, and an attention kernel a split sequence runs on
     (the model's own limits are the plan's: sft_play.run.sequence_split_problem)."""
     return (_multi_gpu(target) and config.distributed.sequence_parallel == 1 and config.data.max_seq_length >= 8192
-            and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp)
+            and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp
+            and not _vision_language(config))
+
+
+def _vision_language(config: RunConfig) -> bool:
+    return is_vision_language(_model_config(config))
+
+
+def _model_config(config: RunConfig) -> Any:
+    return load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
 
 
 def _masked_sdpa(config: RunConfig, target: Any) -> bool:
@@ -139,6 +160,27 @@ def _masked_sdpa(config: RunConfig, target: Any) -> bool:
 def _shardable(config: RunConfig) -> bool:
     """FSDP2 takes the config: not a LoRA run training a copy of lm_head (refused under FSDP2)."""
     return _full(config) or "lm_head" not in (config.lora.modules_to_save or [])
+
+
+# Qwen-VL's budget when none is set: 1,280 tokens of 28x28 pixels, its model card's advice (the
+# processor's own allows 16,384); below 256 tokens an image keeps too little to halve again
+FIRST_PIXEL_BUDGET = 1280 * 28 * 28
+LEAST_PIXEL_BUDGET = 256 * 28 * 28
+
+
+def smaller_pixel_budget(config: RunConfig) -> int:
+    """The pixel budget the "smaller images" remedy sets: half the configured one, or
+    :data:`FIRST_PIXEL_BUDGET` where none is."""
+    budget = config.data.image_max_pixels
+    return max(LEAST_PIXEL_BUDGET, budget // 2) if budget else FIRST_PIXEL_BUDGET
+
+
+def _pixel_budgeted(config: RunConfig, target: Any) -> bool:
+    """Images sized by a pixel budget (Qwen-VL) that can be halved."""
+    budget = config.data.image_max_pixels
+    if budget and budget <= LEAST_PIXEL_BUDGET:
+        return False
+    return sizes_by_pixels(_model_config(config))
 
 
 def _large_optimizer_states(config: RunConfig) -> bool:
@@ -203,12 +245,17 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("frozen vision encoder", "keep the vision encoder frozen, as released (no gradients or optimizer states for "
            "it; the text model and projector still learn to read it)", ("finetune.train_vision_tower=false",), "train",
            lambda c, t: c.finetune.train_vision_tower, result=CHANGED),
+    Remedy("smaller images", "halve the pixels each image keeps (Qwen-VL: a token per 28x28 pixels): fewer image "
+           "tokens, a lighter vision encoder, less detail seen", (), "train", _pixel_budgeted, halve_pixels=True,
+           result=CHANGED),
     Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
            lambda c, t: _full(c), result=CHANGED),
     Remedy("QLoRA instead of LoRA", "adapters on a 4-bit base", ("finetune.method=qlora",), "train",
            lambda c, t: c.finetune.method == "lora", result=CHANGED),
+    # (not for a vision-language model: an example is never cut before its last image token, and
+    # would be left out; smaller images are its shorter rows)
     Remedy("shorter sequences", "halve data.max_seq_length", (), "train",
-           lambda c, t: c.data.max_seq_length > 256, halve_sequence=True, result=CHANGED),
+           lambda c, t: c.data.max_seq_length > 256 and not _vision_language(c), halve_sequence=True, result=CHANGED),
     Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding (each row split across them where only that fits: "
            "sequence parallelism)", ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"),
            "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),

@@ -265,9 +265,9 @@ def _proportional(events: ModuleEvents, base: int) -> ModuleEvents:
 class _OnMeta(TorchFunctionMode):
     """Runs an operation that mixes CPU tensors with meta ones (the model's weights) on the meta
     device; a CPU tensor asked to move there (``.to(device)``, the device of the model's
-    activations) stays on the CPU with its values until an operation mixes it so. The meta copy of a CPU tensor is that tensor moved, not a new one: it is made
-    unrecorded, and keeps the CPU tensor (whose allocation was recorded, unless it is an input)
-    alive for as long as it lives."""
+    activations) stays on the CPU with its values until an operation mixes it so. The meta copy
+    of a CPU tensor is that tensor moved, not a new one: it is made unrecorded, and keeps the CPU
+    tensor (whose allocation was recorded, unless it is an input) alive for as long as it lives."""
 
     def __init__(self):
         super().__init__()
