@@ -148,7 +148,8 @@ def check_model(config: RunConfig) -> list[Check]:
 
 
 def check_data(config: RunConfig) -> list[Check]:
-    """Every row of the training (and validation) data reads and converts; a sample tokenises."""
+    """Every row of the training (and validation) data reads and converts; data with images meets a
+    model and settings that can train on it (:func:`check_images`)."""
     from sft_play.data import DataStats, iter_records
     from sft_play.data.formats import InvalidRow
     from sft_play.data.sources import HELD_OUT
@@ -157,21 +158,55 @@ def check_data(config: RunConfig) -> list[Check]:
     sources = [("data.path", config.data.path)]
     if config.data.validation_path:
         sources.append(("data.validation_path", config.data.validation_path))
+    pictured = 0
     for key, paths in sources:
         stats = DataStats()
+        records = images = 0
         try:
-            records = sum(1 for _ in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT))
+            for record in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT):
+                records += 1
+                images += bool(record.get("images"))
         except (InvalidRow, ValueError, FileNotFoundError, UserError) as exc:
             checks.append(Check(key, False, str(exc)))
             continue
+        pictured += images
         formats = ", ".join(sorted(set(stats.formats.values())))
-        detail = f"{records} records ({formats})"
+        detail = f"{records} records ({formats})" + (f", {images} with images" if images else "")
         if stats.skipped:
             from sft_play.data import skip_summary
 
             detail += f"; would be {skip_summary(stats)}"
         checks.append(Check(key, bool(records), detail if records else "no usable records", bool(stats.skipped)))
+    if pictured:
+        checks.append(check_images(config))
     return checks
+
+
+def check_images(config: RunConfig) -> Check:
+    """Data with images meets a model and settings that can train on them: a vision-language model,
+    no packing, and rows long enough for an image where the config tells what one costs (what
+    preparing the data would refuse, said before it runs)."""
+    from sft_play.architecture import image_tokens, is_vision_language, load_model_config
+
+    try:
+        model_config = load_model_config(config.model.name_or_path, config.model.revision,
+                                         config.model.trust_remote_code)
+    except UserError as exc:
+        return Check("images", False, str(exc))
+    if not is_vision_language(model_config):
+        return Check("images", False, f"the data shows images, and {config.model.name_or_path} is a text model (no "
+                                      "vision encoder): choose a vision-language model, or data without images")
+    if config.data.packing:
+        return Check("images", False, "data.packing joins examples into rows, which examples with images cannot "
+                                      "share: set data.packing=false for data with images")
+    known = image_tokens(model_config, config.data.image_max_pixels)
+    if known and known[0] >= config.data.max_seq_length:
+        return Check("images", False, f"an image costs up to {known[0]:,} tokens ({known[1]}), and "
+                                      f"data.max_seq_length={config.data.max_seq_length} cannot hold one: every "
+                                      "example with an image would be left out; raise it (or lower "
+                                      "data.image_max_pixels where the processor sizes images by pixels)")
+    cost = f"up to {known[0]:,} tokens an image ({known[1]})" if known else "tokens an image costs: the processor's"
+    return Check("images", True, f"a vision-language model, rows unpacked, {cost}")
 
 
 def check_output_dir(config: RunConfig) -> Check:

@@ -539,3 +539,23 @@ def test_an_image_placeholder_with_an_empty_images_list_is_a_bad_row_and_a_plan_
                          check_paths=False)
     plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
     assert any("data.max_seq_length=128 cannot hold one image (256 tokens)" in w for w in plan.warnings), plan.warnings
+
+
+def test_make_check_says_what_preparing_image_data_would_refuse():
+    from sft_play.checks import check_data
+
+    data = REPO / "data" / "tiny_vlm" / "train.jsonl"
+
+    def images_check(*overrides: str):
+        config = load_config(None, [f"model.name_or_path={REPO / 'configs' / 'tiny_vlm'}", f"data.path={data}",
+                                    "data.packing=false", *overrides], check_paths=False)
+        found = {check.name: check for check in check_data(config)}
+        assert "480 with images" in found["data.path"].detail
+        return found["images"]
+
+    assert images_check().ok
+    for overrides, said in ((["data.packing=true"], "data.packing=false"),
+                            ([f"model.name_or_path={REPO / 'configs' / 'tiny_model'}"], "is a text model"),
+                            (["data.max_seq_length=4"], "cannot hold one")):
+        found = images_check(*overrides)
+        assert not found.ok and said in found.detail, (overrides, found.detail)
