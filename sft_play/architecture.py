@@ -128,8 +128,8 @@ def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int,
     processor sizes images by area, `max_pixels`), and how that follows; None where the config alone
     does not tell (a processor that sizes by area without a budget given, or splits into crops)."""
     vision = getattr(model_config, "vision_config", None)
-    if vision is None:
-        return None
+    if vision is None or getattr(model_config, "image_grid_pinpoints", None):
+        return None  # (LLaVA-Next's "anyres": a grid of crops chosen per image)
     patch = getattr(vision, "patch_size", None) or 0
     merge = getattr(vision, "spatial_merge_size", None)
     if merge and patch:  # Qwen-VL: one token per (patch x merge)^2 pixels of the resized image
@@ -247,9 +247,9 @@ def keep_out_of_backward(model: Any, towers: tuple[str, ...]) -> None:
     nothing (and, checkpointed, run its forward twice). Its sub-model no longer shows it the
     embeddings; what trains after the encoder (a projector) gets its gradients all the same."""
     for path in towers:
-        module = model.get_submodule(path)
-        if hasattr(module, "get_input_embeddings"):
-            module.get_input_embeddings = _no_embeddings
+        for module in model.get_submodule(path).modules():  # (a sub-model nested in the encoder too)
+            if hasattr(module, "get_input_embeddings"):
+                module.get_input_embeddings = _no_embeddings
 
 
 def _no_embeddings() -> None:

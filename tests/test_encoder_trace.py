@@ -29,6 +29,31 @@ def families(tmp_path_factory) -> dict[str, Path]:
     return {name: build(root / name) for name, build in BUILDERS.items()}
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """A Qwen2.5-VL-shaped model: a 2-block encoder (windowed, then full attention) of 14-pixel
+    patches merged 2x2, the tiny text model; its processor needs torchvision, so its inputs are
+    made here as the processor makes them (``image_grid_thw`` and flattened patches)."""
+    from transformers import Qwen2_5_VLConfig
+
+    folder = tmp_path_factory.mktemp("qwen")
+    Qwen2_5_VLConfig(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "vocab_size": 512,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "window_size": 56, "fullatt_block_indexes": [1]},
+        image_token_id=500, video_token_id=501, vision_start_token_id=502).save_pretrained(folder)
+    return folder
+
+
+def _qwen_inputs(images: int) -> tuple[dict, str]:
+    """`images` pictures of 8x12 patches (4x6 tokens) as Qwen-VL's processor hands them over."""
+    grid = torch.tensor([[1, 8, 12]] * images)
+    batch = {"pixel_values": torch.randn(images * 96, 3 * 2 * 14 * 14), "image_grid_thw": grid}
+    return batch, vision.encoder_inputs({key: value.numpy() for key, value in batch.items()})[1]
+
+
 def _spec(model: Path, method: str = "full") -> TraceSpec:
     return TraceSpec(str(model), None, False, method, "float32", "float32", None, "eager", False, False,
                      None if method == "full" else LoraSpec(8, 16, 0.0, "all-linear"))
@@ -94,11 +119,33 @@ def _traced(events, micro: int) -> int:
     return sum(alive.values())
 
 
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_the_trace_keeps_what_the_real_encoder_keeps(families, family):
-    model = families[family]
+def _after_the_step(events, micro: int) -> dict:
+    """What the encoder's events leave alive at `micro` once the step's backward is over (the
+    features' gradient given to it, as the replay gives it): id -> bytes."""
+    from sft_play.planner.simulate.trace import GRAD_IN
+
+    alive: dict = {}
+    for phase in (events.forward, events.after_forward, events.cache_release):
+        for event in phase:
+            if event[0] == "a":
+                alive[event[1]] = events.size(event, micro)
+            else:
+                alive.pop(event[1], None)
+    if events.backward:
+        alive[GRAD_IN] = 1
+    for event in events.backward:
+        if event[0] == "a":
+            alive[event[1]] = events.size(event, micro)
+        else:
+            alive.pop(event[1], None)
+    return alive
+
+
+@pytest.mark.parametrize("family", [*sorted(BUILDERS), "qwen2.5-vl"])
+def test_the_trace_keeps_what_the_real_encoder_keeps(families, tiny_qwen, family):
+    model = tiny_qwen if family == "qwen2.5-vl" else families[family]
     for pictures in (1, 2):
-        batch, described = _inputs(model, pictures)
+        batch, described = _qwen_inputs(pictures) if family == "qwen2.5-vl" else _inputs(model, pictures)
         for train_tower, train_projector in ((True, True), (False, True), (False, False)):
             trace = tracing._traced(_spec(model), json.loads(described), train_tower, train_projector)
             measured = _measured(model, batch, train_tower, train_projector)
@@ -110,15 +157,25 @@ def test_the_trace_keeps_what_the_real_encoder_keeps(families, family):
         assert trace.input_bytes == sum(t.numel() * t.element_size() for t in batch.values())
 
 
-@pytest.mark.parametrize("family", sorted(BUILDERS))
-def test_two_examples_keep_twice_what_one_keeps(families, family):
-    model = families[family]
-    _, described = _inputs(model, 1)
+@pytest.mark.parametrize("family", [*sorted(BUILDERS), "qwen2.5-vl"])
+def test_more_examples_keep_more_and_the_gradients_stay_those_of_the_weights(families, tiny_qwen, family):
+    model = tiny_qwen if family == "qwen2.5-vl" else families[family]
+    one_batch, described = _qwen_inputs(1) if family == "qwen2.5-vl" else _inputs(model, 1)
     trace = tracing._traced(_spec(model), json.loads(described), True, True)
-    one, two = _traced(trace.at(1), 1), _traced(trace.at(2), 2)
-    batch, _ = _inputs(model, 1)
-    doubled = {key: torch.cat([value, value]) for key, value in batch.items()}
-    assert two == _measured(model, doubled, True, True) and one < two <= 2 * one + 1024
+    kept = [_traced(trace.at(micro), micro) for micro in (1, 2, 3)]
+    for micro in (2, 3):  # traced, and measured on the encoder given that many examples alike
+        batch = {key: torch.cat([value] * micro) for key, value in one_batch.items()}
+        assert kept[micro - 1] == _measured(model, batch, True, True), micro
+    assert kept[0] < kept[1] < kept[2] <= 3 * kept[0] + 4096
+    real = _model(model, "eager")
+    for feature in tracing._features(real.get_image_features(**one_batch)):
+        feature.sum().backward(retain_graph=True)
+    weights = sum(4 * p.numel() for p in real.parameters() if p.grad is not None)  # (LLaVA's last norm takes none)
+    for micro in (1, 2, 8):  # after backward: the gradients the real backward makes, once each, nothing else
+        events = trace.at(micro)
+        left = _after_the_step(events, micro)
+        assert set(left) == set(events.persistent), micro
+        assert sum(left.values()) == weights, micro
 
 
 def test_a_frozen_encoder_runs_no_backward_with_checkpointing_on(families):
@@ -224,6 +281,6 @@ def test_the_data_keeps_the_encoder_inputs_of_its_heaviest_example(tmp_path, fam
     pictures = [vision.images.load({"path": str(tmp_path / name)}) for name in rows[1]["images"]]
     own = processor(images=[pictures], return_tensors="np")
     assert stats.encoder_inputs["pixel_values"] == {"shape": list(own["pixel_values"].shape), "dtype": "float32"}
-    assert stats.image_max_pixels == 12544
+    assert stats.image_max_pixels == 0  # (Idefics3 sizes images by their longest edge, not by area)
     lengths = [len(row["input_ids"]) for row in bundle.train]
     assert 0 < stats.text_tokens_max < min(lengths)  # every example's image tokens left out

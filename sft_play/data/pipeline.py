@@ -49,7 +49,7 @@ NO_ANSWER_LEFT = "no answer tokens left after truncation"
 UNREADABLE = "unreadable"  # the status of a record whose image the processor could not decode
 UNREADABLE_REASON = "images: an image the processor could not decode (a file cut short?)"
 # Per-example columns of image data, counted into the statistics and then dropped
-IMAGE_COUNTS = ("n_images", "n_image_tokens", "n_pixels", "encoder_inputs")
+IMAGE_COUNTS = ("n_images", "n_image_tokens", "n_pixels", "encoder_inputs", "n_text_tokens")
 
 
 def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None,
@@ -297,6 +297,7 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         out["n_image_tokens"] = [row.get("image_tokens", 0) for row in encoded]
         out["n_pixels"] = [row.get("pixels", 0) for row in encoded]
         out["encoder_inputs"] = [row.get("encoder_inputs", "") for row in encoded]
+        out["n_text_tokens"] = [row.get("text_tokens", len(row["input_ids"])) for row in encoded]
     return out
 
 
@@ -374,7 +375,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     if processor is not None:
         features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
                      "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32"),
-                     "n_pixels": datasets.Value("int64"), "encoder_inputs": datasets.Value("string")}
+                     "n_pixels": datasets.Value("int64"), "encoder_inputs": datasets.Value("string"),
+                     "n_text_tokens": datasets.Value("int32")}
     encoded = table.map(
         _encode_batch,
         batched=True,
@@ -414,7 +416,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     kept = pc.is_in(status_column, value_set=pa.array(["ok", "truncated"]))
     counted = ("n_tokens", "n_loss", *IMAGE_COUNTS) if processor is not None else ("n_tokens", "n_loss")
     counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy()
-              for name in counted if name != "encoder_inputs"}
+              for name in counted if name not in ("encoder_inputs", "n_text_tokens")}
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
     stats.examples = len(dataset)
     stats.max_seq_length = limit
@@ -427,11 +429,15 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
         stats.images_max = int(counts["n_images"].max())
         stats.pictured = int((counts["n_images"] > 0).sum())
-        stats.text_tokens_max = int((counts["n_tokens"].astype(np.int64) - counts["n_image_tokens"]).max())
-        stats.image_max_pixels = cfg.image_max_pixels or 0
+        # the most text tokens an example holds before any cut, of those kept and of those left out for
+        # an image a cut would reach: at a smaller pixel budget, the planner bounds their rows by it
+        uncut = pc.is_in(status_column, value_set=pa.array(["ok", "truncated", CUT_IMAGE]))
+        stats.text_tokens_max = int(pc.max(pc.filter(encoded.data.column("n_text_tokens"), uncut)).as_py() or 0)
+        stats.image_max_pixels = vision.pixel_budget(processor)
         if stats.images:  # the vision encoder's inputs for the example with the most pixels (the planner's)
             heaviest = int(counts["n_pixels"].argmax())
-            stats.encoder_inputs = json.loads(pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py())
+            described = pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py()
+            stats.encoder_inputs = json.loads(described) if described else {}
         if not stats.images:
             dataset = dataset.remove_columns(["images", "token_types"])  # text only: trained as text
         elif cfg.packing:

@@ -74,11 +74,21 @@ def encoder_inputs(out: Any) -> tuple[int, str]:
     for key, value in out.items():
         if key in _TEXT_KEYS:
             continue
-        array = np.asarray(value)
+        dtype = None
+        if hasattr(value, "detach"):  # a torch tensor: numpy has no bf16, so its dtype is named here
+            dtype = str(value.dtype).removeprefix("torch.")
+            value = value.detach().cpu()
+            value = value.float() if value.is_floating_point() else value
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):  # ragged: nothing an encoder takes as one tensor
+            continue
+        if array.dtype == object:
+            continue
         if array.dtype.kind in "iu" and array.size <= SMALL_INPUT:
             described[key] = {"values": array.tolist()}
         else:
-            described[key] = {"shape": list(array.shape), "dtype": str(array.dtype)}
+            described[key] = {"shape": list(array.shape), "dtype": dtype or str(array.dtype)}
         if array.dtype.kind == "f":
             pixels += int(array.size)
     return pixels, json.dumps(described, sort_keys=True)
@@ -109,7 +119,8 @@ def limited(encoded: dict[str, Any], limit: int, overlong: str) -> dict[str, Any
             status = "no_answer" if all(label == IGNORE_INDEX for label in labels) else "truncated"
     return {"input_ids": ids, "labels": labels, "token_types": types, "status": status,
             "image_tokens": encoded["image_tokens"], "pixels": encoded["pixels"],
-            "encoder_inputs": encoded["encoder_inputs"]}
+            "encoder_inputs": encoded["encoder_inputs"],
+            "text_tokens": len(encoded["input_ids"]) - encoded["image_tokens"]}  # (before any cut)
 
 
 def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]:
@@ -129,6 +140,16 @@ def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]
         return {}
     out = processor(images=nested, return_tensors="pt", padding=True)
     return {key: value for key, value in out.items() if key not in _TEXT_KEYS}
+
+
+def pixel_budget(processor: Any) -> int:
+    """The most pixels `processor` keeps of an image where it sizes images by area (Qwen-VL's
+    ``size["longest_edge"]``, after :func:`apply_pixel_budget`); 0 where it sizes them otherwise."""
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None) or {}
+    if hasattr(image_processor, "merge_size") and isinstance(size.get("longest_edge"), int):
+        return size["longest_edge"]
+    return 0
 
 
 def image_token_ids(processor: Any) -> set[int]:

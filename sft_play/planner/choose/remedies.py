@@ -162,8 +162,9 @@ def _shardable(config: RunConfig) -> bool:
     return _full(config) or "lm_head" not in (config.lora.modules_to_save or [])
 
 
-# Qwen-VL's budget when none is set: 1,280 tokens of 28x28 pixels, its model card's advice (the
-# processor's own allows 16,384); below 256 tokens an image keeps too little to halve again
+# The budget when none is set: 1,280 tokens of 28x28 pixels, Qwen2.5-VL's model card's advice (the
+# processor's own allows 16,384; where it allows fewer, the plan of this budget is the run's own and
+# does not fit either); below 256 such tokens an image keeps too little to halve again
 FIRST_PIXEL_BUDGET = 1280 * 28 * 28
 LEAST_PIXEL_BUDGET = 256 * 28 * 28
 
@@ -245,8 +246,8 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("frozen vision encoder", "keep the vision encoder frozen, as released (no gradients or optimizer states for "
            "it; the text model and projector still learn to read it)", ("finetune.train_vision_tower=false",), "train",
            lambda c, t: c.finetune.train_vision_tower, result=CHANGED),
-    Remedy("smaller images", "halve the pixels each image keeps (Qwen-VL: a token per 28x28 pixels): fewer image "
-           "tokens, a lighter vision encoder, less detail seen", (), "train", _pixel_budgeted, halve_pixels=True,
+    Remedy("smaller images", "halve the pixels each image keeps (Qwen-VL: a token per 28x28 pixels, Qwen3-VL's "
+           "32x32): fewer image tokens, a lighter vision encoder, less detail seen", (), "train", _pixel_budgeted, halve_pixels=True,
            result=CHANGED),
     Remedy("LoRA instead of full", "train adapters on a 16-bit base", ("finetune.method=lora",), "train",
            lambda c, t: _full(c), result=CHANGED),

@@ -11,7 +11,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import STAND_INS, UNTRACED_ENCODERS
+from sft_play.planner.simulate.predict import STAND_INS, encoder_untraced
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import LIGER_RMS_NORM_MODELS
 from sft_play.planner.target import Target
@@ -177,10 +177,10 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
         parts.append(f"{name} {count:,} parameters, {how}")
     notes.append("; ".join(parts) + " (finetune.train_vision_tower, finetune.train_projector)")
     traced = _traced_on(run)
-    if config.model.name_or_path in UNTRACED_ENCODERS:
-        warnings.append(f"the vision encoder of {config.model.name_or_path} could not be traced "
-                        f"({UNTRACED_ENCODERS[config.model.name_or_path]}): its activations are not in this plan; "
-                        "the out-of-memory backoff is the safety net")
+    untraced = encoder_untraced(run)
+    if untraced:
+        warnings.append(f"the vision encoder of {config.model.name_or_path} could not be traced ({untraced}): its "
+                        "activations are not in this plan; the out-of-memory backoff is the safety net")
     elif traced:
         kept = ("keeps for backward what its training parts need, to the end of the backward pass"
                 if run.train_vision_tower or run.train_projector else

@@ -46,7 +46,7 @@ from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (config_identity, frozen_parts, in_parts, keep_out_of_backward, quantized_linears,
                                    vision_parts)
 from sft_play.planner.simulate import cache
-from sft_play.planner.simulate.trace import (_FLASH_TRACE, _SEEDED, DTYPES, ModuleEvents, TraceSpec,
+from sft_play.planner.simulate.trace import (_FLASH_TRACE, DTYPES, ModuleEvents, TraceSpec,
                                              _Autocast, _four_bit_linear, _meta_compatible, _module_events, _Recorder,
                                              _register_flash_trace, _Seed, _one_layer_model)
 from sft_play.run import MASK_FREE_ATTENTION
@@ -196,6 +196,7 @@ def _prepared_encoder(spec: TraceSpec, train_tower: bool, train_projector: bool)
 def _record_encoder(model: Any, spec: TraceSpec, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The raw events of encoding `batch`, forward and backward, by phase (the form
     :func:`sft_play.planner.simulate.trace._numbered` reads)."""
+    model.zero_grad(set_to_none=True)  # (each trace's gradients its own, not added into the last's)
     ignore = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch.values()]}
     recorder = _Recorder(ignore)
     autocast = _Autocast(DTYPES[spec.compute_dtype] if spec.compute_dtype else None)
@@ -209,21 +210,21 @@ def _record_encoder(model: Any, spec: TraceSpec, batch: dict[str, torch.Tensor])
             features = _features(result)
             del result
             forward = recorder.cut()
-            keys = {"input": -1, "output": features[0].untyped_storage()._cdata}
-            trained = [f for f in features if f.requires_grad]
-            seeds = [_Seed.apply(f) for f in trained]
+            # The features' gradient (the replay's GRAD_IN); the encoder hands none to anything
+            # before it (input_grad None: see trace._numbered)
+            keys = {"input": -1, "output": features[0].untyped_storage()._cdata, "grad_in": None, "input_grad": None}
+            seeds = [_Seed.apply(f) for f in features if f.requires_grad]  # the trace's own scaffolding
+            recorder.cut()
             autocast.cache = None  # autocast clears its cache when the model's forward pass ends
             cache_release = recorder.cut()
-            del features, trained
+            del features
             after_forward = recorder.cut()
             backward: list = []
-            keys["grad_in"] = keys["input_grad"] = -2
             if seeds:
-                _SEEDED.clear()
                 torch.autograd.backward(seeds, [torch.ones((), device="meta") for _ in seeds])
                 backward = recorder.cut()
-                keys["grad_in"] = keys["input_grad"] = _SEEDED[0]
-                first = next(i for i, (kind, key, _) in enumerate(backward) if kind == "a" and key == _SEEDED[0])
+                keys["grad_in"] = seeds[0].grad_fn.seeded  # the features' (first seeded: features[0]'s)
+                first = next(i for i, (kind, key, _) in enumerate(backward) if kind == "a" and key == keys["grad_in"])
                 backward[first] = ("bind", *backward[first][1:])
     finally:
         if collecting:
@@ -253,9 +254,10 @@ def _features(result: Any) -> list[torch.Tensor]:
 
 
 def _proportional(events: ModuleEvents, base: int) -> ModuleEvents:
-    """`events` (at micro-batch `base`) with every size in proportion to the micro-batch."""
-    def scaled(phase):
-        return tuple((kind, i, size, size / base) for kind, i, size, _ in phase)
+    """`events` (at micro-batch `base`) with every size but the parameters' gradients in proportion
+    to the micro-batch."""
+    def scaled(phase):  # (a parameter's gradient is the same at every micro-batch)
+        return tuple((kind, i, size, 0.0 if i in events.persistent else size / base) for kind, i, size, _ in phase)
 
     return ModuleEvents(scaled(events.forward), scaled(events.after_forward), scaled(events.cache_release),
                         scaled(events.backward), events.output, events.input_grad, events.input_kept,

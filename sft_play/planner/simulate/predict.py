@@ -156,8 +156,8 @@ _CACHE: dict = {}
 # Models whose layers the tracer could not follow, and why: they are planned with a stand-in layer
 STAND_INS: dict[str, str] = {}
 _UNTRACEABLE: set[tuple[str, str]] = set()
-# Vision encoders the tracer could not follow, and why: planned without their activations
-UNTRACED_ENCODERS: dict[str, str] = {}
+# Vision encoders the tracer could not follow (by what was traced), and why: planned without their activations
+_UNTRACED_ENCODERS: dict[tuple, str] = {}
 REPLAYS = [0]  # allocator replays so far in this process: what planning costs, counted (Plan.replays)
 
 
@@ -217,16 +217,28 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
 
 def traced_encoder(run: Run) -> EncoderTrace | None:
     """The vision encoder on the run's images (:attr:`Run.encoder_inputs`) traced, or None where
-    the run encodes none, or where the tracer cannot follow the encoder (recorded in
-    :data:`UNTRACED_ENCODERS` for the plan to say)."""
-    if not run.encoder_inputs or run.model in UNTRACED_ENCODERS:
+    the run encodes none, or where the tracer cannot follow the encoder (:func:`encoder_untraced`
+    says why, for the plan to say)."""
+    if not run.encoder_inputs:
+        return None
+    key = _encoder_key(run)
+    if key in _UNTRACED_ENCODERS:
         return None
     try:
-        return encoder_trace(trace_spec(run, 1), run.encoder_inputs, run.train_vision_tower, run.train_projector)
+        return encoder_trace(*key)
     except Exception as error:  # noqa: BLE001 - the plan goes on without the encoder's activations
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        UNTRACED_ENCODERS[run.model] = f"{type(error).__name__}: {reason}"
+        _UNTRACED_ENCODERS[key] = f"{type(error).__name__}: {reason}"
         return None
+
+
+def encoder_untraced(run: Run) -> str | None:
+    """Why the run's vision encoder could not be traced, once its plan has tried; None otherwise."""
+    return _UNTRACED_ENCODERS.get(_encoder_key(run)) if run.encoder_inputs else None
+
+
+def _encoder_key(run: Run) -> tuple:
+    return trace_spec(run, 1), run.encoder_inputs, run.train_vision_tower, run.train_projector
 
 
 def traced_layers(spec, seq_len: int):

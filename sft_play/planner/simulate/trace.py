@@ -519,8 +519,9 @@ def _numbered(raw: dict[str, Any]) -> tuple[dict[str, list], dict[str, int], set
         phases[phase] = events
         if phase == "forward":
             named["output"] = ids.get(raw["keys"]["output"], -3)
-    if "input_grad" not in named and raw["keys"]["input_grad"] == raw["keys"]["grad_in"]:
-        named["input_grad"] = GRAD_IN  # the gradient passed on in place (Liger's RMSNorm)
+    if "input_grad" not in named and raw["keys"]["input_grad"] in (raw["keys"]["grad_in"], None):
+        # the gradient passed on in place (Liger's RMSNorm), or none handed on (the vision encoder)
+        named["input_grad"] = GRAD_IN
     return phases, named, alive
 
 
