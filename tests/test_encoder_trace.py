@@ -205,29 +205,34 @@ def test_a_frozen_encoder_runs_no_backward_with_checkpointing_on(families):
         assert not frozen.trains and _traced(frozen.at(1), 1) == 0
 
 
-def test_plans_of_public_configs_trace_their_encoders():
+def _planned(name: str, *overrides: str, data_stats=None):
+    """(the peak at micro-batch 1 on one GPU, the plan's vision notes and warnings) for a public
+    config: one replay, without the fit search."""
     from sft_play.config import load as load_config
-    from sft_play.planner import Target, make_plan
-    from sft_play.units import GIB
+    from sft_play.planner import model_shape, peak_at
+    from sft_play.planner.present.notes import vision_notes
+    from sft_play.run import resolve
 
-    def plan(name: str, *overrides: str):
-        config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / name}", "finetune.method=lora",
-                                    "data.max_seq_length=2048", "train.gradient_checkpointing=true",
-                                    "train.global_batch_size=8", "train.micro_batch_size=1", *overrides],
-                             check_paths=False)
-        return make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+    config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / name}", "finetune.method=lora",
+                                "data.max_seq_length=2048", "data.packing=false", "train.gradient_checkpointing=true",
+                                *overrides], check_paths=False)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=1, data_stats=data_stats)
+    shape = model_shape(config)
+    peak = peak_at(shape, run, 1)
+    return (peak, *vision_notes(config, run, shape, data_stats))
 
-    untold = plan("qwen2.5-vl-7b")  # Qwen-VL sizes images by pixels: without a budget, no image to trace
-    assert any("vision encoder's activations are not in this plan" in w for w in untold.warnings)
+
+def test_plans_of_public_configs_trace_their_encoders():
+    _, _, warnings = _planned("qwen2.5-vl-7b")  # Qwen-VL sizes images by pixels: without a budget, no image
+    assert any("vision encoder's activations are not in this plan" in w for w in warnings)
     peaks = {}
     for pixels in (200_704, 1_003_520):
-        planned = plan("qwen2.5-vl-7b", f"data.image_max_pixels={pixels}")
-        assert any("vision encoder is traced on one image sized from the config" in n for n in planned.notes)
-        assert not any("not in this plan" in w for w in planned.warnings), planned.warnings
-        peaks[pixels] = planned.peak_bytes_per_gpu
+        peaks[pixels], notes, warnings = _planned("qwen2.5-vl-7b", f"data.image_max_pixels={pixels}")
+        assert any("vision encoder is traced on one image sized from the config" in n for n in notes)
+        assert not any("not in this plan" in w for w in warnings), warnings
     assert peaks[200_704] < peaks[1_003_520]
-    gemma = plan("gemma-3-4b")  # a fixed 896x896 image
-    assert any("pixel_values 1x3x896x896" in n and "keeps nothing for backward" in n for n in gemma.notes)
+    _, notes, _ = _planned("gemma-3-4b")  # a fixed 896x896 image
+    assert any("pixel_values 1x3x896x896" in n and "keeps nothing for backward" in n for n in notes)
 
 
 def test_smaller_images_are_a_remedy_planned_from_the_same_data():
@@ -236,7 +241,7 @@ def test_smaller_images_are_a_remedy_planned_from_the_same_data():
     by the new budget), and the remedies of a vision-language model never split its rows."""
     from sft_play.config import load as load_config
     from sft_play.data import DataStats
-    from sft_play.planner import Target, make_plan
+    from sft_play.planner import Target, model_shape, peak_at
     from sft_play.planner.choose import remedies
     from sft_play.run import resolve
     from sft_play.units import GIB
@@ -256,14 +261,17 @@ def test_smaller_images_are_a_remedy_planned_from_the_same_data():
     assert smaller.change_text(config, target) == ["data.image_max_pixels=1003520"]
     halved = smaller.config_for(smaller.config_for(config))
     assert halved.data.image_max_pixels == 501_760
-    before, after = (make_plan(c, target, stats, with_remedies=False) for c in (config, smaller.config_for(config)))
-    assert before.sequence_length == 3300
-    assert after.sequence_length == 164 + 1280  # the text, and one image of at most 1,280 tokens
-    assert "below the budget the data were prepared with" in after.sequence_length_source
-    pixels = json.loads(resolve(smaller.config_for(config), on_cuda=True, bf16_supported=True, world_size=8,
-                                data_stats=stats).encoder_inputs)["pixel_values"]["shape"][0]
+    changed = smaller.config_for(config)
+    resolved = {c.data.image_max_pixels: resolve(c, on_cuda=True, bf16_supported=True, world_size=8, data_stats=stats)
+                for c in (config, changed)}
+    before, after = resolved[None], resolved[1_003_520]
+    assert before.sequence.tokens == 3300
+    assert after.sequence.tokens == 164 + 1280  # the text, and one image of at most 1,280 tokens
+    assert "below the budget the data were prepared with" in after.sequence.source
+    pixels = json.loads(after.encoder_inputs)["pixel_values"]["shape"][0]
     assert 0.9 * 1_003_520 // (14 * 14) <= pixels <= 1_003_520 // (14 * 14)  # patches of 14x14 pixels
-    assert after.peak_bytes_per_gpu < before.peak_bytes_per_gpu
+    shape = model_shape(config)
+    assert peak_at(shape, after, 1) < peak_at(shape, before, 1)
     for remedy in remedies.REMEDIES:
         if remedy.applies(config, target):
             assert remedy.name not in ("shorter sequences", "sequence parallelism")

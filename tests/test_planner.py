@@ -897,7 +897,7 @@ def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask
     # Gemma-2 caps its attention logits: eager attention, whose float masks transformers always
     # builds (full and sliding window: two); its peak was measured 10.6 % over the replay (H200)
     gemma = plan_config("gemma-2-9b", "finetune.method=lora", "data.max_seq_length=1024",
-                        "train.gradient_checkpointing=true", "train.global_batch_size=8")
+                        "train.gradient_checkpointing=true", "train.global_batch_size=2")
     assert model_shape(gemma).attention_masks == 2
     assert model_shape(plan_config("qwen2.5-0.5b")).attention_masks == 1
     assert model_shape(plan_config("llama-3.1-8b")).attention_masks == 1  # no layer_types: one mask
