@@ -61,7 +61,7 @@ def main() -> int:
                 print("(/image needs the path of a picture: /image PATH)", flush=True)
                 continue
             try:
-                pending = export.user_prompt(run, "", line.removeprefix("/image").strip()).images[0]
+                pending = export.user_prompt(run, "", line.removeprefix("/image").strip(), "/image ").images[0]
                 print("(the picture goes with your next line)", flush=True)
             except cli.UserError as exc:
                 print(f"({exc})", flush=True)

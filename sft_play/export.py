@@ -192,10 +192,10 @@ def trained_on_plain_text(path: str | Path) -> bool:
     return False
 
 
-def user_prompt(path: str | Path, text: str, image: str | None = None) -> Prompt:
+def user_prompt(path: str | Path, text: str, image: str | None = None, given_as: str = "IMAGE=") -> Prompt:
     """`text` typed by a user, as the run at `path` was trained to read it: as it is after plain
     prompt/completion data, else a user message through the chat template (showing `image`, a
-    file, first).
+    file, first; `given_as` names how the user gave it, for the error).
 
     Raises:
         UserError: `image` cannot be read.
@@ -204,9 +204,9 @@ def user_prompt(path: str | Path, text: str, image: str | None = None) -> Prompt
         from sft_play.data import images
 
         try:
-            ref = images.reference(image, Path.cwd(), "IMAGE")
+            ref = images.reference(image, Path.cwd(), given_as.strip(" ="))
         except images.ImageProblem as exc:
-            raise UserError(f"IMAGE={image}: {exc.reason}") from None
+            raise UserError(f"{given_as}{image}: {exc.reason}") from None
         return Prompt([*system_turn(path), {"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": text}]}], None, "", [ref])
     if trained_on_plain_text(path):

@@ -465,7 +465,7 @@ def test_chat_shows_a_picture_with_the_next_line(vision_runs, colours):
                           input=lines, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("(the picture goes with your next line)") == 1
-    assert "(IMAGE=missing.png: no such image file" in done.stdout
+    assert "(/image missing.png: no such image file" in done.stdout
     assert done.stdout.count("model> ") == 2 and "Traceback" not in done.stderr
 
 
