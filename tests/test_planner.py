@@ -551,7 +551,7 @@ def test_nodes_are_planned_as_training_reads_them_and_consumer_gpus_over_pcie():
 def test_a_fixed_micro_batch_that_does_not_fit_is_offered_the_planners_first():
     """train.micro_batch_size=8 where 2 fit: the one remedy offered was ZeRO-3 with parameters offloaded."""
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.modules_to_save=[]", "train.micro_batch_size=8",
-                         "train.global_batch_size=16", "data.max_seq_length=2048", "train.gradient_checkpointing=true")
+                         "train.global_batch_size=8", "data.max_seq_length=2048", "train.gradient_checkpointing=true")
     plan = make_plan(config, Target(1, 24 * GIB, "1 x 24 GiB"))
     assert not plan.fits
     first = plan.remedies[0]
@@ -603,7 +603,7 @@ def test_the_json_plans_remedy_commands_are_the_texts():
     the embedded default."""
     from sft_play.planner.present import report
 
-    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=8")
+    config = plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=2")
     plan = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"))
     fitting = [r for r in json.loads(report.to_json(plan, "my/base.yaml", ["finetune.method=full"]))["remedies"]
                if r["fits"]]
