@@ -420,11 +420,6 @@ def resolve(
     if images and (split > 1 or ring > 1):
         problem = ("the data shows images, and a row split across processes would part an image's tokens from its "
                    "pixels: leave distributed.sequence_parallel and context_parallel at 1 for vision-language data")
-    elif images and data_stats.pictured < data_stats.examples and Strategy(config.distributed.strategy).zero3:
-        problem = (f"{data_stats.examples - data_stats.pictured} of the {data_stats.examples} examples show no image: "
-                   "under ZeRO-3 a process whose micro-batch has none would skip the vision encoder while the others "
-                   "gather its sharded weights, and wait for them forever. Train such data with "
-                   "distributed.strategy=deepspeed_zero2 or fsdp2, or leave the text-only rows out")
     if problem:
         from sft_play.errors import UserError
 

@@ -122,7 +122,10 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
                                      split=run.parallel.row_multiple,
                                      # gloo gathers only equal shapes: every batch at the longest
                                      length=None if where.on_cuda else config.data.max_seq_length,
-                                     processor=processor if run.images else None)
+                                     processor=processor if run.images else None,
+                                     # ZeRO-3 gathers the encoder's sharded weights on every process
+                                     # alike: a batch without an image gets a stand-in one
+                                     stand_in=run.images and run.parallel.strategy.zero3)
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,

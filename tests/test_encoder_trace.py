@@ -68,7 +68,7 @@ def _inputs(model: Path, pictures: int) -> tuple[dict, str]:
     processor = AutoProcessor.from_pretrained(model)
     images = [Image.new("RGB", (90 + 20 * i, 70), ("red", "blue", "green")[i % 3]) for i in range(pictures)]
     out = processor(images=[images], return_tensors="pt")
-    kept = {key: value for key, value in out.items() if key not in vision._TEXT_KEYS}
+    kept = {key: value for key, value in out.items() if key not in vision.TEXT_KEYS}
     return kept, vision.encoder_inputs({key: value.numpy() for key, value in kept.items()})[1]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -369,12 +370,19 @@ def test_lora_keeps_adapters_out_of_a_frozen_vision_encoder_and_trains_the_proje
 def vision_runs(tmp_path_factory, families, colours):
     """A full fine-tune of the Gemma-3 shape (projector training, encoder frozen), LoRA and QLoRA
     runs of the LLaVA shape (its two-layer projector trained whole beside the adapters, 16-bit under
-    QLoRA), and the Gemma-3 shape under DDP on two gloo processes, started together."""
+    QLoRA), and the Gemma-3 shape on two gloo processes under DDP and under ZeRO-3, on rows mostly
+    without pictures (a process's micro-batch often has none while the other's has one), started
+    together."""
     root = tmp_path_factory.mktemp("vision-runs")
     common = (f"data.path={colours / 'train.jsonl'}", f"data.validation_path={colours / 'validation.jsonl'}",
               "data.num_proc=1", "train.global_batch_size=8", "train.mixed_precision=no", "train.logging_steps=1",
               f"train.output_dir={root}", "train.save_steps=0")
     config = ("--config", "configs/run_tiny_vlm.yaml")
+    # 8 rows with a picture among 56 without: most micro-batches of 4 have none, some have one
+    text = [{"messages": [{"role": "user", "content": f"Say {n}."}, {"role": "assistant", "content": str(n)}]}
+            for n in range(56)]
+    pictured = [json.loads(line) for line in (colours / "train.jsonl").read_text().splitlines()[:8]]
+    mixed = vlm_models.write_jsonl(colours / "mixed.jsonl", random.Random(0).sample(text + pictured, 64))
     results = run_scripts_together(
         ("train_distributed.py", *config, *common, f"model.name_or_path={families['gemma3']}", "train.max_steps=16",
          "train.run_name=gemma3-full"),
@@ -384,11 +392,14 @@ def vision_runs(tmp_path_factory, families, colours):
          "train.max_steps=2", "train.run_name=llava-qlora"),
         ("launch.py", "--launcher", "accelerate", "--accelerate-config", "configs/accelerate/ddp.yaml", "--cpu",
          "--num-gpus", "2", *config, *common, f"model.name_or_path={families['gemma3']}", "train.max_steps=3",
-         "train.run_name=gemma3-ddp"),
+         f"data.path={mixed}", "train.run_name=gemma3-ddp"),
+        ("launch.py", "--launcher", "torchrun", "--cpu", "--num-gpus", "2", *config, *common,
+         f"model.name_or_path={families['gemma3']}", "distributed.strategy=deepspeed_zero3", "train.max_steps=4",
+         f"data.path={mixed}", "train.run_name=gemma3-zero3"),
         timeout=900)
     for result in results:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return {name: root / name for name in ("gemma3-full", "llava-lora", "llava-qlora", "gemma3-ddp")}
+    return {name: root / name for name in ("gemma3-full", "llava-lora", "llava-qlora", "gemma3-ddp", "gemma3-zero3")}
 
 
 @pytest.mark.slow
@@ -421,11 +432,15 @@ def test_qlora_trains_a_projector_whole_beside_4_bit_linears(vision_runs):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_train_a_vision_language_model(vision_runs):
+def test_two_gloo_ranks_train_a_vision_language_model_on_rows_with_and_without_pictures(vision_runs):
     summary = json.loads((vision_runs["gemma3-ddp"] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 3
     assert summary["batch"] == "global 8 = micro 4 x accum 1 x world 2"
     assert len(set(summary["weights_fingerprints"])) == 1
+    # ZeRO-3: a micro-batch without a picture gets a stand-in (without it, the ranks' gathers of the
+    # encoder's weights part ways and the run aborts)
+    zero3 = json.loads((vision_runs["gemma3-zero3"] / "summary.json").read_text())
+    assert zero3["world_size"] == 2 and zero3["global_step"] == 4
 
 
 @pytest.mark.slow
@@ -486,11 +501,9 @@ def test_a_plan_without_data_says_what_an_image_costs_from_the_config(families):
     assert any("an image costs up to 256 tokens (one per 28x28 pixels" in note for note in plan.notes), plan.notes
 
 
-def test_qlora_keeps_a_training_projector_16_bit_and_zero3_refuses_text_only_rows_among_pictured_ones(families):
-    from sft_play.data import DataStats
+def test_qlora_keeps_a_training_projector_16_bit(families):
     from sft_play.model import quantization_config
     from sft_play.precision import Precision
-    from sft_play.run import resolve
 
     llava = families["llava"]
     qlora = load_config(None, [f"model.name_or_path={llava}", "finetune.method=qlora", "finetune.train_projector=true"],
@@ -500,13 +513,44 @@ def test_qlora_keeps_a_training_projector_16_bit_and_zero3_refuses_text_only_row
     frozen = load_config(None, [f"model.name_or_path={llava}", "finetune.method=qlora"], check_paths=False)
     assert quantization_config(frozen, Precision("bf16", "float32")).llm_int8_skip_modules is None
 
-    mixed = DataStats(examples=10, images=8, pictured=8)
-    zero3 = load_config(None, [f"model.name_or_path={llava}", "distributed.strategy=deepspeed_zero3"], check_paths=False)
-    with pytest.raises(UserError, match="2 of the 10 examples show no image: under ZeRO-3"):
-        resolve(zero3, on_cuda=True, bf16_supported=True, world_size=2, data_stats=mixed)
-    every = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=2,
-                    data_stats=DataStats(examples=10, images=10, pictured=10))
-    assert every.images and every.vision
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_under_zero3_a_batch_without_an_image_gets_a_stand_in_that_changes_no_token(tmp_path, families, family):
+    """ZeRO-3 gathers the encoder's sharded weights on every process alike: text-only rows among
+    pictured ones are trained, a batch of them with a white picture in its first row's padding."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sft_play.data import DataStats
+    from sft_play.data.collate import make_collator
+    from sft_play.run import resolve
+
+    zero3 = load_config(None, [f"model.name_or_path={families[family]}", "distributed.strategy=deepspeed_zero3"],
+                        check_paths=False)
+    mixed = resolve(zero3, on_cuda=True, bf16_supported=True, world_size=2,
+                    data_stats=DataStats(examples=10, images=8, pictured=8))
+    assert mixed.images and mixed.parallel.strategy.zero3
+    rows = vlm_models.colour_rows(tmp_path, 2)
+    text_only = [{"messages": [{"role": "user", "content": "Name a colour."},
+                               {"role": "assistant", "content": "Red."}]}] * 2
+    bundle, processor = _encoded(tmp_path, families[family], [*rows, *text_only])
+    examples = [bundle.train[i] for i in range(len(bundle.train))]
+    texts = [e for e in examples if not json.loads(e.get("images") or "[]")]
+    assert len(texts) == 2
+    plain = make_collator(processor.tokenizer.pad_token_id, "padded", processor=processor)(texts)
+    stood = make_collator(processor.tokenizer.pad_token_id, "padded", processor=processor, stand_in=True)(texts)
+    assert "pixel_values" not in plain and stood["pixel_values"].shape[0] >= 1
+    width = plain["input_ids"].shape[1]
+    assert torch.equal(stood["input_ids"][:, :width], plain["input_ids"])
+    assert (stood["labels"][:, width:] == IGNORE_INDEX).all() and (stood["attention_mask"][:, width:] == 0).all()
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(families[family])).eval()
+    with torch.no_grad():
+        alone, beside = model(**plain), model(**stood)
+    # the picture's features sit at its own tokens, which no real token attends to
+    assert torch.allclose(alone.logits, beside.logits[:, :width], atol=1e-5) and torch.isclose(alone.loss, beside.loss)
+    pictured = make_collator(processor.tokenizer.pad_token_id, "padded", processor=processor, stand_in=True)(
+        [e for e in examples if e not in texts])
+    assert pictured["pixel_values"].shape[0] == 2  # a batch with images gets none
 
 
 def test_an_image_that_passes_the_check_but_cannot_be_decoded_is_named_or_skipped(tmp_path, families):

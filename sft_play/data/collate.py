@@ -21,6 +21,7 @@ import torch
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from sft_play.data.tokenize import IGNORE_INDEX
+from sft_play.data.vision import TEXT_KEYS, TOKEN_TYPE_KEYS
 
 
 def _pad(rows: list[list[int]], value: int | None) -> torch.Tensor:
@@ -52,30 +53,61 @@ class PackedRowsCollator:
         }
 
 
+STAND_IN_SIDE = 56  # pixels a side of the stand-in picture: every processor takes it (Qwen-VL's least is 56x56)
+
+
 @dataclass
 class VisionCollator:
     """Batches examples with images (:mod:`sft_play.data.vision`): the tokens padded as text is
     (`inner`), the token types padded with 0, and the pixels the processor makes of the batch's
     images (``pixel_values`` and what else the model takes), from the references the rows keep.
-    Padded to `length` tokens where given (gloo gathers only equal shapes)."""
+    Padded to `length` tokens where given (gloo gathers only equal shapes).
+
+    With `stand_in` (ZeRO-3, where data mixes rows with and without images), a batch without an
+    image gets a white picture, its tokens in the first row's padding, unattended and unlabelled:
+    every process then runs the vision encoder on every step, as ZeRO-3's gathers of its sharded
+    weights need, and the picture changes no real token's output (LLaMA-Factory's fake image).
+    Every batch then has room for it (its tokens more than the longest row, or than `length`)."""
 
     inner: Any
     processor: Any
     length: int | None = None
+    stand_in: bool = False
+    _picture: dict | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         from sft_play.data.vision import pixel_inputs
 
         batch = self.inner([{key: e[key] for key in ("input_ids", "labels")} for e in examples])
-        width = max(batch["input_ids"].shape[1], self.length or 0)
+        room = len(self.picture()["input_ids"][0]) if self.stand_in else 0
+        width = max(batch["input_ids"].shape[1], self.length or 0) + room
         if width > batch["input_ids"].shape[1]:
             extra = width - batch["input_ids"].shape[1]
             for key, value in (("input_ids", self.inner.pad_token_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)):
                 batch[key] = torch.cat([batch[key], torch.full((len(examples), extra), value, dtype=batch[key].dtype)], 1)
-        if any(e.get("token_types") and any(e["token_types"]) for e in examples):
-            batch[self.token_type_key] = _pad([list(e["token_types"]) + [0] * (width - len(e["token_types"]))
-                                               for e in examples], 0)
-        return {**batch, **pixel_inputs(self.processor, [e.get("images") for e in examples])}
+        types = [list(e.get("token_types") or ()) + [0] * (width - len(e.get("token_types") or ())) for e in examples]
+        pictures = pixel_inputs(self.processor, [e.get("images") for e in examples])
+        if self.stand_in and not pictures:
+            picture = self.picture()
+            batch["input_ids"][0, -room:] = torch.as_tensor(picture["input_ids"][0])
+            types[0][-room:] = list(next((picture[key][0] for key in TOKEN_TYPE_KEYS if key in picture), [0] * room))
+            pictures = {key: value for key, value in picture.items() if key not in TEXT_KEYS}
+        if any(any(row) for row in types):
+            batch[self.token_type_key] = _pad(types, 0)
+        return {**batch, **pictures}
+
+    def picture(self) -> dict[str, Any]:
+        """The stand-in picture as the processor makes it: a user turn showing it, through the
+        processor's chat template, its tokens and pixel inputs."""
+        if self._picture is None:
+            from PIL import Image
+
+            white = Image.new("RGB", (STAND_IN_SIDE, STAND_IN_SIDE), (255, 255, 255))
+            turn = [{"role": "user", "content": [{"type": "image"}]}]
+            text = self.processor.apply_chat_template(turn, tokenize=False)
+            self._picture = dict(self.processor(text=[text], images=[[white]], add_special_tokens=False,
+                                                return_tensors="pt"))
+        return self._picture
 
     @property
     def token_type_key(self) -> str:
@@ -137,7 +169,7 @@ class RecordingCollator:
 
 
 def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None, split: int = 1,
-                  length: int | None = None, processor: Any = None) -> Any:
+                  length: int | None = None, processor: Any = None, stand_in: bool = False) -> Any:
     """The collator the run resolved (``Run.kernels.collator``, :func:`sft_play.run.collator_kind`).
 
     ``padded``: TRL's collator, which pads to the longest in the batch; ``padding_free``: TRL's
@@ -145,12 +177,14 @@ def make_collator(pad_token_id: int, kind: str, record_to: Path | None = None, s
     :class:`PackedRowsCollator`. With `record_to`, every row's fingerprint is recorded there.
     With `split` above 1 (sequence parallelism), batches are padded for it (:class:`SplitSequencePadding`,
     to `length` tokens at least). With a vision-language model's `processor`, batches carry their
-    images' pixels (:class:`VisionCollator`, padded to `length` tokens where given).
+    images' pixels (:class:`VisionCollator`, padded to `length` tokens where given; with
+    `stand_in`, a stand-in picture for a batch without one).
     """
     if processor is not None:
         if kind != "padded" or split > 1:
             raise ValueError("examples with images are batched padded, one process per row")
-        collator: Any = VisionCollator(DataCollatorForLanguageModeling(pad_token_id=pad_token_id), processor, length)
+        collator: Any = VisionCollator(DataCollatorForLanguageModeling(pad_token_id=pad_token_id), processor, length,
+                                       stand_in)
         return RecordingCollator(collator, record_to) if record_to is not None else collator
     if kind == "padded":
         collator: Any = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)

@@ -29,7 +29,7 @@ from sft_play.data.tokenize import (IGNORE_INDEX, assistant_spans, labelled_in, 
 # Per-token inputs a processor returns beside the ids (Gemma-3's token_type_ids marks image tokens,
 # which attend to each other both ways); kept with the tokens, padded with 0
 TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
-_TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets", *TOKEN_TYPE_KEYS)
+TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets", *TOKEN_TYPE_KEYS)
 CUT_IMAGE = "cut_image"  # the status of an example whose image tokens a cut would reach
 
 
@@ -72,7 +72,7 @@ def encoder_inputs(out: Any) -> tuple[int, str]:
     described: dict[str, Any] = {}
     pixels = 0
     for key, value in out.items():
-        if key in _TEXT_KEYS:
+        if key in TEXT_KEYS:
             continue
         dtype = None
         if hasattr(value, "detach"):  # a torch tensor: numpy has no bf16, so its dtype is named here
@@ -139,7 +139,7 @@ def pixel_inputs(processor: Any, references: list[str | None]) -> dict[str, Any]
     if not nested:
         return {}
     out = processor(images=nested, return_tensors="pt", padding=True)
-    return {key: value for key, value in out.items() if key not in _TEXT_KEYS}
+    return {key: value for key, value in out.items() if key not in TEXT_KEYS}
 
 
 def pixel_budget(processor: Any) -> int:
