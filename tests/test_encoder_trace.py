@@ -276,6 +276,7 @@ def test_smaller_images_are_a_remedy_planned_from_the_same_data():
         if remedy.applies(config, target):
             assert remedy.name not in ("shorter sequences", "sequence parallelism")
             assert not any(o.startswith("distributed.sequence_parallel") for o in remedy.overrides_for(config))
+            assert "sequence parallelism" not in remedy.description_for(config), remedy.name
 
 
 def test_the_data_keeps_the_encoder_inputs_of_its_heaviest_example(tmp_path, families):

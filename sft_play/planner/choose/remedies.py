@@ -52,6 +52,7 @@ class Remedy:
         gpu_factor: multiplies the number of GPUs (more hardware).
         halve_sequence: halves ``data.max_seq_length``.
         halve_pixels: halves ``data.image_max_pixels`` (:func:`smaller_pixel_budget`).
+        unsplit: the description where its rows are not split (a vision-language model's), if it differs.
         result: what it does to the trained model (:data:`SAME`, :data:`CLOSE`, :data:`CHANGED`).
     """
 
@@ -64,6 +65,7 @@ class Remedy:
     halve_sequence: bool = False
     halve_pixels: bool = False
     result: int = SAME
+    unsplit: str = ""
 
     def overrides_for(self, config: RunConfig) -> tuple[str, ...]:
         """The overrides and, where they leave QLoRA's packed weights sharded (ZeRO-3, FSDP2) but
@@ -79,6 +81,11 @@ class Remedy:
             storage = "float16" if changed.model.torch_dtype == "float16" else "bfloat16"
             return (*overrides, f"quantization.quant_storage={storage}")
         return overrides
+
+    def description_for(self, config: RunConfig) -> str:
+        """The description, or where :meth:`overrides_for` splits no row for `config` (a
+        vision-language model), :attr:`unsplit`."""
+        return self.unsplit if self.unsplit and _vision_language(config) else self.description
 
     def config_for(self, config: RunConfig) -> RunConfig:
         changed = with_overrides(config, self.overrides_for(config))
@@ -259,7 +266,8 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: c.data.max_seq_length > 256 and not _vision_language(c), halve_sequence=True, result=CHANGED),
     Remedy("more GPUs", "twice the GPUs with ZeRO-2 sharding (each row split across them where only that fits: "
            "sequence parallelism)", ("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=auto"),
-           "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2),
+           "train-deepspeed", lambda c, t: not _strategy(c).shards_states, gpu_factor=2,
+           unsplit="twice the GPUs with ZeRO-2 sharding"),
 )
 _COST = {remedy.name: i for i, remedy in enumerate(REMEDIES)}
 
@@ -394,7 +402,8 @@ def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) ->
     result = max(r.result for r in remedies)
     return {
         "name": " + ".join(r.name for r in remedies),
-        "description": "; ".join(r.description if len(remedies) == 1 else f"{r.name}: {r.description}" for r in remedies),
+        "description": "; ".join(r.description_for(config) if len(remedies) == 1 else
+                                 f"{r.name}: {r.description_for(config)}" for r in remedies),
         "change": changes,
         "make_target": remedies[-1].make_target,
         "remedies": [r.name for r in remedies],
