@@ -135,11 +135,12 @@ def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int,
     if merge and patch:  # Qwen-VL: one token per (patch x merge)^2 pixels of the resized image
         if not max_pixels:
             return None
-        side = patch * merge
-        return max_pixels // (side * side), f"one per {side}x{side} pixels of at most data.image_max_pixels={max_pixels:,}"
+        side = patch * merge  # (an image keeps one token however small the budget: the processor's least size)
+        return max(1, max_pixels // (side * side)), \
+            f"one per {side}x{side} pixels of at most data.image_max_pixels={max_pixels:,}"
     fixed = getattr(model_config, "mm_tokens_per_image", None)
     if fixed:  # Gemma-3: pooled to a fixed count
-        return int(fixed), "a fixed count: the projector pools every image to it"
+        return int(fixed), "a fixed count: the projector pools every image to it, the processor marks its start and end"
     size = getattr(vision, "image_size", None)
     if size and patch and getattr(model_config, "vision_feature_select_strategy", None) in ("default", "full"):
         tokens = (size // patch) ** 2 + (1 if model_config.vision_feature_select_strategy == "full" else 0)

@@ -201,11 +201,12 @@ def check_images(config: RunConfig) -> Check:
                                       "share: set data.packing=false for data with images")
     known = image_tokens(model_config, config.data.image_max_pixels)
     if known and known[0] >= config.data.max_seq_length:
-        return Check("images", False, f"an image costs up to {known[0]:,} tokens ({known[1]}), and "
+        return Check("images", False, f"an image costs up to {known[0]:,} tokens besides its marks ({known[1]}), and "
                                       f"data.max_seq_length={config.data.max_seq_length} cannot hold one: every "
                                       "example with an image would be left out; raise it (or lower "
                                       "data.image_max_pixels where the processor sizes images by pixels)")
-    cost = f"up to {known[0]:,} tokens an image ({known[1]})" if known else "tokens an image costs: the processor's"
+    cost = (f"up to {known[0]:,} tokens an image besides its marks ({known[1]})" if known else
+            "tokens an image costs: the processor's")
     return Check("images", True, f"a vision-language model, rows unpacked, {cost}")
 
 

@@ -166,9 +166,10 @@ def quiet_libraries() -> None:
     logging.getLogger("transformers.tokenization_utils_base").addFilter(
         lambda record: "Token indices sequence length is longer" not in record.getMessage())
     warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning)
-    # DeepSpeed 0.19's ZeRO calls torch's all_gather_into_tensor, which torch 2.13 deprecates: nothing to act on here
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # DeepSpeed 0.19's ZeRO calls torch's all_gather_into_tensor and reduce_scatter_tensor, which torch 2.13
+    # deprecates (a line per call on every rank): nothing to act on here
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into|reduce_scatter)_tensor` is "
+                            r"deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
                             r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

@@ -314,7 +314,7 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
     """
     limit = config.data.max_seq_length
     if data_stats is None or not data_stats.examples:
-        return SequenceLength(limit, "data.max_seq_length (no tokenizer or data at hand: assumed full length)")
+        return SequenceLength(limit, "data.max_seq_length (the data not read for this plan: assumed full length)")
     share = data_stats.loss_token_share or 1.0
     examples = getattr(data_stats, "example_tokens", None)
     if config.data.packing:

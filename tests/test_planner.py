@@ -809,6 +809,14 @@ def test_calibration_fits_two_measurements_and_replans():
 # --- time ------------------------------------------------------------------------------------
 
 
+def test_a_tiny_models_short_rows_take_time_not_less_than_none():
+    """The credit for rows shorter than the measured ones (their attention) outweighed a tiny
+    model's weights: the plan printed -438,390,539 tokens/s."""
+    config = plan_config("tiny-llama-256", "finetune.method=lora", "data.max_seq_length=64", "train.global_batch_size=8")
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), with_remedies=False)
+    assert plan.time["tokens_per_second"] > 0 and plan.time["seconds_per_step"] > 0
+
+
 def test_the_time_prediction_reproduces_the_measured_h100_throughput():
     # bench/throughput.py measured 8,306 tokens/s per H100 for Llama-3.1-8B LoRA (seq 2048, micro 2)
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=2", "lora.dropout=0",

@@ -498,7 +498,7 @@ def test_a_plan_without_data_says_what_an_image_costs_from_the_config(families):
                                 "data.image_max_pixels=200704", "data.max_seq_length=1024", "train.micro_batch_size=1",
                                 "train.global_batch_size=1"], check_paths=False)
     plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
-    assert any("an image costs up to 256 tokens (one per 28x28 pixels" in note for note in plan.notes), plan.notes
+    assert any("an image costs up to 256 tokens besides its marks (one per 28x28 pixels" in note for note in plan.notes), plan.notes
 
 
 def test_qlora_keeps_a_training_projector_16_bit(families):

@@ -92,8 +92,9 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
     notes: list[str] = []
     warnings: list[str] = []
     if run.kernels.attention == "sdpa" and masked and target.on_cuda:
-        notes.append("SDPA with packed rows uses the memory-efficient kernel with an s x s mask per layer; "
-                     "installing flash-attn, or model.attn_implementation=flex_attention, lets packing run mask-free")
+        rows = "packed rows" if run.kernels.collator == "packed_rows" else "rows padded to the batch's longest"
+        notes.append(f"SDPA with {rows} uses the memory-efficient kernel with an s x s mask per layer; installing "
+                     f"flash-attn, or model.attn_implementation=flex_attention, lets {rows} run mask-free")
     elif sliding and target.on_cuda:
         subject, verb = ("its sliding-window layers", "get") if shape.attention_masks > 1 else ("every layer", "gets")
         notes.append(f"SDPA has no sliding window: at {run.sequence.tokens} tokens {subject} of this model "
@@ -160,7 +161,7 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
 
         known = image_tokens(load_model_config(config.model.name_or_path, config.model.revision,
                                                config.model.trust_remote_code), config.data.image_max_pixels)
-        cost = f"an image costs up to {known[0]:,} tokens ({known[1]})" if known else \
+        cost = f"an image costs up to {known[0]:,} tokens besides its marks ({known[1]})" if known else \
             "what an image costs is the processor's to say (the data, read with it, tells)"
         notes.append(f"a vision-language model planned without its data: the sequence length is data.max_seq_length, "
                      f"image tokens included; {cost}")
