@@ -62,7 +62,7 @@ check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder
 gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
 	@$(PY) scripts/gpu_info.py $(ARGS)
 
-plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit, HOST_GIB=512)
+plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit, HOST_GIB=512; ARGS=--no-data: without reading the data)
 	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB)) $(ARGS)
 
 data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
@@ -77,13 +77,13 @@ train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny model,
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
 	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
-train-distributed: $(STAMP) ## DDP (FSDP2 with distributed.strategy=fsdp2) on NUM_GPUS GPUs (default all; GPUS=0,1 picks) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
+train-distributed: $(STAMP) ## DDP (FSDP2 with distributed.strategy=fsdp2) on NUM_GPUS GPUs (default all; GPUS=0,1 picks; CPU=1: processes on the CPU) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
 	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-distributed-tb: $(STAMP) ## train-distributed with TensorBoard on a free loopback port (URL printed)
 	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
-train-deepspeed: $(STAMP) ## DeepSpeed ZeRO-2 (configs/deepspeed_z2.json, 'auto' values from the plan) via torchrun; same variables
+train-deepspeed: $(STAMP) ## DeepSpeed ZeRO-2 (configs/deepspeed_z2.json, 'auto' values from the plan; ZeRO-3 with distributed.strategy=deepspeed_zero3) via torchrun; same variables
 	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
 
 train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopback port (URL printed)
