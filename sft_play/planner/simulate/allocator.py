@@ -160,15 +160,26 @@ class CachingAllocator:
         size = MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._pools[0 if small else 1]
-        block = pool.best_fit(size)
-        grew = block is None
+        # the best fit (_FreeBlocks.best_fit, inlined: a replay's hottest lines)
+        sizes = pool.sizes
+        index = bisect.bisect_left(sizes, size)
+        grew = index == len(sizes)
         if grew:
             block = self._new_segment(size, small)
+        else:
+            found = sizes[index]
+            by_size = pool.by_size
+            blocks = by_size[found]
+            block = blocks.pop(0)
+            if not blocks:
+                del by_size[found]
+                del sizes[index]
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = _Block(block.segment, block.address + size, remaining, small, block, block.next)
-            if block.next is not None:
-                block.next.previous = rest
+            following = block.next
+            rest = _Block(block.segment, block.address + size, remaining, small, block, following)
+            if following is not None:
+                following.previous = rest
             block.next = rest
             block.size = size
             pool.add(rest)
@@ -205,10 +216,17 @@ class CachingAllocator:
         if following is not None and not following.allocated:
             pool.remove(following)
             block.size += following.size
-            block.next = following.next
-            if following.next is not None:
-                following.next.previous = block
-        pool.add(block)
+            after = following.next
+            block.next = after
+            if after is not None:
+                after.previous = block
+        # pool.add(block), inlined
+        blocks = pool.by_size.get(block.size)
+        if blocks is None:
+            pool.by_size[block.size] = [block]
+            bisect.insort(pool.sizes, block.size)
+        else:
+            bisect.insort(blocks, block, key=_address)
 
     def is_live(self, handle) -> bool:
         return handle in self._live
