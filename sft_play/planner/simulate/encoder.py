@@ -21,7 +21,8 @@ CPU computes is counted as the GPU would hold it.
 A frozen encoder (the default) keeps nothing for backward: what it allocates is its working set,
 alive only while it encodes the micro-batch's images, and its features until they are placed at
 the image tokens. Where the encoder or the projector trains, what they keep for backward stays
-until the end of the backward pass, which ends in theirs.
+until the end of the backward pass, which ends in theirs. (Qwen3-VL's deepstack features go with
+the others when they are placed; the model keeps them through its first layers: not counted.)
 """
 
 from __future__ import annotations
