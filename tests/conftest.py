@@ -365,6 +365,16 @@ def built_once(tmp_path_factory, name: str, build) -> tuple[list[subprocess.Comp
 
 
 @pytest.fixture(scope="session")
+def families(tmp_path_factory) -> dict[str, Path]:
+    """The tiny vision-language models of tests/vlm_models.py (Gemma-3's, LLaVA's and Idefics3's
+    shapes), built once."""
+    from tests import vlm_models
+
+    root = tmp_path_factory.mktemp("vlms")
+    return {name: build(root / name) for name, build in vlm_models.BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
     def build(root):
         return run_scripts_together(*[

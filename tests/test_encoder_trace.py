@@ -20,13 +20,6 @@ from sft_play.planner.simulate.trace import TraceSpec, _Recorder
 from tests import vlm_models
 from tests.conftest import FIXTURES
 
-BUILDERS = {"gemma3": vlm_models.tiny_gemma3, "llava": vlm_models.tiny_llava, "idefics3": vlm_models.tiny_idefics3}
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("encoders")
-    return {name: build(root / name) for name, build in BUILDERS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +134,7 @@ def _after_the_step(events, micro: int) -> dict:
     return alive
 
 
-@pytest.mark.parametrize("family", [*sorted(BUILDERS), "qwen2.5-vl"])
+@pytest.mark.parametrize("family", [*sorted(vlm_models.BUILDERS), "qwen2.5-vl"])
 def test_the_trace_keeps_what_the_real_encoder_keeps(families, tiny_qwen, family):
     model = tiny_qwen if family == "qwen2.5-vl" else families[family]
     for pictures in (1, 2):
@@ -157,7 +150,7 @@ def test_the_trace_keeps_what_the_real_encoder_keeps(families, tiny_qwen, family
         assert trace.input_bytes == sum(t.numel() * t.element_size() for t in batch.values())
 
 
-@pytest.mark.parametrize("family", [*sorted(BUILDERS), "qwen2.5-vl"])
+@pytest.mark.parametrize("family", [*sorted(vlm_models.BUILDERS), "qwen2.5-vl"])
 def test_more_examples_keep_more_and_the_gradients_stay_those_of_the_weights(families, tiny_qwen, family):
     model = tiny_qwen if family == "qwen2.5-vl" else families[family]
     one_batch, described = _qwen_inputs(1) if family == "qwen2.5-vl" else _inputs(model, 1)

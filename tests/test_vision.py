@@ -23,14 +23,7 @@ from sft_play.errors import UserError
 from tests import vlm_models
 from tests.conftest import FIXTURES, REPO, printed_answers, run_scripts_together
 
-FAMILIES = ("gemma3", "llava", "idefics3")
-BUILDERS = {"gemma3": vlm_models.tiny_gemma3, "llava": vlm_models.tiny_llava, "idefics3": vlm_models.tiny_idefics3}
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vlms")
-    return {name: build(root / name) for name, build in BUILDERS.items()}
+FAMILIES = tuple(vlm_models.BUILDERS)
 
 
 @pytest.fixture(scope="module")

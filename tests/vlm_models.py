@@ -123,6 +123,10 @@ def tiny_idefics3(folder: Path) -> Path:
     return folder
 
 
+# The families the tests build, by name (tests/conftest.py's `families` fixture builds each once)
+BUILDERS = {"gemma3": tiny_gemma3, "llava": tiny_llava, "idefics3": tiny_idefics3}
+
+
 def _tidy(folder: Path) -> None:
     """Every JSON file with sorted keys and a final newline, without how it was loaded (stable bytes
     for the shipped copy, whether the hub is reachable or not)."""

@@ -220,13 +220,7 @@ class CachingAllocator:
             block.next = after
             if after is not None:
                 after.previous = block
-        # pool.add(block), inlined
-        blocks = pool.by_size.get(block.size)
-        if blocks is None:
-            pool.by_size[block.size] = [block]
-            bisect.insort(pool.sizes, block.size)
-        else:
-            bisect.insort(blocks, block, key=_address)
+        pool.add(block)
 
     def is_live(self, handle) -> bool:
         return handle in self._live

@@ -43,13 +43,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from sft_play.adapters import LoraSpec, peft_config
-from sft_play.architecture import (config_identity, frozen_parts, in_parts, keep_out_of_backward, quantized_linears,
-                                   vision_parts)
+from sft_play.architecture import config_identity, frozen_parts, in_parts, keep_out_of_backward, vision_parts
 from sft_play.planner.simulate import cache
-from sft_play.planner.simulate.trace import (_FLASH_TRACE, DTYPES, ModuleEvents, TraceSpec,
-                                             _Autocast, _four_bit_linear, _meta_compatible, _module_events, _Recorder,
-                                             _register_flash_trace, _Seed, _one_layer_model)
+from sft_play.planner.simulate.trace import (_FLASH_TRACE, DTYPES, ModuleEvents, TraceSpec, _Autocast,
+                                             _meta_compatible, _module_events, _one_layer_model, _Recorder,
+                                             _register_flash_trace, _Seed, with_method)
 from sft_play.run import MASK_FREE_ATTENTION
 
 _NUMPY_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool,
@@ -153,25 +151,10 @@ def _prepared_encoder(spec: TraceSpec, train_tower: bool, train_projector: bool)
     """The model (one decoder layer, the whole vision encoder and projector) on the meta device,
     trained as the run trains it."""
     model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code))
-    model.to(DTYPES[spec.weights_dtype])
     towers, projectors = vision_parts(model)
-    if spec.method == "qlora":
-        kept = projectors if train_projector else ()  # left 16-bit where it trains (architecture.unquantised)
-        for name, linear in quantized_linears(model):
-            if not in_parts(name, kept):
-                linear.forward = functools.partial(_four_bit_linear, linear)
-    if spec.method != "full":
-        from peft import get_peft_model
-
-        lora = peft_config(spec.lora or LoraSpec(16, 32, 0.0, "all-linear"), initialise=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = get_peft_model(model, lora, low_cpu_mem_usage=True).get_base_model()
-        adapter = DTYPES[spec.adapter_dtype]
-        for param in model.parameters():
-            if param.requires_grad:
-                param.data = torch.empty(param.shape, dtype=adapter, device="meta")
-    else:
+    # (a training projector is left 16-bit under QLoRA: architecture.unquantised)
+    model = with_method(model, spec, projectors if train_projector else ())
+    if spec.method == "full":
         frozen, inside = frozen_parts(towers, projectors, train_tower, train_projector)
         for name, param in model.named_parameters():
             param.requires_grad_(not in_parts(name, frozen) or in_parts(name, inside))

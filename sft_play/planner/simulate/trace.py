@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_map_only
 from sft_play import long_rows
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
-                                   is_sliding, layer_kinds, load_model_config, quantized_linears,
+                                   in_parts, is_sliding, layer_kinds, load_model_config, quantized_linears,
                                    sliding_window, with_layers)
 from sft_play.planner.simulate import cache
 from sft_play.run import MASK_FREE_ATTENTION, sliding_mask
@@ -369,22 +369,8 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     model = copy.deepcopy(_one_layer_model(spec.name_or_path, spec.revision, spec.trust_remote_code, kind,
                                            spec.stand_in))
     weights = DTYPES[spec.weights_dtype]
-    model.to(weights)
-    if spec.method == "qlora":
-        for _, linear in quantized_linears(model):
-            linear.forward = functools.partial(_four_bit_linear, linear)
-    if spec.method != "full":
-        from peft import get_peft_model
-
-        lora = peft_config(spec.lora or LoraSpec(16, 32, 0.0, "all-linear"), initialise=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = get_peft_model(model, lora, low_cpu_mem_usage=True).get_base_model()
-        adapter = DTYPES[spec.adapter_dtype]
-        for param in model.parameters():
-            if param.requires_grad:
-                param.data = torch.empty(param.shape, dtype=adapter, device="meta")
-    else:
+    model = with_method(model, spec)
+    if spec.method == "full":
         model.requires_grad_(True)
     model.train()
     text = model.config.get_text_config()
@@ -416,6 +402,30 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
             if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
                 module.forward = functools.partial(_liger_rms_norm, module)
     return layers[0], norm, text, weights
+
+
+def with_method(model: Any, spec: TraceSpec, unquantised: tuple[str, ...] = ()) -> Any:
+    """`model` (on the meta device) as `spec`'s method trains it: in its weights dtype, its linears
+    4-bit under QLoRA (but those under the module paths `unquantised`), LoRA's adapters added in
+    their dtype; under full fine-tuning the caller says what trains."""
+    model.to(DTYPES[spec.weights_dtype])
+    if spec.method == "qlora":
+        for name, linear in quantized_linears(model):
+            if not in_parts(name, unquantised):
+                linear.forward = functools.partial(_four_bit_linear, linear)
+    if spec.method == "full":
+        return model
+    from peft import get_peft_model
+
+    lora = peft_config(spec.lora or LoraSpec(16, 32, 0.0, "all-linear"), initialise=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(model, lora, low_cpu_mem_usage=True).get_base_model()
+    adapter = DTYPES[spec.adapter_dtype]
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = torch.empty(param.shape, dtype=adapter, device="meta")
+    return model
 
 
 def _final_norm(model: Any, layer: Any) -> Any | None:
