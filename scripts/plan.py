@@ -10,6 +10,7 @@ Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-g
 
 from __future__ import annotations
 
+import contextlib
 
 from sft_play import cli, lean_imports
 
@@ -69,6 +70,7 @@ def main() -> int:
     with cli.importing():
         from sft_play import config as config_module
         from sft_play import hardware, planner
+        from sft_play.planner import progress
         from sft_play.planner.present import report
 
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
@@ -86,12 +88,16 @@ def main() -> int:
         if args.host_gib <= 0:
             raise cli.UserError(f"HOST_GIB={args.host_gib:g}: the host memory must be positive")
         target.host_bytes = int(args.host_gib * (1 << 30))
+    # what a long plan is on, said on stderr as it goes (not under --json: one document)
+    saying = contextlib.nullcontext() if args.json else progress.reporting()
     if args.longest:
-        return longest(config, target, args)
+        with saying:
+            return longest(config, target, args)
     stats, why = (None, "--no-data") if args.no_data else read_data_stats(config)
     # The model's code is imported only where the planner has not kept what it learns from it
     # (sft_play.planner.simulate.cache): a model planned before plans without it
-    plan = planner.make_plan(config, target, stats)
+    with saying:
+        plan = planner.make_plan(config, target, stats)
     if why:
         plan.notes.append(f"sequence length from the config: {why}")
     if on_this_cpu:

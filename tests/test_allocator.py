@@ -82,3 +82,64 @@ def test_the_breakdown_at_the_peak_accounts_for_every_reserved_byte():
     a.malloc("y", 40 * MIB, "activations")
     assert a.peak_reserved == 120 * MIB
     assert a.at_peak == {"weights": 50 * MIB, "activations": 40 * MIB, "allocator_cache": 30 * MIB}
+
+
+def _reference(events: list[tuple], categories: list[str], capacity: int | None) -> dict:
+    a = CachingAllocator(capacity=capacity)
+    oom = False
+    try:
+        for kind, handle, size, category in events:
+            if kind:
+                a.malloc(handle, size, categories[category])
+            else:
+                a.free(handle)
+    except OutOfMemory:
+        oom = True
+    return {"peak_reserved": a.peak_reserved, "peak_allocated": a.peak_allocated, "releases": a.releases,
+            "out_of_memory": oom, "at_peak": dict(a.at_peak), "at_peak_allocated": dict(a.at_peak_allocated)}
+
+
+def _random_step(seed: int) -> list[tuple]:
+    """Allocations of a step's mix of sizes (small, under 10 MiB, large; some exact segment
+    sizes) and frees of live ones, in random order, with categories first named in random order."""
+    import random
+
+    rng = random.Random(seed)
+    live, events, handle = [], [], 0
+    for _ in range(rng.randrange(200, 1500)):
+        if live and rng.random() < 0.45:
+            events.append((0, live.pop(rng.randrange(len(live))), 0, 0))
+            continue
+        size = rng.choice([rng.randrange(1, 1 * MIB), rng.randrange(MIB, 10 * MIB), rng.randrange(10 * MIB, 200 * MIB),
+                           2 * MIB, 20 * MIB, 512, 0])
+        handle += 1
+        live.append(handle if rng.random() < 0.9 else rng.randrange(1, handle + 1))  # now and then a name again
+        events.append((1, live[-1], size, rng.randrange(4)))
+    events += [(0, h, 0, 0) for h in rng.sample(live, len(live) // 2)]
+    return events
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_compiled_replay_holds_what_the_reference_allocator_holds(seed):
+    """sft_play.planner.simulate.compiled replays planned steps; the Python allocator is the
+    reference: peaks, releases, the out-of-memory point and the breakdowns (their order too)."""
+    import numpy as np
+
+    from sft_play.planner.simulate import compiled
+
+    if not compiled.available():
+        pytest.skip("numba is not installed: replays run through the reference")
+    events = _random_step(seed)
+    categories = ["activations", "weights", "gradients", "other"]
+    # numbered as an allocation first names them, as the step's recorder numbers them
+    order = list(dict.fromkeys(categories[c] for kind, _, _, c in events if kind))
+    renumber = {categories.index(name): number for number, name in enumerate(order)}
+    columns = [np.array(column, np.int64) for column in zip(*[(k, h, s, renumber.get(c, 0)) for k, h, s, c in events])]
+    unlimited = _reference(events, categories, None)
+    for capacity in (None, unlimited["peak_reserved"], int(unlimited["peak_allocated"] * 1.05),
+                     unlimited["peak_allocated"] // 2):
+        expected = _reference(events, categories, capacity)
+        found = compiled.replay(*columns[:3], order, columns[3], capacity)
+        assert found == expected
+        assert list(found["at_peak"]) == list(expected["at_peak"])
+        assert list(found["at_peak_allocated"]) == list(expected["at_peak_allocated"])

@@ -202,8 +202,9 @@ def _planned(name: str, *overrides: str, data_stats=None):
     """(the peak at micro-batch 1 on one GPU, the plan's vision notes and warnings) for a public
     config: one replay, without the fit search."""
     from sft_play.config import load as load_config
-    from sft_play.planner import model_shape, peak_at
+    from sft_play.planner import model_shape
     from sft_play.planner.present.notes import vision_notes
+    from sft_play.planner.simulate.predict import predict
     from sft_play.run import resolve
 
     config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / name}", "finetune.method=lora",
@@ -211,8 +212,8 @@ def _planned(name: str, *overrides: str, data_stats=None):
                                 *overrides], check_paths=False)
     run = resolve(config, on_cuda=True, bf16_supported=True, world_size=1, data_stats=data_stats)
     shape = model_shape(config)
-    peak = peak_at(shape, run, 1)
-    return (peak, *vision_notes(config, run, shape, data_stats))
+    prediction = predict(shape, run, 1)
+    return (prediction.peak_bytes, *vision_notes(config, run, shape, data_stats, prediction))
 
 
 def test_plans_of_public_configs_trace_their_encoders():

@@ -84,6 +84,7 @@ def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_fla
     assert plan.attention == "flex_attention" and not plan.attention_mask
 
 
+@pytest.mark.slow  # compiles flex attention's kernels
 def test_flex_attention_keeps_packed_examples_apart_like_sdpa():
     # SDPA's block-diagonal mask from the position ids is tested with the data (test_data.py);
     # flex attention builds a block mask from the same position ids and must give the same logits

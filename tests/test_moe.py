@@ -95,7 +95,7 @@ def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
 
     monkeypatch.setattr(prediction, "layer_trace", fails_on_the_real_layer)
     monkeypatch.setattr(prediction, "_CACHE", {})
-    monkeypatch.setattr(prediction, "_UNTRACEABLE", set())
+    monkeypatch.setattr(prediction, "_UNTRACEABLE", {})
     plan = make_plan(load("tiny-qwen3-moe", "finetune.method=lora"), Target(1, 80 * GIB, "1 x H100"))
     assert plan.fits
     assert any("could not be traced (RuntimeError: an op the tracer does not know)" in w for w in plan.warnings)
@@ -152,6 +152,7 @@ def _loss_falls(run_dir) -> dict:
     return summary
 
 
+@pytest.mark.slow
 def test_a_tiny_qwen3_moe_trains_with_lora_on_attention_and_experts(moe_lora_run):
     summary = _loss_falls(moe_lora_run)
     recorded = json.loads((moe_lora_run / "run.json").read_text())
@@ -161,6 +162,7 @@ def test_a_tiny_qwen3_moe_trains_with_lora_on_attention_and_experts(moe_lora_run
     assert summary["losses"] and summary["global_step"] == 6
 
 
+@pytest.mark.slow
 def test_the_expert_load_is_logged_per_layer(moe_lora_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -172,12 +174,14 @@ def test_the_expert_load_is_logged_per_layer(moe_lora_run):
     assert all(1.0 <= value <= 8 / 2 for value in loads)  # even .. every token to the same 2 of 8 experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, method", [("tiny-mixtral", "full"), ("tiny-bamba", "lora"), ("tiny-lfm2", "lora"),
                                            ("tiny-qwen3-next", "full")])
 def test_moe_and_hybrid_models_train_from_the_entry_script(moe_runs, model, method):
     _loss_falls(moe_runs[model, method][0])
 
 
+@pytest.mark.slow
 def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_runs):
     run_dir, result = moe_runs["ddp", "lora"]
     output = result.stdout + result.stderr
@@ -189,6 +193,7 @@ def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_run
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
 
 
+@pytest.mark.slow
 def test_an_moe_model_trains_with_lora_under_zero3_on_two_processes(moe_runs):
     run_dir, result = moe_runs["deepspeed_zero3", "lora"]
     output = result.stdout + result.stderr
@@ -205,6 +210,7 @@ def test_an_moe_model_trains_with_lora_under_zero3_on_two_processes(moe_runs):
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights under ZeRO-3 too"
 
 
+@pytest.mark.slow
 def test_an_moe_model_is_fully_fine_tuned_under_fsdp2_and_saved_whole(moe_runs):
     run_dir, result = moe_runs["fsdp2", "full"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -221,6 +227,7 @@ def test_an_moe_model_is_fully_fine_tuned_under_fsdp2_and_saved_whole(moe_runs):
             assert tuple(up.shape) == (config["moe_intermediate_size"], config["hidden_size"])
 
 
+@pytest.mark.slow
 def test_an_moe_run_folder_generates_and_evaluates(moe_lora_run):
     generated, evaluated = run_scripts_together(
         ("generate.py", "--run", str(moe_lora_run), "--max-new-tokens", "6"),
@@ -232,6 +239,7 @@ def test_an_moe_run_folder_generates_and_evaluates(moe_lora_run):
     assert saved["loss"] > 0 and len(saved["generations"]) == 2
 
 
+@pytest.mark.slow
 def test_an_moe_adapter_merges_into_the_fused_experts(moe_lora_run):
     from sft_play import export
 

@@ -1,7 +1,8 @@
-"""What planning learns from a model's code is kept on disk (sft_play.planner.simulate.cache): a second
-plan of the same model, in a new process, imports no modeling code and says the same; a broken
-or unwritable cache never stops a plan. Replays run side by side (predict.predict_many) with the
-same results as one after another."""
+"""What planning learns from a model's code, and what it predicts, is kept on disk
+(sft_play.planner.simulate.cache): a second plan of the same model, in a new process, imports no
+modeling code, replays nothing and says the same; a broken or unwritable cache never stops a
+plan. Replays run side by side (predict.predict_many) with the same results as one after
+another, in workers that end with their parent and on SIGTERM."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ plan = make_plan(config, Target(1, 80 * 1024**3, "1 x GPU"), with_remedies=False
 print(json.dumps({"modeling_imported": "transformers.modeling_utils" in sys.modules,
                   "config_imported": any(m.startswith("transformers.models.") for m in sys.modules),
                   "peak": plan.peak_bytes_per_gpu, "micro": plan.micro_batch_size, "breakdown": plan.breakdown,
-                  "trainable": plan.trainable_params}))
+                  "trainable": plan.trainable_params, "replays": plan.replays}))
 """
 
 
@@ -39,11 +40,12 @@ def test_a_second_plan_of_a_model_needs_no_modeling_code_and_says_the_same(tmp_p
     first = _plan_in_new_process(tmp_path)
     assert first["modeling_imported"]
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "planner").iterdir())
-    assert "shape" in kept and "lora" in kept and "trace" in kept
+    assert "shape" in kept and "lora" in kept and "trace" in kept and "prediction" in kept
     second = _plan_in_new_process(tmp_path)
     assert not second["modeling_imported"] and not second["config_imported"]  # a local model: its config.json is read as text
     same = ("peak", "micro", "breakdown", "trainable")
     assert {k: second[k] for k in same} == {k: first[k] for k in same}
+    assert first["replays"] > 0 and second["replays"] == 0  # every prediction kept: nothing replayed again
 
 
 def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
@@ -171,3 +173,83 @@ def test_a_second_make_plan_imports_no_transformers_and_says_the_same(tmp_path):
             "peak_bytes_per_gpu", "breakdown", "precision", "attention")  # (the host memory free moves between runs)
     plans = [{k: v for k, v in json.loads(run.stdout).items() if k in same} for run in runs]
     assert len(plans[0]) == len(same) and plans[1] == plans[0]
+
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_replay_workers_end_with_their_parent_and_on_sigterm(tmp_path):
+    """A replay worker outlived its planning process, killed by the kernel's OOM killer, for 46
+    minutes, and ignored SIGTERM."""
+    import signal
+    import time
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent's death is signalled by Linux's prctl")
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time, signal, multiprocessing\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from sft_play.planner.simulate import predict\n"
+        "signal.signal(signal.SIGTERM, lambda *_: None)\n"
+        "def pid(_):\n    time.sleep(0.2)\n    return os.getpid()\n"
+        "pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context('fork'),\n"
+        "                           initializer=predict._replay_worker_started, initargs=(os.getpid(),))\n"
+        "print(' '.join(map(str, sorted(set(pool.map(pid, range(6)))))), flush=True)\n"
+        "time.sleep(600)\n")
+    def started() -> tuple[subprocess.Popen, list[int]]:
+        parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        workers = [int(p) for p in parent.stdout.readline().split()]
+        assert workers and all(_alive(p) for p in workers)
+        return parent, workers
+
+    def ended(pids: list[int]) -> bool:
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not any(_alive(p) for p in pids)
+
+    parent, workers = started()
+    try:
+        os.kill(workers[0], signal.SIGTERM)  # honoured, though the parent's handler ignores it
+        assert ended(workers[:1]) and parent.poll() is None
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+    parent, workers = started()
+    try:
+        parent.send_signal(signal.SIGKILL)  # nobody tells the workers: the kernel does
+        parent.wait(timeout=30)
+        assert ended(workers)
+    finally:
+        parent.kill()
+
+
+def test_a_long_plan_says_what_it_is_on_and_a_quick_one_says_nothing():
+    import io
+
+    from sft_play.planner import progress
+
+    said = io.StringIO()
+    with progress.reporting(said, quiet=0, every=0):
+        with progress.doing("remedy 2 of 9: ZeRO-3"):
+            progress.say("micro-batch 1, 2 at 4,096 tokens")
+        progress.say("")
+    lines = said.getvalue().splitlines()
+    assert lines[0].startswith("planning (0 s): remedy 2 of 9: ZeRO-3")
+    assert lines[1] == "planning (0 s): remedy 2 of 9: ZeRO-3, micro-batch 1, 2 at 4,096 tokens"
+    quiet = io.StringIO()
+    with progress.reporting(quiet):  # two seconds before the first word
+        with progress.doing("remedy 1 of 9: gradient checkpointing"):
+            progress.say("micro-batch 1 at 2,048 tokens")
+    progress.say("outside: never written")
+    assert quiet.getvalue() == ""

@@ -37,7 +37,7 @@ READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELER
 # (DS_ACCELERATOR, TORCH_CUDA_ARCH_LIST), bitsandbytes, peft or trl (sft_play.lean_imports)
 PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
              "transformers.masking_utils", "transformers.models.auto.modeling_auto",
-             "transformers.tokenization_utils_base", "accelerate", "safetensors")
+             "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba")
 
 
 # This process's own streams, kept referenced in a child: were they collected there, they would

@@ -210,8 +210,8 @@ def make_plan(
                         f"to {shape.max_positions:,}, or extend the context (rope_scaling in the model's config)")
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
-    more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding)
-    seen_notes, seen_warnings = vision_notes(config, run, shape, data_stats)
+    more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding, chosen)
+    seen_notes, seen_warnings = vision_notes(config, run, shape, data_stats, chosen)
     more_notes += seen_notes
     more_warnings += seen_warnings
     host_bytes, host_note = host_memory(shape, run, target, split.micro_batch_size)

@@ -18,6 +18,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.config.schema import consistency_problems
 from sft_play.parallelism import Strategy
+from sft_play.planner import progress
 from sft_play.planner.choose import search
 from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, with_overrides
 
@@ -91,7 +92,8 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
 
         def fits(index: int) -> bool:
             if index not in plans:
-                plans[index] = plan_for(_with(config, applied, lengths[index], target.world_size), target)
+                with progress.doing(f"longest rows on {target.device_name}, {name}: {lengths[index]:,} tokens"):
+                    plans[index] = plan_for(_with(config, applied, lengths[index], target.world_size), target)
             return bool(plans[index].fits)
 
         # an octave at a time from the shortest (a plan at a length far beyond the answer is the

@@ -19,6 +19,7 @@ from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.parallelism import Strategy
+from sft_play.planner import progress
 from sft_play.planner.simulate.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
@@ -307,8 +308,9 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dic
     with `as_run` True."""
     applicable = search_order([r for r in REMEDIES if r.applies(config, target)])
     entries = []
-    for remedy in applicable:
-        plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
+    for number, remedy in enumerate(applicable, 1):
+        with progress.doing(f"remedy {number} of {len(applicable)}: {remedy.name}"):
+            plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
         entries.append(_entry([remedy], config, target, plan))
     first_fit = next((i for i, e in enumerate(entries) if e["fits"]), len(entries))
     before = [r for r in applicable[:first_fit] if r.gpu_factor == 1]
@@ -363,8 +365,9 @@ def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy
                 continue
             chosen = kept
         chosen.append(remedy)
-        if not _fits(config, target, chosen, plan_for):
-            continue
+        with progress.doing("remedies combined: " + " + ".join(r.name for r in chosen)):
+            if not _fits(config, target, chosen, plan_for):
+                continue
         found = [list(chosen)]
         for dropped in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
             trial = [r for r in found[-1] if r is not dropped]
@@ -448,7 +451,9 @@ def smallest_hardware(config: RunConfig, target: Any, fits_on: Callable[[RunConf
         hardware = type(target)(**{**asdict(target), "world_size": count, "free_bytes": int(size * GIB),
                                    "device_name": f"{count} x {size} GiB", "on_cuda": True, "bf16_supported": True,
                                    "gpu_model": gpu_model_for_memory(size), "source": "candidate"})
-        if fits_on(candidate, hardware):
+        with progress.doing(f"the smallest hardware: {count} x {size} GiB"):
+            fits = fits_on(candidate, hardware)
+        if fits:
             changes = (["ZeRO-3"] if count > 1 else []) + (
                 [] if config.train.gradient_checkpointing else ["gradient checkpointing"])
             return f"{count} x {size} GiB GPU(s)" + (f" with {' and '.join(changes)}" if changes else "")

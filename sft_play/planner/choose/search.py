@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from sft_play.planner import progress
 from sft_play.planner.choose.split import largest_fitting_micro
 from sft_play.planner.simulate.predict import Prediction, predict_many, static_lower_bound
 from sft_play.planner.simulate.shapes import ModelShape
@@ -114,6 +115,8 @@ class FitSearch:
                 run = run.with_changes(sequence=dataclasses.replace(run.sequence, tokens=tokens))
             beyond.append(static_lower_bound(self.shape, run) > self.budget)
             requests.append((run, micro, None if beyond[-1] else self.budget, accumulating))
+        progress.say("micro-batch " + ", ".join(sorted({str(micro) for _, micro, _, _ in requests}, key=int)) + " at "
+                     + ", ".join(sorted({f"{run.sequence.tokens:,}" for run, *_ in requests})) + " tokens")
         predictions = []
         for (run, micro, _, _), whole, prediction in zip(requests, beyond, predict_many(self.shape, requests)):
             if whole:

@@ -11,7 +11,7 @@ from typing import Any
 from sft_play.config import RunConfig
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.simulate import memory
-from sft_play.planner.simulate.predict import STAND_INS, encoder_untraced
+from sft_play.planner.simulate.predict import Prediction
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import LIGER_RMS_NORM_MODELS
 from sft_play.planner.target import Target
@@ -84,8 +84,8 @@ def epoch_notes(train: Any, rows: int | None, packed: bool, split: BatchSplit) -
 
 
 
-def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
-              masked: bool, sliding: bool = False) -> tuple[list[str], list[str]]:
+def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, masked: bool, sliding: bool = False,
+              prediction: Prediction | None = None) -> tuple[list[str], list[str]]:
     """What the plan says about the run it planned (notes, warnings): the attention kernel and its
     mask, the kernel switches, what lives outside the allocator, a layer planned by a stand-in,
     and what a mixture-of-experts model changes."""
@@ -109,8 +109,8 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
             and run.kernels.attention == "sdpa" and run.on_cuda:
         notes.append("model.attn_implementation=auto on hardware described, not this machine's: planned as SDPA; "
                      "where flash-attn is installed, plan with model.attn_implementation=flash_attention_2")
-    if config.model.name_or_path in STAND_INS:
-        warnings.append(f"the layers of {config.model.name_or_path} could not be traced ({STAND_INS[config.model.name_or_path]}):"
+    if prediction is not None and prediction.stand_in:
+        warnings.append(f"the layers of {config.model.name_or_path} could not be traced ({prediction.stand_in}):"
                         " planned as Llama-shaped layers of its widths, which is not a bound proven for this "
                         "architecture; training goes ahead with the out-of-memory backoff as the safety net")
     if run.lora is not None and shape.lora_unadapted:
@@ -141,7 +141,8 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape,
 
 
 
-def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any | None) -> tuple[list[str], list[str]]:
+def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any | None,
+                 prediction: Prediction | None = None) -> tuple[list[str], list[str]]:
     """What the plan says about a vision-language model (notes, warnings): what its images cost in
     tokens (read from the data), which of its vision parts train, and what its encoder is traced on."""
     notes: list[str] = []
@@ -178,7 +179,7 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
         parts.append(f"{name} {count:,} parameters, {how}")
     notes.append("; ".join(parts) + " (finetune.train_vision_tower, finetune.train_projector)")
     traced = _traced_on(run)
-    untraced = encoder_untraced(run)
+    untraced = prediction.encoder_untraced if prediction is not None else ""
     if untraced:
         warnings.append(f"the vision encoder of {config.model.name_or_path} could not be traced ({untraced}): its "
                         "activations are not in this plan; the out-of-memory backoff is the safety net")

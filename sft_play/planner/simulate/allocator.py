@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import operator
-from dataclasses import dataclass, field
 from sft_play.units import MIB
 
 SMALL_SIZE = 1 * MIB  # kSmallSize
@@ -91,6 +90,8 @@ class _FreeBlocks:
         if blocks is None:
             self.by_size[block.size] = [block]
             bisect.insort(self.sizes, block.size)
+        elif blocks[-1].address < block.address:  # most often the highest address of its size
+            blocks.append(block)
         else:
             bisect.insort(blocks, block, key=_address)
 
@@ -102,24 +103,10 @@ class _FreeBlocks:
         else:
             blocks.remove(block)
 
-    def best_fit(self, size: int) -> _Block | None:
-        """Remove and return the smallest block of at least `size` bytes, lowest address first."""
-        index = bisect.bisect_left(self.sizes, size)
-        if index == len(self.sizes):
-            return None
-        found = self.sizes[index]
-        blocks = self.by_size[found]
-        block = blocks.pop(0)
-        if not blocks:
-            del self.by_size[found]
-            del self.sizes[index]
-        return block
-
     def blocks(self) -> list[_Block]:
         return [b for blocks in self.by_size.values() for b in blocks]
 
 
-@dataclass
 class CachingAllocator:
     """The simulated allocator. `capacity` (bytes the allocator may reserve) None means unlimited.
 
@@ -127,27 +114,45 @@ class CachingAllocator:
     ``peak_reserved``/``peak_allocated`` their maxima. Each live allocation carries a category,
     ``at_peak`` holds the live bytes by category when ``reserved`` last reached its peak, and
     ``at_peak_allocated`` when ``allocated`` did (the most the step's tensors ever hold).
+
+    Args:
+        capacity: bytes the allocator may reserve (None: unlimited).
+        log: a list that receives every allocation ``("a", handle, size, category)`` and free
+            ``("f", handle)`` in order (bench/memory_snapshot.py compares the planner's order
+            with a GPU's).
+
+    A replay makes tens of thousands of calls: the state is in slots and the hot paths read it
+    into locals once per call.
     """
 
-    capacity: int | None = None
-    reserved: int = 0
-    allocated: int = 0
-    peak_reserved: int = 0
-    peak_allocated: int = 0
-    releases: int = 0  # times the cache was released to satisfy an allocation
-    at_peak: dict[str, int] = field(default_factory=dict)
-    at_peak_allocated: dict[str, int] = field(default_factory=dict)
-    _pools: tuple[_FreeBlocks, _FreeBlocks] = field(default_factory=lambda: (_FreeBlocks(), _FreeBlocks()))
-    _live: dict = field(default_factory=dict)  # handle -> block
-    _by_category: dict[str, int] = field(default_factory=dict)
-    _segments: int = 0
-    _segment_sizes: dict[int, int] = field(default_factory=dict)
-    # Where the next segment starts, when a replay of a real trace knows it (cudaMalloc's address
-    # orders equal-sized blocks); None: segments are ordered as they were created
-    segment_address: int | None = None
-    # Every allocation ("a", handle, size, category) and free ("f", handle) in order, when a list
-    # is given (bench/memory_snapshot.py compares the planner's order with a GPU's)
-    log: list | None = None
+    __slots__ = ("capacity", "reserved", "allocated", "peak_reserved", "peak_allocated", "releases", "at_peak",
+                 "_at_peak_allocated", "_peak_pending", "_pools", "_live", "_by_category", "_segments",
+                 "_segment_sizes", "segment_address", "log")
+
+    def __init__(self, capacity: int | None = None, log: list | None = None):
+        self.capacity = capacity
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+        self.releases = 0  # times the cache was released to satisfy an allocation
+        self.at_peak: dict[str, int] = {}
+        self._at_peak_allocated: dict[str, int] = {}
+        # allocated rose to a new peak and nothing was freed since: the breakdown at the peak is
+        # the current one, copied when the first free (or a reader) comes
+        self._peak_pending = False
+        self._pools = (_FreeBlocks(), _FreeBlocks())
+        self._live: dict = {}  # handle -> block
+        self._by_category: dict[str, int] = {}
+        self._segments = 0
+        self._segment_sizes: dict[int, int] = {}
+        # Where the next segment starts, when a replay of a real trace knows it (cudaMalloc's address
+        # orders equal-sized blocks); None: segments are ordered as they were created
+        self.segment_address: int | None = None
+        self.log = log
+
+    @property
+    def at_peak_allocated(self) -> dict[str, int]:
+        if self._peak_pending:
+            self._snapshot_allocated_peak()
+        return self._at_peak_allocated
 
     def malloc(self, handle, size: int, category: str = "other") -> None:
         """Allocate `size` bytes for `handle` (any hashable name of the tensor).
@@ -160,7 +165,7 @@ class CachingAllocator:
         size = MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._pools[0 if small else 1]
-        # the best fit (_FreeBlocks.best_fit, inlined: a replay's hottest lines)
+        # the best fit: the smallest cached size that holds it, lowest address first
         sizes = pool.sizes
         index = bisect.bisect_left(sizes, size)
         grew = index == len(sizes)
@@ -170,10 +175,12 @@ class CachingAllocator:
             found = sizes[index]
             by_size = pool.by_size
             blocks = by_size[found]
-            block = blocks.pop(0)
-            if not blocks:
+            if len(blocks) == 1:
+                block = blocks[0]
                 del by_size[found]
                 del sizes[index]
+            else:
+                block = blocks.pop(0)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             following = block.next
@@ -186,12 +193,13 @@ class CachingAllocator:
         block.allocated = True
         block.category = category
         self._live[handle] = block
-        self.allocated += block.size
+        allocated = self.allocated + block.size
+        self.allocated = allocated
         by_category = self._by_category
         by_category[category] = by_category.get(category, 0) + block.size
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-            self.at_peak_allocated = {k: v for k, v in by_category.items() if v}
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+            self._peak_pending = True
         if grew and self.reserved > self.peak_reserved:
             self._record_peak()
 
@@ -201,6 +209,8 @@ class CachingAllocator:
             return
         if self.log is not None:
             self.log.append(("f", handle))
+        if self._peak_pending:
+            self._snapshot_allocated_peak()
         self.allocated -= block.size
         self._by_category[block.category] -= block.size
         block.allocated = False
@@ -222,13 +232,11 @@ class CachingAllocator:
                 after.previous = block
         pool.add(block)
 
-    def is_live(self, handle) -> bool:
-        return handle in self._live
-
-    def live_bytes(self, category: str) -> int:
-        return self._by_category.get(category, 0)
-
     # -- internals ----------------------------------------------------------------------------
+
+    def _snapshot_allocated_peak(self) -> None:
+        self._at_peak_allocated = {k: v for k, v in self._by_category.items() if v}
+        self._peak_pending = False
 
     def _record_peak(self) -> None:
         self.peak_reserved = self.reserved

@@ -1,4 +1,4 @@
-"""What planning learns from a model's code, kept on disk between processes.
+"""What planning learns from a model's code, and what it predicts, kept on disk between processes.
 
 The model's shape (its parameters counted on a meta-device build) and its traced layers are the
 only parts of a plan that need transformers' modeling code, and importing that code is most of
@@ -11,6 +11,11 @@ loaded), the arguments, the versions of torch, transformers and peft, and the so
 modules that compute them. A second plan of the same model (``make plan`` after ``make train``,
 or after a change of batch, GPUs or sequence length) then never imports the modeling code.
 
+Predictions (a micro-batch's replayed peak: :func:`kept`, :func:`keep`) are kept too, as JSON,
+under a key of everything that decides them (the model's config, the shape, the resolved run, the
+micro-batch, the budget) and the source of the whole package: a warm plan, remedies and all,
+replays nothing it replayed before.
+
 Models with remote code are not kept (their code can change under the same config), nor what a
 process computed from a local config.json that was edited after it read it. A file that cannot be
 read counts as absent and is recomputed; a cache that cannot be written is skipped. Nothing is
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -55,6 +61,18 @@ def fingerprint() -> str:
             digest.update(f"{package} absent\n".encode())
     for name in _SOURCES:
         digest.update((_PACKAGE / name).read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def package_fingerprint() -> str:
+    """The versions and every source file of the package: what decides a prediction is spread
+    over the simulation, the run's resolution and the byte formulas, so any change of code
+    forgets every prediction kept."""
+    digest = hashlib.sha256(fingerprint().encode())
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        digest.update(path.relative_to(_PACKAGE).as_posix().encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -103,3 +121,40 @@ def keeps(name_or_path: str, trust_remote_code: bool) -> bool:
     """Whether what is computed for this model may be kept: not for remote code, and not when this
     process read a local config.json that has changed since (its results are of the old text)."""
     return not trust_remote_code and config_is_current(name_or_path)
+
+
+def _document_path(kind: str, key: tuple) -> Path:
+    digest = hashlib.sha256(repr((kind, key, package_fingerprint())).encode()).hexdigest()[:40]
+    return folder() / f"{kind}-{digest}.json"
+
+
+def kept(kind: str, key: tuple) -> dict | None:
+    """The JSON document :func:`keep` wrote for `kind` and `key` under this code, or None."""
+    path = _document_path(kind, key)
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:  # a broken file counts as none
+        logger.debug("planner cache %s unreadable (%s)", path, error)
+        return None
+    cache_usage.used(path)
+    return document if isinstance(document, dict) else None
+
+
+def keep(kind: str, key: tuple, document: dict) -> None:
+    """Keep `document` (JSON data) for `kind` and `key`; skipped where the cache cannot be written."""
+    path = _document_path(kind, key)
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+            temporary = Path(handle.name)
+            json.dump(document, handle)
+        os.replace(temporary, path)  # whole or not at all, whoever else writes it
+        temporary = None
+    except OSError as error:
+        logger.debug("planner cache %s not written (%s)", path, error)
+    finally:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)

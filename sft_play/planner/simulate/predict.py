@@ -21,7 +21,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from sft_play import hardware
-from sft_play.planner.simulate import memory
+from sft_play.architecture import config_identity
+from sft_play.planner.simulate import cache, memory
 from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.step import StepSpec, replay
@@ -40,6 +41,10 @@ class Prediction:
     allocated_bytes: int  # live tensors at their peak (plus what lives outside the allocator)
     breakdown: dict[str, int]
     fits: bool | None  # None: no budget given
+    # Why the model's layers were replayed as a Llama-shaped stand-in ("": its own layers were traced)
+    stand_in: str = ""
+    # Why the vision encoder's activations are left out ("": traced, or nothing to encode)
+    encoder_untraced: str = ""
 
 
 def static_lower_bound(shape: ModelShape, run: Run) -> int:
@@ -90,28 +95,30 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
         accumulating: gradients accumulate over micro-batches (the next forward runs with them).
     """
     key = _key(shape, run, micro_batch, budget, accumulating)
-    if key not in _CACHE:
-        if len(_CACHE) > 1024:
-            _CACHE.clear()
-        _CACHE[key] = _predict(shape, run, micro_batch, budget, accumulating)
-    return _CACHE[key]
+    known = _known(key)
+    if known is None:
+        known = _predict(shape, run, micro_batch, budget, accumulating)
+        _remember(key, known)
+    return known
 
 
 # Forking a pool costs 0.1-0.15 s (measured on 2 cores from a 1.2 GB process); a layer's replay
-# about 1 ms: below this many layer replays, one after another is as fast
-FORK_LAYER_REPLAYS = 400
+# about a tenth of a millisecond compiled (ten times that through the reference allocator, where
+# forking would pay sooner): below this many layer replays, one after another is as fast
+FORK_LAYER_REPLAYS = 4000
 
 
 def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, bool]]) -> list[Prediction]:
     """:func:`predict` for each (run, micro-batch, budget, accumulating) in `requests`, those not
     predicted before replayed side by side on this machine's cores (each replay is independent
     Python work). The traces are made here first; the replays run in forked processes, which
-    inherit them, ignore stop signals (the process that planned handles those) and touch neither
-    CUDA nor OpenMP. Where fork is unsafe or unavailable (macOS, Windows), with one core per
+    inherit them, leave Ctrl-C to the planning process, end on SIGTERM and with their parent
+    (:func:`_replay_worker_started`), and touch neither CUDA nor OpenMP. Where fork is unsafe or
+    unavailable (macOS, Windows), with one core per
     process (the ranks of a node share its cores), with less to do than a fork costs
     (:data:`FORK_LAYER_REPLAYS`), or when the pool cannot start, they run here, one after another:
     the same predictions either way."""
-    todo = list(dict.fromkeys(r for r in requests if _key(shape, *r) not in _CACHE))
+    todo = list(dict.fromkeys(r for r in requests if _known(_key(shape, *r)) is None))
     workers = min(len(todo), _cores_per_process())
     if workers >= 2 and len(todo) * shape.num_layers >= FORK_LAYER_REPLAYS \
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
@@ -120,21 +127,37 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
             traced_encoder(run)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                     initializer=_ignore_stop_signals) as pool:
+                                     initializer=_replay_worker_started, initargs=(os.getpid(),)) as pool:
                 chunk = -(-len(todo) // workers)
                 done = list(pool.map(_predict_counted, todo, [shape] * len(todo), chunksize=chunk))
         except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: here then
             logger.debug("replays run one after another: %s", error)
         else:
             for request, (prediction, replays) in zip(todo, done):
-                _CACHE[_key(shape, *request)] = prediction
+                _remember(_key(shape, *request), prediction)
                 REPLAYS[0] += replays
     return [predict(shape, *request) for request in requests]
 
 
-def _ignore_stop_signals() -> None:
+def _replay_worker_started(parent: int) -> None:
+    """A replay worker: Ctrl-C (sent to the whole foreground group) is the planning process's to
+    handle; SIGTERM ends the worker (the handler the parent may have installed is not inherited);
+    and the worker ends with its parent, however the parent ends (the kernel's SIGKILL on Linux,
+    prctl(PR_SET_PDEATHSIG); a worker forked after its parent died ends at once)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no libc to ask: the pool's own shutdown still ends it
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _predict_counted(request: tuple, shape: ModelShape) -> tuple[Prediction, int]:
@@ -147,16 +170,48 @@ def _key(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accu
     return (shape.key(), run, micro_batch, budget, accumulating)
 
 
+def _known(key: tuple) -> Prediction | None:
+    """What was predicted for `key` before: in this process, or kept on disk by an earlier one
+    (:func:`sft_play.planner.simulate.cache.kept`; a model with remote code is never kept)."""
+    known = _CACHE.get(key)
+    if known is None and _CACHE is _PROCESS_CACHE and _keeps(key):
+        document = cache.kept("prediction", _disk_key(key))
+        if document is not None:
+            known = _CACHE[key] = Prediction(**document)
+    return known
+
+
+def _remember(key: tuple, prediction: Prediction) -> None:
+    if len(_CACHE) > 1024:
+        _CACHE.clear()
+    _CACHE[key] = prediction
+    if _CACHE is _PROCESS_CACHE and _keeps(key):
+        cache.keep("prediction", _disk_key(key), dataclasses.asdict(prediction))
+
+
+def _keeps(key: tuple) -> bool:
+    run = key[1]
+    return cache.keeps(run.model, run.trust_remote_code)
+
+
+def _disk_key(key: tuple) -> tuple:
+    """`key` with what the run's model name stands for: the text of its config."""
+    run = key[1]
+    return (config_identity(run.model, run.revision, run.trust_remote_code), *key)
+
+
 def _cores_per_process() -> int:
     """This process's share of the cores: the ranks a launcher starts on one node share them."""
     return max(1, hardware.usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
-_CACHE: dict = {}
-# Models whose layers the tracer could not follow, and why: they are planned with a stand-in layer
-STAND_INS: dict[str, str] = {}
-_UNTRACEABLE: set[tuple[str, str]] = set()
-# Vision encoders the tracer could not follow (by what was traced), and why: planned without their activations
+# This process's predictions, backed by the disk (:func:`_known`); a test that puts a dict of its
+# own here plans without the disk
+_PROCESS_CACHE: dict = {}
+_CACHE: dict = _PROCESS_CACHE
+# Traces that failed in this process, and why (not tried again): (model, method) -> the reason its
+# layers are planned with a stand-in; what was traced of an encoder -> why its activations are left out
+_UNTRACEABLE: dict[tuple[str, str], str] = {}
 _UNTRACED_ENCODERS: dict[tuple, str] = {}
 REPLAYS = [0]  # allocator replays so far in this process: what planning costs, counted (Plan.replays)
 
@@ -187,7 +242,10 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     breakdown["cuda_runtime"] = breakdown.get("cuda_runtime", 0) + outside
     breakdown = {k: v for k, v in breakdown.items() if v}
     breakdown[max(breakdown, key=breakdown.get)] += peak - sum(breakdown.values())  # rounding
-    return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits)
+    spec = trace_spec(run, micro_batch)
+    return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits,
+                      stand_in=_UNTRACEABLE.get((spec.name_or_path, spec.method), ""),
+                      encoder_untraced=encoder_untraced(run) or "")
 
 
 def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None,
@@ -243,15 +301,14 @@ def _encoder_key(run: Run) -> tuple:
 
 def traced_layers(spec, seq_len: int):
     """The model's layers traced; where the tracer cannot follow them (an architecture whose ops
-    it does not know), a Llama-shaped layer of the model's widths instead, recorded in
-    :data:`STAND_INS` for the plan to say. Planning never ends a run: training goes ahead, with
-    the out-of-memory backoff as its safety net."""
+    it does not know), a Llama-shaped layer of the model's widths instead, the reason recorded for
+    the prediction to carry (:attr:`Prediction.stand_in`) and the plan to say. Planning never ends
+    a run: training goes ahead, with the out-of-memory backoff as its safety net."""
     failed = (spec.name_or_path, spec.method)
     if failed not in _UNTRACEABLE:
         try:
             return layer_trace(spec, seq_len)
         except Exception as error:  # noqa: BLE001 - any failure of the trace falls back
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            STAND_INS[spec.name_or_path] = f"{type(error).__name__}: {reason}"
-            _UNTRACEABLE.add(failed)
+            _UNTRACEABLE[failed] = f"{type(error).__name__}: {reason}"
     return layer_trace(dataclasses.replace(spec, stand_in=True), seq_len)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sft_play.planner.simulate import memory
+import numpy as np
+
+from sft_play.planner.simulate import compiled, memory
 from sft_play.planner.simulate.allocator import CachingAllocator, OutOfMemory
 from sft_play.planner.simulate.encoder import EncoderTrace
 from sft_play.planner.simulate.shapes import ModelShape
@@ -74,17 +76,24 @@ class StepSpec:
     steps: int = 2
 
 
+_OWN_HANDLES = 1 << 62  # the replay's own tensors; traced ones are _handle_base(layer) + event id
+
+
 @dataclass
 class _Replay:
-    """The allocator plus names for the tensors of the step."""
+    """The allocator (or the recorder of a compiled replay, :class:`_Events`) plus names for the
+    tensors of the step."""
 
-    allocator: CachingAllocator
-    counter: itertools.count = field(default_factory=itertools.count)
+    allocator: CachingAllocator | _Events
+    counter: itertools.count = field(default_factory=lambda: itertools.count(_OWN_HANDLES))
 
-    def new(self, size: float, category: str) -> tuple:
-        handle = ("t", next(self.counter))
+    def new(self, size: float, category: str) -> int:
+        handle = next(self.counter)
         self.allocator.malloc(handle, max(0, int(size)), category)
         return handle
+
+    def malloc(self, handle: int, size: int, category: str) -> None:
+        self.allocator.malloc(handle, size, category)
 
     def free(self, *handles) -> None:
         for handle in handles:
@@ -92,11 +101,91 @@ class _Replay:
                 self.allocator.free(handle)
 
 
+class _Events:
+    """A step's allocations and frees in order, as arrays for the compiled replay
+    (:mod:`sft_play.planner.simulate.compiled`): a traced module's events are added as one block
+    of arrays (:meth:`play`), the replay's own one at a time. Categories are numbered in the order
+    an allocation first names them, as the reference allocator's breakdown orders them."""
+
+    def __init__(self):
+        self.blocks: list[tuple[np.ndarray, ...]] = []
+        self.kinds: list[int] = []
+        self.handles: list[int] = []
+        self.sizes: list[int] = []
+        self.category_ids: list[int] = []
+        self.categories: dict[str, int] = {}
+
+    def _category(self, name: str) -> int:
+        found = self.categories.get(name)
+        if found is None:
+            found = self.categories[name] = len(self.categories)
+        return found
+
+    def malloc(self, handle: int, size: int, category: str) -> None:
+        self.kinds.append(1)
+        self.handles.append(handle)
+        self.sizes.append(size)
+        self.category_ids.append(self._category(category))
+
+    def free(self, handle: int) -> None:
+        self.kinds.append(0)
+        self.handles.append(handle)
+        self.sizes.append(0)
+        self.category_ids.append(0)
+
+    def _flush(self) -> None:
+        if self.kinds:
+            self.blocks.append((np.array(self.kinds, np.int64), np.array(self.handles, np.int64),
+                                np.array(self.sizes, np.int64), np.array(self.category_ids, np.int64)))
+            self.kinds, self.handles, self.sizes, self.category_ids = [], [], [], []
+
+    def play(self, template: _Template, base: int, names: dict, category: str) -> None:
+        self._flush()
+        handles = template.ids + base
+        for event_id, positions in template.named:
+            handles[positions] = names[event_id]
+        # numbered in the order the block's allocations first name them (frees name none)
+        first = sorted((position, name) for position, name in ((template.first_gradient, "gradients"),
+                                                               (template.first_other, category)) if position is not None)
+        numbers = {name: self._category(name) for _, name in first}
+        categories = np.where(template.gradient, numbers.get("gradients", 0), numbers.get(category, 0))
+        self.blocks.append((template.kinds, handles, template.sizes, categories))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
+        self._flush()
+        kinds, handles, sizes, categories = (np.concatenate(column) for column in zip(*self.blocks))
+        return kinds, handles, sizes, list(self.categories), categories
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A module's events at one micro-batch as arrays: what :meth:`_Events.play` adds, less the
+    handles' base and the names of tensors made elsewhere (negative ids: the input, the incoming
+    gradient)."""
+
+    kinds: np.ndarray
+    ids: np.ndarray
+    sizes: np.ndarray
+    named: tuple[tuple[int, np.ndarray], ...]  # (negative id, its positions)
+    gradient: np.ndarray  # allocations of parameter gradients (category "gradients")
+    first_gradient: int | None  # the first such allocation's position (None: none)
+    first_other: int | None
+
+
 def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None,
            log: list | None = None) -> StepMemory:
     """Replay `spec.steps` optimizer steps; `capacity` (bytes the allocator may reserve) None is
     unlimited. An allocation that fails even after the cache is released ends the replay with
-    ``out_of_memory``. `log`, a list, receives every allocation and free in order."""
+    ``out_of_memory``. `log`, a list, receives every allocation and free in order (through the
+    reference allocator); without one the step is replayed compiled where it can be
+    (:mod:`sft_play.planner.simulate.compiled`), with the same result."""
+    if log is None and compiled.available():
+        events = _Events()
+        _replay(_Replay(events), shape, trace, spec)
+        kinds, handles, sizes, categories, category_ids = events.arrays()
+        found = compiled.replay(kinds, handles, sizes, categories, category_ids, capacity)
+        return StepMemory(found["peak_reserved"], found["peak_allocated"], found["at_peak"], found["out_of_memory"],
+                          found["releases"], found["at_peak_allocated"])
     allocator = CachingAllocator(capacity=capacity, log=log)
     gpu = _Replay(allocator)
     try:
@@ -278,14 +367,14 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     if norm is not None:
         norm_names[GRAD_IN] = incoming
         if spec.offload_hidden and norm.input_kept:
-            gpu.allocator.malloc(norm_names[INPUT], hidden_bytes, "activations")
+            gpu.malloc(norm_names[INPUT], hidden_bytes, "activations")
         _play(gpu, norm, norm.backward, "norm", norm_names, b, "backward_working")
         incoming = _name(norm_names, norm.input_grad, "norm")
     for i in reversed(range(shape.num_layers)):
         names, layer = outputs[i], layers[i]
         names[GRAD_IN] = incoming
         if spec.offload_hidden and layer.input_kept:
-            gpu.allocator.malloc(names[INPUT], hidden_bytes, "activations")
+            gpu.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
         parameter_grads = [_name(names, g, i) for g in layer.persistent]
@@ -360,8 +449,11 @@ def _handle_base(layer) -> int:
 def _play(gpu: _Replay, module: ModuleEvents, events, layer, names: dict, micro: int, category: str,
           gradients=frozenset()) -> None:
     """Replay `events` of `module` as layer `layer`, sizes at micro-batch `micro`."""
-    malloc, free = gpu.allocator.malloc, gpu.allocator.free
     base = _handle_base(layer)
+    if isinstance(gpu.allocator, _Events):
+        gpu.allocator.play(_template(module, events, micro, gradients), base, names, category)
+        return
+    malloc, free = gpu.allocator.malloc, gpu.allocator.free
     for is_alloc, event_id, size in _sized(module, events, micro):
         handle = names[event_id] if event_id < 0 else base + event_id
         if is_alloc:
@@ -371,6 +463,7 @@ def _play(gpu: _Replay, module: ModuleEvents, events, layer, names: dict, micro:
 
 
 _SIZED: dict = {}
+_TEMPLATES: dict = {}
 
 
 def _sized(module: ModuleEvents, events, micro: int) -> list[tuple[bool, int, int]]:
@@ -381,6 +474,28 @@ def _sized(module: ModuleEvents, events, micro: int) -> list[tuple[bool, int, in
             _SIZED.clear()
         _SIZED[key] = (events, [(kind == "a", i, module.size(e, micro)) for e in events for kind, i in [e[:2]]])
     return _SIZED[key][1]
+
+
+def _template(module: ModuleEvents, events, micro: int, gradients: frozenset) -> _Template:
+    """`events` at `micro` as a :class:`_Template`, computed once per micro-batch."""
+    key = (id(events), micro, gradients)
+    found = _TEMPLATES.get(key)
+    if found is not None and found[0] is events:
+        return found[1]
+    if len(_TEMPLATES) > 256:
+        _TEMPLATES.clear()
+    sized = _sized(module, events, micro)
+    kinds = np.array([1 if is_alloc else 0 for is_alloc, _, _ in sized], np.int64)
+    ids = np.array([event_id for _, event_id, _ in sized], np.int64)
+    sizes = np.array([size if is_alloc else 0 for is_alloc, _, size in sized], np.int64)
+    gradient = (kinds == 1) & np.isin(ids, np.array(sorted(gradients), np.int64))
+    other = (kinds == 1) & ~gradient
+    named = tuple((int(event_id), np.flatnonzero(ids == event_id)) for event_id in np.unique(ids[ids < 0]))
+    template = _Template(kinds, ids, sizes, named, gradient,
+                         int(np.argmax(gradient)) if gradient.any() else None,
+                         int(np.argmax(other)) if other.any() else None)
+    _TEMPLATES[key] = (events, template)
+    return template
 
 
 # ---------------------------------------------------------------------------------------------
