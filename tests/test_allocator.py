@@ -143,3 +143,34 @@ def test_the_compiled_replay_holds_what_the_reference_allocator_holds(seed):
         assert found == expected
         assert list(found["at_peak"]) == list(expected["at_peak"])
         assert list(found["at_peak_allocated"]) == list(expected["at_peak_allocated"])
+
+
+@pytest.mark.parametrize("model, overrides, gpus, micro", [
+    ("llama-3.1-8b", ("finetune.method=lora", "data.max_seq_length=2048"), 1, 2),
+    ("qwen2.5-7b", ("finetune.method=full", "distributed.strategy=deepspeed_zero3", "train.gradient_checkpointing=true",
+                    "data.max_seq_length=1024"), 8, 3),
+    ("tiny-qwen3-next", ("finetune.method=lora", "data.max_seq_length=512"), 1, 4),  # a hybrid's kinds of layers
+])
+def test_a_public_models_step_replays_compiled_as_through_the_reference(model, overrides, gpus, micro, monkeypatch):
+    from sft_play import config as config_module
+    from sft_play.planner import Target, model_shape, resolve_for
+    from sft_play.planner.simulate import compiled, step
+    from sft_play.planner.simulate.predict import replay_step
+    from tests.conftest import FIXTURES
+
+    if not compiled.available():
+        pytest.skip("numba is not installed: replays run through the reference")
+    config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / model}", *overrides],
+                                check_paths=False)
+    shape = model_shape(config)
+    run = resolve_for(config, Target(gpus, 80 * 1024**3, f"{gpus} x GPU"), None, shape)
+    replays = {}
+    for way, threshold in (("reference", float("inf")), ("compiled", 0)):
+        monkeypatch.setattr(step, "COMPILED_FROM", threshold)
+        unlimited = replay_step(shape, run, micro, True, None)
+        # at a limit the cache is released, or the step runs out of memory
+        limited = [replay_step(shape, run, micro, True, int(unlimited.peak_reserved * share)) for share in (0.97, 0.5)]
+        replays[way] = [unlimited, *limited]
+    assert replays["compiled"] == replays["reference"]
+    assert [list(r.at_peak) for r in replays["compiled"]] == [list(r.at_peak) for r in replays["reference"]]
+    assert replays["reference"][2].out_of_memory

@@ -473,3 +473,25 @@ def test_the_vision_bench_trains_both_sides_from_the_same_weights_and_reports(tm
             if line.startswith("| auto |")]
     assert [r[2] for r in rows] == ["SFT-Play", "TRL"]
     assert rows[0][3] == rows[1][3] and all(r[6] == "2" and r[7].endswith("of 4") for r in rows)
+
+
+def test_the_planner_speed_report_compares_answers_and_says_what_failed():
+    """bench/planner_speed.py's report (its timings are the bench's to measure, not a test's): an
+    earlier planner's answer that differs is said, a failed run is said, not timed."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import planner_speed
+    from tests.plan_snapshots import CASES
+
+    fits, longest = CASES[0], next(c for c in CASES if c.longest)
+    ran = {"ok": True, "wall": 3.0, "planned": 1.5, "answer": {"peak_bytes_per_gpu": 1}}
+    new = {fits.name: {"cold": ran, "warm": {**ran, "wall": 1.0}},
+           longest.name: {"cold": {**ran, "planned": None}, "warm": {"ok": False, "wall": 9.0, "error": "boom"}}}
+    old = {fits.name: {"cold": {**ran, "answer": {"peak_bytes_per_gpu": 2}}, "warm": ran},
+           longest.name: {"cold": {**ran, "planned": None}, "warm": ran}}
+    text = planner_speed.report([fits, longest], new, old, "abc1234", ("0.10", "0.20"))
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert f"| {fits.name} | this | 3.0 | 1.5 | 1.0 | 1.5 |  |" in lines
+    assert "|  | earlier | 3.0 | 1.5 | 3.0 | 1.5 | **no** |" in lines  # another peak: not the same answer
+    assert f"| {longest.name} | this | 3.0 | - | failed | failed |  |" in lines
+    assert "|  | earlier | 3.0 | - | 3.0 | 1.5 | yes |" in lines
+    assert "the earlier one: commit abc1234" in text

@@ -179,7 +179,7 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     ``out_of_memory``. `log`, a list, receives every allocation and free in order (through the
     reference allocator); without one the step is replayed compiled where it can be
     (:mod:`sft_play.planner.simulate.compiled`), with the same result."""
-    if log is None and compiled.available():
+    if log is None and _events_per_step(shape, trace, spec) >= COMPILED_FROM and compiled.available():
         events = _Events()
         _replay(_Replay(events), shape, trace, spec)
         kinds, handles, sizes, categories, category_ids = events.arrays()
@@ -195,6 +195,19 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
         oom = True
     return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
                       allocator.releases, dict(allocator.at_peak_allocated))
+
+
+# Replays of fewer events than this run through the reference allocator: a tiny model's step
+# (hundreds of events) takes milliseconds there, less than loading the compiled code (about half
+# a second, and numba's import) would cost the process
+COMPILED_FROM = 20_000
+
+
+def _events_per_step(shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> int:
+    """About how many allocations and frees the replay makes: its layers' traced events."""
+    layer, _ = trace.at(spec.micro_batch)
+    traced = len(layer.forward) + len(layer.after_forward) + len(layer.cache_release) + len(layer.backward)
+    return traced * shape.num_layers * spec.steps
 
 
 def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
