@@ -39,9 +39,6 @@ os.environ.update(
         # compiled kernels of this run only: a cache left by a run under another vector ISA (the
         # suite under ATEN_CPU_CAPABILITY=avx2 after one without) gave wrong logits and NaN losses
         "TORCHINDUCTOR_CACHE_DIR": str(_SESSION_DIR / "torchinductor"),
-        # the planner's compiled replay, compiled once for the session (numba reads it on import,
-        # which tests/zygote.py does before any script sets it)
-        "NUMBA_CACHE_DIR": str(_SESSION_DIR / "sft_play" / "numba"),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }

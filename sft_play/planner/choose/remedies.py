@@ -10,16 +10,18 @@ its predicted peak and whether it fits; those that fit are ranked as a careful e
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sft_play.architecture import is_vision_language, load_model_config, sizes_by_pixels
+from sft_play.architecture import config_identity, is_vision_language, load_model_config, sizes_by_pixels
 from sft_play.config import RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.parallelism import Strategy
 from sft_play.planner import progress
+from sft_play.planner.simulate import cache
 from sft_play.planner.simulate.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
@@ -152,11 +154,24 @@ def _splittable(config: RunConfig, target: Any) -> bool:
 
 
 def _vision_language(config: RunConfig) -> bool:
-    return is_vision_language(_model_config(config))
+    return _vision_facts(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)[0]
 
 
-def _model_config(config: RunConfig) -> Any:
-    return load_model_config(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)
+@functools.lru_cache(maxsize=32)
+def _vision_facts(name_or_path: str, revision: str | None, trust_remote_code: bool) -> tuple[bool, bool]:
+    """(whether the model sees images, whether its processor sizes them by a pixel budget), read
+    from the model's config once and kept on disk beside its shape: a warm plan's remedies then
+    import no transformers (two seconds of a plan otherwise)."""
+    keeps = cache.keeps(name_or_path, trust_remote_code)
+    key = (config_identity(name_or_path, revision, trust_remote_code),)
+    kept = cache.kept("vision", key) if keeps else None
+    if kept is not None:
+        return bool(kept["sees_images"]), bool(kept["sizes_by_pixels"])
+    model_config = load_model_config(name_or_path, revision, trust_remote_code)
+    facts = {"sees_images": is_vision_language(model_config), "sizes_by_pixels": sizes_by_pixels(model_config)}
+    if keeps:
+        cache.keep("vision", key, facts)
+    return facts["sees_images"], facts["sizes_by_pixels"]
 
 
 def _masked_sdpa(config: RunConfig, target: Any) -> bool:
@@ -189,7 +204,7 @@ def _pixel_budgeted(config: RunConfig, target: Any) -> bool:
     budget = config.data.image_max_pixels
     if budget and budget <= LEAST_PIXEL_BUDGET:
         return False
-    return sizes_by_pixels(_model_config(config))
+    return _vision_facts(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)[1]
 
 
 def _large_optimizer_states(config: RunConfig) -> bool:

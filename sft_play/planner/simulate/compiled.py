@@ -3,11 +3,12 @@ training step's allocations and frees, given as arrays, replayed in one call.
 
 A replay is tens of thousands of allocations; in Python each costs microseconds of interpreter
 work, which made a plan with remedies tens of seconds. Here the same rules run as machine code
-(numba: a wheel with its own LLVM, so nothing is built on the user's machine; the compiled code is
-kept in the planner's cache folder). :class:`~sft_play.planner.simulate.allocator.CachingAllocator`
-stays the reference: the two are checked against each other, event for event
-(tests/test_allocator.py), and where numba cannot be imported the step is replayed through the
-reference, with the same predictions.
+(numba: a wheel with its own LLVM, so nothing is built on the user's machine). Like Python's own
+bytecode, the machine code is compiled once for the installed source and kept beside it
+(``__pycache__``, or numba's user-wide cache where that folder cannot be written).
+:class:`~sft_play.planner.simulate.allocator.CachingAllocator` stays the reference: the two are
+checked against each other, event for event (tests/test_allocator.py), and where numba cannot be
+imported the step is replayed through the reference, with the same predictions.
 
 Data layout: blocks are rows of parallel arrays (segment, address, size, allocated, category, the
 previous and next block of the segment, -1 for none); each pool's cached blocks are kept sorted by
@@ -37,9 +38,6 @@ def _kernel():
     if os.environ.get("SFT_PLAY_PURE_PYTHON_ALLOCATOR"):
         return None
     try:
-        from sft_play.paths import cache_dir
-
-        os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))  # numba reads it on import
         import numba
     except Exception as error:  # noqa: BLE001 - the reference allocator replays instead
         logger.debug("numba unavailable (%s): replays run through the Python allocator", error)
