@@ -115,8 +115,10 @@ class FitSearch:
                 run = run.with_changes(sequence=dataclasses.replace(run.sequence, tokens=tokens))
             beyond.append(static_lower_bound(self.shape, run) > self.budget)
             requests.append((run, micro, None if beyond[-1] else self.budget, accumulating))
-        progress.say("micro-batch " + ", ".join(sorted({str(micro) for _, micro, _, _ in requests}, key=int)) + " at "
-                     + ", ".join(sorted({f"{run.sequence.tokens:,}" for run, *_ in requests})) + " tokens")
+        if requests:
+            progress.say("micro-batch " + ", ".join(sorted({str(micro) for _, micro, _, _ in requests}, key=int))
+                         + " at " + ", ".join(f"{t:,}" for t in sorted({run.sequence.tokens for run, *_ in requests}))
+                         + " tokens")
         predictions = []
         for (run, micro, _, _), whole, prediction in zip(requests, beyond, predict_many(self.shape, requests)):
             if whole:
