@@ -198,7 +198,7 @@ def resolved(case: Case, micro: int, target):
 def predict(case: Case, micro: int, target) -> tuple[dict, int]:
     """The planner's prediction at `micro` (peak and terms), and the micro-batch it would pick."""
     from sft_play import config as config_module
-    from sft_play.planner import make_plan
+    from sft_play.planner import WITHOUT_REMEDIES, make_plan
     from sft_play.planner.simulate.predict import predict as predict_peak
 
     _, shape, run = resolved(case, micro, target)
@@ -215,7 +215,7 @@ def predict(case: Case, micro: int, target) -> tuple[dict, int]:
                                                        f"train.global_batch_size={max(case.micro_batches) * 8}"],
         check_paths=False,
     )
-    chosen = make_plan(auto, target, _stats(case, micro), with_remedies=False).micro_batch_size
+    chosen = make_plan(auto, target, _stats(case, micro), options=WITHOUT_REMEDIES).micro_batch_size
     return terms, chosen
 
 

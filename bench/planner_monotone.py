@@ -33,7 +33,7 @@ from _common import CONFIGS, REPO, REPORTS, versions  # bench/ is the script's f
 from tiny_default import hardware_line
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
 from sft_play.units import GIB
 
 PUBLIC = ["gemma-2-9b", "llama-3-70b", "llama-3.1-8b", "llama-3.2-3b", "mistral-7b-v0.1", "mixtral-8x7b",
@@ -50,7 +50,7 @@ def plan(model: str, method: str, checkpointing: bool, seq: int, micro: int, fre
         f"train.gradient_checkpointing={str(checkpointing).lower()}", f"data.max_seq_length={seq}",
         f"train.micro_batch_size={micro}", f"train.global_batch_size={micro}", "train.gradient_accumulation_steps=1",
     ], check_paths=False)
-    return make_plan(config, Target(1, free, "1 x GPU"), with_remedies=False)
+    return make_plan(config, Target(1, free, "1 x GPU"), options=WITHOUT_REMEDIES)
 
 
 def check(model: str, method: str, checkpointing: bool) -> list[str]:

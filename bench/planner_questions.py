@@ -84,9 +84,9 @@ QUESTIONS = (
 
 def plan(question: Question):
     """The plan ``make plan`` makes for `question` (the data not read: full-length rows)."""
-    from sft_play.planner import make_plan
+    from sft_play.planner import PlanOptions, make_plan
 
-    return make_plan(question.config(), question.target(), None, with_remedies=question.with_remedies)
+    return make_plan(question.config(), question.target(), None, options=PlanOptions(remedies=question.with_remedies))
 
 
 def answer(question: Question, made) -> dict:

@@ -116,9 +116,13 @@ def report(cases: list[Case], new: dict, old: dict | None, old_commit: str, load
                 same = "yes" if cold["answer"] == new[case.name]["cold"]["answer"] else "**no**"
             lines.append(f"| {case.name if label == 'this' else ''} | {label} | {_seconds(cold, 'wall')} | "
                          f"{_seconds(cold, 'planned')} | {_seconds(warm, 'wall')} | {_seconds(warm, 'planned')} | {same} |")
-    lines += ["", "Cold includes what a machine does once: numba compiling the allocator's replay (kept in the planner",
-              "cache, so the first plan on a machine pays it and the cold runs here each do), importing and tracing",
-              "the model's layers. The answers are compared as JSON documents, remedies and notes included."]
+    left = [c.name for c in CASES if c not in cases]
+    lines += ["", "Cold is an empty planner cache: the model's shape built on the meta device (with transformers'",
+              "modeling code imported), its layers traced, every step replayed. numba's compiled replay is code, kept",
+              "beside the source as Python's bytecode is, so it is compiled once per installed copy (about 5 s here),",
+              "not per cold plan. The answers are compared as JSON documents, remedies and notes included."]
+    if left:
+        lines += ["", f"Not timed in this run: {', '.join(left)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -116,7 +116,7 @@ def longest(config, target, args) -> int:
     import dataclasses
     import json
 
-    from sft_play.planner import make_plan, model_shape
+    from sft_play.planner import PlanOptions, make_plan, model_shape
     from sft_play.planner.choose import longest as question
     from sft_play.planner.plan import largest_split
 
@@ -125,7 +125,7 @@ def longest(config, target, args) -> int:
     report = []
     for each in targets:
         answers = question.longest_rows(config, each,
-                                        lambda c, t: make_plan(c, t, None, with_remedies=False, octave_rows=True),
+                                        lambda c, t: make_plan(c, t, None, options=PlanOptions(remedies=False, octave_rows=True)),
                                         shape.max_positions, args.config, tuple(args.overrides),
                                         split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})

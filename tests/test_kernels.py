@@ -14,7 +14,7 @@ import torch
 
 from sft_play import config as config_module
 from sft_play import model as model_module
-from sft_play.planner import Target, make_plan
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
 from sft_play.planner.simulate.predict import predict
 from sft_play.planner.simulate.timing import efficiency
 from sft_play.run import resolve
@@ -45,10 +45,10 @@ def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatc
     assert not cpu.kernels.liger and not cpu.kernels.expandable_segments
     gpu = resolve(config, on_cuda=True, bf16_supported=True, world_size=1)
     assert gpu.kernels.liger and gpu.kernels.expandable_segments
-    plan = make_plan(config, Target(1, 8 * 1024**3, "CPU (host memory)", on_cuda=False), with_remedies=False)
+    plan = make_plan(config, Target(1, 8 * 1024**3, "CPU (host memory)", on_cuda=False), options=WITHOUT_REMEDIES)
     assert "train.liger_kernels: off without CUDA (Triton kernels)" in plan.notes
     assert "train.expandable_segments: off without CUDA" in plan.notes
-    on_gpu = make_plan(config, H100, with_remedies=False)
+    on_gpu = make_plan(config, H100, options=WITHOUT_REMEDIES)
     assert any("Liger's RoPE and SwiGLU, expandable segments: planned without the memory they may save" in n
                for n in on_gpu.notes), on_gpu.notes
     assert any(n.startswith("Liger's RMSNorm: planned as its fused kernel allocates") for n in on_gpu.notes)
@@ -75,12 +75,12 @@ def test_flex_attention_takes_packed_rows_without_a_mask_and_is_planned_like_fla
     assert flex.kernels.collator == sdpa.kernels.collator == "packed_rows"  # per-example position ids, no mask tensor
     assert not flex.masked(4) and sdpa.masked(4)
     flash = with_kernels(flex, attention="flash_attention_2", collator="padding_free")
-    from sft_play.planner import model_shape
+    from sft_play.planner import WITHOUT_REMEDIES, model_shape
 
     shape = model_shape(load())
     assert predict(shape, flex, 4).peak_bytes < predict(shape, sdpa, 4).peak_bytes  # no s x s mask per layer
     assert predict(shape, flex, 4).allocated_bytes == predict(shape, flash, 4).allocated_bytes
-    plan = make_plan(load("model.attn_implementation=flex_attention"), H100, with_remedies=False)
+    plan = make_plan(load("model.attn_implementation=flex_attention"), H100, options=WITHOUT_REMEDIES)
     assert plan.attention == "flex_attention" and not plan.attention_mask
 
 

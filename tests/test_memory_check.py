@@ -113,15 +113,15 @@ def test_a_broken_runtime_record_counts_as_no_measurement_and_is_rewritten(tmp_p
 
 
 def test_the_plan_uses_what_was_measured_outside_the_allocator_and_says_so():
-    from sft_play.planner import make_plan, target_for
+    from sft_play.planner import WITHOUT_REMEDIES, make_plan, target_for
     from sft_play.planner.simulate.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES, outside_allocator
     from tests.test_planner import plan_config
 
     config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.micro_batch_size=2")
-    assumed = make_plan(config, target_for(_h100(), gpus=1), with_remedies=False)
+    assumed = make_plan(config, target_for(_h100(), gpus=1), options=WITHOUT_REMEDIES)
     assert any("not measured on these GPUs yet" in note for note in assumed.notes)
     measured_one = 900 * MIB
-    one = make_plan(config, target_for(_h100({"1": measured_one}), gpus=1), with_remedies=False)
+    one = make_plan(config, target_for(_h100({"1": measured_one}), gpus=1), options=WITHOUT_REMEDIES)
     assert one.peak_bytes_per_gpu - assumed.peak_bytes_per_gpu == measured_one - CUDA_CONTEXT_BYTES
     assert one.breakdown["cuda_runtime"] - assumed.breakdown["cuda_runtime"] == measured_one - CUDA_CONTEXT_BYTES
     assert any("0.88 GiB per process, measured on these GPUs by a run of 1" in note for note in one.notes)
@@ -135,8 +135,8 @@ def test_the_plan_uses_what_was_measured_outside_the_allocator_and_says_so():
     assert outside_allocator(1, True, {"probe": 700 * MIB})[0] == 700 * MIB
     assert outside_allocator(1, False, measured)[0] == 0
     # the remedies plan other world sizes from the same measurements
-    eight = make_plan(config, target_for(_h100({"1": measured_one}), gpus=8), with_remedies=False)
-    eight_assumed = make_plan(config, target_for(_h100(), gpus=8), with_remedies=False)
+    eight = make_plan(config, target_for(_h100({"1": measured_one}), gpus=8), options=WITHOUT_REMEDIES)
+    eight_assumed = make_plan(config, target_for(_h100(), gpus=8), options=WITHOUT_REMEDIES)
     assert eight.breakdown["cuda_runtime"] - eight_assumed.breakdown["cuda_runtime"] == measured_one - CUDA_CONTEXT_BYTES
     assert any(f"plus NCCL's buffers ({NCCL_BYTES // MIB} MiB, an estimate)" in note for note in eight.notes)
     # hardware described (--vram-gib) is not these GPUs: the constants

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from sft_play import checkpoints
 from sft_play import config as config_module
 from sft_play.architecture import build_meta_model, load_model_config
-from sft_play.planner import Target, make_plan, resolve_for
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan, resolve_for
 from tests.conftest import FIXTURES, PINNED, REPO, run_scripts_together
 from tests.test_distributed import TINY as TWO_RANKS
 from tests.test_distributed import check_two_rank_run, rows_seen
@@ -256,9 +256,9 @@ def test_dora_on_fused_experts_is_one_clear_error_and_dora_on_named_linears_plan
 
     gpu = Target(1, 80 * 2**30, "1 x 80 GiB")
     with pytest.raises(UserError, match="lora.use_dora=true cannot adapt this mixture-of-experts model's fused expert"):
-        make_plan(load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true"), gpu, with_remedies=False)
+        make_plan(load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true"), gpu, options=WITHOUT_REMEDIES)
     named = load("tiny-qwen3-moe", "finetune.method=lora", "lora.use_dora=true", "lora.target_modules=[q_proj,v_proj]")
-    assert make_plan(named, gpu, with_remedies=False).fits
+    assert make_plan(named, gpu, options=WITHOUT_REMEDIES).fits
 
 
 # Families all-linear left half-adapted or broke (a tiny config of each, as transformers builds it)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan, model_shape, resolve_for, target_for
+from sft_play.planner import QUICK, WITHOUT_REMEDIES, PlanOptions, Target, make_plan, model_shape, resolve_for, target_for
 from sft_play.planner.simulate import memory
 from sft_play.planner.choose.split import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.choose.search import shorter_lengths
@@ -99,7 +99,7 @@ def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_wei
     rslora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "lora.use_rslora=true",
                          "train.micro_batch_size=1", "train.global_batch_size=8", "data.max_seq_length=1024")
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    planned = {name: make_plan(c, gpu, with_remedies=False) for name, c in (("lora", lora), ("dora", dora),
+    planned = {name: make_plan(c, gpu, options=WITHOUT_REMEDIES) for name, c in (("lora", lora), ("dora", dora),
                                                                              ("rslora", rslora))}
     assert planned["rslora"].peak_bytes_per_gpu == planned["lora"].peak_bytes_per_gpu
     # peft's DoRA scales each base output by the magnitude over the norm of W + scale x B @ A: the
@@ -259,7 +259,7 @@ def test_a_plan_says_the_host_memory_a_node_needs():
     config = plan_config("llama-3-70b", "finetune.method=full", "distributed.strategy=deepspeed_zero3",
                          "train.gradient_checkpointing=true", "train.global_batch_size=16", "data.max_seq_length=2048",
                          "distributed.offload_optimizer=true")
-    plan = make_plan(config, Target(16, 80 * GIB, "16 x H100"), with_remedies=False)
+    plan = make_plan(config, Target(16, 80 * GIB, "16 x H100"), options=WITHOUT_REMEDIES)
     # 8 processes a node, each gathering one 855,654,400-parameter layer in fp32 while it loads (q, o
     # 8192^2; k, v 8192 x 1024; MLP 3 x 8192 x 28672; two norms);
     # then half of the optimizer's 18 bytes per parameter (the other node holds the rest)
@@ -364,7 +364,7 @@ def test_a_micro_batch_below_the_largest_that_fits_says_why():
 def test_explicit_micro_is_respected_with_a_warning():
     config = plan_config("llama-3.1-8b", "finetune.method=full", "train.micro_batch_size=16",
                          "train.global_batch_size=64", "data.max_seq_length=4096")
-    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"), with_remedies=False)
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"), options=WITHOUT_REMEDIES)
     assert plan.micro_batch_size == 16 and not plan.fits
     assert any("train.micro_batch_size=16 is predicted not to fit" in w for w in plan.warnings)
 
@@ -411,7 +411,7 @@ def test_a_remedy_that_fits_is_what_its_run_plans():
     offered = next(r for r in plan.remedies if r["name"] == "gradient checkpointing")
     applied = make_plan(plan_config("llama-3.1-8b", "finetune.method=full", "train.global_batch_size=4",
                                     "data.max_seq_length=4096", "train.gradient_checkpointing=true"),
-                        target, with_remedies=False)
+                        target, options=WITHOUT_REMEDIES)
     assert not plan.fits and offered["fits"] and applied.fits
     assert (offered["micro_batch_size"], offered["peak_bytes"]) == (applied.micro_batch_size, applied.peak_bytes_per_gpu)
     assert applied.breakdown.get("smaller_batch", 0) > 0
@@ -563,7 +563,7 @@ def test_the_time_says_what_it_does_not_count():
     """Offload printed the same time as none, and a mixture of experts the dense model's efficiency, unsaid."""
     offloaded = plan_config("llama-3.1-8b", "finetune.method=full", "distributed.strategy=deepspeed_zero2",
                             "distributed.offload_optimizer=true", "train.global_batch_size=8")
-    plan = make_plan(offloaded, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), with_remedies=False)
+    plan = make_plan(offloaded, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES)
     # ZeRO-2's offload: the one micro-batch's 16-bit gradient partition out, the updated 16-bit
     # parameters back (8,030,261,248 parameters over 8 GPUs), at 25 GB/s; the CPU's step uncounted
     assert plan.split.gradient_accumulation_steps == 1
@@ -571,7 +571,7 @@ def test_the_time_says_what_it_does_not_count():
     assert any(s.startswith(f"parameter/optimizer offload: {moved / 1e9:.1f} GB per step per GPU to host memory")
                and "not counted: the optimizer's step on the CPU" in s for s in plan.time["sources"]), plan.time["sources"]
     moe = plan_config("qwen3-30b-a3b", "finetune.method=lora", "train.global_batch_size=8")
-    plan = make_plan(moe, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), with_remedies=False)
+    plan = make_plan(moe, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES)
     assert any(s.startswith("mixture of experts: timed at the efficiency measured on dense") for s in plan.time["sources"])
 
 
@@ -651,7 +651,7 @@ def test_a_global_batch_changed_by_a_split_the_user_fixed_is_a_warning():
     config = config_module.load(Path(__file__).resolve().parents[1] / "configs" / "run_tiny.yaml",
                                 ["train.global_batch_size=10", "train.micro_batch_size=4"])
     cpu = Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False)
-    plan = make_plan(config, cpu, with_remedies=False)
+    plan = make_plan(config, cpu, options=WITHOUT_REMEDIES)
     assert plan.global_batch_size == 8
     assert "global batch 10 is not a multiple of micro 4 x world 1; using the nearest, 8" in plan.warnings
 
@@ -813,7 +813,7 @@ def test_a_tiny_models_short_rows_take_time_not_less_than_none():
     """The credit for rows shorter than the measured ones (their attention) outweighed a tiny
     model's weights: the plan printed -438,390,539 tokens/s."""
     config = plan_config("tiny-llama-256", "finetune.method=lora", "data.max_seq_length=64", "train.global_batch_size=8")
-    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), with_remedies=False)
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES)
     assert plan.time["tokens_per_second"] > 0 and plan.time["seconds_per_step"] > 0
 
 
@@ -843,7 +843,7 @@ def test_the_step_time_grows_with_the_length_as_attentions_flops_do():
     def timed(seq: int, *extra: str) -> dict:
         config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=1", "lora.dropout=0",
                              f"data.max_seq_length={seq}", "train.gradient_checkpointing=true", *extra)
-        return make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), with_remedies=False).time
+        return make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES).time
 
     flash = "model.attn_implementation=flex_attention"  # mask-free, as FlashAttention-2 (needs no package)
     shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora"))
@@ -872,7 +872,7 @@ def test_each_gpu_model_is_timed_at_its_own_measured_efficiency_else_the_h100s_s
                          "data.max_seq_length=2048", "train.max_steps=100")
 
     def timed(gpu_model: str):
-        return make_plan(config, Target(1, 80 * GIB, f"1 x {gpu_model}", gpu_model=gpu_model), with_remedies=False).time
+        return make_plan(config, Target(1, 80 * GIB, f"1 x {gpu_model}", gpu_model=gpu_model), options=WITHOUT_REMEDIES).time
 
     h100, h200, a100 = timed("NVIDIA H100 80GB HBM3"), timed("NVIDIA H200"), timed("NVIDIA A100-SXM4-80GB")
     assert h200["efficiency"] == timing.MEASURED_MFU["H200"]["lora"][0] != h100["efficiency"]
@@ -887,7 +887,7 @@ def test_gpu_models_are_named_as_people_write_them_and_an_unknown_one_is_said():
     """GPU_MODEL=h100 (or RTX4090, RTX9999) printed 'timed as h100' and then no time, unsaid."""
     from types import SimpleNamespace
 
-    from sft_play.planner import target_for
+    from sft_play.planner import WITHOUT_REMEDIES, target_for
     from sft_play.planner.simulate import timing
 
     assert [timing.gpu_model(n) for n in ("h100", "RTX4090", "rtx 4090", "H100-PCIe", "NVIDIA L40S", "NVIDIA L4",
@@ -900,7 +900,7 @@ def test_gpu_models_are_named_as_people_write_them_and_an_unknown_one_is_said():
     # a detected GPU the table lacks: the plan says why it has no time
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8")
     plan = make_plan(config, Target(1, 80 * GIB, "1 x NVIDIA RTX PRO 9000", gpu_model="NVIDIA RTX PRO 9000"),
-                     with_remedies=False)
+                     options=WITHOUT_REMEDIES)
     assert plan.time is None and any("no time: the planner has no peak FLOP/s for 'NVIDIA RTX PRO 9000'" in note
                                      for note in plan.notes)
 
@@ -914,15 +914,15 @@ def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask
     assert model_shape(plan_config("qwen2.5-0.5b")).attention_masks == 1
     assert model_shape(plan_config("llama-3.1-8b")).attention_masks == 1  # no layer_types: one mask
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    plan = make_plan(gemma, gpu, with_remedies=False)
+    plan = make_plan(gemma, gpu, options=WITHOUT_REMEDIES)
     assert plan.attention == "eager" and plan.attention_mask
     assert plan.budget_bytes_per_gpu == int(80 * GIB * (1 - 0.11))
     assert any("11 % of free memory kept free, not planner.safety_fraction's 3 %" in n for n in plan.notes)
     # SDPA plans keep planner.safety_fraction; so does a CPU plan of the same model (CUDA's allocator only)
     sdpa = make_plan(plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.global_batch_size=8"), gpu,
-                     with_remedies=False)
+                     options=WITHOUT_REMEDIES)
     assert sdpa.budget_bytes_per_gpu == int(80 * GIB * 0.97)
-    cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), with_remedies=False)
+    cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), options=WITHOUT_REMEDIES)
     assert not any("kept free, not planner.safety_fraction" in n for n in cpu.notes)
 
 
@@ -994,7 +994,7 @@ def test_sdpa_plans_the_sliding_windows_mask_once_rows_reach_it(tmp_path):
         config = plan_config("qwen2.5-0.5b", f"model.name_or_path={model}", "finetune.method=full",
                              "data.packing=false", f"data.max_seq_length={tokens}", "train.micro_batch_size=1",
                              "train.global_batch_size=8", f"model.attn_implementation={attention}")
-        return make_plan(config, gpu, with_remedies=False)
+        return make_plan(config, gpu, options=WITHOUT_REMEDIES)
 
     below = {attention: plan(2047, attention) for attention in ("sdpa", "flex_attention")}
     at = {attention: plan(2048, attention) for attention in ("sdpa", "flex_attention")}
@@ -1010,7 +1010,7 @@ def test_sdpa_plans_the_sliding_windows_mask_once_rows_reach_it(tmp_path):
     every = _windowed_model(tmp_path / "every", layer_types=["sliding_attention"] * 4)
     config = plan_config("qwen2.5-0.5b", f"model.name_or_path={every}", "finetune.method=full", "data.packing=false",
                          "data.max_seq_length=2048", "train.micro_batch_size=1", "train.global_batch_size=8")
-    assert make_plan(config, gpu, with_remedies=False).peak_bytes_per_gpu - at["sdpa"].peak_bytes_per_gpu \
+    assert make_plan(config, gpu, options=WITHOUT_REMEDIES).peak_bytes_per_gpu - at["sdpa"].peak_bytes_per_gpu \
         >= masked_layers
 
 
@@ -1018,13 +1018,13 @@ def test_the_cublas_workspace_follows_the_gpu_planned_for():
     # 32 MiB on Hopper, 8.125 MiB on Ampere and Blackwell; under train.deterministic, 128 KiB
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8")
     runtime = {model: make_plan(config, target_for(None, gpus=1, vram_gib=80, gpu_model=model),
-                                with_remedies=False).breakdown["cuda_runtime"] for model in ("H100", "A100", "B200")}
+                                options=WITHOUT_REMEDIES).breakdown["cuda_runtime"] for model in ("H100", "A100", "B200")}
     assert runtime["H100"] - runtime["A100"] == runtime["H100"] - runtime["B200"] == 32 * 2**20 - (8 * 2**20 + 128 * 2**10)
     deterministic = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8",
                                 "train.deterministic=true")
     h100 = target_for(None, gpus=1, vram_gib=80)
     assert h100.compute_capability == (9, 0)
-    assert runtime["H100"] - make_plan(deterministic, h100, with_remedies=False).breakdown["cuda_runtime"] \
+    assert runtime["H100"] - make_plan(deterministic, h100, options=WITHOUT_REMEDIES).breakdown["cuda_runtime"] \
         == 32 * 2**20 - 128 * 2**10
 
 
@@ -1074,12 +1074,12 @@ def test_what_cannot_hold_its_weights_and_optimizer_states_is_refused_without_a_
     before = predict.REPLAYS[0]
     assert beyond_budget(config, small) and not beyond_budget(config, large)  # 4-bit 70B weights: ~37 GiB
     assert predict.REPLAYS[0] == before
-    assert not make_plan(config, small, with_remedies=False, shorter_rows=False).fits
+    assert not make_plan(config, small, options=QUICK).fits
     # what is not refused so is planned (it fits on 80 GiB with checkpointing: the smallest hardware)
     checkpointed = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=16",
                                "data.max_seq_length=2048", "train.gradient_checkpointing=true")
     assert not beyond_budget(checkpointed, large)
-    assert make_plan(checkpointed, large, with_remedies=False, shorter_rows=False).fits
+    assert make_plan(checkpointed, large, options=QUICK).fits
 
 
 # --- long rows -------------------------------------------------------------------------------
@@ -1098,7 +1098,7 @@ def test_offloaded_hidden_states_leave_the_gpu_and_are_counted_in_host_memory():
     plain = plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}")
     offloaded = plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", "train.offload_activations=true")
     target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    before, after = (make_plan(c, target, with_remedies=False) for c in (plain, offloaded))
+    before, after = (make_plan(c, target, options=WITHOUT_REMEDIES) for c in (plain, offloaded))
     hidden = seq * 4096 * 2  # one [1, seq, 4096] in bf16
     kept = before.breakdown["activations"] - after.breakdown.get("activations", 0)
     assert kept >= 31 * hidden  # every layer's input but the one being recomputed
@@ -1113,9 +1113,9 @@ def test_offloaded_hidden_states_leave_the_gpu_and_are_counted_in_host_memory():
 def test_tiled_mlps_are_traced_as_they_run_and_shrink_the_backward_working_set():
     seq = 65536
     target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    plain = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}"), target, with_remedies=False)
+    plain = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}"), target, options=WITHOUT_REMEDIES)
     tiled = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", "train.tiled_mlp=true"),
-                      target, with_remedies=False)
+                      target, options=WITHOUT_REMEDIES)
     # the MLP's intermediates, [seq, 14336] several times over, now exist for 16 tiles of 4096 tokens at a time
     saved = plain.peak_bytes_per_gpu - tiled.peak_bytes_per_gpu
     assert saved > 3 * seq * 14336 * 2, saved / GIB
@@ -1165,7 +1165,7 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     monkeypatch.setattr(longest, "LEVERS", ("tiled MLP", "activation offload"))  # planned: two of them
 
     def plan_for(changed, on):
-        return make_plan(changed, on, None, with_remedies=False, octave_rows=True)
+        return make_plan(changed, on, None, options=PlanOptions(remedies=False, octave_rows=True))
 
     answers = longest.longest_rows(config, target, plan_for, 32768, "c.yaml")
     assert [a["settings"] for a in answers] == ["as configured", "+ tiled MLP", "+ activation offload"]
@@ -1195,9 +1195,9 @@ def test_the_ladder_has_four_lengths_an_octave():
 def test_offload_is_checked_against_the_nodes_host_memory():
     config = plan_config("llama-3.1-8b", *LONG, "data.max_seq_length=131072", "train.offload_activations=true")
     roomy = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100", host_bytes=256 * GIB),
-                      with_remedies=False)
+                      options=WITHOUT_REMEDIES)
     assert roomy.fits and roomy.host_bytes_per_node == 34 * 131072 * 4096 * 2
     small = make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100", host_bytes=16 * GIB),
-                      with_remedies=False)
+                      options=WITHOUT_REMEDIES)
     assert not small.fits
     assert "the node needs 34.0 GiB of host memory for this run and has 16.0 GiB available" in small.warnings

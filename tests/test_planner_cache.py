@@ -18,10 +18,10 @@ from tests.conftest import FIXTURES, REPO
 PLAN = """
 import json, sys
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
 config = config_module.load(None, [f"model.name_or_path={sys.argv[1]}", "finetune.method=lora",
                                    "data.max_seq_length=512", "train.global_batch_size=4"], check_paths=False)
-plan = make_plan(config, Target(1, 80 * 1024**3, "1 x GPU"), with_remedies=False)
+plan = make_plan(config, Target(1, 80 * 1024**3, "1 x GPU"), options=WITHOUT_REMEDIES)
 print(json.dumps({"modeling_imported": "transformers.modeling_utils" in sys.modules,
                   "config_imported": any(m.startswith("transformers.models.") for m in sys.modules),
                   "peak": plan.peak_bytes_per_gpu, "micro": plan.micro_batch_size, "breakdown": plan.breakdown,

@@ -17,7 +17,7 @@ import pytest
 
 from sft_play import config as config_module
 from sft_play.data import DataStats
-from sft_play.planner import Target, make_plan, model_shape, resolve_for
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan, model_shape, resolve_for
 from sft_play.planner.simulate.predict import predict
 
 GIB = 1024**3
@@ -77,7 +77,7 @@ def test_the_planned_micro_batch_is_what_really_trained_or_more():
     config, stats, target, shape, run = _setup(row)
     config.train.micro_batch_size = config.train.gradient_accumulation_steps = "auto"
     config.train.global_batch_size = 64
-    plan = make_plan(config, target, stats, shape=shape, with_remedies=False)
+    plan = make_plan(config, target, stats, shape=shape, options=WITHOUT_REMEDIES)
     assert plan.fits and max(c["micro_batch_size"] for c in plan.candidates if c["fits"]) >= 3
 
 

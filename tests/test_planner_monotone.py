@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from sft_play import config as config_module
-from sft_play.planner import Target, make_plan, model_shape, resolve_for
+from sft_play.planner import WITHOUT_REMEDIES, PlanOptions, Target, make_plan, model_shape, resolve_for
 from sft_play.planner.simulate.predict import predict, static_lower_bound
 from sft_play.planner.choose.search import octave_lengths, shorter_lengths
 from tests.conftest import FIXTURES
@@ -38,7 +38,7 @@ def _config(model: str, method: str, checkpointing: bool, seq: int, micro: int):
 @pytest.mark.parametrize("model, method, checkpointing, seq, largest", CASES)
 def test_reported_peaks_and_fit_decisions_are_monotone_in_the_micro_batch(model, method, checkpointing, seq, largest):
     plans = [make_plan(_config(model, method, checkpointing, seq, m), Target(1, 80 * GIB, "1 x H100"),
-                       with_remedies=False) for m in range(1, largest + 1)]
+                       options=WITHOUT_REMEDIES) for m in range(1, largest + 1)]
     peaks = [p.peak_bytes_per_gpu for p in plans]
     assert peaks == sorted(peaks), [round(p / GIB, 2) for p in peaks]
     # and under a budget between the smallest and the largest peak, the fitting ones form a prefix
@@ -80,7 +80,7 @@ def test_the_ladder_is_the_same_for_every_plan():
 @pytest.mark.parametrize("model, method, checkpointing", SEQUENCE_CASES)
 def test_reported_peaks_and_fit_decisions_are_monotone_in_the_sequence_length(model, method, checkpointing):
     plans = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, 80 * GIB, "1 x H100"),
-                       with_remedies=False) for seq in LENGTHS]
+                       options=WITHOUT_REMEDIES) for seq in LENGTHS]
     peaks = [p.peak_bytes_per_gpu for p in plans]
     assert peaks == sorted(peaks), [round(p / GIB, 2) for p in peaks]
     for plan in plans:
@@ -88,7 +88,7 @@ def test_reported_peaks_and_fit_decisions_are_monotone_in_the_sequence_length(mo
     # under a budget that the longest rows exceed and the shortest fit, the fitting lengths form a prefix
     free = int((peaks[0] + peaks[-1]) // 2 / (1 - 0.03)) + 1
     fits = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, free, "1 x GPU"),
-                      with_remedies=False).fits for seq in LENGTHS]
+                      options=WITHOUT_REMEDIES).fits for seq in LENGTHS]
     assert fits == sorted(fits, reverse=True), fits
 
 
@@ -102,7 +102,7 @@ def test_the_chosen_micro_batch_has_no_smaller_one_that_does_not_fit():
     own = {m: predict(shape, run, m).peak_bytes for m in range(1, 9)}
     for budget in sorted(own.values()):  # every budget at which the prediction changes
         free = int(budget / (1 - config.planner.safety_fraction)) + 1
-        plan = make_plan(config, Target(1, free, "1 x GPU"), with_remedies=False)
+        plan = make_plan(config, Target(1, free, "1 x GPU"), options=WITHOUT_REMEDIES)
         if plan.fits:
             assert all(own[m] <= plan.budget_bytes_per_gpu for m in range(1, plan.micro_batch_size + 1))
 
@@ -113,7 +113,7 @@ def test_beyond_the_budget_the_reported_peak_is_the_whole_step_not_the_weights_a
         "data.max_seq_length=2048", "train.global_batch_size=8",
     ], check_paths=False)
     target = Target(1, 80 * GIB, "1 x H100")
-    plan = make_plan(config, target, with_remedies=False)
+    plan = make_plan(config, target, options=WITHOUT_REMEDIES)
     shape = model_shape(config)
     floor = static_lower_bound(shape, resolve_for(config, target, None, shape))
     assert floor > plan.budget_bytes_per_gpu and not plan.fits
@@ -159,13 +159,13 @@ def test_a_length_of_the_octave_that_does_not_fit_makes_the_longer_plan_not_fit(
 
     config = _config("llama-3.2-3b", "lora", True, 4096, 1)
     gpu = Target(1, 80 * GIB, "1 x H100")
-    assert make_plan(config, gpu, with_remedies=False, octave_rows=True).fits
+    assert make_plan(config, gpu, options=PlanOptions(remedies=False, octave_rows=True)).fits
     monkeypatch.setattr(search, "predict_many", swinging)
-    assert not make_plan(config, gpu, with_remedies=False, octave_rows=True).fits
-    assert make_plan(config, gpu, with_remedies=False).fits  # other plans: the octaves only
+    assert not make_plan(config, gpu, options=PlanOptions(remedies=False, octave_rows=True)).fits
+    assert make_plan(config, gpu, options=WITHOUT_REMEDIES).fits  # other plans: the octaves only
     shorter = config.model_copy(deep=True)
     shorter.data.max_seq_length = 2048  # an octave below: 3,072 is not among its lengths
-    assert make_plan(shorter, gpu, with_remedies=False, octave_rows=True).fits
+    assert make_plan(shorter, gpu, options=PlanOptions(remedies=False, octave_rows=True)).fits
 
 
 def test_longests_fit_decisions_are_monotone_over_the_lengths_it_bisects():
@@ -176,7 +176,7 @@ def test_longests_fit_decisions_are_monotone_over_the_lengths_it_bisects():
 
     def plans(free: int):
         return [make_plan(_config("qwen2.5-0.5b", "full", True, seq, 1), Target(1, free, "1 x GPU"),
-                          with_remedies=False, octave_rows=True) for seq in lengths]
+                          options=PlanOptions(remedies=False, octave_rows=True)) for seq in lengths]
 
     at_80 = plans(80 * GIB)
     peaks = [p.peak_bytes_per_gpu for p in at_80]

@@ -297,7 +297,7 @@ PUBLISHED = {"qwen2.5-vl-7b": (8_292_166_656, 631_975_680, 44_574_464), "gemma-3
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_public_vlms_are_counted_exactly_and_planned_without_a_traceback(name):
     from sft_play.architecture import build_meta_model, load_model_config, vision_parts
-    from sft_play.planner import Target, make_plan, model_shape
+    from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan, model_shape
     from sft_play.units import GIB
 
     path = FIXTURES / "model_configs" / name
@@ -319,7 +319,7 @@ def test_public_vlms_are_counted_exactly_and_planned_without_a_traceback(name):
         for gpus in (1, 8):
             strategy = "deepspeed_zero3" if gpus > 1 else "ddp"
             planned = config.model_copy(update={"distributed": config.distributed.model_copy(update={"strategy": strategy})})
-            plan = make_plan(planned, Target(gpus, 80 * GIB, f"{gpus} x H100"), with_remedies=False)
+            plan = make_plan(planned, Target(gpus, 80 * GIB, f"{gpus} x H100"), options=WITHOUT_REMEDIES)
             peaks[method, gpus] = plan.peak_bytes_per_gpu
     for gpus in (1, 8):
         assert peaks["qlora", gpus] < peaks["lora", gpus] < peaks["full", gpus], peaks
@@ -479,7 +479,7 @@ def test_chat_shows_a_picture_with_the_next_line(vision_runs, colours):
 
 def test_a_plan_without_data_says_what_an_image_costs_from_the_config(families):
     from sft_play.architecture import image_tokens, load_model_config
-    from sft_play.planner import Target, make_plan
+    from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
     from sft_play.units import GIB
 
     qwen = load_model_config(str(FIXTURES / "model_configs" / "qwen2.5-vl-7b"))
@@ -490,7 +490,7 @@ def test_a_plan_without_data_says_what_an_image_costs_from_the_config(families):
     config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'qwen2.5-vl-7b'}",
                                 "data.image_max_pixels=200704", "data.max_seq_length=1024", "train.micro_batch_size=1",
                                 "train.global_batch_size=1"], check_paths=False)
-    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), options=WITHOUT_REMEDIES)
     assert any("an image costs up to 256 tokens besides its marks (one per 28x28 pixels" in note for note in plan.notes), plan.notes
 
 
@@ -563,7 +563,7 @@ def test_an_image_that_passes_the_check_but_cannot_be_decoded_is_named_or_skippe
 
 
 def test_an_image_placeholder_with_an_empty_images_list_is_a_bad_row_and_a_plan_too_short_for_an_image_warns(tmp_path):
-    from sft_play.planner import Target, make_plan
+    from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
     from sft_play.units import GIB
 
     rows = [{"conversations": [{"from": "human", "value": "<image>Colour?"}, {"from": "gpt", "value": "red"}],
@@ -574,7 +574,7 @@ def test_an_image_placeholder_with_an_empty_images_list_is_a_bad_row_and_a_plan_
     config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'gemma-3-4b'}",
                                 "data.max_seq_length=128", "train.micro_batch_size=1", "train.global_batch_size=1"],
                          check_paths=False)
-    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), with_remedies=False)
+    plan = make_plan(config, Target(1, 80 * GIB, "1 x H100"), options=WITHOUT_REMEDIES)
     assert any("data.max_seq_length=128 cannot hold one image (256 tokens)" in w for w in plan.warnings), plan.warnings
 
 

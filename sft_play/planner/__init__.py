@@ -12,8 +12,9 @@ any GPU, and say why. In three steps, each a package:
 ``scripts/plan.py`` and the training entry call :func:`make_plan`.
 """
 
-from sft_play.planner.plan import Plan, make_plan, peak_at, resolve_for
+from sft_play.planner.plan import QUICK, WITHOUT_REMEDIES, Plan, PlanOptions, make_plan, peak_at, resolve_for
 from sft_play.planner.simulate.shapes import model_shape
 from sft_play.planner.target import Target, target_for
 
-__all__ = ["Plan", "Target", "make_plan", "model_shape", "peak_at", "resolve_for", "target_for"]
+__all__ = ["QUICK", "WITHOUT_REMEDIES", "Plan", "PlanOptions", "Target", "make_plan", "model_shape", "peak_at", "resolve_for",
+           "target_for"]

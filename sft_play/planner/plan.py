@@ -114,19 +114,55 @@ def plan_budget(config: RunConfig, target: Target, run: Run) -> tuple[int, float
     return budget_bytes(target.free_bytes, config.planner.safety_margin_gib, fraction), fraction, margin_note
 
 
-def make_plan(
-    config: RunConfig,
-    target: Target,
-    data_stats: Any | None = None,
-    shape: ModelShape | None = None,
-    with_remedies: bool = True,
-    run: Run | None = None,
-    shorter_rows: bool = True,
-    deciding_split: bool = False,
-    octave_rows: bool = False,
-) -> Plan:
-    """Plan `config` on `target`: the fit search, the split, the remedies when nothing fits, the
-    time, and what the plan says about them, in that order.
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a plan covers besides the run as configured.
+
+    Attributes:
+        remedies: when nothing fits, plan the remedies and the smallest hardware.
+        shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.choose.search`);
+            the remedy search's quick plans do without (each remedy is a plan of its own once it runs).
+        octave_rows: cover the lengths of the planned length's octave at micro-batch 1 too
+            (:func:`sft_play.planner.choose.search.octave_lengths`; ``make plan LONGEST=1``).
+    """
+
+    remedies: bool = True
+    shorter_rows: bool = True
+    octave_rows: bool = False
+
+
+WITHOUT_REMEDIES = PlanOptions(remedies=False)
+QUICK = PlanOptions(remedies=False, shorter_rows=False)  # whether something fits, for the remedy search
+
+
+@dataclass
+class _Fit:
+    """What fits one run on the budget: the search, the split it chose and the peak it reports."""
+
+    run: Run
+    search: FitSearch
+    split: BatchSplit
+    chosen: Any  # the split's micro-batch's Prediction
+    peak: int
+    breakdown: dict[str, int]
+    fits: bool
+    notes: list[str]
+    warnings: list[str]
+    split_note: str = ""  # distributed.sequence_parallel=auto: which size, and why
+
+
+@dataclass
+class _Remedies:
+    offered: list[dict[str, Any]] = field(default_factory=list)
+    smallest: str | None = None
+    note: str | None = None
+
+
+def make_plan(config: RunConfig, target: Target, data_stats: Any | None = None, shape: ModelShape | None = None,
+              options: PlanOptions = PlanOptions(), run: Run | None = None) -> Plan:
+    """Plan `config` on `target`, in three steps: the fit search and the split (:func:`_fit_run`),
+    the remedies when nothing fits (:func:`remedies_for`, each a plan of its own without remedies),
+    then the time and what the plan says (:func:`_finished`).
 
     Args:
         config: the run config (micro-batch and accumulation may be ``auto`` or fixed).
@@ -134,23 +170,51 @@ def make_plan(
         data_stats: the tokenised data's statistics, when the data was read (sequence lengths,
             whether rows need a mask).
         shape: the model shape, when already computed (otherwise read from the config).
-        with_remedies: when nothing fits, also plan the remedies and the smallest hardware.
+        options: what the plan covers besides the run (:class:`PlanOptions`).
         run: the resolved run, when the caller already has it (otherwise resolved here).
-        shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.choose.search`);
-            the remedy search does not: each remedy is a plan of its own once it runs.
-        octave_rows: cover the lengths of the planned length's octave at micro-batch 1 too
-            (:func:`sft_play.planner.choose.search.octave_lengths`; ``make plan LONGEST=1``).
-        deciding_split: `run` carries a sequence-parallel size :func:`_fewest_split_that_fits` is
-            trying (``distributed.sequence_parallel: auto``); the plan then keeps it.
     """
     started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
     shape = shape or model_shape(config)
-    run = run or resolve_for(config, target, data_stats, shape)
-    if config.distributed.sequence_parallel == "auto" and not deciding_split:
-        return _fewest_split_that_fits(config, target, data_stats, shape, with_remedies, run, shorter_rows,
-                                       octave_rows)
-    train = config.train
+    fit = _fit_run(config, target, shape, options, run or resolve_for(config, target, data_stats, shape))
+    remedies = remedies_for(config, target, data_stats) if not fit.fits and options.remedies else _Remedies()
+    plan = _finished(config, target, data_stats, shape, fit, remedies)
+    plan.plan_seconds = round(time.perf_counter() - started, 4)
+    plan.plan_cpu_seconds = round(time.process_time() - started_cpu, 4)
+    plan.replays = REPLAYS[0] - replays_before
+    return plan
 
+
+def _planned(config: RunConfig, target: Target, data_stats: Any | None, options: PlanOptions) -> Plan:
+    """A plan without remedies (what the remedy search plans for each change it tries)."""
+    shape = model_shape(config)
+    fit = _fit_run(config, target, shape, options, resolve_for(config, target, data_stats, shape))
+    return _finished(config, target, data_stats, shape, fit, _Remedies())
+
+
+def _fit_run(config: RunConfig, target: Target, shape: ModelShape, options: PlanOptions, run: Run) -> _Fit:
+    """The fit of `run`; under ``distributed.sequence_parallel: auto``, of the run that splits each
+    row across the fewest processes that fit it (fewer all-to-alls, more rows in parallel), or
+    where none fits, across the most."""
+    if config.distributed.sequence_parallel != "auto":
+        return _fit(config, target, shape, options, run)
+    sizes = split_sizes(shape, run)
+    for position, size in enumerate(sizes):
+        fit = _fit(config, target, shape, options,
+                   run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size)))
+        # fitting here is the plan's: the node's host memory too
+        fits = fit.fits and not _beyond_host(shape, fit.run, target, fit.split.micro_batch_size)
+        if fits or position == len(sizes) - 1:
+            fit.split_note = (f"distributed.sequence_parallel=auto: {size} "
+                              + ("(the fewest processes per row that fit" if fits else "(none fits; the most")
+                              + f"; possible here: {', '.join(map(str, sizes))})")
+            return fit
+    raise AssertionError("unreachable: the last size returns")
+
+
+def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOptions, run: Run) -> _Fit:
+    """The micro-batches that fit `run` on the budget, the split chosen from them, and the peak the
+    plan reports for it."""
+    train = config.train
     budget, fraction, margin_note = plan_budget(config, target, run)
     if budget <= 0 and target.source != "candidate":  # (the remedies' candidate sizes may be too small)
         raise UserError(
@@ -160,8 +224,8 @@ def make_plan(
     search = FitSearch(shape, run, budget,
                        per_process=max(1, -(-train.global_batch_size // run.parallel.data_parallel)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
-                       else train.gradient_accumulation_steps, shorter_rows=shorter_rows,
-                       octave_rows=octave_rows)
+                       else train.gradient_accumulation_steps, shorter_rows=options.shorter_rows,
+                       octave_rows=options.octave_rows)
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting)
@@ -176,14 +240,22 @@ def make_plan(
     if margin_note:
         notes.append(margin_note)
     chosen, peak, breakdown = search.reported(split)
-    fits = bool(chosen.fits) and peak <= search.budget
+    return _Fit(run, search, split, chosen, peak, breakdown, bool(chosen.fits) and peak <= search.budget, notes,
+                warnings)
 
-    remedies: list[dict[str, Any]] = []
-    smallest = None
-    if not fits and with_remedies:
-        remedies, smallest, note = remedies_for(config, target, data_stats)
-        if note:
-            notes.append(note)
+
+def _beyond_host(shape: ModelShape, run: Run, target: Target, micro: int) -> bool:
+    """Whether the node cannot hold what `run` keeps in host memory (known only for a detected node)."""
+    return bool(target.host_bytes) and host_memory(shape, run, target, micro)[0] > target.host_bytes
+
+
+def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: ModelShape, fit: _Fit,
+              remedies: _Remedies) -> Plan:
+    """The plan of `fit`: its time, what it says about the run and the data, and the remedies."""
+    run, search, split, chosen, train = fit.run, fit.search, fit.split, fit.chosen, config.train
+    notes, warnings, fits = list(fit.notes), list(fit.warnings), fit.fits
+    if remedies.note:
+        notes.append(remedies.note)
     rows = getattr(data_stats, "packed_rows", None) or getattr(data_stats, "examples", None)
     if getattr(data_stats, "sampled", 0):
         rows = None  # a stream's rows are not counted: train.max_steps is the run's length
@@ -217,12 +289,14 @@ def make_plan(
     host_bytes, host_note = host_memory(shape, run, target, split.micro_batch_size)
     if host_note:
         more_notes.append(host_note)
-    if target.host_bytes and host_bytes > target.host_bytes:
+    if _beyond_host(shape, run, target, split.micro_batch_size):
         fits = False  # the node cannot hold what the run keeps in host memory
         more_warnings.append(f"the node needs {host_bytes / GIB:.1f} GiB of host memory for this run and has "
                              f"{target.host_bytes / GIB:.1f} GiB available")
     notes += more_notes
     warnings += more_warnings
+    if fit.split_note:
+        notes.insert(0, fit.split_note)
     return Plan(
         model=config.model.name_or_path,
         method=config.finetune.method,
@@ -241,12 +315,12 @@ def make_plan(
         requested_global_batch_size=train.global_batch_size,
         sequence_length=run.sequence.tokens,
         sequence_length_source=run.sequence.source,
-        peak_bytes_per_gpu=peak,
+        peak_bytes_per_gpu=fit.peak,
         budget_bytes_per_gpu=search.budget,
         free_bytes_per_gpu=target.free_bytes,
         device=target.device_name,
         fits=fits,
-        breakdown=breakdown,
+        breakdown=fit.breakdown,
         precision={"mixed": run.precision.mixed, "weights": run.precision.weights_dtype,
                    "compute": run.precision.compute_dtype, "adapters": run.adapter_dtype},
         attention=run.kernels.attention,
@@ -257,14 +331,11 @@ def make_plan(
         on_cuda=target.on_cuda,
         host_bytes_per_node=host_bytes,
         time=step_time.to_dict() if step_time else None,
-        remedies=remedies,
-        smallest_hardware=smallest,
+        remedies=remedies.offered,
+        smallest_hardware=remedies.smallest,
         candidates=search.candidates(),
         notes=notes,
         warnings=warnings,
-        plan_seconds=round(time.perf_counter() - started, 4),
-        plan_cpu_seconds=round(time.process_time() - started_cpu, 4),
-        replays=REPLAYS[0] - replays_before,
         sequence_parallel=run.parallel.sequence_parallel,
         context_parallel=run.parallel.context_parallel,
     )
@@ -291,25 +362,6 @@ def largest_split(config: RunConfig, target: Target, shape: ModelShape) -> int:
     return max(split_sizes(shape, resolve_for(deepspeed, target, None, shape)))
 
 
-def _fewest_split_that_fits(config: RunConfig, target: Target, data_stats: Any | None, shape: ModelShape,
-                            with_remedies: bool, run: Run, shorter_rows: bool, octave_rows: bool = False) -> Plan:
-    """``distributed.sequence_parallel: auto``: the plan that splits each row across the fewest
-    processes that fit it (fewer all-to-alls, more rows in parallel); where none fits, the plan
-    at the most, with its remedies."""
-    sizes = split_sizes(shape, run)
-    for position, size in enumerate(sizes):
-        last = position == len(sizes) - 1
-        trying = run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size))
-        plan = make_plan(config, target, data_stats, shape, with_remedies=with_remedies and last, run=trying,
-                         shorter_rows=shorter_rows, deciding_split=True, octave_rows=octave_rows)
-        if plan.fits or last:
-            plan.notes.insert(0, f"distributed.sequence_parallel=auto: {size} "
-                              + ("(the fewest processes per row that fit" if plan.fits else "(none fits; the most")
-                              + f"; possible here: {', '.join(map(str, sizes))})")
-            return plan
-    raise AssertionError("unreachable: the last size returns")
-
-
 def lower_bound_plan(config: RunConfig, target: Target, data_stats: Any | None = None) -> Any | None:
     """Where what `config` holds on each GPU of `target` before any activation (parameters,
     optimizer states, buffers: :func:`sft_play.planner.simulate.predict.static_lower_bound`)
@@ -333,8 +385,7 @@ def beyond_budget(config: RunConfig, target: Target, data_stats: Any | None = No
     return lower_bound_plan(config, target, data_stats) is not None
 
 
-def remedies_for(config: RunConfig, target: Target,
-                 data_stats: Any | None) -> tuple[list[dict[str, Any]], str | None, str | None]:
+def remedies_for(config: RunConfig, target: Target, data_stats: Any | None) -> _Remedies:
     """When nothing fits: the remedies, each planned as a plan of its own (without remedies), and
     when none fits either, the smallest hardware that would, with the note that says so. What does
     not fit is planned without covering shorter rows (three to five times fewer replays); what
@@ -346,20 +397,20 @@ def remedies_for(config: RunConfig, target: Target,
         bound = lower_bound_plan(changed, changed_target, data_stats)
         if bound is not None:
             return bound
-        quick = make_plan(changed, changed_target, data_stats, None, with_remedies=False, shorter_rows=False)
+        quick = _planned(changed, changed_target, data_stats, QUICK)
         if not quick.fits or not as_run:
             return quick
         # what fits is planned as the run will plan it, so that what is offered is what runs
-        return make_plan(changed, changed_target, data_stats, None, with_remedies=False)
+        return _planned(changed, changed_target, data_stats, WITHOUT_REMEDIES)
 
-    remedies = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
-    if any(r["fits"] for r in remedies):
-        return remedies, None, None
+    offered = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
+    if any(r["fits"] for r in offered):
+        return _Remedies(offered)
     smallest = remedy_catalogue.smallest_hardware(
         config, target, lambda c, t: plan_without_remedies(c, t).fits)
-    return remedies, smallest, (f"nothing fits on {target.device_name}: "
-                                + (f"the smallest hardware that would is {smallest}" if smallest else
-                                   "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
+    return _Remedies(offered, smallest, f"nothing fits on {target.device_name}: "
+                     + (f"the smallest hardware that would is {smallest}" if smallest else
+                        "not even 64 GPUs of 141 GiB would (shorter sequences or a smaller model)"))
 
 
 def peak_at(shape: ModelShape, run: Run, micro: int) -> int:
