@@ -116,7 +116,7 @@ def longest(config, target, args) -> int:
     import dataclasses
     import json
 
-    from sft_play.planner import PlanOptions, make_plan, model_shape
+    from sft_play.planner import PlanOptions, make_plan, model_shape, progress
     from sft_play.planner.choose import longest as question
     from sft_play.planner.plan import largest_split
 
@@ -130,6 +130,7 @@ def longest(config, target, args) -> int:
                                         split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})
         if not args.json:
+            progress.clear()  # the progress line, written in place on a terminal
             print("\n".join(question.describe(answers, each, shape.max_positions)) + "\n")
     if args.json:
         print(json.dumps({"longest": report}, indent=2))

@@ -99,6 +99,11 @@ def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
     plan = make_plan(load("tiny-qwen3-moe", "finetune.method=lora"), Target(1, 80 * GIB, "1 x H100"))
     assert plan.fits
     assert any("could not be traced (RuntimeError: an op the tracer does not know)" in w for w in plan.warnings)
+    # said too where the weights and what lives outside the allocator alone exceed the budget
+    beyond = make_plan(load("tiny-qwen3-moe", "finetune.method=lora"), Target(1, 0.75 * GIB, "1 x 0.75 GiB"),
+                       options=WITHOUT_REMEDIES)
+    assert not beyond.fits
+    assert any("could not be traced (RuntimeError: an op the tracer does not know)" in w for w in beyond.warnings)
 
 
 def _train_args(root, model: str, method: str, steps: int = 6) -> tuple:

@@ -46,10 +46,12 @@ class _Reporter:
             pass
 
     def close(self) -> None:
-        if self.written and self.stream.isatty():
-            with contextlib.suppress(OSError, ValueError):
+        """Clear the line written in place on a terminal (what is printed next starts clean)."""
+        with contextlib.suppress(OSError, ValueError):
+            if self.written and self.stream.isatty():
                 self.stream.write("\r\033[K")
                 self.stream.flush()
+        self.written = False
 
 
 _REPORTER: _Reporter | None = None
@@ -81,6 +83,12 @@ def doing(label: str) -> Iterator[None]:
         yield
     finally:
         reporter.labels.pop()
+
+
+def clear() -> None:
+    """Clear the progress line before printing something else (within :func:`reporting`)."""
+    if _REPORTER is not None:
+        _REPORTER.close()
 
 
 def say(what: str) -> None:

@@ -165,7 +165,7 @@ def _vision_facts(name_or_path: str, revision: str | None, trust_remote_code: bo
     keeps = cache.keeps(name_or_path, trust_remote_code)
     key = (config_identity(name_or_path, revision, trust_remote_code),)
     kept = cache.kept("vision", key) if keeps else None
-    if kept is not None:
+    if kept is not None and {"sees_images", "sizes_by_pixels"} <= set(kept):
         return bool(kept["sees_images"]), bool(kept["sizes_by_pixels"])
     model_config = load_model_config(name_or_path, revision, trust_remote_code)
     facts = {"sees_images": is_vision_language(model_config), "sizes_by_pixels": sizes_by_pixels(model_config)}

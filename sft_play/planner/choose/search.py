@@ -122,8 +122,7 @@ class FitSearch:
         predictions = []
         for (run, micro, _, _), whole, prediction in zip(requests, beyond, predict_many(self.shape, requests)):
             if whole:
-                prediction = Prediction(micro, prediction.peak_bytes, prediction.allocated_bytes,
-                                        prediction.breakdown, False)
+                prediction = dataclasses.replace(prediction, fits=False)
             if run is self.run:
                 self.tried.setdefault(micro, prediction)
             predictions.append(prediction)

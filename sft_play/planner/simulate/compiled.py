@@ -28,7 +28,7 @@ from sft_play.planner.simulate.allocator import LARGE_SEGMENT, MIN_BLOCK, MIN_LA
 
 logger = logging.getLogger(__name__)
 
-ALLOCATE, FREE = 1, 0
+RULES = (MIN_BLOCK, SMALL_SIZE, SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,10 +61,12 @@ def _free_position(keys_size, keys_address, pool, count, size, address):
     return low
 
 
-def _replay(kinds, handles, sizes, categories, handle_count, category_count, capacity):
-    """Replay the events; `capacity` < 0 is unlimited. Returns (peak_reserved, peak_allocated,
-    releases, out_of_memory, at_peak, at_peak_allocated): the by-category arrays with the
-    allocator's cache last in ``at_peak``."""
+def _replay(kinds, handles, sizes, categories, handle_count, category_count, capacity, rules):
+    """Replay the events; `capacity` < 0 is unlimited; `rules` the allocator's sizes (:data:`RULES`,
+    passed at run time: numba's cache follows this file, not the module the sizes come from).
+    Returns (peak_reserved, peak_allocated, releases, out_of_memory, at_peak, at_peak_allocated):
+    the by-category arrays with the allocator's cache last in ``at_peak``."""
+    min_block, small_size, small_segment, large_segment, min_large_alloc, round_large = rules
     events = kinds.shape[0]
     most = 2 * events + 2
     block_segment = np.zeros(most, np.int64)
@@ -94,18 +96,18 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
         handle = handles[event]
         if kinds[event] == 1:
             size = sizes[event]
-            size = MIN_BLOCK if size < MIN_BLOCK else ((size + MIN_BLOCK - 1) // MIN_BLOCK) * MIN_BLOCK
-            small = size <= SMALL_SIZE
+            size = min_block if size < min_block else ((size + min_block - 1) // min_block) * min_block
+            small = size <= small_size
             pool = 0 if small else 1
             index = _free_position(keys_size, keys_address, pool, counts[pool], size, -1)
             grew = index == counts[pool]
             if grew:
                 if small:
-                    allocation = SMALL_SEGMENT
-                elif size < MIN_LARGE_ALLOC:
-                    allocation = LARGE_SEGMENT
+                    allocation = small_segment
+                elif size < min_large_alloc:
+                    allocation = large_segment
                 else:
-                    allocation = ((size + ROUND_LARGE - 1) // ROUND_LARGE) * ROUND_LARGE
+                    allocation = ((size + round_large - 1) // round_large) * round_large
                 if capacity >= 0 and reserved + allocation > capacity:
                     # release_cached_blocks: every completely free segment goes back
                     releases += 1
@@ -144,7 +146,7 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                     keys_block[pool, j] = keys_block[pool, j + 1]
                 counts[pool] -= 1
             remaining = block_size[block] - size
-            if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
+            if (remaining >= min_block) if small else (remaining > small_size):
                 following = block_next[block]
                 rest = blocks
                 blocks += 1
@@ -250,7 +252,7 @@ def replay(kinds: np.ndarray, handles: np.ndarray, sizes: np.ndarray, categories
     dense, inverse = np.unique(handles, return_inverse=True)
     peak_reserved, peak_allocated, releases, oom, at_peak, at_peak_allocated = _kernel()(
         kinds, inverse.astype(np.int64), sizes, category_ids, len(dense), len(categories),
-        -1 if capacity is None else int(capacity))
+        -1 if capacity is None else max(0, int(capacity)), RULES)
     peak = {categories[c]: int(v) for c, v in enumerate(at_peak[:-1]) if v}
     if peak_reserved:
         peak["allocator_cache"] = int(at_peak[-1])

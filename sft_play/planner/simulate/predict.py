@@ -176,8 +176,10 @@ def _known(key: tuple) -> Prediction | None:
     known = _CACHE.get(key)
     if known is None and _CACHE is _PROCESS_CACHE and _keeps(key):
         document = cache.kept("prediction", _disk_key(key))
-        if document is not None:
-            known = _CACHE[key] = Prediction(**document)
+        try:
+            known = _CACHE[key] = Prediction(**document) if document is not None else None
+        except TypeError:  # not a prediction's fields: counts as none
+            known = None
     return known
 
 
@@ -185,7 +187,9 @@ def _remember(key: tuple, prediction: Prediction) -> None:
     if len(_CACHE) > 1024:
         _CACHE.clear()
     _CACHE[key] = prediction
-    if _CACHE is _PROCESS_CACHE and _keeps(key):
+    # (a prediction made with a stand-in is not kept: what made the trace fail, a package or the
+    # machine, is not in the key, and the next process tries the real trace again)
+    if _CACHE is _PROCESS_CACHE and _keeps(key) and not (prediction.stand_in or prediction.encoder_untraced):
         cache.keep("prediction", _disk_key(key), dataclasses.asdict(prediction))
 
 

@@ -455,7 +455,7 @@ def _name(names: dict, event_id: int, layer):
 
 def _handle_base(layer) -> int:
     """Integer handles for traced tensors: layer i's event k is (i + 2) << 24 | k; the final norm's
-    1 << 24 | k; the vision encoder's k; tensors the replay names itself are tuples."""
+    1 << 24 | k; the vision encoder's k; tensors the replay names itself count from :data:`_OWN_HANDLES`."""
     return 0 if layer == "vision" else (1 if layer == "norm" else layer + 2) << 24
 
 
