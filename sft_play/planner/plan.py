@@ -249,6 +249,35 @@ def _beyond_host(shape: ModelShape, run: Run, target: Target, micro: int) -> boo
     return bool(target.host_bytes) and host_memory(shape, run, target, micro)[0] > target.host_bytes
 
 
+def _timed(train: Any, target: Target, shape: ModelShape, run: Run, split: BatchSplit,
+           rows: int | None) -> tuple[Any, list[str]]:
+    """The predicted time of `split` (None where the GPU's peak is unknown) and what the plan says
+    it leaves out."""
+    step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
+                             target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
+                             total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
+                             split.gradient_accumulation_steps, run.masked(split.micro_batch_size))
+    notes = []
+    if step_time is None and run.on_cuda:
+        notes.append(f"no time: the planner has no peak FLOP/s for '{target.gpu_model or target.device_name}' (it "
+                     f"knows {', '.join(sorted(PEAK_BF16))}); GPU_MODEL=<one of them> times the plan as that GPU")
+    if step_time and not step_time.wall_seconds:
+        notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
+                     "(the data was not read); train.max_steps, or data this machine can read, gives one")
+    return step_time, notes
+
+
+def _positions_warning(shape: ModelShape, data_stats: Any | None) -> list[str]:
+    """What the plan says where an example is longer than the positions the model was trained on."""
+    longest = getattr(data_stats, "tokens_max", 0) or 0  # an example's positions start at 0 in a packed row too
+    if not shape.max_positions or longest <= shape.max_positions:
+        return []
+    return [f"the longest example is {longest:,} tokens, longer than the {shape.max_positions:,} positions "
+            "the model was trained on (max_position_embeddings): positions past them were never seen, "
+            "and a model with learned position embeddings cannot take them; lower data.max_seq_length "
+            f"to {shape.max_positions:,}, or extend the context (rope_scaling in the model's config)"]
+
+
 def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: ModelShape, fit: _Fit,
               remedies: _Remedies) -> Plan:
     """The plan of `fit`: its time, what it says about the run and the data, and the remedies."""
@@ -261,25 +290,12 @@ def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: 
         rows = None  # a stream's rows are not counted: train.max_steps is the run's length
         notes.append(f"the data is streamed: its lengths are those of its first {data_stats.sampled:,} records "
                      "(data.sample_rows), and train.max_steps sets the run's length")
-    step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
-                             target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
-                             total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
-                             split.gradient_accumulation_steps, run.masked(split.micro_batch_size))
-    if step_time is None and run.on_cuda:
-        notes.append(f"no time: the planner has no peak FLOP/s for '{target.gpu_model or target.device_name}' (it "
-                     f"knows {', '.join(sorted(PEAK_BF16))}); GPU_MODEL=<one of them> times the plan as that GPU")
-    if step_time and not step_time.wall_seconds:
-        notes.append(f"no total time: the run's length is {train.num_epochs:g} epoch(s) of rows that were not counted "
-                     "(the data was not read); train.max_steps, or data this machine can read, gives one")
+    step_time, time_notes = _timed(train, target, shape, run, split, rows)
+    notes += time_notes
     epoch_note, epoch_warning = epoch_notes(train, rows, getattr(data_stats, "packed_rows", None) is not None, split)
     notes += [epoch_note] if epoch_note else []
     warnings += [epoch_warning] if epoch_warning else []
-    longest = getattr(data_stats, "tokens_max", 0) or 0  # an example's positions start at 0 in a packed row too
-    if shape.max_positions and longest > shape.max_positions:
-        warnings.append(f"the longest example is {longest:,} tokens, longer than the {shape.max_positions:,} positions "
-                        "the model was trained on (max_position_embeddings): positions past them were never seen, "
-                        "and a model with learned position embeddings cannot take them; lower data.max_seq_length "
-                        f"to {shape.max_positions:,}, or extend the context (rope_scaling in the model's config)")
+    warnings += _positions_warning(shape, data_stats)
     masked = run.masked(split.micro_batch_size)
     sliding = run.sliding_mask(split.micro_batch_size, shape.sliding_window)
     more_notes, more_warnings = run_notes(config, run, target, shape, masked, sliding, chosen)

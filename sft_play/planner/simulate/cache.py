@@ -101,20 +101,26 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     except Exception as error:  # noqa: BLE001 - a broken file counts as none
         logger.debug("planner cache %s unreadable (%s); recomputing", path, error)
     value = compute()
+    _write_whole(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    return value
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all, whoever else writes it; skipped (and said at
+    debug level) where the cache cannot be written."""
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
             temporary = Path(handle.name)
-            pickle.dump(value, handle, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(temporary, path)  # whole or not at all, whoever else writes it
+            handle.write(data)
+        os.replace(temporary, path)
         temporary = None
     except OSError as error:
         logger.debug("planner cache %s not written (%s)", path, error)
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-    return value
 
 
 def keeps(name_or_path: str, trust_remote_code: bool) -> bool:
@@ -144,17 +150,4 @@ def kept(kind: str, key: tuple) -> dict | None:
 
 def keep(kind: str, key: tuple, document: dict) -> None:
     """Keep `document` (JSON data) for `kind` and `key`; skipped where the cache cannot be written."""
-    path = _document_path(kind, key)
-    temporary = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
-            temporary = Path(handle.name)
-            json.dump(document, handle)
-        os.replace(temporary, path)  # whole or not at all, whoever else writes it
-        temporary = None
-    except OSError as error:
-        logger.debug("planner cache %s not written (%s)", path, error)
-    finally:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
+    _write_whole(_document_path(kind, key), json.dumps(document).encode())

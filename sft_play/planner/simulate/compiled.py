@@ -12,8 +12,8 @@ imported the step is replayed through the reference, with the same predictions.
 
 Data layout: blocks are rows of parallel arrays (segment, address, size, allocated, category, the
 previous and next block of the segment, -1 for none); each pool's cached blocks are kept sorted by
-(size, address) in three arrays, so the best fit is a binary search, as ``lower_bound`` is in
-``CUDACachingAllocator.cpp``.
+(size, address) in one array (``free[pool, SIZE | ADDRESS | BLOCK, i]``), so the best fit is a
+binary search, as ``lower_bound`` is in ``CUDACachingAllocator.cpp``.
 """
 
 from __future__ import annotations
@@ -43,22 +43,57 @@ def _kernel():
         logger.debug("numba unavailable (%s): replays run through the Python allocator", error)
         return None
     jit = numba.njit(cache=True, nogil=True)
-    global _free_position
-    _free_position = jit(_free_position)  # _replay calls it compiled
+    global _position, _remove, _insert, _release
+    # the helpers compiled first: _replay calls them compiled
+    _position, _remove, _insert, _release = jit(_position), jit(_remove), jit(_insert), jit(_release)
     return jit(_replay)
 
 
-def _free_position(keys_size, keys_address, pool, count, size, address):
-    """The first position of `pool`'s sorted free list whose (size, address) is not below the given."""
-    low, high = 0, count
+# A pool's free list: free[pool, SIZE | ADDRESS | BLOCK, i], sorted by (size, address), counts[pool] long
+SIZE, ADDRESS, BLOCK = 0, 1, 2
+
+
+def _position(free, counts, pool, size, address):
+    """The first position of `pool`'s free list whose (size, address) is not below the given:
+    with address -1, the best fit for `size` (the smallest block that holds it, lowest address)."""
+    low, high = 0, counts[pool]
     while low < high:
         middle = (low + high) >> 1
-        s = keys_size[pool, middle]
-        if s < size or (s == size and keys_address[pool, middle] < address):
+        found = free[pool, SIZE, middle]
+        if found < size or (found == size and free[pool, ADDRESS, middle] < address):
             low = middle + 1
         else:
             high = middle
     return low
+
+
+def _remove(free, counts, pool, position):
+    for i in range(position, counts[pool] - 1):
+        free[pool, :, i] = free[pool, :, i + 1]
+    counts[pool] -= 1
+
+
+def _insert(free, counts, pool, size, address, block):
+    position = _position(free, counts, pool, size, address)
+    for i in range(counts[pool], position, -1):
+        free[pool, :, i] = free[pool, :, i - 1]
+    free[pool, SIZE, position], free[pool, ADDRESS, position], free[pool, BLOCK, position] = size, address, block
+    counts[pool] += 1
+
+
+def _release(free, counts, previous, following, segment_of, segment_sizes):
+    """``release_cached_blocks``: every completely free segment goes back; the bytes released."""
+    released = 0
+    for pool in range(2):
+        i = 0
+        while i < counts[pool]:
+            block = free[pool, BLOCK, i]
+            if previous[block] == -1 and following[block] == -1:
+                released += segment_sizes[segment_of[block]]
+                _remove(free, counts, pool, i)
+            else:
+                i += 1
+    return released
 
 
 def _replay(kinds, handles, sizes, categories, handle_count, category_count, capacity, rules):
@@ -68,28 +103,25 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
     the by-category arrays with the allocator's cache last in ``at_peak``."""
     min_block, small_size, small_segment, large_segment, min_large_alloc, round_large = rules
     events = kinds.shape[0]
-    most = 2 * events + 2
-    block_segment = np.zeros(most, np.int64)
-    block_address = np.zeros(most, np.int64)
-    block_size = np.zeros(most, np.int64)
-    block_small = np.zeros(most, np.bool_)
-    block_allocated = np.zeros(most, np.bool_)
-    block_category = np.zeros(most, np.int64)
-    block_previous = np.full(most, -1, np.int64)
-    block_next = np.full(most, -1, np.int64)
-    blocks = 0
+    most = 2 * events + 2  # an allocation makes at most two blocks: a segment and a split's rest
+    segment_of = np.zeros(most, np.int64)
+    address = np.zeros(most, np.int64)
+    size_of = np.zeros(most, np.int64)
+    small_pool = np.zeros(most, np.bool_)
+    allocated_block = np.zeros(most, np.bool_)
+    category_of = np.zeros(most, np.int64)
+    previous = np.full(most, -1, np.int64)
+    following = np.full(most, -1, np.int64)
+    blocks = segments = 0
     segment_sizes = np.zeros(events + 1, np.int64)
-    segments = 0
-    keys_size = np.zeros((2, most), np.int64)
-    keys_address = np.zeros((2, most), np.int64)
-    keys_block = np.zeros((2, most), np.int64)
+    free = np.zeros((2, 3, most), np.int64)
     counts = np.zeros(2, np.int64)
     live = np.full(handle_count, -1, np.int64)
     by_category = np.zeros(category_count, np.int64)
     at_peak = np.zeros(category_count + 1, np.int64)
     at_peak_allocated = np.zeros(category_count, np.int64)
     reserved = allocated = peak_reserved = peak_allocated = releases = 0
-    pending = False
+    pending = False  # allocated reached a new peak and nothing was freed since
     out_of_memory = False
 
     for event in range(events):
@@ -99,7 +131,7 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
             size = min_block if size < min_block else ((size + min_block - 1) // min_block) * min_block
             small = size <= small_size
             pool = 0 if small else 1
-            index = _free_position(keys_size, keys_address, pool, counts[pool], size, -1)
+            index = _position(free, counts, pool, size, -1)
             grew = index == counts[pool]
             if grew:
                 if small:
@@ -109,21 +141,8 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 else:
                     allocation = ((size + round_large - 1) // round_large) * round_large
                 if capacity >= 0 and reserved + allocation > capacity:
-                    # release_cached_blocks: every completely free segment goes back
                     releases += 1
-                    for p in range(2):
-                        i = 0
-                        while i < counts[p]:
-                            b = keys_block[p, i]
-                            if block_previous[b] == -1 and block_next[b] == -1:
-                                reserved -= segment_sizes[block_segment[b]]
-                                for j in range(i, counts[p] - 1):
-                                    keys_size[p, j] = keys_size[p, j + 1]
-                                    keys_address[p, j] = keys_address[p, j + 1]
-                                    keys_block[p, j] = keys_block[p, j + 1]
-                                counts[p] -= 1
-                            else:
-                                i += 1
+                    reserved -= _release(free, counts, previous, following, segment_of, segment_sizes)
                     if reserved + allocation > capacity:
                         out_of_memory = True
                         break
@@ -131,58 +150,36 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 reserved += allocation
                 block = blocks
                 blocks += 1
-                block_segment[block] = segments
-                block_address[block] = segments << 48
-                block_size[block] = allocation
-                block_small[block] = small
-                block_previous[block] = -1
-                block_next[block] = -1
+                segment_of[block], address[block], size_of[block] = segments, segments << 48, allocation
+                small_pool[block] = small
                 segments += 1
             else:
-                block = keys_block[pool, index]
-                for j in range(index, counts[pool] - 1):
-                    keys_size[pool, j] = keys_size[pool, j + 1]
-                    keys_address[pool, j] = keys_address[pool, j + 1]
-                    keys_block[pool, j] = keys_block[pool, j + 1]
-                counts[pool] -= 1
-            remaining = block_size[block] - size
+                block = free[pool, BLOCK, index]
+                _remove(free, counts, pool, index)
+            remaining = size_of[block] - size
             if (remaining >= min_block) if small else (remaining > small_size):
-                following = block_next[block]
                 rest = blocks
                 blocks += 1
-                block_segment[rest] = block_segment[block]
-                block_address[rest] = block_address[block] + size
-                block_size[rest] = remaining
-                block_small[rest] = small
-                block_allocated[rest] = False
-                block_previous[rest] = block
-                block_next[rest] = following
-                if following != -1:
-                    block_previous[following] = rest
-                block_next[block] = rest
-                block_size[block] = size
-                position = _free_position(keys_size, keys_address, pool, counts[pool], remaining, block_address[rest])
-                for j in range(counts[pool], position, -1):
-                    keys_size[pool, j] = keys_size[pool, j - 1]
-                    keys_address[pool, j] = keys_address[pool, j - 1]
-                    keys_block[pool, j] = keys_block[pool, j - 1]
-                keys_size[pool, position] = remaining
-                keys_address[pool, position] = block_address[rest]
-                keys_block[pool, position] = rest
-                counts[pool] += 1
+                segment_of[rest], address[rest], size_of[rest] = segment_of[block], address[block] + size, remaining
+                small_pool[rest] = small
+                previous[rest], following[rest] = block, following[block]
+                if following[block] != -1:
+                    previous[following[block]] = rest
+                following[block] = rest
+                size_of[block] = size
+                _insert(free, counts, pool, remaining, address[rest], rest)
             category = categories[event]
-            block_allocated[block] = True
-            block_category[block] = category
+            allocated_block[block] = True
+            category_of[block] = category
             live[handle] = block
-            allocated += block_size[block]
-            by_category[category] += block_size[block]
+            allocated += size_of[block]
+            by_category[category] += size_of[block]
             if allocated > peak_allocated:
                 peak_allocated = allocated
                 pending = True
             if grew and reserved > peak_reserved:
                 peak_reserved = reserved
-                for c in range(category_count):
-                    at_peak[c] = by_category[c]
+                at_peak[:category_count] = by_category
                 at_peak[category_count] = reserved - allocated
         else:
             block = live[handle]
@@ -190,50 +187,29 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 continue
             live[handle] = -1
             if pending:
-                for c in range(category_count):
-                    at_peak_allocated[c] = by_category[c]
+                at_peak_allocated[:] = by_category
                 pending = False
-            allocated -= block_size[block]
-            by_category[block_category[block]] -= block_size[block]
-            block_allocated[block] = False
-            pool = 0 if block_small[block] else 1
-            previous = block_previous[block]
-            following = block_next[block]
-            for neighbour in (previous, following):
-                if neighbour == -1 or block_allocated[neighbour]:
-                    continue
-                position = _free_position(keys_size, keys_address, pool, counts[pool], block_size[neighbour],
-                                          block_address[neighbour])
-                for j in range(position, counts[pool] - 1):
-                    keys_size[pool, j] = keys_size[pool, j + 1]
-                    keys_address[pool, j] = keys_address[pool, j + 1]
-                    keys_block[pool, j] = keys_block[pool, j + 1]
-                counts[pool] -= 1
-                if neighbour == previous:
-                    block_size[previous] += block_size[block]
-                    block_next[previous] = following
-                    if following != -1:
-                        block_previous[following] = previous
-                    block = previous
-                else:
-                    block_size[block] += block_size[following]
-                    after = block_next[following]
-                    block_next[block] = after
-                    if after != -1:
-                        block_previous[after] = block
-            position = _free_position(keys_size, keys_address, pool, counts[pool], block_size[block],
-                                      block_address[block])
-            for j in range(counts[pool], position, -1):
-                keys_size[pool, j] = keys_size[pool, j - 1]
-                keys_address[pool, j] = keys_address[pool, j - 1]
-                keys_block[pool, j] = keys_block[pool, j - 1]
-            keys_size[pool, position] = block_size[block]
-            keys_address[pool, position] = block_address[block]
-            keys_block[pool, position] = block
-            counts[pool] += 1
+            allocated -= size_of[block]
+            by_category[category_of[block]] -= size_of[block]
+            allocated_block[block] = False
+            pool = 0 if small_pool[block] else 1
+            before, after = previous[block], following[block]
+            if before != -1 and not allocated_block[before]:  # merged into the free block before it
+                _remove(free, counts, pool, _position(free, counts, pool, size_of[before], address[before]))
+                size_of[before] += size_of[block]
+                following[before] = after
+                if after != -1:
+                    previous[after] = before
+                block = before
+            if after != -1 and not allocated_block[after]:  # and the free block after it into it
+                _remove(free, counts, pool, _position(free, counts, pool, size_of[after], address[after]))
+                size_of[block] += size_of[after]
+                following[block] = following[after]
+                if following[after] != -1:
+                    previous[following[after]] = block
+            _insert(free, counts, pool, size_of[block], address[block], block)
     if pending:
-        for c in range(category_count):
-            at_peak_allocated[c] = by_category[c]
+        at_peak_allocated[:] = by_category
     return peak_reserved, peak_allocated, releases, out_of_memory, at_peak, at_peak_allocated
 
 
