@@ -43,9 +43,10 @@ def _kernel():
         logger.debug("numba unavailable (%s): replays run through the Python allocator", error)
         return None
     jit = numba.njit(cache=True, nogil=True)
-    global _position, _remove, _insert, _release
+    global _position, _remove, _insert, _release, _take, _give_back
     # the helpers compiled first: _replay calls them compiled
     _position, _remove, _insert, _release = jit(_position), jit(_remove), jit(_insert), jit(_release)
+    _take, _give_back = jit(_take), jit(_give_back)
     return jit(_replay)
 
 
@@ -68,15 +69,17 @@ def _position(free, counts, pool, size, address):
 
 
 def _remove(free, counts, pool, position):
-    for i in range(position, counts[pool] - 1):
-        free[pool, :, i] = free[pool, :, i + 1]
+    for i in range(position, counts[pool] - 1):  # field by field: a slice per step is a view made each time
+        for field in range(3):
+            free[pool, field, i] = free[pool, field, i + 1]
     counts[pool] -= 1
 
 
 def _insert(free, counts, pool, size, address, block):
     position = _position(free, counts, pool, size, address)
     for i in range(counts[pool], position, -1):
-        free[pool, :, i] = free[pool, :, i - 1]
+        for field in range(3):
+            free[pool, field, i] = free[pool, field, i - 1]
     free[pool, SIZE, position], free[pool, ADDRESS, position], free[pool, BLOCK, position] = size, address, block
     counts[pool] += 1
 
@@ -96,80 +99,115 @@ def _release(free, counts, previous, following, segment_of, segment_sizes):
     return released
 
 
+# The replay's counters: state[RESERVED | RELEASES | BLOCKS | SEGMENTS]
+RESERVED, RELEASES, BLOCKS, SEGMENTS = 0, 1, 2, 3
+
+
+def _take(size, capacity, rules, blocks, free, counts, segment_sizes, state):
+    """The block serving an allocation of `size` rounded bytes: the best fit, else a new segment
+    (after releasing the cache at `capacity`), split when the rest is large enough; (block, grew),
+    block -1 where the allocation fails."""
+    segment_of, address, size_of, small_pool, _, _, previous, following = blocks
+    min_block, small_size, small_segment, large_segment, min_large_alloc, round_large = rules
+    small = size <= small_size
+    pool = 0 if small else 1
+    index = _position(free, counts, pool, size, -1)
+    grew = index == counts[pool]
+    if grew:
+        if small:
+            allocation = small_segment
+        elif size < min_large_alloc:
+            allocation = large_segment
+        else:
+            allocation = ((size + round_large - 1) // round_large) * round_large
+        if capacity >= 0 and state[RESERVED] + allocation > capacity:
+            state[RELEASES] += 1
+            state[RESERVED] -= _release(free, counts, previous, following, segment_of, segment_sizes)
+            if state[RESERVED] + allocation > capacity:
+                return -1, grew
+        segment = state[SEGMENTS]
+        segment_sizes[segment] = allocation
+        state[RESERVED] += allocation
+        block = state[BLOCKS]
+        state[BLOCKS] += 1
+        segment_of[block], address[block], size_of[block] = segment, segment << 48, allocation
+        small_pool[block] = small
+        state[SEGMENTS] += 1
+    else:
+        block = free[pool, BLOCK, index]
+        _remove(free, counts, pool, index)
+    remaining = size_of[block] - size
+    if (remaining >= min_block) if small else (remaining > small_size):
+        rest = state[BLOCKS]
+        state[BLOCKS] += 1
+        segment_of[rest], address[rest], size_of[rest] = segment_of[block], address[block] + size, remaining
+        small_pool[rest] = small
+        previous[rest], following[rest] = block, following[block]
+        if following[block] != -1:
+            previous[following[block]] = rest
+        following[block] = rest
+        size_of[block] = size
+        _insert(free, counts, pool, remaining, address[rest], rest)
+    return block, grew
+
+
+def _give_back(block, blocks, free, counts):
+    """A freed block merged with the free blocks beside it in its segment, and cached."""
+    _, address, size_of, small_pool, taken, _, previous, following = blocks
+    taken[block] = False
+    pool = 0 if small_pool[block] else 1
+    before, after = previous[block], following[block]
+    if before != -1 and not taken[before]:  # merged into the free block before it
+        _remove(free, counts, pool, _position(free, counts, pool, size_of[before], address[before]))
+        size_of[before] += size_of[block]
+        following[before] = after
+        if after != -1:
+            previous[after] = before
+        block = before
+    if after != -1 and not taken[after]:  # and the free block after it into it
+        _remove(free, counts, pool, _position(free, counts, pool, size_of[after], address[after]))
+        size_of[block] += size_of[after]
+        following[block] = following[after]
+        if following[after] != -1:
+            previous[following[after]] = block
+    _insert(free, counts, pool, size_of[block], address[block], block)
+
+
 def _replay(kinds, handles, sizes, categories, handle_count, category_count, capacity, rules):
     """Replay the events; `capacity` < 0 is unlimited; `rules` the allocator's sizes (:data:`RULES`,
     passed at run time: numba's cache follows this file, not the module the sizes come from).
     Returns (peak_reserved, peak_allocated, releases, out_of_memory, at_peak, at_peak_allocated):
     the by-category arrays with the allocator's cache last in ``at_peak``."""
-    min_block, small_size, small_segment, large_segment, min_large_alloc, round_large = rules
+    min_block = rules[0]
     events = kinds.shape[0]
     most = 2 * events + 2  # an allocation makes at most two blocks: a segment and a split's rest
-    segment_of = np.zeros(most, np.int64)
-    address = np.zeros(most, np.int64)
-    size_of = np.zeros(most, np.int64)
-    small_pool = np.zeros(most, np.bool_)
-    allocated_block = np.zeros(most, np.bool_)
-    category_of = np.zeros(most, np.int64)
-    previous = np.full(most, -1, np.int64)
-    following = np.full(most, -1, np.int64)
-    blocks = segments = 0
+    # per block: segment, address, size, small pool, allocated, category, previous and next (-1: none)
+    blocks = (np.zeros(most, np.int64), np.zeros(most, np.int64), np.zeros(most, np.int64), np.zeros(most, np.bool_),
+              np.zeros(most, np.bool_), np.zeros(most, np.int64), np.full(most, -1, np.int64),
+              np.full(most, -1, np.int64))
+    size_of, taken, category_of = blocks[2], blocks[4], blocks[5]
     segment_sizes = np.zeros(events + 1, np.int64)
     free = np.zeros((2, 3, most), np.int64)
     counts = np.zeros(2, np.int64)
+    state = np.zeros(4, np.int64)
     live = np.full(handle_count, -1, np.int64)
     by_category = np.zeros(category_count, np.int64)
     at_peak = np.zeros(category_count + 1, np.int64)
     at_peak_allocated = np.zeros(category_count, np.int64)
-    reserved = allocated = peak_reserved = peak_allocated = releases = 0
+    allocated = peak_reserved = peak_allocated = 0
     pending = False  # allocated reached a new peak and nothing was freed since
     out_of_memory = False
-
     for event in range(events):
         handle = handles[event]
         if kinds[event] == 1:
             size = sizes[event]
             size = min_block if size < min_block else ((size + min_block - 1) // min_block) * min_block
-            small = size <= small_size
-            pool = 0 if small else 1
-            index = _position(free, counts, pool, size, -1)
-            grew = index == counts[pool]
-            if grew:
-                if small:
-                    allocation = small_segment
-                elif size < min_large_alloc:
-                    allocation = large_segment
-                else:
-                    allocation = ((size + round_large - 1) // round_large) * round_large
-                if capacity >= 0 and reserved + allocation > capacity:
-                    releases += 1
-                    reserved -= _release(free, counts, previous, following, segment_of, segment_sizes)
-                    if reserved + allocation > capacity:
-                        out_of_memory = True
-                        break
-                segment_sizes[segments] = allocation
-                reserved += allocation
-                block = blocks
-                blocks += 1
-                segment_of[block], address[block], size_of[block] = segments, segments << 48, allocation
-                small_pool[block] = small
-                segments += 1
-            else:
-                block = free[pool, BLOCK, index]
-                _remove(free, counts, pool, index)
-            remaining = size_of[block] - size
-            if (remaining >= min_block) if small else (remaining > small_size):
-                rest = blocks
-                blocks += 1
-                segment_of[rest], address[rest], size_of[rest] = segment_of[block], address[block] + size, remaining
-                small_pool[rest] = small
-                previous[rest], following[rest] = block, following[block]
-                if following[block] != -1:
-                    previous[following[block]] = rest
-                following[block] = rest
-                size_of[block] = size
-                _insert(free, counts, pool, remaining, address[rest], rest)
+            block, grew = _take(size, capacity, rules, blocks, free, counts, segment_sizes, state)
+            if block == -1:
+                out_of_memory = True
+                break
             category = categories[event]
-            allocated_block[block] = True
+            taken[block] = True
             category_of[block] = category
             live[handle] = block
             allocated += size_of[block]
@@ -177,10 +215,10 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
             if allocated > peak_allocated:
                 peak_allocated = allocated
                 pending = True
-            if grew and reserved > peak_reserved:
-                peak_reserved = reserved
+            if grew and state[RESERVED] > peak_reserved:
+                peak_reserved = state[RESERVED]
                 at_peak[:category_count] = by_category
-                at_peak[category_count] = reserved - allocated
+                at_peak[category_count] = state[RESERVED] - allocated
         else:
             block = live[handle]
             if block == -1:
@@ -191,26 +229,10 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 pending = False
             allocated -= size_of[block]
             by_category[category_of[block]] -= size_of[block]
-            allocated_block[block] = False
-            pool = 0 if small_pool[block] else 1
-            before, after = previous[block], following[block]
-            if before != -1 and not allocated_block[before]:  # merged into the free block before it
-                _remove(free, counts, pool, _position(free, counts, pool, size_of[before], address[before]))
-                size_of[before] += size_of[block]
-                following[before] = after
-                if after != -1:
-                    previous[after] = before
-                block = before
-            if after != -1 and not allocated_block[after]:  # and the free block after it into it
-                _remove(free, counts, pool, _position(free, counts, pool, size_of[after], address[after]))
-                size_of[block] += size_of[after]
-                following[block] = following[after]
-                if following[after] != -1:
-                    previous[following[after]] = block
-            _insert(free, counts, pool, size_of[block], address[block], block)
+            _give_back(block, blocks, free, counts)
     if pending:
         at_peak_allocated[:] = by_category
-    return peak_reserved, peak_allocated, releases, out_of_memory, at_peak, at_peak_allocated
+    return peak_reserved, peak_allocated, state[RELEASES], out_of_memory, at_peak, at_peak_allocated
 
 
 def available() -> bool:
