@@ -28,6 +28,7 @@ NODE_RANK ?= 0
 MASTER_ADDR ?=
 MASTER_PORT ?=
 CPU ?=
+OVERSUBSCRIBE ?=
 AUTO ?=
 FORCE ?=
 RESUME ?=
@@ -37,7 +38,7 @@ RUN_FLAG = $(if $(RUN),--run $(RUN))
 RESUME_ARG = $(if $(RESUME),train.resume_from=$(RESUME))
 LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GPUS)) --nnodes $(NNODES) \
 	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
-	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu)
+	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu) $(if $(OVERSUBSCRIBE),--oversubscribe)
 
 .DEFAULT_GOAL := help
 

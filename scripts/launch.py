@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument("--master-addr")
     parser.add_argument("--master-port", type=cli.number(int, "MASTER_PORT"))
     parser.add_argument("--cpu", action="store_true", help="CPU processes (gloo): for tests and GPU-less machines")
+    parser.add_argument("--oversubscribe", action="store_true", help="with --cpu: more processes than cores")
     parser.add_argument("--deepspeed", action="store_true",
                         help="train with DeepSpeed: ZeRO-2 unless the config already names a deepspeed_* strategy")
     parser.add_argument("--accelerate-config", default=str(launch.ACCELERATE_DDP_CONFIG),
@@ -69,7 +70,7 @@ def main() -> int:
         try:
             topology, messages = launch.resolve_topology(
                 args.num_gpus, args.gpus, args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                args.cpu, 0 if args.cpu else visible_gpu_count(),
+                args.cpu, 0 if args.cpu else visible_gpu_count(), args.oversubscribe,
             )
         except launch.LaunchError as exc:
             raise cli.UserError(str(exc)) from None

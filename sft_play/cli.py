@@ -30,6 +30,9 @@ EXIT_USER_ERROR = 2
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InvalidRow, UnknownFormat, UserError, FileNotFoundError)
+# What a filesystem refuses (read-only, immutable, no permission, full, over quota): said as one
+# line naming the file, as any other user error; other OS errors stay tracebacks (they are bugs)
+FILESYSTEM_REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 
 
 def summary(docstring: str | None) -> str:
@@ -232,14 +235,23 @@ def run(main: Callable[[], int | None]) -> None:
         status = main()
     except USER_ERRORS as exc:
         _end_progress_bars()
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {exc}", file=sys.stderr)
+        print(f"{_rank_prefix()}error: {exc}", file=sys.stderr)
+        leave(EXIT_USER_ERROR)
+    except OSError as exc:
+        if exc.errno not in FILESYSTEM_REFUSALS or exc.filename is None:
+            raise
+        _end_progress_bars()
+        print(f"{_rank_prefix()}error: {exc.filename}: {exc.strerror}", file=sys.stderr)
         leave(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         leave(130)
     leave(status or 0)
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank not in (None, "0") else ""
 
 
 def _end_progress_bars() -> None:

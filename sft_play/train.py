@@ -265,8 +265,15 @@ def check_shared_folder(output_dir: Path) -> None:
     """Every node writes its part of each checkpoint into the run folder: it must be one folder.
     Rank 0 leaves a mark in it, and every rank must see it."""
     state = PartialState()
-    token = [run_folder.mark_shared(output_dir) if state.is_main_process else None]
+    token: list = [None]
+    if state.is_main_process:
+        try:
+            token[0] = run_folder.mark_shared(output_dir)
+        except OSError as exc:  # read-only, immutable, full: every rank says it and stops
+            token[0] = OSError(exc.errno, exc.strerror, exc.filename)
     broadcast_object_list(token)
+    if isinstance(token[0], OSError):
+        raise UserError(f"cannot write into train.output_dir ({output_dir}): {token[0].strerror}")
     sight = gather_object([(socket.gethostname(), run_folder.sees_shared_mark(output_dir, token[0]))])
     if state.is_main_process:
         run_folder.unmark_shared(output_dir, token[0])

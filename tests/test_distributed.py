@@ -366,6 +366,28 @@ def test_launch_settings_are_checked():
         launch.resolve_topology(1, None, 2, 1, None, None, True, 0)
     topology, _ = launch.resolve_topology(None, "0,2", 1, 0, None, None, False, 8)
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
+    with pytest.raises(launch.LaunchError, match="MASTER_PORT=70000 is not a TCP port"):
+        launch.resolve_topology(2, None, 1, 0, None, 70000, True, 0)
+
+
+def test_a_cpu_launch_of_more_processes_than_cores_is_refused_unless_asked(monkeypatch):
+    """1,000 CPU processes on 2 cores made the machine unusable for 12 minutes."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    with pytest.raises(launch.LaunchError, match=r"CPU=1 NUM_GPUS=1000: 1000 CPU processes on the 2 core\(s\)"
+                                                 r".*NUM_GPUS=2 or fewer, or OVERSUBSCRIBE=1"):
+        launch.resolve_topology(1000, None, 1, 0, None, None, True, 0)
+    assert launch.resolve_topology(2, None, 1, 0, None, None, True, 0)[0].processes_per_node == 2
+    assert launch.resolve_topology(3, None, 1, 0, None, None, True, 0, oversubscribe=True)[0].processes_per_node == 3
+    assert launch.resolve_topology(8, None, 1, 0, None, None, False, 8)[0].processes_per_node == 8  # GPUs: no cap
+
+
+def test_make_refuses_a_thousand_cpu_processes_in_one_line_before_starting_any():
+    done = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=1000",
+                           "ARGS=train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "OVERSUBSCRIBE=1" in errors[0] and "Traceback" not in done.stderr
+    assert "launching" not in done.stdout
 
 
 def test_train_deepspeed_refuses_a_config_that_says_fsdp2():

@@ -420,3 +420,29 @@ def test_a_checkpoints_folder_made_immutable_mid_run_is_one_line_and_resumes_onc
     status, output = train(tmp_path, "train.save_steps=1", "train.resume_from=auto")
     assert status == 0, output[-3000:]
     assert "from checkpoint-1" in output and run_folder.is_finished(run)
+
+
+def test_an_output_folder_the_filesystem_refuses_is_one_line_on_every_rank(tmp_path, capsys):
+    """An immutable (chattr +i) or read-only output folder ended in run_folder's PermissionError
+    traceback; a refusal anywhere else in a command is one line too."""
+    from sft_play import cli, train
+    from sft_play.errors import UserError
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    held = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+    if held.returncode != 0:
+        pytest.skip(f"chattr +i is not allowed here: {held.stderr.strip()}")
+    try:
+        with pytest.raises(UserError, match=rf"cannot write into train.output_dir \({folder}\): Operation not "):
+            train.check_shared_folder(folder)
+
+        def main():
+            (folder / "f").write_text("x")
+
+        with pytest.raises(SystemExit) as ended:
+            cli.run(main)
+        assert ended.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {folder / 'f'}: Operation not permitted"]
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)

@@ -70,6 +70,7 @@ def resolve_topology(
     master_port: int | None,
     cpu: bool,
     visible_gpus: int,
+    oversubscribe: bool = False,
 ) -> tuple[Topology, list[str]]:
     """The topology from the user's settings and the GPUs this machine has, and what to tell them.
 
@@ -79,9 +80,11 @@ def resolve_topology(
         nnodes, node_rank, master_addr, master_port: the multi-node rendezvous (one node needs none).
         cpu: run CPU processes (no GPU needed).
         visible_gpus: GPUs torch sees here.
+        oversubscribe: start more CPU processes than this node has cores (``OVERSUBSCRIBE=1``).
 
     Raises:
-        LaunchError: no GPU and no ``CPU=1``; more processes than GPUs; a taken port on a multi-node run.
+        LaunchError: no GPU and no ``CPU=1``; more processes than GPUs, or than cores for CPU
+            processes; a port that is no port, or taken on a multi-node run.
     """
     messages = []
     selected = len([g for g in gpus.split(",") if g.strip()]) if gpus else visible_gpus
@@ -95,6 +98,15 @@ def resolve_topology(
         if num_gpus and num_gpus > selected:
             raise LaunchError(f"NUM_GPUS={num_gpus} but only {selected} GPU(s) are selected/visible")
     processes = num_gpus or (selected if not cpu else 2)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cpu and processes > cores and not oversubscribe:
+        # each would get a sliver of a core, and starting them alone (every one imports torch) can
+        # stall the machine for minutes
+        raise LaunchError(f"CPU=1 NUM_GPUS={processes}: {processes} CPU processes on the {cores} core(s) this node "
+                          f"gives us; use NUM_GPUS={cores} or fewer, or OVERSUBSCRIBE=1 "
+                          "to start them anyway")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise LaunchError(f"MASTER_PORT={master_port} is not a TCP port (1-65535)")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise LaunchError(f"NODE_RANK={node_rank} must be between 0 and NNODES-1={nnodes - 1}")
     port = master_port or DEFAULT_MASTER_PORT
