@@ -11,6 +11,12 @@ process killed during a save, a disk that filled up, a node writing into a folde
 cannot see, or a file damaged later leaves a checkpoint that fails these checks: on resume it
 is moved to ``<run>/incomplete-checkpoints/`` with a warning, never loaded, and the previous
 complete one is used.
+
+Digests catch damage, not a swapped payload whose digests were rewritten with it. The states a
+resume unpickles (optimizer, scheduler, random-number generators, DeepSpeed's partitions, which
+DeepSpeed loads with ``weights_only=False``) are therefore read for what they would build before
+anything loads them (:func:`code_it_would_run`): a file naming anything beyond tensors, plain data
+and the few classes the libraries save there is refused, never loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -185,15 +192,107 @@ def newest_complete(folder: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+# What the libraries' own states name besides what torch's weights_only loading builds anyway:
+# numpy's arrays (random-number states), DeepSpeed's loss scaler, stage and fragment addresses
+_SAVED_CLASSES = frozenset({
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+})
+# The trainer pickles its arguments beside the states (training_args.bin), for people; a resume never loads it
+_NEVER_LOADED = frozenset({"training_args.bin"})
+_PICKLED = (".pt", ".pth", ".bin", ".pkl")
+_RAW_PICKLES = (".metadata",)  # torch.distributed.checkpoint's index of an FSDP2 state, read with pickle.load
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds what a torch.distributed.checkpoint index holds (its metadata dataclasses and enums,
+    sizes, dtypes, layouts, paths, plain containers); records and refuses anything else."""
+
+    _NAMED = frozenset({"torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath",
+                        "collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.complex"})
+
+    def __init__(self, file) -> None:
+        super().__init__(file)
+        self.refused: list[str] = []
+
+    def find_class(self, module: str, name: str):
+        import dataclasses
+        import enum
+
+        import torch
+
+        found = super().find_class(module, name) if module.split(".")[0] in ("torch", "pathlib", "collections",
+                                                                               "builtins") else None
+        if (f"{module}.{name}" in self._NAMED or isinstance(found, torch.dtype)
+                or (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                    and isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)))):
+            return found
+        self.refused.append(f"{module}.{name}")
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _index_names(path: Path) -> list[str]:
+    with open(path, "rb") as handle:
+        unpickler = _IndexUnpickler(handle)
+        try:
+            unpickler.load()
+        except Exception as exc:  # noqa: BLE001 - what it refused, or a file that is no pickle
+            return unpickler.refused or [f"unreadable as a pickle ({exc.__class__.__name__})"]
+    return []
+
+
+def code_it_would_run(checkpoint: Path) -> dict[str, list[str]]:
+    """For each pickled file of `checkpoint` a resume loads, the callables loading it would call
+    beyond those of tensors, plain data and :data:`_SAVED_CLASSES` (read with torch's
+    ``weights_only`` scanner, which runs nothing); empty when there are none."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    found = {}
+    for path in sorted(checkpoint.rglob("*")):
+        if not path.is_file() or path.name in _NEVER_LOADED:
+            continue
+        if path.name in _RAW_PICKLES:
+            names = _index_names(path)
+        elif path.suffix in _PICKLED:
+            try:
+                names = get_unsafe_globals_in_checkpoint(str(path))
+            except Exception as exc:  # noqa: BLE001 - not torch's format: a raw pickle, refused as unreadable
+                names = [f"unreadable as a torch file ({exc.__class__.__name__})"]
+        else:
+            continue
+        names = [name for name in names if name not in _SAVED_CLASSES and not name.startswith("numpy.dtypes.")]
+        if names:
+            found[path.relative_to(checkpoint).as_posix()] = names
+    return found
+
+
+def _code_said(found: dict[str, list[str]]) -> str:
+    name, names = next(iter(found.items()))
+    more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
+    return f"{name} would run {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} when loaded{more}"
+
+
+def refusal(checkpoint: Path) -> str | None:
+    """Why `checkpoint` must not be loaded even though it is complete and matches its digests
+    (:func:`code_it_would_run`), or None."""
+    found = code_it_would_run(checkpoint)
+    return f"{_code_said(found)}: not something training saves, so not loaded" if found else None
+
+
 def newest_intact(folder: Path) -> Path | None:
     """The newest checkpoint in `folder` whose files match their recorded digests. Incomplete
     checkpoints, and complete ones whose contents changed since (a file damaged in place), are
-    set aside, so that the previous complete one is used."""
+    set aside, so that the previous complete one is used; so are checkpoints holding a file that
+    would run code when loaded (:func:`refusal`)."""
     set_aside_incomplete(folder)
     for checkpoint in reversed(checkpoints(folder)):
-        if is_complete(checkpoint, verify=True):
+        if not is_complete(checkpoint, verify=True):
+            set_aside(checkpoint, "does not match the digests recorded when it was saved (a file damaged since)")
+        elif (why := refusal(checkpoint)) is not None:
+            set_aside(checkpoint, why)
+        else:
             return checkpoint
-        set_aside(checkpoint, "does not match the digests recorded when it was saved (a file damaged since)")
     return None
 
 

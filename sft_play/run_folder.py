@@ -303,6 +303,9 @@ def resolve_resume(resume_from: str, output_dir: Path, run_name: str | None, con
     if not checkpoints.is_complete(checkpoint, verify=True):
         raise ValueError(f"train.resume_from: '{resume_from}' does not match the digests recorded when it was saved "
                          "(a file damaged since). Use auto to take the newest intact one")
+    refused = checkpoints.refusal(checkpoint)
+    if refused:
+        raise ValueError(f"train.resume_from: '{resume_from}': {refused}")
     run = checkpoint.parent.parent
     if checkpoint.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
         raise ValueError(f"train.resume_from: '{resume_from}' is not inside a run folder (<run>/checkpoints/checkpoint-N)")

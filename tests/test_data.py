@@ -440,16 +440,53 @@ def test_preprocessing_is_cached_and_invalidated_by_the_data(tmp_path, tiny_toke
     data_file.write_text((FIXTURES / "messages.jsonl").read_text())
     cfg = data_config(path=str(data_file), max_seq_length=64)
     first = build(cfg, tiny_tokenizer)
-    cached_dirs = list((tmp_path / "cache" / "data").iterdir())
+    cached_dirs = [p for p in (tmp_path / "cache" / "data").iterdir() if not p.name.startswith(".")]  # (work folders)
     assert len(cached_dirs) == 1
     second = build(cfg, tiny_tokenizer)
     assert second.train["input_ids"] == first.train["input_ids"] and second.stats == first.stats
     data_file.write_text(data_file.read_text() + (FIXTURES / "messages.jsonl").read_text().splitlines()[0] + "\n")
     third = build(cfg, tiny_tokenizer)
     assert third.stats.examples == first.stats.examples + 1
-    assert len(list((tmp_path / "cache" / "data").iterdir())) == 2
+    assert len([p for p in (tmp_path / "cache" / "data").iterdir() if not p.name.startswith(".")]) == 2
     changed_setting = build(data_config(path=str(data_file), max_seq_length=32), tiny_tokenizer)
     assert changed_setting.stats.max_seq_length == 32
+
+
+def test_a_damaged_cache_entry_is_prepared_again_with_one_warning(tmp_path, tiny_tokenizer, monkeypatch, caplog):
+    """An Arrow file cut in half ended in a traceback; 572 flipped bytes were trained on silently.
+    Each file's size and digest are recorded when it is saved and checked when it is read."""
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text((FIXTURES / "messages.jsonl").read_text())
+    cfg = data_config(path=str(data_file), max_seq_length=64)
+    first = build(cfg, tiny_tokenizer)
+    rows, stats = first.train["input_ids"][:], first.stats  # read now: the damage below is to these files
+    [entry] = [p for p in (tmp_path / "cache" / "data").iterdir() if not p.name.startswith(".")]  # not work folders
+    arrow = max(entry.rglob("*.arrow"), key=lambda p: p.stat().st_size)
+
+    def damaged_and_rebuilt(damage) -> str:
+        damage(arrow)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="sft_play.data.cache"):
+            again = build(cfg, tiny_tokenizer)
+        assert again.train["input_ids"][:] == rows and again.stats == stats
+        [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        return warning
+
+    def cut(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def flip(path):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2: len(data) // 2 + 572] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 572])
+        path.write_bytes(bytes(data))
+
+    assert "is damaged" in damaged_and_rebuilt(cut) and "bytes, saved as" in damaged_and_rebuilt(cut)
+    assert "does not match the digest saved with it" in damaged_and_rebuilt(flip)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sft_play.data.cache"):
+        build(cfg, tiny_tokenizer)  # rebuilt whole: read again without a word
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_planning_reads_the_statistics_of_a_build_without_loading_the_tokenizer(tmp_path, monkeypatch):

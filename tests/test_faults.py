@@ -243,8 +243,9 @@ def fake_checkpoint(run: Path, step: int, world_size: int = 1, strategy: str = "
     folder = run / "checkpoints" / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "adapter_model.safetensors").write_bytes(os.urandom(256))
-    for rank in range(world_size):
-        (folder / (f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth")).write_bytes(b"rng")
+    for rank in range(world_size):  # a state a resume would load: torch's format, tensors and plain data
+        torch.save({"python": rank, "cpu": torch.zeros(2)},
+                   folder / (f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"))
     checkpoints.write_marker(folder, step, world_size, strategy)
     if saved_at is not None:
         os.utime(folder / checkpoints.MARKER, (saved_at, saved_at))
@@ -392,6 +393,39 @@ def test_an_output_folder_that_is_not_shared_is_told_apart(tmp_path):
     assert list((tmp_path / "node0").iterdir()) == []
     message = run_folder.unshared_message(tmp_path / "node0", ["gpu-b"])
     assert "is not shared: the processes on gpu-b cannot see" in message and "filesystem every node mounts" in message
+
+
+def test_a_payload_swapped_with_its_digests_is_never_loaded(tmp_path):
+    """Digests catch damage, not a payload swapped in with the marker's digests rewritten to match:
+    DeepSpeed unpickles its partitions with weights_only=False, torch.distributed.checkpoint its
+    index with pickle.load. A file that would run code is refused before anything loads it."""
+    import pickle
+
+    run = fake_run(tmp_path, "run_tiny-20250101-000000", INTERRUPTED)
+    fake_checkpoint(run, 2)
+    planted = fake_checkpoint(run, 4)
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (planted / "global_step4").mkdir()
+    torch.save({"state": Planted()}, planted / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    checkpoints.write_marker(planted, 4)  # the digests rewritten with it
+    assert checkpoints.is_complete(planted, verify=True)
+    assert checkpoints.code_it_would_run(planted) == {
+        "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": ["posix.system"]}
+    with pytest.raises(ValueError, match=r"optim_states.pt would run posix.system when loaded: not something"):
+        run_folder.resolve_resume(str(planted), tmp_path, "run_tiny-20250101-000000", "run_tiny", 2)
+    index = fake_checkpoint(run, 6)  # an FSDP2 state's index, read with pickle.load
+    (index / "optimizer_0").mkdir()
+    (index / "optimizer_0" / ".metadata").write_bytes(pickle.dumps({"planned": Planted()}))
+    checkpoints.write_marker(index, 6)
+    assert checkpoints.code_it_would_run(index) == {"optimizer_0/.metadata": ["posix.system"]}
+    assert checkpoints.newest_intact(run / "checkpoints").name == "checkpoint-2"  # both set aside, never loaded
+    assert sorted(p.name for p in (run / "incomplete-checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert not marker.exists()
 
 
 def test_markers_cover_every_ranks_files_and_older_markers_still_count(tmp_path):

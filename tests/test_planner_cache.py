@@ -6,6 +6,7 @@ another, in workers that end with their parent and on SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,6 +75,31 @@ def test_what_is_kept_follows_its_key_and_a_cache_that_cannot_be_written_is_skip
             assert cache.remembered("shape", ("c",), lambda: compute(9)) == {"value": 9}
     finally:
         (tmp_path / "planner").chmod(0o700)
+
+
+def test_a_planted_cache_file_runs_no_code_and_counts_as_none(tmp_path, monkeypatch):
+    """The cache was pickle.loads of whatever lay in $SFT_PLAY_CACHE/planner: a planted file ran
+    `touch` on make plan. Only the planner's own dataclasses and plain containers load."""
+    import pickle
+
+    from sft_play.planner.simulate.trace import ModuleEvents
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path))
+    assert cache.remembered("shape", ("a",), lambda: {"value": 1}) == {"value": 1}
+    [path] = (tmp_path / "planner").iterdir()
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    path.write_bytes(pickle.dumps(Planted()))
+    assert cache.remembered("shape", ("a",), lambda: {"value": 2}) == {"value": 2}  # recomputed
+    assert not marker.exists()
+    path.write_bytes(pickle.dumps({"value": 3}))
+    assert cache.remembered("shape", ("a",), lambda: {"value": 4}) == {"value": 3}  # plain data loads
+    events = ModuleEvents(**{field.name: () for field in dataclasses.fields(ModuleEvents)})
+    assert cache._loads(pickle.dumps([events, frozenset({1}), (2, 3.0)])) == [events, frozenset({1}), (2, 3.0)]
 
 
 def test_the_key_is_the_model_config_as_written_and_the_code_that_reads_it(tmp_path):

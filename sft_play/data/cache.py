@@ -3,7 +3,8 @@ by the data itself (local files by path, size and modification time; hub dataset
 split), the tokenizer (its vocabulary, merges and chat template) and every ``data`` setting.
 
 Kept under ``$SFT_PLAY_CACHE/data/<key>/`` (default ``~/.cache/sft_play``), written atomically,
-and read memory-mapped, so that the second run of a config, and every rank but the first of a
+and read memory-mapped, each file checked first against the size and digest recorded when it was
+saved (a damaged entry is prepared again, with one warning), so that the second run of a config, and every rank but the first of a
 distributed run, skip tokenisation. A preparation's own Arrow files (records, tokens, packed rows)
 are written in a folder of its process (:func:`scratch`), removed when it ends; one a killed process
 left is removed by the next preparation on the same host. Processes that start together with the same data (a sweep,
@@ -43,8 +44,9 @@ logger = logging.getLogger(__name__)
 # answers, and names the examples tokenising leaves out; 3 reads Alpaca's history, tool calls and
 # ShareGPT's function_call (rows skip used to drop), and folders by split; 4 keeps the sum of the examples'
 # squared lengths (attention's FLOPs); 5 reads content given as parts and images (rows skip used to drop); 6
-# counts the examples that show images; 7 keeps the vision encoder's inputs for the heaviest example
-CACHE_VERSION = 7
+# counts the examples that show images; 7 keeps the vision encoder's inputs for the heaviest example; 8 records
+# each saved file's size and digest
+CACHE_VERSION = 8
 
 
 def cache_root() -> Path:
@@ -217,15 +219,26 @@ def out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
 
 
-def load(key: str) -> dict[str, Any] | None:
-    """{"train", "validation", "stats", "validation_stats"} as saved, or None when not cached."""
+def load(key: str, verify: bool = True) -> dict[str, Any] | None:
+    """{"train", "validation", "stats", "validation_stats"} as saved, or None when not cached. With
+    `verify`, every file is first checked against the size and digest recorded when it was saved:
+    a damaged entry (a file cut short, bytes flipped, a file gone) is removed, said once, and
+    counts as not cached."""
     import datasets
 
     folder = cache_root() / key
     meta = folder / "meta.json"
     if not meta.is_file():
         return None
-    saved = json.loads(meta.read_text())
+    try:
+        saved = json.loads(meta.read_text())
+        damage = _damage(folder, saved["files"]) if verify else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        damage = f"meta.json unreadable ({exc})"
+    if damage:
+        logger.warning("data: the cached preprocessing %s is damaged (%s): preparing the data again", key, damage)
+        forget(key)
+        return None
     cache_usage.used(folder)
     return {
         "train": datasets.load_from_disk(str(folder / "train")),
@@ -233,6 +246,37 @@ def load(key: str) -> dict[str, Any] | None:
         "stats": saved["stats"],
         "validation_stats": saved["validation_stats"],
     }
+
+
+def _file_digest(path: Path) -> str:
+    # xxHash (a dependency of datasets): damage, not tampering, is what it detects, at several GB/s,
+    # so that a million rows cost a second or so to check on every start
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under `folder` (but meta.json): its size and digest, by path relative to it."""
+    return {path.relative_to(folder).as_posix(): {"size": path.stat().st_size, "xxh3_128": _file_digest(path)}
+            for path in sorted(folder.rglob("*")) if path.is_file() and path.name != "meta.json"}
+
+
+def _damage(folder: Path, recorded: dict[str, dict[str, Any]]) -> str | None:
+    """What differs between `folder`'s files and `recorded` (:func:`_files`), or None."""
+    for name, entry in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["size"]:
+            return f"{name} is {path.stat().st_size:,} bytes, saved as {entry['size']:,}"
+        if _file_digest(path) != entry["xxh3_128"]:
+            return f"{name} does not match the digest saved with it"
+    return None
 
 
 def save(key: str, train: Any, validation: Any | None, stats: dict, validation_stats: dict | None) -> bool:
@@ -248,6 +292,7 @@ def save(key: str, train: Any, validation: Any | None, stats: dict, validation_s
             validation.save_to_disk(str(staging / "validation"))
         (staging / "meta.json").write_text(json.dumps({
             "has_validation": validation is not None, "stats": stats, "validation_stats": validation_stats,
+            "files": _files(staging),
         }))
         os.rename(staging, root / key)
         return True

@@ -562,7 +562,7 @@ def build(cfg: DataConfig, tokenizer: Any, seed: int = 0, processor: Any = None)
             bundle = _prepared(cfg, tokenizer, seed, folder, processor)
             if cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
                           bundle.validation_stats.to_dict() if bundle.validation_stats else None):
-                bundle = _bundle_from(cache.load(key))  # the cache's copy: the steps' files can go
+                bundle = _bundle_from(cache.load(key, verify=False))  # the cache's copy: the steps' files can go
                 cache.discard(folder)
     # what planning reads without loading the tokenizer (transformers keeps the source it loaded from)
     cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed),

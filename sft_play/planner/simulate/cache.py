@@ -16,7 +16,9 @@ under a key of everything that decides them (the model's config, the shape, the 
 micro-batch, the budget) and the source of the whole package: a warm plan, remedies and all,
 replays nothing it replayed before.
 
-Models with remote code are not kept (their code can change under the same config), nor what a
+What is kept is read back by an unpickler that builds only the planner's own dataclasses and plain
+containers (:class:`_PlannerUnpickler`): a planted file cannot run code, so the cache can be
+shared between people. Models with remote code are not kept (their code can change under the same config), nor what a
 process computed from a local config.json that was edited after it read it. A file that cannot be
 read counts as absent and is recomputed; a cache that cannot be written is skipped. Nothing is
 evicted: a few hundred KB per model and sequence length.
@@ -24,8 +26,11 @@ evicted: a few hundred KB per model and sequence length.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -93,7 +98,7 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     digest = hashlib.sha256(repr((kind, key, fingerprint())).encode()).hexdigest()[:40]
     path = folder() / f"{kind}-{digest}.pkl"
     try:
-        value = pickle.loads(path.read_bytes())
+        value = _loads(path.read_bytes())
         cache_usage.used(path)
         return value
     except FileNotFoundError:
@@ -103,6 +108,26 @@ def remembered(kind: str, key: tuple, compute: Callable[[], T], *, keep: bool = 
     value = compute()
     _write_whole(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     return value
+
+
+class _PlannerUnpickler(pickle.Unpickler):
+    """Builds the planner's own dataclasses and enums (``sft_play.*``) and plain containers,
+    nothing else: a pickle names any callable to run on load, and this cache may be shared."""
+
+    _BUILTINS = frozenset({"list", "tuple", "dict", "set", "frozenset", "complex"})
+
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        if module.startswith("sft_play.") and "." not in name:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not something the planner keeps")
+
+
+def _loads(data: bytes):
+    return _PlannerUnpickler(io.BytesIO(data)).load()
 
 
 def _write_whole(path: Path, data: bytes) -> None:
