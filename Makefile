@@ -40,6 +40,10 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
 	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu) $(if $(OVERSUBSCRIBE),--oversubscribe)
 
+# ARGS reaches the commands through the environment, read by sft_play.cli.run, never through a shell:
+# `...`, $(...) and $VAR in it stay text, quotes group words as a shell's would
+check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb train-deepspeed train-deepspeed-tb generate chat eval merge planner-check clean-cache: export SFT_PLAY_ARGS = $(value ARGS)
+
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
@@ -58,55 +62,55 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP) ## Create .venv, install the pinned requirements and this package (editable); re-runs when they change
 
 check: $(STAMP) ## Validate CONFIG, the environment, the data, the output folder and the disk
-	$(PY) scripts/check.py --config $(CONFIG) $(ARGS)
+	$(PY) scripts/check.py --config $(CONFIG)
 
 gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json)
-	@$(PY) scripts/gpu_info.py $(ARGS)
+	@$(PY) scripts/gpu_info.py
 
 plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit, HOST_GIB=512; ARGS=--no-data: without reading the data)
-	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB)) $(ARGS)
+	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB))
 
 data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
-	$(PY) scripts/data_stats.py --config $(CONFIG) $(ARGS)
+	$(PY) scripts/data_stats.py --config $(CONFIG)
 
 setup-accelerate: $(STAMP) ## Write configs/accelerate/local.yaml with accelerate's wizard (AUTO=1: from the hardware, no questions)
-	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force) $(ARGS)
+	$(PY) scripts/setup_accelerate.py $(if $(AUTO),--auto) $(if $(FORCE),--force)
 
 train: $(STAMP) ## Train on one device (default CONFIG: the embedded tiny model, every weight fine-tuned, 2-3 min on 2 CPU cores); RESUME=auto continues
-	$(PY) scripts/train_distributed.py --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/train_distributed.py --config $(CONFIG) $(RESUME_ARG)
 
 train-tb: $(STAMP) ## Train with TensorBoard on a free loopback port; it stops when training ends
-	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/launch.py --launcher python --tensorboard --config $(CONFIG) $(RESUME_ARG)
 
 train-distributed: $(STAMP) ## DDP (FSDP2 with distributed.strategy=fsdp2) on NUM_GPUS GPUs (default all; GPUS=0,1 picks; CPU=1: processes on the CPU) via accelerate; NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT for many nodes
-	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG)
 
 train-distributed-tb: $(STAMP) ## train-distributed with TensorBoard on a free loopback port (URL printed)
-	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/launch.py --launcher accelerate --accelerate-config $(ACCELERATE_CONFIG) $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG)
 
 train-deepspeed: $(STAMP) ## DeepSpeed ZeRO-2 (configs/deepspeed_z2.json, 'auto' values from the plan; ZeRO-3 with distributed.strategy=deepspeed_zero3) via torchrun; same variables
-	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --config $(CONFIG) $(RESUME_ARG)
 
 train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopback port (URL printed)
-	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG) $(ARGS)
+	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG)
 
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
 	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)
 
 generate: $(STAMP) ## Answer PROMPT (about the picture IMAGE, for a vision-language run) with RUN (default: the newest run; held-out prompts when PROMPT is empty)
-	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(if $(IMAGE),--image "$(IMAGE)") $(ARGS)
+	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(if $(IMAGE),--image "$(IMAGE)")
 
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
-	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG)
 
 eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json (DATA=test.jsonl: other data -> RUN/eval-test.json)
-	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(if $(DATA),--data "$(DATA)") $(ARGS)
+	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(if $(DATA),--data "$(DATA)")
 
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
-	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG) $(ARGS)
+	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG)
 
 planner-check: $(STAMP) ## The planner's error on your hardware: every run's predicted vs measured peak (RUNS=runs/)
-	$(PY) scripts/planner_check.py --runs $(RUNS) $(ARGS)
+	$(PY) scripts/planner_check.py --runs $(RUNS)
 
 test: $(STAMP) ## Run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)
@@ -124,4 +128,4 @@ clean: ## Remove run folders and pytest's cache (keeps .venv, and the data and p
 	rm -rf runs .pytest_cache
 
 clean-cache: $(STAMP) ## Show $SFT_PLAY_CACHE (~/.cache/sft_play) and delete entries unused for 14 days (ARGS="--days 3", "--all", "--dry-run")
-	$(PY) scripts/clean_cache.py $(ARGS)
+	$(PY) scripts/clean_cache.py

@@ -232,6 +232,7 @@ def run(main: Callable[[], int | None]) -> None:
     with importing():  # torch, where it is installed
         quiet_libraries()
     try:
+        sys.argv[1:] = [*sys.argv[1:], *make_args()]
         status = main()
     except USER_ERRORS as exc:
         _end_progress_bars()
@@ -247,6 +248,28 @@ def run(main: Callable[[], int | None]) -> None:
         print("interrupted", file=sys.stderr)
         leave(130)
     leave(status or 0)
+
+
+MAKE_ARGS = "SFT_PLAY_ARGS"
+
+
+def make_args() -> list[str]:
+    """The words of ``make ... ARGS="..."``, which the Makefile passes in :data:`MAKE_ARGS` rather
+    than through a shell (so that nothing in them is run), split as a shell splits words, with
+    quotes grouping; taken out of the environment, so that the processes this one starts do not
+    read them again.
+
+    Raises:
+        UserError: a line break in ARGS (a shell would have run the rest as another command)."""
+    text = os.environ.pop(MAKE_ARGS, "")
+    if "\n" in text or "\r" in text:
+        raise UserError("ARGS holds a line break: put every override on one line, separated by spaces")
+    import shlex
+
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise UserError(f"ARGS cannot be read as words ({exc}): {text}") from None
 
 
 def _rank_prefix() -> str:

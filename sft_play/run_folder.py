@@ -490,13 +490,13 @@ def resolve_run(run: str | None, output_dir: str | Path) -> Path:
     """
     if run:
         path = Path(run)
+        holder = in_use(path) if path.is_dir() else None  # (a live run has no model/ yet: say who trains it)
+        if holder:
+            raise RunInUse(f"{path} is still being written ({holder}): wait for its training to end")
         if not path.is_dir() or not ((path / "model").is_dir() or (path / "config.json").is_file()
                                      or (path / "adapter_config.json").is_file()):
             raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
                                     f"see `ls {output_dir}`")
-        holder = in_use(path)
-        if holder:
-            raise RunInUse(f"{path} is still being written ({holder}): wait for its training to end")
         return path
     runs = finished_runs(output_dir)
     if not runs:

@@ -49,12 +49,25 @@ def die_with_parent() -> None:
 _SHELLS = {"sh", "bash", "dash", "zsh"}
 
 
+# The user's command, as the launcher found it, for the training processes it starts: they may
+# outlive it (killed with make's process group) and can no longer find it above them
+USER_COMMAND_ENV = "SFT_PLAY_USER_COMMAND"
+
+
 def user_command() -> list[str]:
-    """The command the user ran to start this training process: the nearest ``make`` above it
-    (reached through the launcher and make's shell only), else the launcher script's command
-    line, else this process's own."""
+    """The command the user ran to start this training process: the one its launcher found
+    (:data:`USER_COMMAND_ENV`), else the nearest ``make`` above it (reached through the launcher
+    and make's shell only), else the launcher script's command line, else this process's own."""
+    import json
+
     import psutil
 
+    try:
+        given = json.loads(os.environ.get(USER_COMMAND_ENV, "null"))
+    except ValueError:
+        given = None
+    if isinstance(given, list) and given and all(isinstance(word, str) for word in given):
+        return given
     found = [sys.executable, *sys.argv]
     try:
         parents = psutil.Process().parents()

@@ -47,7 +47,7 @@ os.environ.update(
 # below it (as ARGS=... in the environment and in MAKEFLAGS): the tests' own `make gpu-info` then
 # ran with ARGS=tests/test_makefile.py and failed. The targets a test runs take only the variables
 # it gives them: none of the Makefile's (`NAME ?= default`) comes from outside.
-for _name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL",
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL", "SFT_PLAY_ARGS", "SFT_PLAY_USER_COMMAND",
               *re.findall(r"^([A-Z_]+) \?=", (REPO / "Makefile").read_text(), flags=re.MULTILINE)):
     os.environ.pop(_name, None)
 sys.path.insert(0, str(REPO))

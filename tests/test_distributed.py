@@ -62,11 +62,13 @@ def check_two_rank_run(run_dir: Path, output: str) -> dict:
 
 
 class StoppedRun:
-    """A make target started in its own process group and sent SIGTERM, to the whole group as a
-    terminal or a cluster does, once step 2 is under way (made slow on purpose: ``slow_step``)."""
+    """A make target started in its own process group and sent SIGTERM (or SIGHUP: the terminal
+    closed), to the whole group as a terminal or a cluster does, once step 2 is under way (made
+    slow on purpose: ``slow_step``)."""
 
-    def __init__(self, target: str, run_dir: Path, extra: tuple[str, ...] = ()) -> None:
-        self.target, self.run_dir = target, run_dir
+    def __init__(self, target: str, run_dir: Path, extra: tuple[str, ...] = (),
+                 signum: signal.Signals = signal.SIGTERM) -> None:
+        self.target, self.run_dir, self.signum = target, run_dir, signum
         self.command = ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2",
                         f"ARGS={' '.join([*TINY, *extra])} train.output_dir={run_dir.parent} train.run_name={run_dir.name}"]
         self.process = subprocess.Popen(
@@ -82,7 +84,7 @@ class StoppedRun:
         for line in self.process.stdout:
             self.lines.append(line)
             if self.signalled_at is None and "fault injection (slow_step)" in line:
-                os.killpg(self.process.pid, signal.SIGTERM)
+                os.killpg(self.process.pid, self.signum)
                 self.signalled_at = time.monotonic()
         self.process.wait()
         self.ended_at = time.monotonic()
@@ -99,12 +101,12 @@ class StoppedRun:
 
 @pytest.fixture(scope="module")
 def stopped_runs(tmp_path_factory):
-    """DDP, ZeRO-2 and FSDP2 runs stopped by SIGTERM during a slow step, started first so that
-    they sleep through the uninterrupted runs below."""
+    """DDP, ZeRO-2 and FSDP2 runs stopped by SIGTERM (FSDP2's by SIGHUP) during a slow step, started
+    first so that they sleep through the uninterrupted runs below."""
     root = tmp_path_factory.mktemp("stopped")
     runs = {"ddp": StoppedRun("train-distributed", root / "ddp"),
             "zero2": StoppedRun("train-deepspeed", root / "zero2"),
-            "fsdp2": StoppedRun("train-distributed", root / "fsdp2", FSDP2)}
+            "fsdp2": StoppedRun("train-distributed", root / "fsdp2", FSDP2, signal.SIGHUP)}
     yield runs
     for run in runs.values():
         run.kill()
@@ -272,8 +274,9 @@ def test_sigterm_under_every_strategy_saves_every_rank_and_resumes_to_the_same_l
         assert "[Makefile" in output and f"{run.target}] Error 75" in output, output[-5000:]
         assert run.ended_at - run.signalled_at > 30, "the processes had the time the step and the save took"
         assert "Traceback" not in output and "SignalException" not in output, output[-5000:]
-        assert output.count("received SIGTERM: finishing this step") == 2, "each rank got the stop once"
-        assert "Stopped by SIGTERM at step 2; checkpoint saved" in output
+        said = run.signum.name  # the signal the terminal or cluster sent, as the ranks say it
+        assert output.count(f"received {said}: finishing this step") == 2, "each rank got the stop once"
+        assert f"Stopped by {said} at step 2; checkpoint saved" in output
         checkpoint = run.run_dir / "checkpoints" / "checkpoint-2"
         assert checkpoints.is_complete(checkpoint, verify=True)
         assert checkpoints.written_by(checkpoint) == (2, strategies[name])
@@ -462,14 +465,14 @@ def test_the_rank_that_failed_is_named_not_the_one_that_lost_contact_with_it(tmp
 
 def test_a_stop_signal_is_passed_on_once_however_often_it_arrives(monkeypatch):
     """Three deliveries of one SIGTERM within the duplicate window are one request; a SIGHUP after
-    it is a second (passed on as SIGTERM). The forwarder's clock is the test's, so that a busy
+    it is a second (passed on as it came). The forwarder's clock is the test's, so that a busy
     machine cannot stretch the window; the child says when its trap is set and when it got each."""
     clock = [1000.0]
     monkeypatch.setattr(supervise.time, "monotonic", lambda: clock[0])
     sent = []
     real_killpg = os.killpg
     monkeypatch.setattr(supervise.os, "killpg", lambda pid, signum: (sent.append(signum), real_killpg(pid, signum)))
-    child = subprocess.Popen(["bash", "-c", 'trap "echo got" TERM; echo ready; while :; do sleep 0.05; done'],
+    child = subprocess.Popen(["bash", "-c", 'trap "echo got" TERM HUP; echo ready; while :; do sleep 0.05; done'],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     forwarder = launch.StopForwarder(lambda: [child.pid])
     forwarder.install()
@@ -480,13 +483,13 @@ def test_a_stop_signal_is_passed_on_once_however_often_it_arrives(monkeypatch):
             clock[0] += 0.1
         received = [child.stdout.readline().strip()]  # (two signals in flight at once would merge)
         clock[0] += launch.DUPLICATE_SIGNAL_WINDOW_S
-        os.kill(os.getpid(), signal.SIGHUP)  # a second request, later: passed on (as SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)  # a second request, later: passed on
         received.append(child.stdout.readline().strip())
     finally:
         forwarder.restore()
         child.kill()
         child.wait()
-    assert sent == [signal.SIGTERM, signal.SIGTERM] and received == ["got", "got"]
+    assert sent == [signal.SIGTERM, signal.SIGHUP] and received == ["got", "got"]
     assert forwarder.first == "SIGTERM" and forwarder.requests == 2
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 

@@ -95,6 +95,27 @@ def test_make_check_fails_with_a_list_on_a_bad_config():
     assert "[FAIL] config" in result.stdout and "train.learning_rate" in result.stdout
 
 
+def test_args_reach_the_commands_as_text_never_through_a_shell(tmp_path, monkeypatch):
+    """ARGS was pasted into the recipe's shell line: `...` and $(...) in it ran, and a line break
+    dropped what followed it while the resume hint still listed it."""
+    from sft_play import cli
+    from sft_play.errors import UserError
+
+    marker = tmp_path / "pwned"
+    result = make("check", f"ARGS=train.run_name=`touch {marker}` train.seed=$(touch {marker})")
+    assert not marker.exists()
+    assert f"override '{marker}`' is not of the form section.key=value" in result.stdout, result.stdout
+    result = make("check", "ARGS=train.max_steps=1\ntrain.seed=3")
+    assert result.returncode == 2 and result.stderr.splitlines()[0] == (
+        "error: ARGS holds a line break: put every override on one line, separated by spaces")
+    monkeypatch.setenv(cli.MAKE_ARGS, """train.run_name="a b" data.path='x y.jsonl' --json $HOME""")
+    assert cli.make_args() == ["train.run_name=a b", "data.path=x y.jsonl", "--json", "$HOME"]  # quotes group
+    assert cli.MAKE_ARGS not in os.environ, "taken: the processes it starts do not read it again"
+    monkeypatch.setenv(cli.MAKE_ARGS, 'train.run_name="unclosed')
+    with pytest.raises(UserError, match="ARGS cannot be read as words"):
+        cli.make_args()
+
+
 def watch(process: subprocess.Popen, when: str, then) -> tuple[threading.Thread, list[str]]:
     """Read `process`'s output on a thread; call `then()` once a line contains `when`."""
     lines: list[str] = []

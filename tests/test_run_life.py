@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -100,13 +102,13 @@ def _holder(folder: Path) -> subprocess.Popen:
 
 def test_one_process_writes_a_run_folder_and_the_lock_dies_with_it(tmp_path):
     run = tmp_path / "r"
-    (run / "model").mkdir(parents=True)
+    run.mkdir()  # a live run: no model/ yet
     holder = _holder(run)
     try:
         assert run_folder.in_use(run) == f"pid {holder.pid} on {os.uname().nodename}"
         with pytest.raises(run_folder.RunInUse, match=f"in use by another process \\(pid {holder.pid}"):
             run_folder.hold(run)
-        with pytest.raises(run_folder.RunInUse, match="is still being written"):  # make generate/merge/eval RUN=
+        with pytest.raises(run_folder.RunInUse, match=f"is still being written \\(pid {holder.pid}"):  # make eval RUN=
             run_folder.resolve_run(str(run), tmp_path)
     finally:
         holder.kill()
@@ -192,7 +194,8 @@ def test_the_ranks_of_a_real_launch_end_when_makes_process_group_is_killed(tmp_p
     were re-parented to PID 1 and trained on to the end. Now each gets the launcher's end as a stop
     request, saves the step it is in, and exits."""
     args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=4 train.save_steps=0 {' '.join(PINNED)}"
-    make = subprocess.Popen(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args],
+    command = ["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args]
+    make = subprocess.Popen(command,
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1"})
     seen = []
@@ -212,6 +215,11 @@ def test_the_ranks_of_a_real_launch_end_when_makes_process_group_is_killed(tmp_p
     checkpoint = tmp_path / "r" / "checkpoints" / "checkpoint-1"
     assert checkpoints.is_complete(checkpoint, verify=True), "the step they were in was saved"
     assert not run_folder.is_finished(tmp_path / "r")
+    # with make gone, the ranks could no longer find it above them: each printed its own python line,
+    # which a resume refused (2 processes wrote the checkpoint, 1 would read it)
+    said = make.stdout.read()
+    resumes = re.findall(r"^  resume: (.+)$", said, re.M)
+    assert resumes and all(shlex.split(line) == [*command, "RESUME=auto"] for line in resumes), said[-3000:]
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ under ``torchrun`` (DeepSpeed takes its settings from the run config through the
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from sft_play.lean_imports import sanitized_cuda_arch_list
 from sft_play.launch import rendezvous
 from sft_play.launch.tensorboard import LOOPBACK, port_is_free
 from sft_play.run import CPU_ENV
+from sft_play.stopping import USER_COMMAND_ENV, user_command
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "scripts" / "train_distributed.py"
@@ -201,6 +203,7 @@ def child_env(topology: Topology | None = None, gpus: str | None = None,
     :func:`sft_play.run.placement` reads) and DeepSpeed's CPU accelerator, so that torch,
     accelerate, DeepSpeed and the run agree that nothing trains on a GPU."""
     env = dict(os.environ)
+    env[USER_COMMAND_ENV] = json.dumps(user_command())  # found from here, where make is still above
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus

@@ -3,9 +3,9 @@
 Both launchers run inside the launcher process (as ``accelerate launch`` itself runs torchrun's
 agent), on a thread, so that this process keeps the say over signals and outcomes:
 
-- a stop signal (SIGTERM, SIGINT; SIGHUP counts as SIGTERM) is passed on to the training
-  processes once, however many times it arrives (a terminal or a cluster signals every process,
-  and ``make`` passes SIGTERM on too), and they get ``distributed.stop_timeout_minutes`` to
+- a stop signal (SIGTERM, SIGINT, SIGHUP) is passed on to the training processes as it came
+  (each says which stopped it), once however many times it arrives (a terminal or a cluster
+  signals every process, and ``make`` passes SIGTERM on too), and they get ``distributed.stop_timeout_minutes`` to
   finish the step and save before they are killed (torchrun's own agent would kill them after
   30 s, and exit with a traceback);
 - the launcher exits with the training processes' status (75 after a stop that saved), with one
@@ -37,7 +37,8 @@ from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, EXIT_INTERRUPTED, EXIT_
 class StopForwarder:
     """Passes a stop signal on to the training processes, once per request.
 
-    SIGTERM and SIGINT are passed on as they are, SIGHUP as SIGTERM; a signal arriving within
+    SIGTERM, SIGINT and SIGHUP are passed on as they are (the training processes treat each as a
+    stop request, and say which it was); a signal arriving within
     :data:`DUPLICATE_SIGNAL_WINDOW_S` of the previous one is the same request delivered twice
     and is not passed on again. A later one is (the training processes then stop at once).
     Each target is a process-group leader (torchrun starts its workers in their own sessions,
@@ -71,13 +72,12 @@ class StopForwarder:
         if self.first is None:
             self.first, self.first_at = signal.Signals(signum).name, now
         self.requests += 1
-        self.send(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        self.send(signum)
 
     def catch_up(self) -> None:
         """Pass a stop request on to training processes started after it arrived."""
         if self.first is not None:
-            signum = signal.SIGTERM if self.first == "SIGHUP" else signal.Signals[self.first]
-            self.send(signum, [pid for pid in self.targets() if pid not in self.signalled])
+            self.send(signal.Signals[self.first], [pid for pid in self.targets() if pid not in self.signalled])
 
     def send(self, signum: int, pids: list[int] | None = None) -> None:
         for pid in self.targets() if pids is None else pids:
@@ -209,7 +209,7 @@ def _failure_status(error: BaseException, stop: StopForwarder) -> tuple[int, str
             return EXIT_INTERRUPTED, None
         if set(codes.values()) == {EXIT_USER_ERROR}:  # each rank printed its error
             return EXIT_USER_ERROR, None
-        if stop.first and stop.requests == 1 and set(codes.values()) <= {-signal.SIGTERM, -signal.SIGINT}:
+        if stop.first and stop.requests == 1 and set(codes.values()) <= {-s for s in StopForwarder.SIGNALS}:
             return EXIT_INTERRUPTED, _STOPPED_AT_START.format(stop.first)
         def said(rank: int) -> str:
             code = codes[rank]
@@ -312,7 +312,7 @@ def run_process(command: list[str], env: dict[str, str], timeouts: Timeouts) -> 
                     print(f"error: training did not stop within {timeouts.stop_s / 60:g} min of {stop.first} "
                           "(distributed.stop_timeout_minutes): killing it", file=sys.stderr, flush=True)
                     stop.send(signal.SIGKILL)
-        if stop.first and stop.requests == 1 and status in (-signal.SIGTERM, -signal.SIGINT):
+        if stop.first and stop.requests == 1 and -status in StopForwarder.SIGNALS:
             print(_STOPPED_AT_START.format(stop.first), file=sys.stderr, flush=True)  # before it could save
             return EXIT_INTERRUPTED
         return 128 - status if status < 0 else status
