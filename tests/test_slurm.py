@@ -23,6 +23,7 @@ STUBS = {
     # every "node" runs the task here, with its own SLURM_NODEID; srun's status is the highest
     "srun": """#!/bin/bash
 echo "srun $*" >> "$STUB_LOG"
+echo "srun's environment: SFT_PLAY_ARGS=$SFT_PLAY_ARGS" >> "$STUB_LOG"
 while [[ $1 == --* ]]; do shift; done
 [[ -n ${STUB_SRUN_STATUS:-} ]] && exit "$STUB_SRUN_STATUS"
 pids=()
@@ -88,7 +89,9 @@ def test_a_stop_at_the_time_limit_requeues_the_job_and_a_stop_by_hand_does_not(t
     assert "scripts/launch.py --launcher accelerate" in task and "--node-rank $SLURM_NODEID" in task
     assert "--num-gpus ${SLURM_GPUS_ON_NODE:-8}" in task and "--nnodes 2" in task
     assert "--master-addr 127.0.0.1 --master-port 23456" in task, "the port comes from the job id"
-    assert "train.resume_from=auto train.run_name=sft-play-run_tiny train.max_steps=4" in task
+    assert task.endswith("--config configs/run_tiny.yaml train.resume_from=auto"), task
+    # the overrides reach the launcher as make passes ARGS, in the environment srun passes on
+    assert "srun's environment: SFT_PLAY_ARGS=train.run_name=sft-play-run_tiny train.max_steps=4" in calls
     assert "scontrol requeue 123456" in calls
     by_hand, calls = sbatch(tmp_path / "hand", 123456, STUB_SRUN_STATUS="75", STUB_TIME_LEFT="1-02:00:00")
     assert by_hand.returncode == 75 and not [c for c in calls if "requeue" in c]
