@@ -11,6 +11,11 @@ from __future__ import annotations
 from sft_play import cli, lean_imports
 
 
+def _examples(result: dict) -> str:
+    examples, rows = result["validation_examples"], result["validation_rows"]
+    return f"{examples} examples" + (f", packed into {rows} rows" if rows != examples else "")
+
+
 def main() -> int:
     parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
@@ -27,7 +32,7 @@ def main() -> int:
         from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data)
     print(f"Run: {run}\n  data: {result['data']}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-          f"over {result['loss_tokens']} tokens ({result['validation_rows']} rows)")
+          f"over {result['loss_tokens']} tokens ({_examples(result)})")
     for g in result["generations"]:
         print(f"  {'ok ' if g['exact_match'] else 'no '} {g['prompt']!r} -> {g['answer']!r} (reference {g['reference']!r})")
     matches = sum(g["exact_match"] for g in result["generations"])

@@ -363,6 +363,7 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
             update={"validation_path": data_path, "validation_fraction": 0.0})})
         stats = data.DataStats()
         rows = data.tokenize_file(data_path, tokenizer, config.data, stats, processor=processor)
+        examples = stats.examples
         if len(rows) == 0:
             raise UserError(f"no usable example in {data_path} to evaluate on"
                             + (f": {data.skip_summary(stats)}" if stats.skipped else ""))
@@ -370,7 +371,8 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
         raise UserError("the run has no validation data: set data.validation_path or data.validation_fraction, or "
                         "evaluate on other data (make eval DATA=test.jsonl)")
     else:
-        rows = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor).validation
+        bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor)
+        rows, examples = bundle.validation, bundle.validation_stats.examples if bundle.validation_stats else None
     # Batches for the kernel the model was loaded with here (SDPA by default), not the training
     # run's: flash-attn may be missing on the machine that evaluates
     collator = make_collator(tokenizer.pad_token_id, collator_kind(config.data.packing, model.config._attn_implementation),
@@ -397,7 +399,8 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
         generations.append({"prompt": prompt.shown(), "reference": prompt.reference, "answer": answer,
                             "exact_match": answer == prompt.reference})
     result = {"data": data_path or "the run's validation data", "loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-              "loss_tokens": tokens, "validation_rows": len(rows), "generations": generations}
+              "loss_tokens": tokens, "validation_rows": len(rows), "validation_examples": examples or len(rows),
+              "generations": generations}
     model_dir, _ = _locate(Path(path))
     (model_dir.parent / eval_file_name(data_path)).write_text(json.dumps(result, indent=2) + "\n")
     return result

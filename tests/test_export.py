@@ -155,6 +155,10 @@ def test_eval_writes_loss_perplexity_and_generations(runs, commands):
     assert 0 < saved["loss"] < 10 and saved["perplexity"] == pytest.approx(2.718281828 ** saved["loss"], rel=1e-6)
     assert saved["loss_tokens"] > 1000 and len(saved["generations"]) == 2
     assert "validation loss" in result.stdout
+    # the examples are what was held out, not the packed rows they fill ("(4 rows)" read as examples lost)
+    validation = len((REPO / "data" / "tiny" / "validation.jsonl").read_text().splitlines())
+    assert saved["validation_examples"] == validation > saved["validation_rows"]
+    assert f"({validation} examples, packed into {saved['validation_rows']} rows)" in result.stdout
     # the chunked head gives the loss full logits would
     from sft_play import data
     from sft_play.data.collate import make_collator
