@@ -1069,7 +1069,7 @@ def streamed_config(**values):
     return config_module.load(None, [*overrides, "data.streaming=true", "train.max_steps=10"], check_paths=False).data
 
 
-def test_a_stream_gives_the_rows_preparation_gives_with_statistics_of_its_sample(tmp_path, tiny_tokenizer):
+def test_a_stream_gives_the_rows_preparation_gives_with_statistics_of_its_sample(tmp_path, tiny_tokenizer, caplog):
     """``data.streaming``: the same packed rows as the whole preparation, read as they are consumed
     (again from the start once the stream ends); the statistics are those of the first
     ``data.sample_rows`` records, and say so."""
@@ -1090,7 +1090,11 @@ def test_a_stream_gives_the_rows_preparation_gives_with_statistics_of_its_sample
     with pytest.raises(InvalidRow, match="row 11"):
         build(streamed_config(path=str(data_file), max_seq_length=128, sample_rows=100), tiny_tokenizer)
     past = build(streamed_config(path=str(data_file), max_seq_length=128, sample_rows=5), tiny_tokenizer)
-    assert sum(len(row["seq_lengths"]) for row in past.train) == 1498
+    with caplog.at_level("WARNING", logger="sft_play.data.pipeline"):
+        passes = [sum(len(row["seq_lengths"]) for row in past.train) for _ in range(3)]  # epochs, or a restart
+    assert passes == [1498] * 3
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data (streamed):")]
+    assert len(said) == 1 and "skipped 2 rows: messages: empty conversation x2" in said[0], said  # not once a pass
 
 
 def test_a_streamed_plan_says_its_lengths_are_a_samples_and_a_stream_needs_max_steps():

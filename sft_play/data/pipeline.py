@@ -620,14 +620,18 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int, processor: Any = None)
     return bundle
 
 
+_SAID: set[str] = set()  # the streamed passes' skip summaries this process has said
+
+
 def _stream_cells(paths: list[str], cfg: DataConfig) -> Iterator[dict[str, Any]]:
     """The records of `paths` as :data:`RECORD_COLUMNS` cells, for ``IterableDataset.from_generator``;
-    the rows skipped as bad said once each pass ends."""
+    the rows skipped as bad said when a pass ends, once: every later pass skips the same rows."""
     stats = DataStats()
     for record in iter_records(paths, cfg, stats, streaming=True):
         yield _cells(record)
     summary = skip_summary(stats)
-    if summary:
+    if summary and summary not in _SAID:
+        _SAID.add(summary)
         logger.warning("data (streamed): %s", summary)
 
 
