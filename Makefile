@@ -35,13 +35,21 @@ RESUME ?=
 ACCELERATE_CONFIG ?= configs/accelerate/ddp.yaml
 
 RUN_FLAG = $(if $(RUN),--run $(RUN))
+# A finished run is used with the config it saved: CONFIG only says where runs are, when given
+RUN_CONFIG = $(if $(filter file,$(origin CONFIG)),,--config $(CONFIG))
 RESUME_ARG = $(if $(RESUME),train.resume_from=$(RESUME))
 LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GPUS)) --nnodes $(NNODES) \
 	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
 	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu) $(if $(OVERSUBSCRIBE),--oversubscribe)
 
-# ARGS reaches the commands through the environment, read by sft_play.cli.run, never through a shell:
-# `...`, $(...) and $VAR in it stay text, quotes group words as a shell's would
+# What a user types as free text never goes through a shell: ARGS reaches the commands through
+# the environment, read by sft_play.cli.run (`...`, $(...) and $VAR in it stay text, quotes group
+# words as a shell's would); PROMPT, IMAGE and DATA as the values of shell variables, which a shell
+# does not evaluate. None of them is exported as it is (make would expand a $(shell ...) in it).
+unexport ARGS PROMPT IMAGE DATA
+export SFT_PLAY_PROMPT = $(value PROMPT)
+export SFT_PLAY_IMAGE = $(value IMAGE)
+export SFT_PLAY_DATA = $(value DATA)
 check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb train-deepspeed train-deepspeed-tb generate chat eval merge planner-check clean-cache: export SFT_PLAY_ARGS = $(value ARGS)
 
 .DEFAULT_GOAL := help
@@ -95,19 +103,19 @@ train-deepspeed-tb: $(STAMP) ## train-deepspeed with TensorBoard on a free loopb
 	$(PY) scripts/launch.py --launcher torchrun --deepspeed $(LAUNCH_FLAGS) --tensorboard --config $(CONFIG) $(RESUME_ARG)
 
 tensorboard: $(STAMP) ## Serve TensorBoard for RUN (default: every run under the output folder)
-	$(PY) scripts/serve_tensorboard.py --config $(CONFIG) $(RUN_FLAG)
+	$(PY) scripts/serve_tensorboard.py $(RUN_CONFIG) $(RUN_FLAG)
 
 generate: $(STAMP) ## Answer PROMPT (about the picture IMAGE, for a vision-language run) with RUN (default: the newest run; held-out prompts when PROMPT is empty)
-	$(PY) scripts/generate.py --config $(CONFIG) $(RUN_FLAG) $(if $(PROMPT),--prompt "$(PROMPT)") $(if $(IMAGE),--image "$(IMAGE)")
+	$(PY) scripts/generate.py $(RUN_CONFIG) $(RUN_FLAG) $(if $(value PROMPT),--prompt "$$SFT_PLAY_PROMPT") $(if $(value IMAGE),--image "$$SFT_PLAY_IMAGE")
 
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
-	$(PY) scripts/chat.py --config $(CONFIG) $(RUN_FLAG)
+	$(PY) scripts/chat.py $(RUN_CONFIG) $(RUN_FLAG)
 
 eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json (DATA=test.jsonl: other data -> RUN/eval-test.json)
-	$(PY) scripts/evaluate.py --config $(CONFIG) $(RUN_FLAG) $(if $(DATA),--data "$(DATA)")
+	$(PY) scripts/evaluate.py $(RUN_CONFIG) $(RUN_FLAG) $(if $(value DATA),--data "$$SFT_PLAY_DATA")
 
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)
-	$(PY) scripts/merge.py --config $(CONFIG) $(RUN_FLAG)
+	$(PY) scripts/merge.py $(RUN_CONFIG) $(RUN_FLAG)
 
 planner-check: $(STAMP) ## The planner's error on your hardware: every run's predicted vs measured peak (RUNS=runs/)
 	$(PY) scripts/planner_check.py --runs $(RUNS)

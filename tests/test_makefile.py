@@ -108,6 +108,11 @@ def test_args_reach_the_commands_as_text_never_through_a_shell(tmp_path, monkeyp
     result = make("check", "ARGS=train.max_steps=1\ntrain.seed=3")
     assert result.returncode == 2 and result.stderr.splitlines()[0] == (
         "error: ARGS holds a line break: put every override on one line, separated by spaces")
+    # free text in PROMPT (IMAGE, DATA) reaches the script as it was typed, quotes and all
+    result = make("generate", f'PROMPT=what does `touch {marker}` do? $(touch {marker}) "x"', f"RUN={tmp_path}")
+    assert result.returncode == 2 and not marker.exists(), result.stderr
+    echoed = make("--dry-run", "generate", "RUN=runs/x").stdout
+    assert "--config" not in echoed, "a finished run is used with its own config: none is named unless given"
     monkeypatch.setenv(cli.MAKE_ARGS, """train.run_name="a b" data.path='x y.jsonl' --json $HOME""")
     assert cli.make_args() == ["train.run_name=a b", "data.path=x y.jsonl", "--json", "$HOME"]  # quotes group
     assert cli.MAKE_ARGS not in os.environ, "taken: the processes it starts do not read it again"
