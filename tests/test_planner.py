@@ -713,6 +713,26 @@ def plan_json(plans):
     return json.loads(result.stdout), plans["image"]
 
 
+def test_a_plot_of_many_micro_batches_stays_readable_on_one_screen(tmp_path):
+    """PLOT= drew one bar per micro-batch planned: 45 bars made a 4680 x 600 picture."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from sft_play.planner.present import report
+
+    candidates = [{"micro_batch_size": m, "breakdown": {"weights": 2 * GIB, "activations": m * GIB / 8},
+                   "peak_bytes": 2 * GIB + m * GIB / 8} for m in range(1, 46)]
+    plan = SimpleNamespace(candidates=candidates, micro_batch_size=30, breakdown=candidates[29]["breakdown"],
+                           peak_bytes_per_gpu=candidates[29]["peak_bytes"], budget_bytes_per_gpu=6 * GIB, fits=True,
+                           model="m", method="lora", sequence_length=2048, device="1 x H100")
+    shown = [c["micro_batch_size"] for c in report._readable(candidates, 30)]
+    assert len(shown) == report.PLOTTED_BARS and shown == sorted(shown) and {1, 29, 30, 31, 45} <= set(shown)
+    width, height = Image.open(report.plot(plan, tmp_path / "plan.png")).size
+    assert width <= 1600 and height == 600
+    assert report._readable(candidates[:10], 3) == candidates[:10]
+
+
 def test_plan_json_contract(plan_json):
     doc, _ = plan_json
     for key in ("total_params", "trainable_params", "micro_batch_size", "gradient_accumulation_steps", "world_size",

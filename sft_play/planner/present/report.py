@@ -140,6 +140,22 @@ def _command(entry: dict, plan: Plan, config_path: str | None, overrides) -> str
                    [o for o in overrides if "=" in o])
 
 
+PLOTTED_BARS = 16  # more would not be readable on one screen
+
+
+def _readable(candidates: list[dict], chosen: int) -> list[dict]:
+    """At most :data:`PLOTTED_BARS` of `candidates` (in order): the first, the last, the chosen
+    micro-batch and its neighbours, and between them others spread out (each the one farthest from
+    those already kept)."""
+    if len(candidates) <= PLOTTED_BARS:
+        return candidates
+    at = next((i for i, c in enumerate(candidates) if c["micro_batch_size"] == chosen), 0)
+    kept = {0, len(candidates) - 1, *(i for i in (at - 1, at, at + 1) if 0 <= i < len(candidates))}
+    while len(kept) < PLOTTED_BARS:
+        kept.add(max(range(len(candidates)), key=lambda i: min(abs(i - k) for k in kept)))
+    return [candidates[i] for i in sorted(kept)]
+
+
 def plot(plan: Plan, path: str | Path) -> Path:
     """Stacked bars of the per-GPU breakdown for each candidate micro-batch, the budget as a line,
     the chosen micro-batch marked; written as an image to `path`."""
@@ -148,12 +164,13 @@ def plot(plan: Plan, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    candidates = plan.candidates or [
+    every = plan.candidates or [
         {"micro_batch_size": plan.micro_batch_size, "breakdown": plan.breakdown, "peak_bytes": plan.peak_bytes_per_gpu}
     ]
+    candidates = _readable(every, plan.micro_batch_size)
     terms = [t for t in TERM_LABELS if any(c["breakdown"].get(t, 0) for c in candidates)]
     labels = [str(c["micro_batch_size"]) for c in candidates]
-    figure, axes = plt.subplots(figsize=(max(6, 0.8 * len(candidates) + 3), 5))
+    figure, axes = plt.subplots(figsize=(max(6, 0.6 * len(candidates) + 3), 5))  # at most 12.6 in: one screen
     bottoms = [0.0] * len(candidates)
     colours = plt.get_cmap("tab20").colors
     for i, term in enumerate(terms):
@@ -169,6 +186,8 @@ def plot(plan: Plan, path: str | Path) -> Path:
     axes.set_xlabel("micro-batch size (sequences per GPU)")
     axes.set_ylabel("GiB per GPU")
     title = f"{Path(plan.model).name or plan.model} ({plan.method}), seq {plan.sequence_length}, {plan.device}"
+    if len(candidates) < len(every):
+        title += f" ({len(candidates)} of the {len(every)} micro-batches planned)"
     axes.set_title(textwrap.fill(title, 60), fontsize=9)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
