@@ -105,9 +105,20 @@ def main() -> int:
                           "NUM_GPUS=8 VRAM_GIB=80 plans GPUs you do not have")
     if args.plot:
         plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
-    print(report.to_json(plan, args.config, args.overrides) if args.json
-          else report.to_text(plan, args.config, args.overrides))
+    print(report.to_json(plan, args.config, args.overrides, described(args)) if args.json
+          else report.to_text(plan, args.config, args.overrides, described(args)))
     return 0 if plan.fits else 3
+
+
+def described(args) -> str:
+    """The make variables that described the hardware planned for, other than its GPUs' number
+    (which a remedy may change): what a ``make plan`` beside a remedy needs to plan the same."""
+    import shlex
+
+    parts = [f"VRAM_GIB={args.vram_gib:g}" if args.vram_gib is not None else "",
+             f"GPU_MODEL={shlex.quote(args.gpu_model)}" if args.gpu_model else "",
+             f"HOST_GIB={args.host_gib:g}" if args.host_gib is not None else ""]
+    return " ".join(part for part in parts if part)
 
 
 def longest(config, target, args) -> int:
@@ -131,7 +142,8 @@ def longest(config, target, args) -> int:
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})
         if not args.json:
             progress.clear()  # the progress line, written in place on a terminal
-            print("\n".join(question.describe(answers, each, shape.max_positions)) + "\n")
+            print("\n".join(question.describe(answers, each, shape.max_positions, args.config, tuple(args.overrides),
+                                              described(args))) + "\n")
     if args.json:
         print(json.dumps({"longest": report}, indent=2))
     return 0

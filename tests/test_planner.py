@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -611,8 +612,20 @@ def test_the_json_plans_remedy_commands_are_the_texts():
     # the user's override stays, unless the remedy changes that setting itself (LoRA instead of full)
     assert all("finetune.method=full" in r["command"] or any(c.startswith("finetune.method=") for c in r["change"])
                for r in fitting)
-    text = report.to_text(plan, "my/base.yaml", ["finetune.method=full"])
-    assert all(f"run: {r['command']}" in text for r in fitting)
+    text = report.to_text(plan, "my/base.yaml", ["finetune.method=full"], "VRAM_GIB=80")
+    assert all(f"run:  {r['command']}" in text for r in fitting)
+    # beside each, the make plan that plans it on the same hardware: run as printed, it fits as offered
+    # (the run: line alone re-planned for this machine, without the GPUs described)
+    overrides = [f"model.name_or_path={CONFIGS / 'llama-3.1-8b'}", "finetune.method=full", "train.global_batch_size=2"]
+    described = json.loads(report.to_json(plan, None, overrides, "VRAM_GIB=80 GPU_MODEL=H100"))["remedies"]
+    for remedy in [r for r in described if r["fits"]][:2]:
+        assert f"plan: {remedy['plan_command']}" in report.to_text(plan, None, overrides, "VRAM_GIB=80 GPU_MODEL=H100")
+        words = dict(word.split("=", 1) for word in shlex.split(remedy["plan_command"])[2:])
+        assert words.keys() == {"NUM_GPUS", "VRAM_GIB", "GPU_MODEL", "ARGS"}, remedy["plan_command"]
+        replanned = make_plan(config_module.load(None, shlex.split(words["ARGS"]), check_paths=False),
+                              target_for(None, gpus=int(words["NUM_GPUS"]), vram_gib=float(words["VRAM_GIB"]),
+                                         gpu_model=words["GPU_MODEL"]), options=WITHOUT_REMEDIES)
+        assert replanned.fits and replanned.micro_batch_size == remedy["micro_batch_size"], remedy["name"]
 
 
 def test_70b_qlora_on_one_24_gib_gpu_offloads_or_says_what_hardware_would_do():
@@ -1201,8 +1214,14 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
         assert f"data.max_seq_length={answer['tokens']}" in answer["command"]
     assert answers[-1]["host_bytes_per_node"] > 0  # offloaded hidden states
     assert "train.offload_activations=true" in answers[-1]["command"]
-    lines = longest.describe(answers, target, 32768)
-    assert lines[-1].startswith("  run: make train CONFIG=c.yaml")
+    # each answer with the command that trains it and the make plan that plans it (one run: line was
+    # printed, the last lever's, though each was promised)
+    lines = longest.describe(answers, target, 32768, "c.yaml", (), "VRAM_GIB=2.5")
+    runs = [line for line in lines if line.startswith("      run:  make train CONFIG=c.yaml")]
+    plans = [line[len("      plan: "):] for line in lines if line.startswith("      plan: ")]
+    assert len(runs) == len(plans) == len(answers) == 3
+    changes = " ".join([*answers[-1]["change"], f"data.max_seq_length={answers[-1]['tokens']}"])
+    assert plans[-1] == f'make plan CONFIG=c.yaml NUM_GPUS=1 VRAM_GIB=2.5 ARGS="{changes}"'
 
 
 def test_the_ladder_has_four_lengths_an_octave():

@@ -20,7 +20,7 @@ from sft_play.config.schema import consistency_problems
 from sft_play.parallelism import Strategy
 from sft_play.planner import progress
 from sft_play.planner.choose import search
-from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, with_overrides
+from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, plan_command, with_overrides
 
 SHORTEST, LONGEST = 1024, 16 << 20
 # Plans a config on a target without remedies (make_plan, partially applied)
@@ -132,8 +132,11 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
     return answers
 
 
-def describe(answers: list[dict[str, Any]], target: Any, max_positions: int = 0) -> list[str]:
-    """The answers as the plan prints them."""
+def describe(answers: list[dict[str, Any]], target: Any, max_positions: int = 0, config_path: str | None = None,
+             user_overrides: tuple[str, ...] = (), hardware: str = "") -> list[str]:
+    """The answers as the plan prints them, each that fits with the command that trains it and the
+    ``make plan`` that plans it at that length (`hardware`: the variables that described the GPUs,
+    as :func:`sft_play.planner.choose.remedies.plan_command` takes them)."""
     gib = 1 << 30
     lines = [f"Longest rows on {target.device_name}, one row per GPU (each set adds its lever to those above):"]
     for answer in answers:
@@ -146,7 +149,7 @@ def describe(answers: list[dict[str, Any]], target: Any, max_positions: int = 0)
         nxt = f", {answer['next_tokens']:,} does not" if answer["next_tokens"] else ""
         lines.append(f"  {answer['settings']:<28} {answer['tokens']:>11,} tokens{beyond} at "
                      f"{answer['peak_bytes'] / gib:.1f} GiB{nxt}{host}")
-    best = max(answers, key=lambda a: a["tokens"])
-    if best["tokens"]:
-        lines.append(f"  run: {best['command']}")
+        planned = plan_command([], target, [*answer["change"], f"data.max_seq_length={answer['tokens']}"],
+                               config_path, user_overrides, hardware)
+        lines += [f"      run:  {answer['command']}", f"      plan: {planned}"]
     return lines

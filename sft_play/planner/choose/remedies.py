@@ -292,8 +292,26 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
             overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The make command that runs the changed config: the make target the remedies need, the
     GPUs, the config file and the user's own overrides followed by the remedies' (which win)."""
+    make_target, world, arguments = _launch(remedies, target, changes, overrides)
+    return _make_line(make_target, config_path, gpus_text(world) if world > 1 else "", arguments)
+
+
+def plan_command(remedies: list[Remedy], target: Any, changes: list[str], config_path: str | None = None,
+                 overrides: list[str] | tuple[str, ...] = (), hardware: str = "") -> str:
+    """The ``make plan`` command that plans what :func:`command` runs, on the hardware planned for:
+    its GPUs (as the remedies change them) and `hardware`, the other variables that described it
+    (``VRAM_GIB=80 GPU_MODEL=H100``; none for this machine's own)."""
+    _, world, arguments = _launch(remedies, target, changes, overrides)
+    gpus = gpus_text(world) if world > 1 or hardware else ""
+    return _make_line("plan", config_path, " ".join(part for part in (gpus, hardware) if part), arguments)
+
+
+def _launch(remedies: list[Remedy], target: Any, changes: list[str],
+            overrides: list[str] | tuple[str, ...]) -> tuple[str, int, list[str]]:
+    """(make target, GPUs, overrides) of the run the remedies change: the last strategy set is the
+    one that runs; the user's overrides first, the remedies' after (they win)."""
     launching = [r.make_target for r in remedies if r.make_target != "train"]
-    make_target = launching[-1] if launching else "train"  # the last strategy set is the one that runs
+    make_target = launching[-1] if launching else "train"
     world = target.world_size
     for remedy in remedies:
         world *= remedy.gpu_factor
@@ -301,12 +319,15 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
         make_target = "train-distributed"
     changed_keys = {c.split("=", 1)[0] for c in changes}
     kept = [o for o in overrides if o.split("=", 1)[0] not in changed_keys]
-    arguments = kept + [c for c in changes if not c.startswith(("NUM_GPUS=", "NNODES="))]
+    return make_target, world, kept + [c for c in changes if not c.startswith(("NUM_GPUS=", "NNODES="))]
+
+
+def _make_line(make_target: str, config_path: str | None, hardware: str, arguments: list[str]) -> str:
     parts = [f"make {make_target}"]
     if config_path:
         parts.append(f"CONFIG={config_path}")
-    if world > 1:
-        parts.append(gpus_text(world))
+    if hardware:
+        parts.append(hardware)
     if arguments:
         parts.append(f'ARGS="{" ".join(arguments)}"')
     return " ".join(parts)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from sft_play.parallelism import Strategy
 from sft_play.planner.plan import Plan
-from sft_play.planner.choose.remedies import REMEDIES, Remedy, command
+from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, plan_command
 from sft_play.units import GIB
 
 # Breakdown terms in the order they are drawn and listed; labels for people.
@@ -36,13 +36,15 @@ def gib(value: int) -> str:
     return f"{value / GIB:.2f}"
 
 
-def to_json(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+def to_json(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+            hardware: str = "") -> str:
     """The plan as one JSON document; `config_path` and the user's `overrides` complete its
     command (where it fits) and the remedies', as in :func:`to_text`."""
     document = plan.to_dict()
     document["command"] = run_command(plan, config_path, overrides) if plan.fits else None
     for entry in document.get("remedies") or []:
         entry["command"] = _command(entry, plan, config_path, overrides)
+        entry["plan_command"] = _command(entry, plan, config_path, overrides, hardware, planning=True)
     return json.dumps(document, indent=2)
 
 
@@ -57,9 +59,11 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h"
 
 
-def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+            hardware: str = "") -> str:
     """The plan as ``make plan`` prints it; `config_path` and the user's `overrides` complete the
-    remedies' commands."""
+    remedies' commands, and `hardware` (the variables that described the GPUs: ``VRAM_GIB=80``)
+    the ``make plan`` beside each that plans it."""
     lines = [
         f"Model    {plan.model}: {plan.total_params:,} parameters, {plan.trainable_params:,} trainable ({plan.method})"
         + (f"; mixture of experts ({plan.experts}): {plan.active_params:,} active per token" if plan.experts else ""),
@@ -116,7 +120,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
                 room = "tight" if r["tight"] else "room to spare"
                 lines.append(f"  {'':<34} {r['result_text']}, {gib(r['headroom_bytes'])} GiB left ({room}){step}")
                 lines.append(f"  {'':<34} what it costs: {r['description']}")
-                lines.append(f"  {'':<34} run: {_command(r, plan, config_path, overrides)}")
+                lines.append(f"  {'':<34} run:  {_command(r, plan, config_path, overrides)}")
+                lines.append(f"  {'':<34} plan: {_command(r, plan, config_path, overrides, hardware, planning=True)}")
     if plan.smallest_hardware:
         lines.append(f"\nSmallest hardware that would run it: {plan.smallest_hardware}")
     lines.append(f"\nPlanned in {plan.plan_seconds:.2f} s.")
@@ -134,10 +139,12 @@ def run_command(plan: Plan, config_path: str | None, overrides=()) -> str:
                    [o for o in overrides if "=" in o])
 
 
-def _command(entry: dict, plan: Plan, config_path: str | None, overrides) -> str:
+def _command(entry: dict, plan: Plan, config_path: str | None, overrides, hardware: str = "",
+             planning: bool = False) -> str:
     chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
-    return command(chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,
-                   [o for o in overrides if "=" in o])
+    arguments = (chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,
+                 [o for o in overrides if "=" in o])
+    return plan_command(*arguments, hardware) if planning else command(*arguments)
 
 
 PLOTTED_BARS = 16  # more would not be readable on one screen
