@@ -14,8 +14,9 @@ from sft_play import cli
 from sft_play import config as config_module
 
 
-def describe(name: str, stats) -> list[str]:
+def describe(name: str, stats, policy: str = "keep") -> list[str]:
     from sft_play.data import dropped_rows
+    from sft_play.data.stats import special_text_note
 
     lines = [
         f"{name}: {stats.examples} examples, {stats.tokens_total} tokens",
@@ -41,6 +42,9 @@ def describe(name: str, stats) -> list[str]:
         from sft_play.data import skip_summary
 
         lines.append(f"  {skip_summary(stats)}")
+    note = special_text_note(stats, policy)
+    if note:
+        lines.append(f"  {note}")
     lines += [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
     return lines
 
@@ -63,9 +67,9 @@ def main() -> int:
                           "validation": bundle.validation_stats.to_dict() if bundle.validation_stats else None},
                          indent=2))
         return 0
-    lines = describe("train", bundle.stats)
+    lines = describe("train", bundle.stats, config.data.special_tokens_in_text)
     if bundle.validation_stats is not None:
-        lines += describe("validation", bundle.validation_stats)
+        lines += describe("validation", bundle.validation_stats, config.data.special_tokens_in_text)
     print("\n".join(lines))
     return 0
 

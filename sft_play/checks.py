@@ -152,13 +152,17 @@ def check_data(config: RunConfig) -> list[Check]:
     model and settings that can train on it (:func:`check_images`)."""
     from sft_play.data import DataStats, iter_records
     from sft_play.data.formats import InvalidRow
+    from sft_play.data.pipeline import ORIGIN
     from sft_play.data.sources import HELD_OUT
+    from sft_play.data.stats import special_text_note
+    from sft_play.data.tokenize import markers_in
 
     checks = []
     sources = [("data.path", config.data.path)]
     if config.data.validation_path:
         sources.append(("data.validation_path", config.data.validation_path))
     pictured = 0
+    markers = _text_markers(config)
     for key, paths in sources:
         stats = DataStats()
         records = images = 0
@@ -166,6 +170,10 @@ def check_data(config: RunConfig) -> list[Check]:
             for record in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT):
                 records += 1
                 images += bool(record.get("images"))
+                if markers and markers_in(record, markers):
+                    stats.special_text += 1
+                    if len(stats.special_text_rows) < 3:
+                        stats.special_text_rows.append(record.get(ORIGIN) or f"record {records}")
         except (InvalidRow, ValueError, FileNotFoundError, UserError) as exc:
             checks.append(Check(key, False, str(exc)))
             continue
@@ -177,9 +185,25 @@ def check_data(config: RunConfig) -> list[Check]:
 
             detail += f"; would be {skip_summary(stats)}"
         checks.append(Check(key, bool(records), detail if records else "no usable records", bool(stats.skipped)))
+        note = special_text_note(stats, config.data.special_tokens_in_text)
+        if note:
+            refused = config.data.special_tokens_in_text == "refuse" and config.data.on_invalid == "error"
+            checks.append(Check(f"{key} special tokens", not refused, note, warning=not refused))
     if pictured:
         checks.append(check_images(config))
     return checks
+
+
+def _text_markers(config: RunConfig) -> tuple[str, ...]:
+    """The special tokens of the run's tokenizer that text can spell (none where it does not load:
+    the tokenizer's own check says why)."""
+    from sft_play.data.tokenize import text_markers
+    from sft_play.model import load_tokenizer
+
+    try:
+        return text_markers(load_tokenizer(config))
+    except (UserError, OSError, ValueError):
+        return ()
 
 
 def check_images(config: RunConfig) -> Check:

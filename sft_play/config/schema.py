@@ -165,6 +165,11 @@ class DataConfig(_Section):
         "make generate and make chat start with it too.",
     )
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
+    special_tokens_in_text: Literal["keep", "escape", "refuse"] = Field(
+        "keep", description="A special token of the tokenizer written in a record's text (<|im_start|>, <|eot_id|> "
+        "in a user's message): keep reads it as the token (a user's text can open a turn; make check and make "
+        "data-stats count such rows), escape reads it as text (a WORD JOINER after its first character), refuse "
+        "refuses the row (skipped and counted with data.on_invalid: skip).")
     num_proc: Union[Annotated[int, Field(gt=0)], Literal["auto"], None] = Field(
         "auto", description="Processes that tokenise: auto uses this machine's usable cores for 10,000 records or "
         "more (fewer: one process), or a number; the rows are the same bytes whatever it is.")

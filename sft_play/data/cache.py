@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 # ShareGPT's function_call (rows skip used to drop), and folders by split; 4 keeps the sum of the examples'
 # squared lengths (attention's FLOPs); 5 reads content given as parts and images (rows skip used to drop); 6
 # counts the examples that show images; 7 keeps the vision encoder's inputs for the heaviest example; 8 records
-# each saved file's size and digest
+# each saved file's size and digest, and counts the special tokens examples write in their text
 CACHE_VERSION = 8
 
 

@@ -25,8 +25,9 @@ from sft_play.data import cache, vision
 from sft_play.data.formats import (SHOWN_BAD_ROWS, InvalidRow, InvalidRows, UnknownFormat, detect_format,
                                    mapped_but_absent, normalise)
 from sft_play.data.sources import HELD_OUT, iter_sources
-from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, has_generation_markers,
-                                    prompt_turns_unlabelled, renders_tools, resolve_chat_template, uses_tools)
+from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, escape_markers,
+                                    has_generation_markers, markers_in, prompt_turns_unlabelled, renders_tools,
+                                    resolve_chat_template, text_markers, uses_tools)
 from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows, image_cut_reason
 from sft_play.data.vision import CUT_IMAGE, image_settings
 from sft_play.errors import UserError
@@ -47,6 +48,8 @@ SKIPPED_ROWS_KEPT = 20  # row numbers kept per reason for the skip summary
 ORIGIN = "_row"  # a record's file and row ("data/chat.jsonl:12"), for what tokenising leaves out
 NO_ANSWER_LEFT = "no answer tokens left after truncation"
 UNREADABLE = "unreadable"  # the status of a record whose image the processor could not decode
+SPECIAL_TEXT = "special_text"  # refused (data.special_tokens_in_text: refuse) and skipped (data.on_invalid: skip)
+SPECIAL_TEXT_REASON = "the tokenizer's special tokens written in the text (data.special_tokens_in_text: refuse)"
 UNREADABLE_REASON = "images: an image the processor could not decode (a file cut short?)"
 # Per-example columns of image data, counted into the statistics and then dropped
 IMAGE_COUNTS = ("n_images", "n_image_tokens", "n_pixels", "encoder_inputs", "n_text_tokens")
@@ -218,16 +221,19 @@ def skip_summary(stats: DataStats) -> str | None:
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
                   overlong: str, tools_rendered: bool = True, processor: Any = None,
-                  skip_unreadable: bool = False) -> dict[str, list]:
+                  skip_unreadable: bool = False, special_text: str = "keep") -> dict[str, list]:
     """Tokens, labels and status (:func:`_limited`) of a batch of records (``datasets.map(batched=True)``: one Python call per
     thousand records rather than per record); the chat records of a template with generation
     markers go through the tokenizer together. With a vision-language model's `processor`, records
     with images go through it (:func:`sft_play.data.vision.encode`), and every row carries its
     images' references, token types and image counts; a record whose image the processor cannot
     decode (a file cut short that PIL's check let through) stops the preparation naming it, or with
-    `skip_unreadable` (``data.on_invalid: skip``) is left out as :data:`UNREADABLE`."""
+    `skip_unreadable` (``data.on_invalid: skip``) is left out as :data:`UNREADABLE`. The special
+    tokens a record writes in its text are counted (``n_markers``) and kept, escaped or refused as
+    `special_text` (``data.special_tokens_in_text``) says."""
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
+    records, markers, refused = _special_text(records, tokenizer, special_text, skip_unreadable)
     if not tools_rendered:
         with_tools = next((r for r in records if uses_tools(r)), None)
         if with_tools is not None:
@@ -261,6 +267,9 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
     encoded = []
     for i, record in enumerate(records):
         record = pictured.get(i, record)
+        if i in refused:
+            encoded.append({"input_ids": [], "labels": [], "token_types": [], "status": SPECIAL_TEXT})
+            continue
         try:
             if i in pictured:
                 row = vision.limited(vision.encode(record, processor, template, train_on), limit, overlong)
@@ -289,7 +298,8 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
            "origin": [record.get(ORIGIN) for record in records],
            # counted here, so that the statistics never read every row's tokens back into Python lists
            "n_tokens": [len(row["input_ids"]) for row in encoded],
-           "n_loss": [sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in encoded]}
+           "n_loss": [sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in encoded],
+           "n_markers": markers}
     if processor is not None:
         out["images"] = [_to_cell("images", record.get("images")) for record in records]
         out["token_types"] = [row.get("token_types") or [0] * len(row["input_ids"]) for row in encoded]
@@ -299,6 +309,22 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
         out["encoder_inputs"] = [row.get("encoder_inputs", "") for row in encoded]
         out["n_text_tokens"] = [row.get("text_tokens", len(row["input_ids"])) for row in encoded]
     return out
+
+
+def _special_text(records: list[dict], tokenizer: Any, policy: str, skip: bool) -> tuple[list[dict], list[int], set[int]]:
+    """(the records, escaped where `policy` says so; how many special tokens each writes in its
+    text; those refused and skipped). A refused record stops the preparation unless `skip`."""
+    marks = text_markers(tokenizer)
+    found = [markers_in(record, marks) if record else {} for record in records]
+    refused = {i for i, counts in enumerate(found) if counts} if policy == "refuse" else set()
+    if refused and not skip:
+        first = min(refused)
+        raise UserError(f"{records[first].get(ORIGIN) or 'a record'} writes the tokenizer's special token "
+                         f"{next(iter(found[first]))!r} in its text, which data.special_tokens_in_text=refuse refuses "
+                         "(escape reads it as text, keep as the token; data.on_invalid=skip leaves such rows out)")
+    if policy == "escape":
+        records = [escape_markers(record, marks) if counts else record for record, counts in zip(records, found)]
+    return records, [sum(counts.values()) for counts in found], refused
 
 
 # Columns of nested structures that go through the Arrow table as JSON text: Arrow would give every
@@ -371,7 +397,8 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     files = _Files(folder)
     tokens = datasets.List(datasets.Value("int32"))
     features = {"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
-                "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32")}
+                "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32"),
+                "n_markers": datasets.Value("int32")}
     if processor is not None:
         features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
                      "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32"),
@@ -382,7 +409,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         batched=True,
         fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
                    "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
-                   "skip_unreadable": cfg.on_invalid == "skip"},
+                   "skip_unreadable": cfg.on_invalid == "skip", "special_text": cfg.special_tokens_in_text},
         remove_columns=table.column_names,
         features=datasets.Features(features),
         num_proc=tokenising_processes(cfg.num_proc, len(table)),
@@ -394,7 +421,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     stats.truncated += status["truncated"]
     stats.dropped_overlong += status["dropped"]
     left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit),
-                UNREADABLE: UNREADABLE_REASON}
+                UNREADABLE: UNREADABLE_REASON, SPECIAL_TEXT: SPECIAL_TEXT_REASON}
     for kind, reason in left_out.items():
         if status[kind]:  # what tokenising left out, named by file and row as the bad rows are
             where = stats.skipped_rows.setdefault(reason, [])
@@ -406,7 +433,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
                 if len(where) >= SKIPPED_ROWS_KEPT:
                     break
     for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit)),
-                         (UNREADABLE, UNREADABLE_REASON)):
+                         (UNREADABLE, UNREADABLE_REASON), (SPECIAL_TEXT, SPECIAL_TEXT_REASON)):
         if status[kind]:
             stats.skipped = {**stats.skipped, reason: stats.skipped.get(reason, 0) + status[kind]}
     dataset = encoded.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
@@ -414,7 +441,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     # the kept rows' counts, read from the tokenised columns as stored (through the filter's
     # indices, datasets would gather whole rows into memory: 0.7 KB a row)
     kept = pc.is_in(status_column, value_set=pa.array(["ok", "truncated"]))
-    counted = ("n_tokens", "n_loss", *IMAGE_COUNTS) if processor is not None else ("n_tokens", "n_loss")
+    counted = ("n_tokens", "n_loss", "n_markers", *(IMAGE_COUNTS if processor is not None else ()))
     counts = {name: pc.filter(encoded.data.column(name), kept).to_numpy()
               for name in counted if name not in ("encoder_inputs", "n_text_tokens")}
     lengths = counts["n_tokens"].astype(np.int64) if len(dataset) else np.zeros(1, np.int64)
@@ -423,6 +450,10 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     stats.tokens_total = int(lengths.sum())
     stats.tokens_squared = int((lengths ** 2).sum())
     stats.loss_tokens = int(counts["n_loss"].astype(np.int64).sum()) if len(dataset) else 0
+    stats.special_text = int((counts["n_markers"] > 0).sum()) if len(dataset) else 0
+    if stats.special_text:  # which rows, as the skipped ones are named
+        marked = pc.filter(encoded.data.column("origin"), pc.and_(kept, pc.greater(encoded.data.column("n_markers"), 0)))
+        stats.special_text_rows = [o for o in marked.slice(0, SKIPPED_ROWS_KEPT).to_pylist() if o]
     dataset = dataset.remove_columns([name for name in counted])
     if processor is not None and len(dataset):
         stats.images = int(counts["n_images"].astype(np.int64).sum())
@@ -603,8 +634,9 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int, processor: Any = None)
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     train = stream.map(_encode_batch, batched=True, remove_columns=list(RECORD_COLUMNS), fn_kwargs={
         "tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
-        "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor})
-    counted = ["n_tokens", "n_loss"] + (list(IMAGE_COUNTS) if processor is not None else [])
+        "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
+        "special_text": cfg.special_tokens_in_text, "skip_unreadable": True})  # (a stream skips what it refuses)
+    counted = ["n_tokens", "n_loss", "n_markers"] + (list(IMAGE_COUNTS) if processor is not None else [])
     train = train.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
                          batched=True).remove_columns(["status", "origin", *counted])
     if cfg.packing:

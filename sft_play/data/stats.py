@@ -43,6 +43,9 @@ class DataStats:
     encoder_inputs: dict[str, Any] = field(default_factory=dict)
     text_tokens_max: int = 0  # the most tokens one example holds besides its image tokens
     image_max_pixels: int = 0  # the pixel budget the images were prepared with (0: the processor's own)
+    # the kept examples that write one of the tokenizer's special tokens in their text, and the first few
+    special_text: int = 0
+    special_text_rows: list[str] = field(default_factory=list)
 
     @property
     def truncated_share(self) -> float:
@@ -84,6 +87,20 @@ def image_cut_reason(limit: int) -> str:
 def dropped_reason(limit: int) -> str:
     """The reason ``skipped_rows`` names the examples ``data.overlong: drop`` left out under."""
     return f"longer than data.max_seq_length={limit} (data.overlong: drop)"
+
+
+def special_text_note(stats: DataStats, policy: str) -> str | None:
+    """What the data.special_tokens_in_text setting did to the examples that write a special token
+    in their text, or None when none does."""
+    if not stats.special_text:
+        return None
+    where = ", ".join(stats.special_text_rows[:3]) + (", ..." if stats.special_text > 3 else "")
+    done = {"keep": "read as the tokens themselves (data.special_tokens_in_text: keep): a user's text can open a "
+                    "turn; escape reads them as text, refuse refuses such rows",
+            "escape": "read as text (data.special_tokens_in_text: escape)",
+            "refuse": "refused (data.special_tokens_in_text: refuse): left out with data.on_invalid: skip, "
+                      "else the preparation stops at the first"}[policy]
+    return f"{stats.special_text} example(s) write the tokenizer's special tokens in their text ({where}): {done}"
 
 
 def dropped_rows(stats: DataStats) -> str:

@@ -202,3 +202,68 @@ def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_o
     if record.get("prompt") is not None:
         return encode_prompt_completion(tokenizer, record["prompt"], record["completion"], train_on)
     return encode_text(tokenizer, record["text"])
+
+
+# --- special tokens written in the text --------------------------------------------------------
+
+# A special token's text inside a record ("<|im_start|>assistant" in a user's message) is read by
+# the tokenizer as the token itself: the user's text can open a turn. data.special_tokens_in_text
+# says what happens to it: kept as the tokenizer reads it (said by make check and data-stats),
+# escaped (a WORD JOINER after its first character: the same text, read as text), or refused.
+WORD_JOINER = "\u2060"
+_NOT_TEXT = frozenset({"role", "type"})  # a record's keys that name, not say
+
+
+def text_markers(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens that text can spell (longest first, so that one that contains
+    another is found whole)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    found |= {token.content for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+              if getattr(token, "special", False)}
+    return tuple(sorted((marker for marker in found if len(marker) > 1), key=lambda m: (-len(m), m)))
+
+
+def markers_in(record: dict[str, Any], markers: tuple[str, ...]) -> dict[str, int]:
+    """How often each of `markers` is written in `record`'s text (messages, prompt, completion,
+    text)."""
+    found: dict[str, int] = {}
+    for text in _texts(record):
+        for marker in markers:
+            if marker in text:
+                found[marker] = found.get(marker, 0) + text.count(marker)
+                text = text.replace(marker, "")  # (a shorter marker inside it is not counted again)
+    return found
+
+
+def escape_markers(record: dict[str, Any], markers: tuple[str, ...]) -> dict[str, Any]:
+    """`record` with every marker in its text written so that the tokenizer reads it as text."""
+    def escaped(value: Any, key: str | None = None) -> Any:
+        if isinstance(value, str) and key not in _NOT_TEXT:
+            for marker in markers:
+                value = value.replace(marker, marker[0] + WORD_JOINER + marker[1:])
+            return value
+        if isinstance(value, dict):
+            return {k: escaped(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [escaped(v) for v in value]
+        return value
+
+    return {key: escaped(record[key]) if key in ("messages", "prompt", "completion", "text") else record[key]
+            for key in record}
+
+
+def _texts(record: dict[str, Any]):
+    def walk(value: Any, key: str | None = None):
+        if isinstance(value, str):
+            if key not in _NOT_TEXT:
+                yield value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield from walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                yield from walk(v)
+
+    for key in ("messages", "prompt", "completion", "text"):
+        if record.get(key) is not None:
+            yield from walk(record[key])
