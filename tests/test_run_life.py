@@ -454,3 +454,33 @@ def test_an_output_folder_the_filesystem_refuses_is_one_line_on_every_rank(tmp_p
         assert capsys.readouterr().err.strip().splitlines() == [f"error: {folder / 'f'}: Operation not permitted"]
     finally:
         subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+
+
+def test_a_stop_while_the_ranks_start_ends_the_launcher_and_every_rank(tmp_path):
+    """A launcher starting its ranks took SIGTERM twice and went on; only SIGKILL ended it. Sent
+    to make's process group while the ranks import, as a terminal or a timeout does, the stop
+    ends everything: the launcher says so and exits 75, no rank is left."""
+    args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=4 {' '.join(PINNED)}"
+    make = subprocess.Popen(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in make.stdout:
+        seen.append(line)
+        if line.startswith("launching 2 process(es)"):
+            break
+    deadline = time.monotonic() + 60
+    ranks = []
+    while len(ranks) < 2 and time.monotonic() < deadline:  # both started, neither trained yet
+        ranks = [p for p in psutil.Process(make.pid).children(recursive=True)
+                 if "train_distributed.py" in " ".join(p.cmdline())]
+        time.sleep(0.1)
+    assert len(ranks) == 2, "".join(seen)
+    os.killpg(make.pid, signal.SIGTERM)
+    said = make.communicate(timeout=120)[0]
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    for survivor in alive:
+        survivor.kill()
+    assert not alive, f"ranks outlived the stop: {[p.pid for p in alive]}"
+    assert "stopped by SIGTERM while starting, before training: nothing new to save" in said or \
+        "Stopped by SIGTERM before training started" in said, said[-3000:]
+    assert "Error 75" in said and "Traceback" not in said, said[-3000:]
