@@ -99,14 +99,13 @@ def resolve_topology(
                               "distributed training with CPU processes")
         if num_gpus and num_gpus > selected:
             raise LaunchError(f"NUM_GPUS={num_gpus} but only {selected} GPU(s) are selected/visible")
-    processes = num_gpus or (selected if not cpu else 2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    processes = num_gpus or (selected if not cpu else min(2, cores))
     if cpu and processes > cores and not oversubscribe:
         # each would get a sliver of a core, and starting them alone (every one imports torch) can
         # stall the machine for minutes
         raise LaunchError(f"CPU=1 NUM_GPUS={processes}: {processes} CPU processes on the {cores} core(s) this node "
-                          f"gives us; use NUM_GPUS={cores} or fewer, or OVERSUBSCRIBE=1 "
-                          "to start them anyway")
+                          f"gives us; use NUM_GPUS={cores} or fewer, or OVERSUBSCRIBE=1 to start them anyway")
     if master_port is not None and not 1 <= master_port <= 65535:
         raise LaunchError(f"MASTER_PORT={master_port} is not a TCP port (1-65535)")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
