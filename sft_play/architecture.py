@@ -151,17 +151,18 @@ def image_tokens(model_config: Any, max_pixels: int | None = None) -> tuple[int,
 def image_inputs(model_config: Any, max_pixels: int | None = None) -> dict[str, Any] | None:
     """What the processor gives the vision encoder for one image, described as
     :func:`sft_play.data.vision.encoder_inputs` describes it, read from the config where
-    :func:`image_tokens` can tell: Qwen-VL's patches of a near-square image of `max_pixels`, or one
-    image of the encoder's fixed size. None otherwise."""
+    :func:`image_tokens` can tell: Qwen-VL's patches of an image of `max_pixels` whose merged
+    tokens are exactly those :func:`image_tokens` charges, or one image of the encoder's fixed size.
+    None otherwise."""
     vision = getattr(model_config, "vision_config", None)
     known = image_tokens(model_config, max_pixels)
     if vision is None or known is None:
         return None
     patch = vision.patch_size
     merge = getattr(vision, "spatial_merge_size", None)
-    if merge:
-        rows = max(1, math.isqrt(known[0]))
-        height, width = rows * merge, max(1, known[0] // rows) * merge
+    if merge:  # a grid of exactly the tokens charged, as near square as they factor (512: 16 x 32)
+        rows = max(d for d in range(1, math.isqrt(known[0]) + 1) if known[0] % d == 0)
+        height, width = rows * merge, known[0] // rows * merge
         channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None) or 3
         values = channels * (getattr(vision, "temporal_patch_size", None) or 1) * patch * patch
         return {"image_grid_thw": {"values": [[1, height, width]]},

@@ -596,3 +596,24 @@ def test_make_check_says_what_preparing_image_data_would_refuse():
                             (["data.max_seq_length=4"], "cannot hold one")):
         found = images_check(*overrides)
         assert not found.ok and said in found.detail, (overrides, found.detail)
+
+
+def test_the_encoder_is_traced_on_the_tokens_an_image_is_charged_and_a_budget_that_does_nothing_is_said():
+    """Qwen2.5-VL at data.image_max_pixels=401408 was charged 512 image tokens and its encoder traced
+    on 506 (a 22 x 23 grid); Gemma-3 planned the same peak under any budget, without a word."""
+    from sft_play.architecture import image_inputs, image_tokens, load_model_config
+    from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
+    from sft_play.units import GIB
+
+    qwen = load_model_config(str(FIXTURES / "model_configs" / "qwen2.5-vl-7b"))
+    merge = qwen.vision_config.spatial_merge_size
+    for pixels in (401408, 1003520, 200704, 12845056):
+        [[frames, height, width]] = image_inputs(qwen, pixels)["image_grid_thw"]["values"]
+        assert frames * height * width // merge**2 == image_tokens(qwen, pixels)[0], pixels
+    gemma = str(FIXTURES / "model_configs" / "gemma-3-4b")
+    config = load_config(None, [f"model.name_or_path={gemma}", "finetune.method=lora", "data.max_seq_length=2048",
+                                "train.gradient_checkpointing=true", "train.global_batch_size=8",
+                                "train.micro_batch_size=1", "data.image_max_pixels=401408"], check_paths=False)
+    notes = make_plan(config, Target(1, 80 * GIB, "1 x H100"), options=WITHOUT_REMEDIES).notes
+    assert any(note.startswith(f"data.image_max_pixels/image_min_pixels change nothing for {gemma}: every image "
+                               "costs 256 tokens whatever its size") for note in notes), notes

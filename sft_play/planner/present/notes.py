@@ -170,6 +170,14 @@ def vision_notes(config: RunConfig, run: Run, shape: ModelShape, data_stats: Any
             warnings.append(f"data.max_seq_length={config.data.max_seq_length} cannot hold one image ({known[0]:,} "
                             "tokens): every example with an image would be left out (image tokens are never cut); "
                             "raise it, or lower data.image_max_pixels where the processor sizes images by pixels")
+    if config.data.image_max_pixels or config.data.image_min_pixels:
+        from sft_play.architecture import image_tokens, load_model_config
+
+        fixed = image_tokens(load_model_config(config.model.name_or_path, config.model.revision,
+                                               config.model.trust_remote_code))
+        if fixed:  # the count is the model's whatever the budget: a setting that changes nothing is said
+            notes.append(f"data.image_max_pixels/image_min_pixels change nothing for {config.model.name_or_path}: "
+                         f"every image costs {fixed[0]:,} tokens whatever its size ({fixed[1]})")
     full = run.method == "full"
     parts = []
     for name, count, trained in (("vision encoder", shape.vision_params, config.finetune.train_vision_tower),
