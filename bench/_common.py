@@ -24,13 +24,22 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(entries)}
 
 
+def run_python(args: list, env: dict | None = None, timeout: float | None = None,
+               cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a fresh process (the caller's environment with the repository importable,
+    unless `env`), its output captured as text. The benches start their processes here, so that
+    their tests can start them from an interpreter that has already imported torch (the imports
+    are most of a small run's CPU)."""
+    return subprocess.run([sys.executable, *map(str, args)], check=False, capture_output=True, text=True,
+                          timeout=timeout, env=env or worker_env(), cwd=cwd)
+
+
 def run_worker(script: str | Path, spec: dict, timeout: int) -> dict:
     """Run `script --worker SPEC` in a fresh process (a clean allocator, and an out-of-memory
     error that cannot poison the next measurement); its last JSON line, or ``{"ok": False,
     "error": ...}``."""
     try:
-        result = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)], capture_output=True,
-                                text=True, timeout=timeout, env=worker_env())
+        result = run_python([script, "--worker", json.dumps(spec)], timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": "timeout"}
     for line in reversed(result.stdout.splitlines()):

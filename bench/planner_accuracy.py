@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, process_gpu_bytes, run_worker, versions, worker_env  # bench/ is the script's folder
+from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, process_gpu_bytes, run_python, run_worker, versions  # bench/ is the script's folder
 from sft_play.parallelism import Strategy
 from sft_play.units import GIB
 
@@ -331,10 +331,7 @@ TIMED_PLAN = ["--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS
 
 def plan_time() -> dict:
     """One `make plan` of the 70B QLoRA config in a fresh process: its planning seconds."""
-    import subprocess
-
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plan.py"), *TIMED_PLAN, "--json"], check=False,
-                            cwd=REPO, capture_output=True, text=True, env=worker_env(), timeout=600)
+    result = run_python([REPO / "scripts" / "plan.py", *TIMED_PLAN, "--json"], cwd=REPO, timeout=600)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     doc = json.loads(result.stdout)

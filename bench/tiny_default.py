@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, REPORTS, margins, versions, worker_env
+from _common import REPO, REPORTS, margins, run_python, versions, worker_env
 
 CAPPED = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 PATHS = {"auto": {}, "without-bf16": CAPPED}
@@ -40,18 +40,21 @@ def train(seed: int, path: str, root: Path, steps: int | None = None, config: st
     name = name or f"seed{seed}-{path}"
     more = [f"train.max_steps={steps}"] if steps else []
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "scripts/train_distributed.py", "--config", config, f"train.seed={seed}",
-         f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *more],
-        cwd=REPO, capture_output=True, text=True, env={**worker_env(), **PATHS[path]},
-    )
+    result = run_python(["scripts/train_distributed.py", "--config", config, f"train.seed={seed}",
+                         f"train.output_dir={root}", f"train.run_name={name}", "train.tensorboard=false", *more],
+                        cwd=REPO, env={**worker_env(), **PATHS[path]})
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((root / name / "summary.json").read_text())
+    return trained(result, root / name, seed, path, wall)
+
+
+def trained(result: subprocess.CompletedProcess, run: Path, seed: int, path: str, wall: float) -> dict:
+    """A finished training's row: its summary, and the precision its start-up line names."""
+    summary = json.loads((run / "summary.json").read_text())
     precision = next((line.split("mixed precision ", 1)[1].split(" (")[0] for line in result.stderr.splitlines()
                       if "mixed precision " in line), "?")
-    return {"run": str(root / name), "seed": seed, "path": path, "precision": precision, "wall_s": wall,
+    return {"run": str(run), "seed": seed, "path": path, "precision": precision, "wall_s": wall,
             "train_s": summary["train_runtime_s"], "first_loss": summary["first_loss"],
             "last_loss": summary["last_loss"], "steps": summary["global_step"]}
 

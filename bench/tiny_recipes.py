@@ -28,7 +28,6 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import REPO, REPORTS, margins, versions, worker_env
+from _common import REPO, REPORTS, margins, run_python, versions, worker_env
 from tiny_default import CAPPED, hardware_line
 
 from sft_play import tiny_puzzles
@@ -104,8 +103,10 @@ def more_sorting(out: Path, repeats: bool = False) -> Path:
     return out
 
 
-def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = "without-bf16") -> dict:
-    what, overrides, shape, mix = RECIPES[name]
+def command(name: str, root: Path, steps: int | None, seed: int = 42, path: str = "without-bf16") -> tuple[list, dict]:
+    """The training command of recipe `name` (its reshaped model folder and its mix of puzzles
+    written into `root`) and its environment."""
+    _, overrides, shape, mix = RECIPES[name]
     overrides = list(overrides)
     if shape:
         folder = root / f"model-{name}"
@@ -120,16 +121,22 @@ def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = 
     env = {**worker_env(), **(CAPPED if path == "without-bf16" else {}), "OMP_NUM_THREADS": "1"}
     if path == "fp32":  # this CPU's own fp32 kernels (AVX512 here): a CPU with AVX512 but no native bf16
         overrides.append("train.mixed_precision=no")
+    return ["scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
+            f"train.output_dir={root}", f"train.run_name={name}-{seed}", "train.tensorboard=false", *overrides], env
+
+
+def train(name: str, root: Path, steps: int | None, seed: int = 42, path: str = "without-bf16") -> dict:
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", f"train.seed={seed}",
-         f"train.output_dir={root}", f"train.run_name={name}-{seed}", "train.tensorboard=false", *overrides],
-        cwd=REPO, capture_output=True, text=True, env=env,
-    )
+    result = run_python(*command(name, root, steps, seed, path), cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((root / f"{name}-{seed}" / "summary.json").read_text())
-    return {"recipe": name, "seed": seed, "path": path, "what": what, "run": str(root / f"{name}-{seed}"), "wall_s": time.monotonic() - started,
+    return trained(name, seed, path, root / f"{name}-{seed}", time.monotonic() - started)
+
+
+def trained(name: str, seed: int, path: str, run: Path, wall: float) -> dict:
+    """Recipe `name`'s finished run as a row of the report (before its scores)."""
+    summary = json.loads((run / "summary.json").read_text())
+    return {"recipe": name, "seed": seed, "path": path, "what": RECIPES[name][0], "run": str(run), "wall_s": wall,
             "train_s": summary["train_runtime_s"], "last_loss": summary["last_loss"]}
 
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, REPORTS, versions, worker_env
+from _common import REPO, REPORTS, run_python, versions, worker_env
 from tiny_default import PATHS, hardware_line, train
 
 CONFIG = "configs/run_tiny_vlm.yaml"
@@ -44,9 +43,8 @@ def ours(path: str, root: Path, steps: int | None) -> dict:
 def theirs(path: str, root: Path, steps: int | None) -> dict:
     """TRL's vision path in a fresh process (this script's --trl worker)."""
     started = time.monotonic()
-    result = subprocess.run([sys.executable, __file__, "--trl", str(root / f"trl-{path}")] +
-                            (["--steps", str(steps)] if steps else []),
-                            cwd=REPO, capture_output=True, text=True, env={**worker_env(), **PATHS[path]})
+    result = run_python([__file__, "--trl", root / f"trl-{path}"] + (["--steps", steps] if steps else []),
+                        cwd=REPO, env={**worker_env(), **PATHS[path]})
     wall = time.monotonic() - started
     line = next((line for line in reversed(result.stdout.splitlines()) if line.startswith("{")), None)
     if result.returncode != 0 or line is None:
@@ -102,6 +100,18 @@ def score(model_path: str, count: int = 10_000) -> dict:
     return {"exact": sum(right), "of": len(right)}
 
 
+def train_and_score(paths: list[str], root: Path, steps: int | None, count: int) -> list[dict]:
+    """Both sides trained on each path into `root`, then scored: the report's rows."""
+    rows = []
+    for path in paths:
+        for side in (ours, theirs):
+            row = side(path, root, steps)
+            row.update(score(row["model"], count))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def report(rows: list[dict]) -> str:
     lines = [
         "# The tiny vision-language default beside TRL's vision path",
@@ -140,14 +150,8 @@ def main() -> int:
     if args.trl:
         trl_worker(Path(args.trl), args.steps)
         return 0
-    rows = []
     with tempfile.TemporaryDirectory(prefix="tiny-vlm-") as root:
-        for path in args.paths:
-            for side in (ours, theirs):
-                row = side(path, Path(root), args.steps)
-                row.update(score(row["model"], args.count))
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        rows = train_and_score(args.paths, Path(root), args.steps, args.count)
     Path(args.out).write_text(report(rows))
     print(f"written to {args.out}")
     return 0

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import run_scripts_together
+from tests.conftest import run_script, run_scripts_together
 
 import pytest
 import torch
@@ -16,35 +17,37 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def bench_runs(tmp_path_factory):
-    """The benches' CPU paths, started together (conftest.run_scripts_together): the planner's
-    accuracy, the embedded default's, and the first call of the one-lease command."""
-    root = tmp_path_factory.mktemp("benches")
-    commands = {
-        "tiny": ("bench/tiny_default.py", "--seeds", "3", "--paths", "without-bf16", "--steps", "3", "--count", "6",
-                 "--out", str(root / "tiny_default.md")),
-        "recipes": ("bench/tiny_recipes.py", "--recipes", "heads-4", "--steps", "3", "--fresh", "8",
-                    "--out", str(root / "tiny_recipes.md")),
-    }
-    if not torch.cuda.is_available():  # the CPU paths of the planner's accuracy and of the lease
-        commands["planner"] = ("bench/planner_accuracy.py", "--timing-runs", "1", "--output",
-                               str(root / "planner_accuracy.md"))
-        commands["lease"] = ("bench/lease.py", "--state", str(root / "rows.jsonl"), "--output", str(root / "lease.md"),
-                             "--max-tasks", "2")
-    results = run_scripts_together(*commands.values())
-    return root, dict(zip(commands, results))
+@pytest.fixture
+def forked(monkeypatch):
+    """The processes the benches start (``_common.run_python``) forked from the tests' zygote
+    (conftest.run_script): the same script, arguments and environment, from the repository root
+    (the tests' paths are absolute), without a fresh interpreter's imports of torch and
+    transformers (most of a small run's CPU here)."""
+    sys.path.insert(0, str(REPO / "bench"))
+
+    def run_python(args, env=None, timeout=None, cwd=None):
+        script, *rest = map(str, args)
+        return run_script(script, *rest, timeout=int(timeout or 600), env=env or {})
+
+    for name in ("_common", "tiny_default", "tiny_recipes", "tiny_vlm", "planner_accuracy"):
+        monkeypatch.setattr(importlib.import_module(name), "run_python", run_python)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
-def test_planner_accuracy_cpu_path_writes_a_report(bench_runs):
-    root, results = bench_runs
-    report, result = root / "planner_accuracy.md", results["planner"]
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_planner_accuracy_cpu_path_reports_predicted_against_measured_per_row(forked, monkeypatch, tmp_path):
+    """bench/planner_accuracy.py as `make bench-planner` runs it without a GPU: the tiny shape at
+    each micro-batch of its grid predicted here and measured by a worker, and planning timed."""
+    import planner_accuracy
+
+    # lean() would hide bitsandbytes from this process, and from the tests after this one
+    monkeypatch.setattr(planner_accuracy, "lean", lambda method=None: None)
+    report = tmp_path / "planner_accuracy.md"
+    monkeypatch.setattr(sys, "argv", ["planner_accuracy.py", "--timing-runs", "1", "--output", str(report)])
+    assert planner_accuracy.main() == 0
     text = report.read_text()
     assert "No GPU figure exists in this report" in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny_model")]
-    assert len(rows) == 2 and all("%" in row for row in rows)
+    assert len(rows) == 2 and all("%" in row for row in rows)  # each measured row has its error
     assert "median absolute error" in text
     timing = text.split("## Planning time", 1)[1]
     assert "Failed" not in timing and "| CPU seconds |" in timing and "Allocator replays per plan" in timing
@@ -72,37 +75,50 @@ def test_a_worker_that_fails_after_the_trainer_logged_is_a_failed_row(tmp_path):
     assert run_worker(worker, {}, timeout=60) == {"ok": True, "tokens": 3}
 
 
-def test_tiny_default_bench_trains_scores_and_reports(bench_runs):
-    """A smoke run of bench/tiny_default.py on the path a CPU without native bf16 takes."""
-    root, results = bench_runs
-    report, result = root / "tiny_default.md", results["tiny"]
-    assert result.returncode == 0, result.stderr[-3000:]
-    text = report.read_text()
+def test_the_default_bench_reports_a_runs_precision_answers_and_margin(tiny_lora_run):
+    """bench/tiny_default.py's row for a finished run (the shared one; the bench's training command
+    runs in the vision bench's test): the precision the run's start-up line names, its steps,
+    make generate's five and the held-out puzzles answered greedily, and the five's smallest margin."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import tiny_default
+
+    folder, finished = tiny_lora_run
+    row = tiny_default.trained(finished, folder, 42, "auto", wall=0.0)
+    row.update(tiny_default.score(row["run"], 6))
+    text = tiny_default.report([row])
     assert "- hardware: " in text and "(no GPU)" in text
-    rows = [line for line in text.splitlines() if line.startswith("| 3 | without-bf16 |")]
+    rows = [[cell.strip() for cell in line.split("|")] for line in text.splitlines()
+            if line.startswith("| 42 | auto |")]
     assert len(rows) == 1, text
-    assert "| no |" in rows[0], "capped at AVX2, auto resolves to fp32"
-    assert "in 3 |" in rows[0] and " of 6 |" in rows[0]
-    float(rows[0].split(" | ")[7])  # the five's smallest margin is a number
+    cells = rows[0]
+    assert cells[3] == json.loads((folder / "run.json").read_text())["precision"]["mixed"]  # what it trained in
+    steps = json.loads((folder / "summary.json").read_text())["global_step"]
+    assert cells[6].endswith(f" in {steps}") and cells[9].endswith(" of 6")
+    # the five's smallest margin is above 0 exactly when greedy decoding writes all five answers
+    assert (cells[7] == "5/5") == (float(cells[8]) > 0), cells
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
-def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(bench_runs, tmp_path):
+def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(forked, monkeypatch, tmp_path):
     import collections
 
-    root, results = bench_runs
-    state, report = root / "rows.jsonl", root / "lease.md"
-    command = [sys.executable, "bench/lease.py", "--state", str(state), "--output", str(report)]
-    first = results["lease"]
-    assert first.returncode == 0, first.stderr[-3000:]
+    import lease
+
+    monkeypatch.setattr(lease, "lean", lambda method=None: None)  # as in the planner accuracy test
+    state, report = tmp_path / "rows.jsonl", tmp_path / "lease.md"
+
+    def call(*more: str) -> int:  # `make bench-gpu ARGS=...`, each task a worker of its own
+        monkeypatch.setattr(sys, "argv", ["lease.py", "--state", str(state), "--output", str(report), *more])
+        return lease.main()
+
+    assert call("--max-tasks", "2") == 0
     text = report.read_text()
     assert "No GPU figure exists in this report" in text and "- device: CPU" in text
     assert ("These rows await a GPU: S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8, B qwen2.5-0.5b-full, "
             "T qwen2.5-0.5b-full, B llama-3.1-8b-lora") in text
     assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
     assert "2 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
-    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert call() == 0
     rows = [json.loads(line) for line in state.read_text().splitlines()]
     results = collections.Counter(row["task"] for row in rows if row["kind"] in {"A", "B", "T", "P"})
     assert sorted(results) == ["A tiny-lora", "B tiny-lora", "P tiny_model lora 128 ckpt off micro 4", "T tiny-lora"]
@@ -122,11 +138,10 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(bench_r
     assert "%" in shape, shape  # predicted against measured
     timing = next(line for line in text.splitlines() if line.startswith("| B tiny-lora |"))
     assert "n/a (no GPU to time)" in timing
-    # rows of another device are not mixed into this one's
+    # rows of another device are not mixed into this one's: the command says so and exits, no traceback
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"kind": "call", "device": "NVIDIA H100 80GB HBM3", "on_cuda": True}) + "\n")
-    refused = subprocess.run([sys.executable, "bench/lease.py", "--state", str(other), "--output", str(report)],
-                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    refused = run_script("bench/lease.py", "--state", str(other), "--output", str(report))
     assert refused.returncode == 2 and "measured on NVIDIA H100 80GB HBM3" in refused.stderr
     assert "Traceback" not in refused.stderr
 
@@ -267,17 +282,38 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "  replace at GPU event 7 / planned event 7:\n    GPU     a 2,048.0 MiB softmax\n" in text
 
 
-def test_tiny_recipes_bench_trains_a_recipe_and_reports(bench_runs):
-    """A smoke run of bench/tiny_recipes.py with a reshaped model."""
-    root, results = bench_runs
-    result = results["recipes"]
-    assert result.returncode == 0, result.stderr[-3000:]
-    text = (root / "tiny_recipes.md").read_text()
+def test_the_recipes_bench_reshapes_a_recipes_model_and_reports_a_runs_answers_and_margins(tiny_lora_run, tmp_path):
+    """bench/tiny_recipes.py: a recipe's training command (heads-4: the default's parameters in
+    4 heads of 32) and the report's row for a finished LoRA run of the default (the shared one)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import tiny_recipes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sft_play import config as config_module
+
+    args, env = tiny_recipes.command("heads-4", tmp_path, 3)
+    assert args[:3] == ["scripts/train_distributed.py", "--config", "configs/run_tiny.yaml"]
+    config = config_module.load(REPO / args[2], args[3:])  # every override is one the command line takes
+    assert config.finetune.method == "lora" and config.train.max_steps == 3 and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    reshaped = AutoConfig.from_pretrained(config.model.name_or_path)
+    assert (reshaped.num_attention_heads, reshaped.head_dim, reshaped.num_key_value_heads) == (4, 32, 2)
+
+    def parameters(model_config) -> int:
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+
+    assert parameters(reshaped) == parameters(AutoConfig.from_pretrained(REPO / "configs" / "tiny_model"))
+
+    folder, _ = tiny_lora_run
+    row = tiny_recipes.trained("lora", 42, "auto", folder, wall=0.0)
+    row.update(tiny_recipes.score(row["run"], 8))
+    text = tiny_recipes.report([row], 8)
     assert "- hardware: " in text and "(no GPU)" in text
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| heads-4 |")]
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| lora |")]
     assert len(rows) == 1, text
     cells = rows[0]
     assert cells[1] == "42" and int(cells[5]) <= 200 and int(cells[6]) <= 8 and cells[7].count("/") >= 2
+    by_kind = [[int(n) for n in kind.split("/")] for kind in cells[7].split(", ")]
+    assert [sum(right for right, _ in by_kind), sum(of for _, of in by_kind)] == [int(cells[6]), 8]  # the fresh ones
     float(cells[8]), float(cells[9].rstrip(" |"))  # the margins are numbers
 
 
@@ -444,10 +480,16 @@ def test_the_memory_snapshot_compares_the_planners_order_of_allocations_with_the
     assert sum(1 for a, *_ in planned if a == "a") >= sum(1 for a, *_ in planned if a == "f") > 0
 
 
-def test_the_data_bench_prepares_the_same_file_on_both_sides_and_reports(tmp_path):
+def test_the_data_bench_prepares_the_same_packed_rows_on_both_sides_and_reports(monkeypatch, tmp_path):
+    """bench/data_prep.py on 40 generated rows, each side's preparation in this process (the bench
+    runs each in a fresh one for its memory figures, which this test does not read)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import data_prep
+
+    monkeypatch.setattr(data_prep, "run_worker", lambda script, spec, timeout: data_prep.worker(spec))
     out = tmp_path / "data_prep.md"
-    done = run_scripts_together(("bench/data_prep.py", "--rows", "40", "--max-seq-length", "512", "--out", str(out)))[0]
-    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", ["data_prep.py", "--rows", "40", "--max-seq-length", "512", "--out", str(out)])
+    assert data_prep.main() == 0
     rows = [[cell.strip() for cell in line.split("|")] for line in out.read_text().splitlines()
             if line.startswith("| 40 generated rows")]
     assert [r[3] for r in rows] == ["sft_play", "sft_play, cache written", "trl"]
@@ -465,14 +507,24 @@ def test_the_planner_questions_bench_writes_each_answer_with_its_command(tmp_pat
     assert refused.returncode == 2 and "unknown question(s) no-such-question" in refused.stderr
 
 
-def test_the_vision_bench_trains_both_sides_from_the_same_weights_and_reports(tmp_path):
-    out = tmp_path / "tiny_vlm.md"
-    done = run_scripts_together(("bench/tiny_vlm.py", "--paths", "auto", "--steps", "2", "--count", "4", "--out", str(out)))[0]
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split("|")] for line in out.read_text().splitlines()
-            if line.startswith("| auto |")]
-    assert [r[2] for r in rows] == ["SFT-Play", "TRL"]
-    assert rows[0][3] == rows[1][3] and all(r[6] == "2" and r[7].endswith("of 4") for r in rows)
+def test_the_vision_bench_trains_both_sides_from_the_same_weights_and_reports(forked, tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import tiny_vlm
+
+    from sft_play import export
+
+    rows = tiny_vlm.train_and_score(["auto"], tmp_path, 2, 4)
+    table = [[cell.strip() for cell in line.split("|")] for line in tiny_vlm.report(rows).splitlines()
+             if line.startswith("| auto |")]
+    assert [r[2] for r in table] == ["SFT-Play", "TRL"]
+    assert table[0][3] == table[1][3] and all(r[6] == "2" and r[7].endswith("of 4") for r in table)
+    # the same initialised weights: the encoder, which trains on neither side, is the same in both
+    # trained models; the text model, which trains on both, is not
+    ours, theirs = (dict(export.load_trained(row["model"], device="cpu")[0].named_parameters()) for row in rows)
+    assert ours.keys() == theirs.keys()
+    same = {name for name in ours if torch.equal(ours[name], theirs[name])}
+    tower, text = ({name for name in ours if part in name} for part in ("vision_tower", "language_model"))
+    assert tower and text and tower <= same and not text & same, sorted(same)
 
 
 def test_the_planner_speed_report_compares_answers_and_says_what_failed():
