@@ -1186,8 +1186,10 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     config = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]",
                          "train.gradient_checkpointing=true", "model.attn_implementation=flex_attention")
     target = Target(1, 2.5 * GIB, "1 x 2.5 GiB", gpu_model="L4")  # answers of 2k-8k tokens: fewer lengths traced
+    # on one GPU ZeRO-3 alone before parameter offload: DeepSpeed computes in bf16 adapters where peft
+    # keeps fp32 ones, which is most of what parameter offload was credited with
     assert [r.name for r in longest._levers(config, target)] == ["Liger kernels", "tiled MLP", "activation offload",
-                                                                "parameter offload"]
+                                                                "ZeRO-3", "parameter offload"]
     eight = Target(8, 80 * GIB, "8 x H100", gpu_model="H100")
     assert "sequence parallelism" not in [r.name for r in longest._levers(config, eight, split=2)]  # flex attention
     sdpa = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]")
@@ -1240,3 +1242,27 @@ def test_offload_is_checked_against_the_nodes_host_memory():
                       options=WITHOUT_REMEDIES)
     assert not small.fits
     assert "the node needs 34.0 GiB of host memory for this run and has 16.0 GiB available" in small.warnings
+
+
+def test_one_process_and_zero3_plan_the_same_row_alike_but_for_the_adapters_dtype(monkeypatch):
+    """The same 131k-token LoRA row planned 16.1 hidden states a token of backward working set
+    under one process and 12.6 under ZeRO-3, which moves weights, not activations. The whole
+    difference is the adapters' dtype: peft keeps them in fp32 under one process and casts each
+    adapted linear's input to fp32; DeepSpeed computes in bf16 adapters (fp32 masters in its
+    optimizer). With the adapters' dtype the same, the activations are the same."""
+    import sft_play.planner.plan as planning
+
+    overrides = ("finetune.method=lora", "lora.dropout=0", "train.gradient_checkpointing=true",
+                 "data.max_seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=1")
+    target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
+
+    def working(*more: str) -> int:
+        plan = make_plan(plan_config("qwen2.5-0.5b", *overrides, *more), target, options=WITHOUT_REMEDIES)
+        return plan.breakdown["backward_working"] + plan.breakdown["activations"]
+
+    alone, zero3 = working(), working("distributed.strategy=deepspeed_zero3")
+    assert alone > zero3  # fp32 adapters: the inputs' fp32 copies
+    resolved = planning.resolve
+    monkeypatch.setattr(planning, "resolve", lambda *a, **k: dataclasses.replace(resolved(*a, **k),
+                                                                                  adapter_dtype="bfloat16"))
+    assert working() == zero3

@@ -48,10 +48,19 @@ def _levers(config: RunConfig, target: Any, split: int = 1) -> list[Remedy]:
     names = list(LEVERS)
     if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
         names.insert(0, "ZeRO-3")
+    elif ("parameter offload" in names and config.finetune.method != "full"
+          and not Strategy(config.distributed.strategy).deepspeed):
+        # On one GPU, parameter offload brings DeepSpeed, which computes in bf16 adapters (fp32
+        # masters in its optimizer) where peft keeps fp32 ones and casts every adapted linear's
+        # input to fp32 (two fp32 copies of a hidden state in the backward's working set): ZeRO-3
+        # alone first, so that each is credited with what it changes
+        names.insert(names.index("parameter offload"), "ZeRO-3")
     levers: list[Remedy] = []
     so_far = config
     for name in names:
         remedy = catalogue[name]
+        if name == "ZeRO-3" and target.world_size == 1:  # (a remedy on several GPUs; a lever on one)
+            remedy = dataclasses.replace(remedy, applies=lambda c, t: not Strategy(c.distributed.strategy).zero3)
         if name == "sequence parallelism":
             if split <= 1:
                 continue
