@@ -42,14 +42,16 @@ LAUNCH_FLAGS = $(if $(NUM_GPUS),--num-gpus $(NUM_GPUS)) $(if $(GPUS),--gpus $(GP
 	--node-rank $(NODE_RANK) $(if $(MASTER_ADDR),--master-addr $(MASTER_ADDR)) \
 	$(if $(MASTER_PORT),--master-port $(MASTER_PORT)) $(if $(CPU),--cpu) $(if $(OVERSUBSCRIBE),--oversubscribe)
 
-# What a user types as free text never goes through a shell: ARGS reaches the commands through
-# the environment, read by sft_play.cli.run (`...`, $(...) and $VAR in it stay text, quotes group
-# words as a shell's would); PROMPT, IMAGE and DATA as the values of shell variables, which a shell
-# does not evaluate. None of them is exported as it is (make would expand a $(shell ...) in it).
-unexport ARGS PROMPT IMAGE DATA
+# What a user types as free text never goes through a shell (but for test and the bench targets,
+# whose ARGS are pytest's and the benches' own): ARGS reaches the commands through the environment,
+# read by sft_play.cli.run (`...`, $(...) and $VAR in it stay text, quotes group words as a shell's
+# would); PROMPT, IMAGE, DATA and GPU_MODEL as the values of shell variables, which a shell does not
+# evaluate. Neither they nor the paths are exported as typed (make would expand a $(shell ...) in them).
+unexport ARGS PROMPT IMAGE DATA GPU_MODEL CONFIG RUN RUNS PLOT
 export SFT_PLAY_PROMPT = $(value PROMPT)
 export SFT_PLAY_IMAGE = $(value IMAGE)
 export SFT_PLAY_DATA = $(value DATA)
+export SFT_PLAY_GPU_MODEL = $(value GPU_MODEL)
 check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb train-deepspeed train-deepspeed-tb generate chat eval merge planner-check clean-cache: export SFT_PLAY_ARGS = $(value ARGS)
 
 .DEFAULT_GOAL := help
@@ -76,7 +78,7 @@ gpu-info: $(STAMP) ## Print GPUs, CPU and RAM (--json: make gpu-info ARGS=--json
 	@$(PY) scripts/gpu_info.py
 
 plan: $(STAMP) ## Plan CONFIG's batch, per-GPU memory and time (NUM_GPUS=8 VRAM_GIB=80 GPU_MODEL=H100 NNODES=2 for other hardware, PLOT=plan.png, LONGEST=1: the longest rows that fit, HOST_GIB=512; ARGS=--no-data: without reading the data)
-	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(GPU_MODEL),--gpu-model "$(GPU_MODEL)") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB))
+	@$(PY) scripts/plan.py --config $(CONFIG) $(if $(NUM_GPUS),--gpus $(NUM_GPUS)) $(if $(VRAM_GIB),--vram-gib $(VRAM_GIB)) $(if $(filter-out 1,$(NNODES)),--nodes $(NNODES)) $(if $(value GPU_MODEL),--gpu-model "$$SFT_PLAY_GPU_MODEL") $(if $(PLOT),--plot $(PLOT)) $(if $(LONGEST),--longest) $(if $(HOST_GIB),--host-gib $(HOST_GIB))
 
 data-stats: $(STAMP) ## CONFIG's data as training sees it: examples, token lengths, truncation, loss share, packed rows
 	$(PY) scripts/data_stats.py --config $(CONFIG)

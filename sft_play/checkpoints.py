@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -245,11 +246,20 @@ def _index_names(path: Path) -> list[str]:
 def code_it_would_run(checkpoint: Path) -> dict[str, list[str]]:
     """For each pickled file of `checkpoint` a resume loads, the callables loading it would call
     beyond those of tensors, plain data and :data:`_SAVED_CLASSES` (read with torch's
-    ``weights_only`` scanner, which runs nothing); empty when there are none."""
+    ``weights_only`` scanner, which runs nothing); also every symbolic link in it, and a DeepSpeed
+    ``latest`` naming anything but a folder of its own (a loader would follow them out of the
+    folder the scan read). Empty when there are none."""
     from torch.serialization import get_unsafe_globals_in_checkpoint
 
     found = {}
+    latest = checkpoint / "latest"  # DeepSpeed's: the folder of its states, which it loads from
+    if latest.is_file() and not (re.fullmatch(r"global_step\d+", latest.read_text().strip())
+                                 and (checkpoint / latest.read_text().strip()).is_dir()):
+        found["latest"] = [f"a folder other than a global_stepN of its own ({latest.read_text().strip()[:80]!r})"]
     for path in sorted(checkpoint.rglob("*")):
+        if path.is_symlink():  # (rglob does not look inside a linked folder; a loader follows it)
+            found[path.relative_to(checkpoint).as_posix()] = [f"a symbolic link to {os.readlink(path)}"]
+            continue
         if not path.is_file() or path.name in _NEVER_LOADED:
             continue
         if path.name in _RAW_PICKLES:
@@ -270,6 +280,8 @@ def code_it_would_run(checkpoint: Path) -> dict[str, list[str]]:
 def _code_said(found: dict[str, list[str]]) -> str:
     name, names = next(iter(found.items()))
     more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
+    if names[0].startswith(("a symbolic link", "a folder other")):  # where the loader would go, not what it runs
+        return f"{name} is {names[0]}{more}"
     return f"{name} would run {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} when loaded{more}"
 
 

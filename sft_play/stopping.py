@@ -99,8 +99,12 @@ def resume_command(command: list[str] | None = None) -> str:
             if word.startswith("RESUME="):
                 continue
             if word.startswith("ARGS="):
-                kept = [w for w in word[len("ARGS="):].split() if not w.startswith("train.resume_from=")]
-                word = "ARGS=" + " ".join(kept)
+                try:  # (as the commands read ARGS: sft_play.cli.make_args)
+                    words_given = shlex.split(word[len("ARGS="):])
+                except ValueError:
+                    words_given = word[len("ARGS="):].split()
+                kept = [w for w in words_given if not w.startswith("train.resume_from=")]
+                word = "ARGS=" + shlex.join(kept)
             words.append(word)
         return shlex.join(words + ["RESUME=auto"])
     return shlex.join([w for w in command if not w.startswith("train.resume_from=")] + ["train.resume_from=auto"])

@@ -423,8 +423,15 @@ def test_a_payload_swapped_with_its_digests_is_never_loaded(tmp_path):
     (index / "optimizer_0" / ".metadata").write_bytes(pickle.dumps({"planned": Planted()}))
     checkpoints.write_marker(index, 6)
     assert checkpoints.code_it_would_run(index) == {"optimizer_0/.metadata": ["posix.system"]}
-    assert checkpoints.newest_intact(run / "checkpoints").name == "checkpoint-2"  # both set aside, never loaded
-    assert sorted(p.name for p in (run / "incomplete-checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    linked = fake_checkpoint(run, 8)  # a planted state behind a link, or named by DeepSpeed's `latest`
+    (linked / "global_step8").symlink_to(planted / "global_step4")
+    assert checkpoints.code_it_would_run(linked) == {"global_step8": [f"a symbolic link to {planted / 'global_step4'}"]}
+    (linked / "global_step8").unlink()
+    (linked / "latest").write_text("../checkpoint-4/global_step4")
+    assert "latest" in checkpoints.code_it_would_run(linked)
+    assert checkpoints.newest_intact(run / "checkpoints").name == "checkpoint-2"  # all set aside, never loaded
+    assert sorted(p.name for p in (run / "incomplete-checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6",
+                                                                                  "checkpoint-8"]
     assert not marker.exists()
 
 

@@ -618,7 +618,9 @@ def test_the_json_plans_remedy_commands_are_the_texts():
     # (the run: line alone re-planned for this machine, without the GPUs described)
     overrides = [f"model.name_or_path={CONFIGS / 'llama-3.1-8b'}", "finetune.method=full", "train.global_batch_size=2"]
     described = json.loads(report.to_json(plan, None, overrides, "VRAM_GIB=80 GPU_MODEL=H100"))["remedies"]
-    for remedy in [r for r in described if r["fits"]][:2]:
+    fitting = [r for r in described if r["fits"]]
+    assert len(fitting) >= 2, [r["name"] for r in described]
+    for remedy in fitting[:2]:
         assert f"plan: {remedy['plan_command']}" in report.to_text(plan, None, overrides, "VRAM_GIB=80 GPU_MODEL=H100")
         words = dict(word.split("=", 1) for word in shlex.split(remedy["plan_command"])[2:])
         assert words.keys() == {"NUM_GPUS", "VRAM_GIB", "GPU_MODEL", "ARGS"}, remedy["plan_command"]

@@ -233,7 +233,10 @@ def load(key: str, verify: bool = True) -> dict[str, Any] | None:
     try:
         saved = json.loads(meta.read_text())
         damage = _damage(folder, saved["files"]) if verify else None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:  # not ours to read (a shared cache): prepared here, the entry left as it is
+        logger.info("data: the cached preprocessing %s cannot be read here (%s): preparing the data", key, exc)
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
         damage = f"meta.json unreadable ({exc})"
     if damage:
         logger.warning("data: the cached preprocessing %s is damaged (%s): preparing the data again", key, damage)

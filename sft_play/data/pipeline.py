@@ -635,7 +635,7 @@ def _streamed(cfg: DataConfig, tokenizer: Any, seed: int, processor: Any = None)
     train = stream.map(_encode_batch, batched=True, remove_columns=list(RECORD_COLUMNS), fn_kwargs={
         "tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
         "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
-        "special_text": cfg.special_tokens_in_text, "skip_unreadable": True})  # (a stream skips what it refuses)
+        "special_text": cfg.special_tokens_in_text, "skip_unreadable": cfg.on_invalid == "skip"})
     counted = ["n_tokens", "n_loss", "n_markers"] + (list(IMAGE_COUNTS) if processor is not None else [])
     train = train.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
                          batched=True).remove_columns(["status", "origin", *counted])

@@ -15,7 +15,9 @@ of the whole; a template that does not is reported).
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from typing import Any
 
 from sft_play.chat_templates import DEFAULT_CHAT_TEMPLATE, chat_template_names, is_inline_template, named_template
@@ -211,7 +213,10 @@ def encode_record(record: dict[str, Any], tokenizer: Any, template: str, train_o
 # says what happens to it: kept as the tokenizer reads it (said by make check and data-stats),
 # escaped (a WORD JOINER after its first character: the same text, read as text), or refused.
 WORD_JOINER = "\u2060"
-_NOT_TEXT = frozenset({"role", "type"})  # a record's keys that name, not say
+# What is text a person wrote: the messages' contents (and their parts' text), prompts, completions,
+# plain text; not roles, tool calls' names and arguments, or images' paths
+_FIELDS = ("messages", "prompt", "completion", "text")
+_TEXT = frozenset({"content", "text", "prompt", "completion"})
 
 
 def text_markers(tokenizer: Any) -> tuple[str, ...]:
@@ -224,46 +229,51 @@ def text_markers(tokenizer: Any) -> tuple[str, ...]:
 
 
 def markers_in(record: dict[str, Any], markers: tuple[str, ...]) -> dict[str, int]:
-    """How often each of `markers` is written in `record`'s text (messages, prompt, completion,
-    text)."""
+    """How often each of `markers` is written in `record`'s text (messages' contents, prompt,
+    completion, text)."""
     found: dict[str, int] = {}
+    if not markers:
+        return found
+    pattern = _pattern(markers)
     for text in _texts(record):
-        for marker in markers:
-            if marker in text:
-                found[marker] = found.get(marker, 0) + text.count(marker)
-                text = text.replace(marker, "")  # (a shorter marker inside it is not counted again)
+        for marker in pattern.findall(text):
+            found[marker] = found.get(marker, 0) + 1
     return found
 
 
 def escape_markers(record: dict[str, Any], markers: tuple[str, ...]) -> dict[str, Any]:
     """`record` with every marker in its text written so that the tokenizer reads it as text."""
+    pattern = _pattern(markers)
+
     def escaped(value: Any, key: str | None = None) -> Any:
-        if isinstance(value, str) and key not in _NOT_TEXT:
-            for marker in markers:
-                value = value.replace(marker, marker[0] + WORD_JOINER + marker[1:])
-            return value
+        if isinstance(value, str):
+            return pattern.sub(lambda m: m.group()[0] + WORD_JOINER + m.group()[1:], value) if key in _TEXT else value
         if isinstance(value, dict):
             return {k: escaped(v, k) for k, v in value.items()}
         if isinstance(value, list):
-            return [escaped(v) for v in value]
+            return [escaped(v, key) for v in value]
         return value
 
-    return {key: escaped(record[key]) if key in ("messages", "prompt", "completion", "text") else record[key]
-            for key in record}
+    return {key: escaped(record[key], key) if key in _FIELDS else record[key] for key in record}
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(markers: tuple[str, ...]) -> re.Pattern:
+    return re.compile("|".join(map(re.escape, markers)))  # (longest first: one containing another is found whole)
 
 
 def _texts(record: dict[str, Any]):
     def walk(value: Any, key: str | None = None):
         if isinstance(value, str):
-            if key not in _NOT_TEXT:
+            if key in _TEXT:
                 yield value
         elif isinstance(value, dict):
             for k, v in value.items():
                 yield from walk(v, k)
         elif isinstance(value, list):
             for v in value:
-                yield from walk(v)
+                yield from walk(v, key)
 
-    for key in ("messages", "prompt", "completion", "text"):
+    for key in _FIELDS:
         if record.get(key) is not None:
-            yield from walk(record[key])
+            yield from walk(record[key], key)

@@ -301,9 +301,8 @@ def plan_command(remedies: list[Remedy], target: Any, changes: list[str], config
     """The ``make plan`` command that plans what :func:`command` runs, on the hardware planned for:
     its GPUs (as the remedies change them) and `hardware`, the other variables that described it
     (``VRAM_GIB=80 GPU_MODEL=H100``; none for this machine's own)."""
-    _, world, arguments = _launch(remedies, target, changes, overrides)
-    gpus = gpus_text(world) if world > 1 or hardware else ""
-    return _make_line("plan", config_path, " ".join(part for part in (gpus, hardware) if part), arguments)
+    _, world, arguments = _launch(remedies, target, changes, overrides)  # (NUM_GPUS=1 too: not every GPU here)
+    return _make_line("plan", config_path, " ".join(part for part in (gpus_text(world), hardware) if part), arguments)
 
 
 def _launch(remedies: list[Remedy], target: Any, changes: list[str],
