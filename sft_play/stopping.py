@@ -6,6 +6,7 @@ user's own ``make`` line with ``RESUME=auto``, found by walking up the parent pr
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import sys
@@ -98,13 +99,9 @@ def resume_command(command: list[str] | None = None) -> str:
         for word in command:
             if word.startswith("RESUME="):
                 continue
-            if word.startswith("ARGS="):
-                try:  # (as the commands read ARGS: sft_play.cli.make_args)
-                    words_given = shlex.split(word[len("ARGS="):])
-                except ValueError:
-                    words_given = word[len("ARGS="):].split()
-                kept = [w for w in words_given if not w.startswith("train.resume_from=")]
-                word = "ARGS=" + shlex.join(kept)
+            if word.startswith("ARGS="):  # as typed, less a resume setting (RESUME=auto says it)
+                word = re.sub(r"(^|\s)train\.resume_from=\S*", "", word[len("ARGS="):]).strip()
+                word = "ARGS=" + word
             words.append(word)
         return shlex.join(words + ["RESUME=auto"])
     return shlex.join([w for w in command if not w.startswith("train.resume_from=")] + ["train.resume_from=auto"])

@@ -1157,3 +1157,19 @@ def test_special_tokens_written_in_text_are_counted_and_kept_escaped_or_refused(
     [said] = [c for c in checks.check_data(config) if c.name == "data.path special tokens"]
     assert said.ok and said.warning and f"1 example(s) write the tokenizer's special tokens in their text ({data_file}:1)" \
         in said.detail
+
+
+def test_a_preparation_after_its_cache_folder_was_removed_makes_a_new_scratch_folder(tmp_path, monkeypatch):
+    """A process kept its first scratch folder for good: once that folder's cache was removed (a
+    temporary SFT_PLAY_CACHE, as the data bench uses in-process), every later preparation failed."""
+    import shutil
+
+    from sft_play.data import cache
+
+    monkeypatch.setattr(cache, "_SCRATCH", [])
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "first"))
+    assert cache.scratch().is_dir()
+    shutil.rmtree(tmp_path / "first")
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "second"))
+    made = cache.scratch()
+    assert made.is_dir() and (tmp_path / "second") in made.parents

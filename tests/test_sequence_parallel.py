@@ -206,8 +206,9 @@ def test_what_a_split_sequence_cannot_run_is_one_line_each():
 
 
 def test_the_launcher_refuses_a_split_the_processes_cannot_form_before_any_rank_starts():
-    # (the embedded default says ddp: make train-deepspeed switches it to ZeRO-2, which splits rows)
-    result = subprocess.run(["make", "--no-print-directory", "train-deepspeed", "CPU=1", "NUM_GPUS=3",
+    # (the embedded default says ddp: make train-deepspeed switches it to ZeRO-2, which splits rows;
+    # OVERSUBSCRIBE=1: three CPU processes on two cores would be refused first, and none starts here)
+    result = subprocess.run(["make", "--no-print-directory", "train-deepspeed", "CPU=1", "NUM_GPUS=3", "OVERSUBSCRIBE=1",
                              "ARGS=distributed.sequence_parallel=2"], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0

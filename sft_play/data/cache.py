@@ -175,6 +175,8 @@ def scratch() -> Path:
     cache cannot be written). Arrow files in memory would hold all of the data in RAM; on disk
     they are read memory-mapped, batch by batch."""
     _sweep_abandoned()
+    if _SCRATCH and not _SCRATCH[-1].is_dir():  # removed under us (its cache folder deleted): another
+        _SCRATCH.clear()
     if not _SCRATCH:
         try:
             cache_root().mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,7 @@ def scratch() -> Path:
             folder = Path(tempfile.mkdtemp(prefix=f"sft-play-work-{cache_usage.owner_tag()}-"))
         _SCRATCH.append(folder)
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return Path(tempfile.mkdtemp(dir=_SCRATCH[0]))
+    return Path(tempfile.mkdtemp(dir=_SCRATCH[-1]))
 
 
 def forget(key: str) -> None:
