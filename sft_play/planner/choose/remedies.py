@@ -293,7 +293,8 @@ def command(remedies: list[Remedy], target: Any, changes: list[str], config_path
     """The make command that runs the changed config: the make target the remedies need, the
     GPUs, the config file and the user's own overrides followed by the remedies' (which win)."""
     make_target, world, arguments = _launch(remedies, target, changes, overrides)
-    return _make_line(make_target, config_path, gpus_text(world) if world > 1 else "", arguments)
+    launched = world > 1 or make_target != "train"  # (a launcher target starts every GPU here unless told)
+    return _make_line(make_target, config_path, gpus_text(world) if launched else "", arguments)
 
 
 def plan_command(remedies: list[Remedy], target: Any, changes: list[str], config_path: str | None = None,
