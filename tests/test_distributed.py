@@ -313,7 +313,7 @@ def free_ports(count: int) -> list[int]:
 
 
 def test_one_node_meets_on_a_free_loopback_port():
-    topology, messages = launch.resolve_topology(2, None, 1, 0, None, 29555, True, 0)
+    topology, messages = launch.resolve_topology(2, None, 1, 0, None, 29555, True, 0, oversubscribe=True)  # (any core count)
     assert topology.standalone and topology.rendezvous() == "a free loopback port"
     assert messages == ["one node: MASTER_PORT=29555 is not used, the processes meet on a free loopback port"]
     command = launch.torchrun_command(topology, "c.yaml", [])
@@ -370,7 +370,7 @@ def test_launch_settings_are_checked():
     topology, _ = launch.resolve_topology(None, "0,2", 1, 0, None, None, False, 8)
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
     with pytest.raises(launch.LaunchError, match="MASTER_PORT=70000 is not a TCP port"):
-        launch.resolve_topology(2, None, 1, 0, None, 70000, True, 0)
+        launch.resolve_topology(1, None, 1, 0, None, 70000, True, 0)
 
 
 def test_a_cpu_launch_of_more_processes_than_cores_is_refused_unless_asked(monkeypatch):

@@ -54,7 +54,7 @@ def test_cpu_processes_beside_a_visible_gpu(monkeypatch):
     monkeypatch.delenv(CPU_ENV, raising=False)
     assert placement(load()).on_cuda
 
-    topology, _ = launch.resolve_topology(2, None, 1, 0, None, None, cpu=True, visible_gpus=1)
+    topology, _ = launch.resolve_topology(2, None, 1, 0, None, None, cpu=True, visible_gpus=1, oversubscribe=True)
     env = launch.child_env(topology)
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env[CPU_ENV] == "1" and env["DS_ACCELERATOR"] == "cpu"
     monkeypatch.setenv(CPU_ENV, "1")  # what the training processes see
