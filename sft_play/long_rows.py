@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +35,11 @@ def tile_count(seq_len: int, hidden_size: int) -> int:
     return max(1, math.ceil(seq_len / max(1, hidden_size)))
 
 
-def tile_mlps(layers: list[Any], hidden_size: int) -> int:
+def tile_mlps(layers: list[Any], hidden_size: int, per_tile: Callable[[Any, int], Any] | None = None) -> int:
     """Make each decoder layer's ``mlp`` compute in tiles along the sequence; returns how many
     were tiled. Patches the module instances (not their classes), so that another model in
-    the process is untouched."""
+    the process is untouched. `per_tile(fn, tiles)`, where given, wraps the function each tile
+    calls (the planner's trace repeats a recorded tile instead of running it again)."""
     from sft_play import lean_imports
 
     lean_imports.needed("deepspeed")  # a process that skipped it may still plan or train tiles
@@ -49,7 +51,8 @@ def tile_mlps(layers: list[Any], hidden_size: int) -> int:
             return plain(x, *args, **kwargs)
         tiles = _agreed(tile_count(x.shape[-2], hidden_size), x.device)
         trained = [p for p in module.parameters() if p.requires_grad]  # a list: TiledMLP iterates it
-        return TiledMLP.apply(lambda _, tile: plain(tile), module, x, tiles, trained)
+        fn = lambda _, tile: plain(tile)  # noqa: E731
+        return TiledMLP.apply(per_tile(fn, tiles) if per_tile else fn, module, x, tiles, trained)
 
     tiled = 0
     for layer in layers:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sft_play.adapters import LoraSpec
 from sft_play.planner.simulate import trace as tracing
 from sft_play.planner.simulate.trace import INPUT, TraceSpec, layer_trace
@@ -124,3 +126,29 @@ def test_ligers_rms_norm_keeps_no_fp32_copy_of_the_hidden_states():
     assert norm.input_grad == tracing.GRAD_IN  # the incoming gradient, overwritten: no new one
     assert {size for kind, _, size, _ in norm.backward if kind == "a"} == {tracing.SM_COUNT * H * 4}  # dW partials
     assert layer_trace(spec(), S).at(1)[1].input_grad != tracing.GRAD_IN
+
+
+@pytest.mark.parametrize("changes", [
+    dict(checkpointing=True, attention="flash_attention_2"),
+    dict(checkpointing=False),
+    dict(method="qlora", checkpointing=True, masked=True),
+    dict(method="full", lora=None, checkpointing=True),
+    # fp32 residual under bf16 autocast: each tile's input cast stays cached until the forward ends,
+    # which a copy would not keep: every tile is traced
+    dict(method="full", lora=None, weights_dtype="float32", checkpointing=True),
+])
+def test_a_tiled_mlps_later_tiles_are_recorded_as_copies_of_the_second_with_the_same_events(changes):
+    """Ten and eleven tiles (the last shorter): the layer traced with tiles 3 onwards copied is the
+    layer traced with every tile run, at micro-batch 1 and as a function of the micro-batch."""
+    tiled = spec(tiled_mlp=True, **changes)
+    for seq in (10 * H, 10 * H + 40):
+        before = next(tracing._FRESH_KEYS)
+        copied = tracing._traced(tiled, seq)
+        made = next(tracing._FRESH_KEYS) - before - 1
+        tracing._REPEAT_TILES[0] = False
+        try:
+            every = tracing._traced(tiled, seq)
+        finally:
+            tracing._REPEAT_TILES[0] = True
+        assert copied == every
+        assert (made == 0) == (changes.get("weights_dtype") == "float32"), made

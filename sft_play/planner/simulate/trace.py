@@ -43,9 +43,10 @@ import contextlib
 import copy
 import functools
 import gc
+import itertools
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -181,6 +182,159 @@ class _Recorder(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._track, result)
         return result
+
+
+class _NotRepeatable(Exception):
+    """A tile of DeepSpeed's TiledMLP loop did something its copy would not: trace every tile."""
+
+
+# The recorder of the module being traced (copied tiles add their events to it), and whether
+# tiles are copied (a test traces without, to compare)
+_RECORDING: list[_Recorder | None] = [None]
+_REPEAT_TILES = [True]
+_FRESH_KEYS = itertools.count(1)  # copied storages are named -1, -2, ... (real ones by their address)
+
+
+@dataclass(frozen=True)
+class _TileEvents:
+    """The second tile's events, each storage named by its place in the tile's allocations:
+    within its call (``inside``; its output allocated at ``output_at``, as slot
+    ``output_slot``, laid out as ``layout``) and from its return to the next tile's call
+    (``after``: its backward, in the backward pass)."""
+
+    inside: tuple[tuple[str, int, int], ...]
+    after: tuple[tuple[str, int, int], ...]
+    output_at: int
+    output_slot: int
+    layout: tuple[torch.Size, tuple[int, ...], torch.dtype]
+
+
+@dataclass
+class _TilePass:
+    """One pass of a TiledMLP loop: the forward (tiles without gradients) or the backward."""
+
+    calls: int = 0
+    outputs: list[int] = field(default_factory=list)  # the storage each tile returned
+    second: tuple | None = None  # (events list, where its call began, where it returned, its tile's shape, layout)
+    template: _TileEvents | None = None
+    quiet_from: tuple[list, int] | None = None  # (events, position): a copy's end, after which nothing may happen
+
+    def check_quiet(self, recorder: _Recorder, allowed: list | None = None) -> None:
+        """Nothing was recorded since the last copy ended but `allowed`."""
+        if self.quiet_from is not None:
+            events, position = self.quiet_from
+            if events is not recorder.events or events[position:] != (allowed or []):
+                raise _NotRepeatable("an event between tiles that the copy did not make")
+            self.quiet_from = None
+
+    def make_template(self, recorder: _Recorder, grad: bool) -> _TileEvents:
+        events, begin, returned, _, layout = self.second
+        if events is not recorder.events:
+            raise _NotRepeatable("the trace moved on between tiles")
+        inside, after = events[begin:returned], events[returned:]
+        if after and after[0] == ("f", self.outputs[0], 0):  # the first tile's output, dropped at the second's return
+            after = after[1:]
+        if after and not grad:
+            raise _NotRepeatable("an event between tiles of the forward")
+        slots: dict[int, int] = {}  # a storage's address -> its allocation's place (an address can serve again)
+        alive: set[int] = set()
+        named, output_at, allocated = [], -1, 0
+        for position, (kind, key, size) in enumerate(inside + after):
+            if kind == "a":
+                slots[key], allocated = allocated, allocated + 1
+                alive.add(key)
+                if key == self.outputs[1] and position < len(inside):
+                    output_at = position
+            elif key in alive:
+                alive.discard(key)
+            else:
+                raise _NotRepeatable("a tile released what an earlier one made")
+            named.append((kind, slots[key], size))
+        if output_at < 0 or alive != {self.outputs[1]}:
+            raise _NotRepeatable("a tile kept more than its output")
+        self.template = _TileEvents(tuple(named[:len(inside)]), tuple(named[len(inside):]), output_at,
+                                    slots[self.outputs[1]], layout)
+        return self.template
+
+
+def _emit(recorder: _Recorder, events: tuple[tuple[str, int, int], ...], keys: dict[int, int]) -> None:
+    for kind, slot, size in events:
+        if kind == "a":
+            keys[slot] = -next(_FRESH_KEYS)
+        recorder.events.append((kind, keys[slot], size))
+
+
+def _copied_call(recorder: _Recorder, template: _TileEvents, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """The template's events within its call, with a real output allocated where it was."""
+    keys: dict[int, int] = {}
+    _emit(recorder, template.inside[:template.output_at], keys)
+    shape, stride, dtype = template.layout
+    output = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    keys[template.output_slot] = output.untyped_storage()._cdata
+    if recorder.events[-1] != ("a", keys[template.output_slot], template.inside[template.output_at][2]):
+        raise _NotRepeatable("the output's storage differs from the tile's")
+    _emit(recorder, template.inside[template.output_at + 1:], keys)
+    return output, keys
+
+
+class _CopiedTile(torch.autograd.Function):
+    """A tile of the backward pass, copied: its recomputation's events in forward, its backward's
+    in backward (after the previous tile's output was dropped, as the loop drops it)."""
+
+    @staticmethod
+    def forward(ctx, tile, loop, template):
+        ctx.loop, ctx.template = loop, template
+        output, ctx.keys = _copied_call(_RECORDING[0], template, tile.device)
+        return output
+
+    @staticmethod
+    def backward(ctx, _grad):
+        recorder, loop = _RECORDING[0], ctx.loop
+        loop.check_quiet(recorder, [("f", loop.outputs[-2], 0)])
+        _emit(recorder, ctx.template.after, ctx.keys)
+        loop.quiet_from = (recorder.events, len(recorder.events))
+        return None, None, None
+
+
+class _RepeatedTiles:
+    """What each tile of one TiledMLP loop calls, for the trace (:func:`long_rows.tile_mlps`'s
+    ``per_tile``). DeepSpeed's loop runs every tile without gradients in forward, then each again
+    with its backward. The first two tiles of a pass run; a later tile of the second's shape does
+    not: the second's events are recorded again under fresh storage names, and a real tensor of
+    its output's shape is handed back, so that the loop and autograd go on as they would. A long
+    row has hundreds of tiles of hundreds of operations each through the tracer's modes, all
+    allocating the same (traced in full, they were most of a long row's planning). Anything the
+    copy would not repeat exactly (the second tile keeping more than its output, an event between
+    tiles the copy did not make) raises :class:`_NotRepeatable`, and the module is traced again
+    with every tile run (:func:`_trace_module`)."""
+
+    def __init__(self, fn: Any, _tiles: int):
+        self.fn = fn
+        self.passes = {False: _TilePass(), True: _TilePass()}
+
+    def __call__(self, module: Any, tile: torch.Tensor) -> torch.Tensor:
+        recorder, grad = _RECORDING[0], torch.is_grad_enabled()
+        if recorder is None or not _REPEAT_TILES[0]:
+            return self.fn(module, tile)
+        loop = self.passes[grad]
+        index, loop.calls = loop.calls, loop.calls + 1
+        loop.check_quiet(recorder)
+        if index < 2 or tile.shape != loop.second[3]:
+            begin = len(recorder.events)
+            output = self.fn(module, tile)
+            loop.outputs.append(output.untyped_storage()._cdata)
+            if index == 1:
+                loop.second = (recorder.events, begin, len(recorder.events), tile.shape,
+                               (output.shape, output.stride(), output.dtype))
+            return output
+        template = loop.template or loop.make_template(recorder, grad)
+        if grad:
+            output = _CopiedTile.apply(tile, loop, template)
+        else:
+            output, _ = _copied_call(recorder, template, tile.device)
+        loop.outputs.append(output.untyped_storage()._cdata)
+        loop.quiet_from = (recorder.events, len(recorder.events))
+        return output
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -395,7 +549,7 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
     if spec.tiled_mlp:  # the run's own tiling, traced: each tile's intermediates, forward and backward
-        long_rows.tile_mlps(layers, text.hidden_size)
+        long_rows.tile_mlps(layers, text.hidden_size, _RepeatedTiles)
     norm = _final_norm(model, layers[0])
     if spec.liger and getattr(text, "model_type", None) in LIGER_RMS_NORM_MODELS:
         for module in [*layers[0].modules(), *([norm] if norm is not None else [])]:
@@ -595,10 +749,20 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
     # Releases must follow reference counts alone: no cyclic collection in the middle of a trace
     collecting = gc.isenabled()
     gc.disable()
+    _RECORDING[0] = recorder
     try:
         with recorder:
             return _record(module, call, recorder, _Autocast(compute), leaf)
+    except _NotRepeatable:
+        if not _REPEAT_TILES[0]:
+            raise
+        _REPEAT_TILES[0] = False
+        try:
+            return _trace_module(spec, prepared, micro_batch, seq_len, which, sliding)
+        finally:
+            _REPEAT_TILES[0] = True
     finally:
+        _RECORDING[0] = None
         if collecting:
             gc.enable()
 
