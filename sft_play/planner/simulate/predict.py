@@ -123,7 +123,7 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
     if workers >= 2 and len(todo) * shape.num_layers >= FORK_LAYER_REPLAYS \
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
-            traced_layers(trace_spec(run, micro), run.local_tokens)
+            traced_layers(trace_spec(run, micro), run.local_tokens, micro > 1)
             traced_encoder(run)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
@@ -257,7 +257,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     """One training step of `run` at `micro_batch` replayed through the simulated allocator
     (`capacity` bytes, None: unlimited); `log` collects its allocation events when given."""
     REPLAYS[0] += 1
-    trace = traced_layers(trace_spec(run, micro_batch), run.local_tokens)
+    trace = traced_layers(trace_spec(run, micro_batch), run.local_tokens, micro_batch > 1)
     spec = StepSpec(
         run=run,
         micro_batch=micro_batch,
@@ -303,16 +303,17 @@ def _encoder_key(run: Run) -> tuple:
     return trace_spec(run, 1), run.encoder_inputs, run.train_vision_tower, run.train_projector
 
 
-def traced_layers(spec, seq_len: int):
-    """The model's layers traced; where the tracer cannot follow them (an architecture whose ops
-    it does not know), a Llama-shaped layer of the model's widths instead, the reason recorded for
-    the prediction to carry (:attr:`Prediction.stand_in`) and the plan to say. Planning never ends
-    a run: training goes ahead, with the out-of-memory backoff as its safety net."""
+def traced_layers(spec, seq_len: int, batched: bool = True):
+    """The model's layers traced (`batched`: at every micro-batch, else at 1 only); where the
+    tracer cannot follow them (an architecture whose ops it does not know), a Llama-shaped layer
+    of the model's widths instead, the reason recorded for the prediction to carry
+    (:attr:`Prediction.stand_in`) and the plan to say. Planning never ends a run: training goes
+    ahead, with the out-of-memory backoff as its safety net."""
     failed = (spec.name_or_path, spec.method)
     if failed not in _UNTRACEABLE:
         try:
-            return layer_trace(spec, seq_len)
+            return layer_trace(spec, seq_len, batched)
         except Exception as error:  # noqa: BLE001 - any failure of the trace falls back
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
             _UNTRACEABLE[failed] = f"{type(error).__name__}: {reason}"
-    return layer_trace(dataclasses.replace(spec, stand_in=True), seq_len)
+    return layer_trace(dataclasses.replace(spec, stand_in=True), seq_len, batched)

@@ -111,8 +111,8 @@ class LayerTrace:
     attention): each kind is traced once, and ``pattern`` says which kind each layer is."""
 
     single: tuple[ModuleEvents, ModuleEvents | None]  # (the first layer's kind, final norm)
-    batched: tuple[ModuleEvents, ModuleEvents | None]
-    kinds: tuple[tuple[ModuleEvents, ModuleEvents], ...] = ()  # (single, batched) of every kind, in order
+    batched: tuple[ModuleEvents | None, ModuleEvents | None]  # (None, None): traced at micro-batch 1 only
+    kinds: tuple[tuple[ModuleEvents, ModuleEvents | None], ...] = ()  # (single, batched) of every kind, in order
     pattern: tuple[int, ...] = ()  # the kind of each layer; empty: every layer is the first's kind
     names: tuple[str, ...] = ()  # the kinds' names (layer_types), for the plan's notes
 
@@ -767,18 +767,29 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
             gc.enable()
 
 
-@functools.lru_cache(maxsize=64)
-def layer_trace(spec: TraceSpec, seq_len: int) -> LayerTrace:
+def layer_trace(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
     `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
-    and on disk: :mod:`sft_play.planner.simulate.cache`)."""
-    return cache.remembered("trace", (spec, seq_len, config_identity(spec.name_or_path, spec.revision,
-                                                                     spec.trust_remote_code)),
-                            lambda: _traced(spec, seq_len),
-                            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+    and on disk: :mod:`sft_play.planner.simulate.cache`). Without `batched`, at micro-batch 1 only
+    (``batched`` None): half the tracing, for plans of one row per GPU (``make plan LONGEST=1``),
+    unless the whole trace was made already."""
+    if not batched and (spec, seq_len, True) in _TRACES:
+        return _TRACES[spec, seq_len, True]
+    if (spec, seq_len, batched) not in _TRACES:
+        if len(_TRACES) >= 64:
+            _TRACES.clear()
+        _TRACES[spec, seq_len, batched] = cache.remembered(
+            "trace" if batched else "trace-single",
+            (spec, seq_len, config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)),
+            lambda: _traced(spec, seq_len, batched), keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+    return _TRACES[spec, seq_len, batched]
 
 
-def _traced(spec: TraceSpec, seq_len: int) -> LayerTrace:
+_TRACES: dict[tuple[TraceSpec, int, bool], LayerTrace] = {}
+_ONE_ROW: dict[tuple, dict[str, Any]] = {}  # the raw events of a module at micro-batch 1, for the whole trace
+
+
+def _traced(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     _register_flash_trace()
     model_config = load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code)
     # Sliding-window layers that take a mask the others do not are traced as a kind of their own
@@ -792,13 +803,22 @@ def _traced(spec: TraceSpec, seq_len: int) -> LayerTrace:
             prepared = _prepared_layer(spec, kind)
             sliding = windowed and is_sliding(model_config, kind)
             for which in ("layer", "norm") if position == 0 and prepared[1] is not None else ("layer",):
-                one, two = (_trace_module(spec, prepared, b, seq_len, which, sliding) for b in (1, 2))
-                try:  # the same operations at 1 and 2 rows: one description for every micro-batch
-                    scaled = _module_events(one, two, 1)
-                    events = (scaled, scaled)
-                except ValueError:
-                    three = _trace_module(spec, prepared, 3, seq_len, which, sliding)
-                    events = (_module_events(one, one, 1), _module_events(two, three, 2))
+                # (kept for a whole trace of the same layer: a plan asks for micro-batch 1 first)
+                one = _ONE_ROW.pop((spec, seq_len, kind, which), None) or _trace_module(spec, prepared, 1, seq_len,
+                                                                                        which, sliding)
+                if not batched:
+                    if len(_ONE_ROW) >= 16:
+                        _ONE_ROW.clear()
+                    _ONE_ROW[spec, seq_len, kind, which] = one
+                    events = (_module_events(one, one, 1), None)
+                else:
+                    two = _trace_module(spec, prepared, 2, seq_len, which, sliding)
+                    try:  # the same operations at 1 and 2 rows: one description for every micro-batch
+                        scaled = _module_events(one, two, 1)
+                        events = (scaled, scaled)
+                    except ValueError:
+                        three = _trace_module(spec, prepared, 3, seq_len, which, sliding)
+                        events = (_module_events(one, one, 1), _module_events(two, three, 2))
                 if which == "layer":
                     traced.append(events)
                 else:
