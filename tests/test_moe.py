@@ -88,10 +88,10 @@ def test_the_planner_stands_in_for_a_layer_it_cannot_trace(monkeypatch):
 
     real = trace.layer_trace
 
-    def fails_on_the_real_layer(spec, seq_len):
+    def fails_on_the_real_layer(spec, seq_len, batched=True):
         if not spec.stand_in:
             raise RuntimeError("an op the tracer does not know")
-        return real(spec, seq_len)
+        return real(spec, seq_len, batched)
 
     monkeypatch.setattr(prediction, "layer_trace", fails_on_the_real_layer)
     monkeypatch.setattr(prediction, "_CACHE", {})
