@@ -64,7 +64,7 @@ class EncoderTrace:
     of one example's pixel inputs as collated."""
 
     single: ModuleEvents
-    batched: ModuleEvents
+    batched: ModuleEvents | None  # None: traced at micro-batch 1 only
     input_bytes: int
 
     def at(self, micro: int) -> ModuleEvents:
@@ -83,27 +83,45 @@ class EncoderTrace:
         return 0
 
 
-def encoder_trace(spec: TraceSpec, inputs: str, train_tower: bool, train_projector: bool) -> EncoderTrace:
+def encoder_trace(spec: TraceSpec, inputs: str, train_tower: bool, train_projector: bool,
+                  batched: bool = True) -> EncoderTrace:
     """The vision encoder's allocations for `spec`'s model and method, on `inputs` (the JSON of
     :func:`sft_play.data.vision.encoder_inputs`), with the tower and projector trained as said
-    (cached in this process and on disk)."""
-    return _cached(spec, inputs, train_tower, train_projector)
+    (cached in this process and on disk). Without `batched`, at micro-batch 1 only (``batched``
+    None), unless the whole trace was made already."""
+    key = (spec, inputs, train_tower, train_projector)
+    if not batched and (*key, True) in _TRACES:
+        return _TRACES[(*key, True)]
+    if (*key, batched) not in _TRACES:
+        if len(_TRACES) >= 16:
+            _TRACES.clear()
+        identity = config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)
+        _TRACES[(*key, batched)] = cache.remembered(
+            "encoder" if batched else "encoder-single", (*key, identity),
+            lambda: _traced(spec, json.loads(inputs), train_tower, train_projector, batched, key),
+            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+    return _TRACES[(*key, batched)]
 
 
-@functools.lru_cache(maxsize=16)
-def _cached(spec: TraceSpec, inputs: str, train_tower: bool, train_projector: bool) -> EncoderTrace:
-    identity = config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)
-    return cache.remembered("encoder", (spec, inputs, train_tower, train_projector, identity),
-                            lambda: _traced(spec, json.loads(inputs), train_tower, train_projector),
-                            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+_TRACES: dict[tuple, EncoderTrace] = {}
+_ONE_EXAMPLE: dict[tuple, dict[str, Any]] = {}  # the raw events at micro-batch 1, for the whole trace
 
 
-def _traced(spec: TraceSpec, inputs: dict[str, Any], train_tower: bool, train_projector: bool) -> EncoderTrace:
+def _traced(spec: TraceSpec, inputs: dict[str, Any], train_tower: bool, train_projector: bool,
+            batched: bool = True, key: tuple | None = None) -> EncoderTrace:
     _register_flash_trace()
     with warnings.catch_warnings(), _meta_compatible():
         warnings.simplefilter("ignore")
         model = _prepared_encoder(spec, train_tower, train_projector)
-        one, two = (_record_encoder(model, spec, _batched(inputs, micro)) for micro in (1, 2))
+        # (kept for a whole trace of the same encoder: a plan asks for micro-batch 1 first)
+        one = _ONE_EXAMPLE.pop(key, None) or _record_encoder(model, spec, _batched(inputs, 1))
+        if not batched:
+            if key is not None:
+                if len(_ONE_EXAMPLE) >= 4:
+                    _ONE_EXAMPLE.clear()
+                _ONE_EXAMPLE[key] = one
+            return EncoderTrace(_module_events(one, one, 1), None, input_bytes(inputs))
+        two = _record_encoder(model, spec, _batched(inputs, 2))
         try:  # the same operations for one example and two: one description for every micro-batch
             scaled = _module_events(one, two, 1)
             return EncoderTrace(scaled, scaled, input_bytes(inputs))
@@ -111,10 +129,10 @@ def _traced(spec: TraceSpec, inputs: dict[str, Any], train_tower: bool, train_pr
             three = _record_encoder(model, spec, _batched(inputs, 3))
     single = _module_events(one, one, 1)
     try:
-        batched = _module_events(two, three, 2)
+        batched_events = _module_events(two, three, 2)
     except ValueError:  # image by image: sizes in proportion to the images, from two examples' (exact there)
-        batched = _proportional(_module_events(two, two, 2), 2)
-    return EncoderTrace(single, batched, input_bytes(inputs))
+        batched_events = _proportional(_module_events(two, two, 2), 2)
+    return EncoderTrace(single, batched_events, input_bytes(inputs))
 
 
 def input_bytes(inputs: dict[str, Any]) -> int:

@@ -124,7 +124,7 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
             traced_layers(trace_spec(run, micro), run.local_tokens, micro > 1)
-            traced_encoder(run)
+            traced_encoder(run, micro > 1)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                      initializer=_replay_worker_started, initargs=(os.getpid(),)) as pool:
@@ -272,13 +272,14 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         cublas_workspace=run.cublas_workspace_bytes,
         neftune=run.neftune,
         offload_hidden=run.offload_activations and run.gradient_checkpointing,
-        encoder=traced_encoder(run),
+        encoder=traced_encoder(run, micro_batch > 1),
     )
     return replay(shape, trace, spec, capacity, log)
 
 
-def traced_encoder(run: Run) -> EncoderTrace | None:
-    """The vision encoder on the run's images (:attr:`Run.encoder_inputs`) traced, or None where
+def traced_encoder(run: Run, batched: bool = True) -> EncoderTrace | None:
+    """The vision encoder on the run's images (:attr:`Run.encoder_inputs`) traced (`batched`: at
+    every micro-batch, else at 1 only), or None where
     the run encodes none, or where the tracer cannot follow the encoder (:func:`encoder_untraced`
     says why, for the plan to say)."""
     if not run.encoder_inputs:
@@ -287,7 +288,7 @@ def traced_encoder(run: Run) -> EncoderTrace | None:
     if key in _UNTRACED_ENCODERS:
         return None
     try:
-        return encoder_trace(*key)
+        return encoder_trace(*key, batched)
     except Exception as error:  # noqa: BLE001 - the plan goes on without the encoder's activations
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         _UNTRACED_ENCODERS[key] = f"{type(error).__name__}: {reason}"
