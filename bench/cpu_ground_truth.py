@@ -1,0 +1,179 @@
+"""The planner's memory simulation against PyTorch's own count, on real training steps on the CPU.
+
+Each cell trains the embedded default's model (configs/tiny_model: a Llama 128 wide, 4 layers, a
+512-token vocabulary) for two steps through the real trainer (TRL's ``SFTTrainer`` as the run
+builds it, AdamW, fp32, one process), under ``torch.profiler`` with ``profile_memory=True``.
+PyTorch's memory profile (``torch.profiler._memory_profiler.MemoryProfile``, what
+``export_memory_timeline`` draws) lists every tensor created and destroyed, with its category
+(parameter, optimizer state, input, activation, gradient, temporary, autograd detail); the live
+bytes at the step's peak are the base weights made before the steps plus the largest sum of
+what was created during them and was still alive. The planner predicts the same run on the CPU
+(``sft_play.planner.simulate.predict``: the same trace and replay as on a GPU, its live bytes
+without the CUDA allocator's cache, which a CPU does not have).
+
+The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
+rows of 256 tokens (the default's). The report puts each term of the plan beside the profile's
+category at the peak. What this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
+two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
+points within the step (after forward, each layer's backward, after the optimizer step).
+
+Usage:
+  python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]
+  python bench/cpu_ground_truth.py --worker '{"method": "lora", "checkpointing": true, "micro": 2, "seq": 256}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, REPORTS, run_worker, versions  # bench/ is the script's folder
+from tiny_default import hardware_line
+
+CELLS = [{"method": method, "checkpointing": checkpointing, "micro": micro, "seq": 256}
+         for method in ("full", "lora") for checkpointing in (False, True) for micro in (1, 2)]
+
+# The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
+TERMS = {
+    "weights": ("PARAMETER",),
+    "optimizer_states": ("OPTIMIZER_STATE",),
+    "inputs": ("INPUT",),
+    "activations": ("ACTIVATION",),
+    "gradients": ("GRADIENT",),
+    "logits_loss": ("TEMPORARY",),
+}
+
+
+def tiny_trainer(folder: Path, cell: dict):
+    """The trainer factory the entry script builds for the embedded default, as the cell sets it."""
+    from sft_play import config as config_module
+    from sft_play import data, model, training
+    from sft_play.data import collate
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
+        f"data.max_seq_length={cell['seq']}", "train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false",
+        "train.mixed_precision=no", "data.num_proc=1", f"train.global_batch_size={cell['micro']}",
+        f"train.output_dir={folder}", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
+        f"data.path={REPO / 'data' / 'tiny' / 'train.jsonl'}",
+        f"data.validation_path={REPO / 'data' / 'tiny' / 'validation.jsonl'}"])
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build(config.data, tokenizer, seed=config.train.seed)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
+    base = model.load_model(config, run, device="cpu")
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
+    return config, run, training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, collator, [])
+
+
+def measure(cell: dict, folder: Path) -> dict:
+    """Train the cell's two steps under the profiler; the live bytes at their peak by category,
+    and the planner's prediction of the same run by term."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    from sft_play import training
+    from sft_play.planner import model_shape
+    from sft_play.planner.simulate.predict import predict
+    from sft_play.run import BatchSplit
+
+    config, run, make = tiny_trainer(folder, cell)
+    split = BatchSplit(cell["micro"], 1, 1, cell["micro"])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        trainer, _ = training.train_with_backoff(make, split)
+    memory = MemoryProfile(prof.profiler.kineto_results)
+    live: dict = {}
+    now = peak = 0
+    at_peak: dict = {}
+    for _, action, (key, version), size in memory.timeline:
+        if key.device.type != "cpu" or action == Action.PREEXISTING:
+            continue
+        if action == Action.CREATE:  # (a storage the profile saw made again counts once)
+            now += size - (live[key][0] if key in live else 0)
+            live[key] = (size, version)
+        elif action == Action.DESTROY and key in live:
+            now -= live.pop(key)[0]
+        elif action == Action.INCREMENT_VERSION and key in live:
+            live[key] = (live[key][0], version)
+        if now > peak:
+            peak, at_peak = now, dict(live)
+    measured = collections.Counter()
+    for key, (size, version) in at_peak.items():
+        category = memory._categories.get(key, version)
+        measured[category.name if category is not None else "UNKNOWN"] += size
+    # The base weights were made before the steps (the adapters and the copies LoRA trains, inside)
+    parameters = {p.untyped_storage()._cdata: p for p in [*trainer.model.parameters(), *trainer.model.buffers()]}
+    made_before = sum(p.untyped_storage().nbytes() for p in parameters.values()) - measured["PARAMETER"]
+    measured["PARAMETER"] += made_before
+    prediction = predict(model_shape(config), run.with_changes(batch=split), cell["micro"])
+    return {**cell, "ok": True, "measured_bytes": peak + made_before, "measured": dict(measured),
+            "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,
+            "torch": torch.__version__}
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if not r.get("ok"):
+            lines.append(f"| {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} | | | |")
+            continue
+        measured, predicted = collections.Counter(r["measured"]), collections.Counter(r["predicted"])
+        differences = []
+        for term, categories in TERMS.items():
+            difference = predicted[term] - sum(measured[c] for c in categories)
+            if difference:
+                differences.append(f"{term} {difference:+,}")
+        named = {c for categories in TERMS.values() for c in categories}
+        unnamed = sum(size for category, size in measured.items() if category not in named)
+        other = sum(size for term, size in predicted.items() if term not in TERMS)
+        if unnamed or other:
+            differences.append(f"other {other - unnamed:+,}")
+        error = 100 * (r["predicted_bytes"] / r["measured_bytes"] - 1)
+        lines.append(f"| {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
+                     f"{r['measured_bytes']:,} | {r['predicted_bytes']:,} | {error:+.2f} % | {'; '.join(differences)} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=REPORTS / "cpu_ground_truth.md")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        with tempfile.TemporaryDirectory(prefix="sft-play-ground-truth-") as folder:
+            print(json.dumps(measure(json.loads(args.worker), Path(folder))))
+        return 0
+    started = time.time()
+    results = [{**cell, **run_worker(__file__, cell, timeout=600)} for cell in CELLS]
+    lines = [
+        "# The planner's memory against PyTorch's own count, on CPU training steps",
+        "",
+        "Written by `python bench/cpu_ground_truth.py` (its docstring says how each cell is measured). Each cell is",
+        "two real training steps of the embedded default's model through the trainer, fp32, one process, rows of",
+        "256 tokens; *measured* is the live bytes at the steps' peak by PyTorch's memory profile, *planned* the",
+        "planner's prediction of the same run on the CPU. By term: the plan's term less the profile's category at",
+        "the peak (weights: PARAMETER; optimizer_states: OPTIMIZER_STATE; inputs: INPUT; activations: ACTIVATION;",
+        "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either).",
+        "",
+        f"- machine: {hardware_line()}",
+        f"- software: {versions()}",
+        f"- wall time: {time.time() - started:.0f} s",
+        "",
+        *table(results),
+        "",
+    ]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
