@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 import tempfile
@@ -50,7 +51,8 @@ TERMS = {
 
 
 def tiny_trainer(folder: Path, cell: dict):
-    """The trainer factory the entry script builds for the embedded default, as the cell sets it."""
+    """The trainer factory the entry script builds for the embedded default, as the cell sets it,
+    and the list its collator records each batch's shape in."""
     from sft_play import config as config_module
     from sft_play import data, model, training
     from sft_play.data import collate
@@ -68,7 +70,16 @@ def tiny_trainer(folder: Path, cell: dict):
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
     collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
-    return config, run, training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, collator, [])
+    batches: list[tuple[int, int, int]] = []
+
+    def recorded(features):  # each batch's rows, tokens per row and labelled positions, as the step sees them
+        batch = collator(features)
+        labels = batch["labels"]
+        batches.append((labels.shape[0], labels.shape[1], int((labels[:, 1:] != -100).sum())))
+        return batch
+
+    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [])
+    return config, run, make, batches
 
 
 def measure(cell: dict, folder: Path) -> dict:
@@ -83,7 +94,7 @@ def measure(cell: dict, folder: Path) -> dict:
     from sft_play.planner.simulate.predict import predict
     from sft_play.run import BatchSplit
 
-    config, run, make = tiny_trainer(folder, cell)
+    config, run, make, batches = tiny_trainer(folder, cell)
     split = BatchSplit(cell["micro"], 1, 1, cell["micro"])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         trainer, _ = training.train_with_backoff(make, split)
@@ -111,10 +122,18 @@ def measure(cell: dict, folder: Path) -> dict:
     parameters = {p.untyped_storage()._cdata: p for p in [*trainer.model.parameters(), *trainer.model.buffers()]}
     made_before = sum(p.untyped_storage().nbytes() for p in parameters.values()) - measured["PARAMETER"]
     measured["PARAMETER"] += made_before
-    prediction = predict(model_shape(config), run.with_changes(batch=split), cell["micro"])
+    # The plan of each step's batch as it came (rows of its length, its labelled positions): the
+    # rules compared, not the data's statistics (a plan assumes full rows and the data's share)
+    shape = model_shape(config)
+    predictions = []
+    for rows, tokens, labelled in batches[:2]:
+        sequence = dataclasses.replace(run.sequence, tokens=tokens,
+                                       loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
+        predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence), rows))
+    prediction = max(predictions, key=lambda p: p.peak_bytes)
     return {**cell, "ok": True, "measured_bytes": peak + made_before, "measured": dict(measured),
             "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,
-            "torch": torch.__version__}
+            "batches": batches[:2], "torch": torch.__version__}
 
 
 def table(results: list[dict]) -> list[str]:

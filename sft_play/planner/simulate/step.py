@@ -563,6 +563,34 @@ def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, 
             break
 
 
+def _backward_fold(gpu: _Replay, rows: int, columns: int, compute_bytes: int) -> None:
+    """``_backward_tile``, the fold torch runs where there is no Triton (a CPU), on a tile's used
+    columns, each tensor [rows, columns] in fp32 unless said: the tile in fp32 and scaled (its fp32
+    copy first, where the tile is 16-bit), z, log p, p and the zeroed gradient, kept to the end; the
+    target mask (bool, from an int64 range of the columns); ``is_target.float() - p`` and its
+    product with the incoming gradient, added in place; the gradient scaled twice more, each a new
+    tensor, the last copied into the tile. (A final-logit soft cap adds its tanh's tensors: not
+    counted.) Checked against PyTorch's memory profile on CPU steps (bench/cpu_ground_truth.py)."""
+    fp32, name = rows * columns * 4, "logits_loss"
+    upcast = gpu.new(fp32, name) if compute_bytes != 4 else None
+    scaled = gpu.new(fp32, name)
+    gpu.free(upcast)
+    kept = [scaled, *(gpu.new(fp32, name) for _ in range(4))]  # y, z, log p, p, the gradient
+    positions = gpu.new(8 * columns, name)
+    kept.append(gpu.new(rows * columns, name))  # is_target
+    gpu.free(positions)
+    as_float = gpu.new(fp32, name)
+    difference = gpu.new(fp32, name)
+    gpu.free(as_float)
+    product = gpu.new(fp32, name)
+    gpu.free(difference)
+    gpu.free(product)
+    again = gpu.new(fp32, name)  # grad * inv_t
+    gpu.free(kept.pop(4))
+    gpu.free(gpu.new(fp32, name))  # grad * logit_scale, copied into the tile
+    gpu.free(again, *kept)
+
+
 def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
                    keep_grads: bool):
     """``ChunkedLogProbFunction.backward``: an fp32 gradient for the selected states, for a trained
@@ -587,9 +615,9 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
         else:  # accumulated into the existing gradient, or reduced by ZeRO
             gpu.free(head_grad)
     tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * run.precision.compute_bytes, "logits_loss")
-    if not spec.on_cuda:  # _backward_tile: fp32 logits, probabilities and gradient of the tile's used columns
-        gpu.free(*[gpu.new(min(n, FUSED_HEAD_TOKENS) * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss")
-                   for _ in range(3)])
+    if not spec.on_cuda:
+        _backward_fold(gpu, min(n, FUSED_HEAD_TOKENS), min(FUSED_HEAD_VOCAB, shape.vocab_size),
+                       run.precision.compute_bytes)
     grad_log_probs = gpu.new(4 * n, "logits_loss")
     _tile_casts(gpu, shape, spec, residual, n)
     cast = gpu.new(n * h * residual, "logits_loss") if residual != 4 else None
