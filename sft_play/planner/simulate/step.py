@@ -410,15 +410,15 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         else:
             grads += parameter_grads
     gpu.free(incoming)
-    if run.method == "full" and not run.parallel.deepspeed:
-        # The embedding's dense gradient; tied to the head's, it is added into it (a transient);
-        # FSDP2 gathers an untied embedding again for its backward and reduce-scatters the
-        # gradient (transients in its param_dtype)
+    if _trains(run, "embed_tokens") and not run.parallel.deepspeed:
+        # The embedding's dense gradient; tied to the head's, it is added into it (a transient;
+        # LoRA's copy is a module of its own); FSDP2 gathers an untied embedding again for its
+        # backward and reduce-scatters the gradient (transients in its param_dtype)
         gathered_embedding = _gather_embedding(gpu, shape, run)
         embedding = gpu.new(shape.vocab_size * h * (memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)),
                             "gradients")
         gpu.free(gathered_embedding)
-        if shape.tie_word_embeddings or run.parallel.fsdp:
+        if (shape.tie_word_embeddings and run.method == "full") or run.parallel.fsdp:
             gpu.free(embedding)
         else:
             grads.append(embedding)
@@ -563,6 +563,12 @@ def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, 
             break
 
 
+def _trains(run: Run, module: str) -> bool:
+    """Whether the model's `module` (``lm_head``, ``embed_tokens``) trains: every weight does under
+    full fine-tuning; under LoRA the trainable copy ``lora.modules_to_save`` names."""
+    return run.method == "full" or (run.lora is not None and module in run.lora.modules_to_save)
+
+
 def _backward_fold(gpu: _Replay, rows: int, columns: int, compute_bytes: int) -> None:
     """``_backward_tile``, the fold torch runs where there is no Triton (a CPU), on a tile's used
     columns, each tensor [rows, columns] in fp32 unless said: the tile in fp32 and scaled (its fp32
@@ -601,7 +607,7 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     n = head["n"]
     grad_states = gpu.new(4 * n * h, "logits_loss")
-    if run.method == "full":
+    if _trains(run, "lm_head"):
         head_grad = gpu.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
         # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
         # FSDP2 the weight is the gathered copy, in its param_dtype)
