@@ -40,7 +40,10 @@ os.environ.update(
         # suite under ATEN_CPU_CAPABILITY=avx2 after one without) gave wrong logits and NaN losses
         "TORCHINDUCTOR_CACHE_DIR": str(_SESSION_DIR / "torchinductor"),
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        # the launchers' ranks are forked from the zygote (tests/shim/sitecustomize.py)
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "shim"),
+                                                  os.environ.get("PYTHONPATH", "")) if p),
+        "SFT_PLAY_TESTS_ZYGOTE": str(_SESSION_DIR / f"zygote-{os.getpid()}.sock"),
     }
 )
 # `make test ARGS="tests/test_makefile.py"` exports its command-line variables to every process
@@ -52,7 +55,7 @@ for _name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL", "SFT_PLAY_ARG
     os.environ.pop(_name, None)
 sys.path.insert(0, str(REPO))
 
-from tests.zygote import READ_AT_RUN_TIME  # noqa: E402 (the repo is importable from here on)
+from tests import zygote as zygote_module  # noqa: E402 (the repo is importable from here on)
 
 # make test runs the suite in two pytest-xdist workers (pyproject's addopts, --dist loadfile): a test
 # module runs in one worker, in order, while another module runs in the other, so the second core is
@@ -206,9 +209,8 @@ class _Zygote:
 
     def differing(self, env: dict) -> list[str]:
         """What `env` sets otherwise than the zygote's environment, beyond what the libraries read
-        when a script runs (:data:`READ_AT_RUN_TIME`): a script with it is not forked from here."""
-        return sorted(key for key in (set(env) | set(self.env)) - READ_AT_RUN_TIME
-                      if env.get(key) != self.env.get(key))
+        when a script runs (:data:`tests.zygote.READ_AT_RUN_TIME`): a script with it is not forked from here."""
+        return zygote_module.differing(env, self.env)
 
     def start(self, args: list[str], env: dict, stdout: str, stderr: str) -> _Forked:
         request = {"argv": args[1:], "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
@@ -243,6 +245,13 @@ def _zygote() -> _Zygote | None:
     return _ZYGOTE[0]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_started():
+    """Started with the session, not on first use: the ranks of a make target a test starts ask it
+    for their forks too (tests/shim/sitecustomize.py)."""
+    _zygote()
+
+
 def start_script(args: list[str], env: dict, stdout, stderr):
     """Start ``python SCRIPT ARGS`` (`args`, from the repo root, output to the open files `stdout`
     and `stderr`): forked from the zygote where its environment allows (tests/zygote.py), else a
@@ -262,6 +271,20 @@ def start_script(args: list[str], env: dict, stdout, stderr):
         with open(_SESSION_DIR / "fresh.log", "a") as log:
             log.write(f"{' '.join(args[1:3])}: {zygote.differing(env)}\n")
     return subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, text=True, env=env)
+
+
+def with_forks(processes: list) -> list:
+    """`processes` (``psutil.Process``) and, for each rank's stand-in among them, the rank itself,
+    forked from the zygote (tests/shim/sitecustomize.py): the process tree a launch would have."""
+    import psutil
+
+    found = list(processes)
+    for process in processes:
+        try:
+            found.append(psutil.Process(int((_SESSION_DIR / "stand-ins" / str(process.pid)).read_text())))
+        except (OSError, ValueError, psutil.Error):
+            continue
+    return found
 
 
 def run_script(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from sft_play import checkpoints, launch, training
 from sft_play.launch import rendezvous, supervise
 from sft_play import config as config_module
 from sft_play.run import resolve
-from tests.conftest import PINNED
+from tests.conftest import PINNED, with_forks
 
 REPO = Path(__file__).resolve().parents[1]
 # Two ranks of 4 rows: the micro-batch pinned, since the CPU plan's own choice follows the RAM free
@@ -137,7 +137,7 @@ def listening_while(process: subprocess.Popen) -> set[tuple[str, str]]:
     def watch() -> None:
         while process.poll() is None:
             try:
-                tree = [root, *root.children(recursive=True)]
+                tree = with_forks([root, *root.children(recursive=True)])
             except psutil.NoSuchProcess:
                 return
             for member in tree:

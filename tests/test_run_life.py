@@ -24,6 +24,9 @@ from tests.conftest import PINNED
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", *PINNED]
+# What a rank's own process does when its launcher ends is what some tests here check: their ranks
+# start as the launcher starts them, not forked from the suite's zygote (tests/shim/sitecustomize.py)
+OWN_RANKS = {"SFT_PLAY_TESTS_FRESH": "1"}
 
 
 def train(tmp_path: Path, *overrides: str, faults: str = "", on_line=None) -> tuple[int, str]:
@@ -197,7 +200,7 @@ def test_the_ranks_of_a_real_launch_end_when_makes_process_group_is_killed(tmp_p
     command = ["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args]
     make = subprocess.Popen(command,
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1"})
+                            start_new_session=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1", **OWN_RANKS})
     seen = []
     for line in make.stdout:
         seen.append(line)
@@ -462,7 +465,8 @@ def test_a_stop_while_the_ranks_start_ends_the_launcher_and_every_rank(tmp_path)
     ends everything: the launcher says so and exits 75, no rank is left."""
     args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=4 {' '.join(PINNED)}"
     make = subprocess.Popen(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2", args],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **OWN_RANKS})
     seen = []
     for line in make.stdout:
         seen.append(line)

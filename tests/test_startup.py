@@ -119,3 +119,48 @@ def test_an_environment_the_libraries_read_on_import_gets_a_fresh_interpreter(tm
         started = start_script([sys.executable, "-c", "pass"], {**os.environ, "HF_HUB_OFFLINE": "0"}, out, err)
         assert isinstance(started, subprocess.Popen)
         assert started.wait(timeout=60) == 0
+
+
+RANK_PROBE = """import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("stopping"), sys.exit(75)))
+print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "torch": "torch" in sys.modules}))  # not flushed: python -u
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+@needs_zygote
+def test_a_launchers_rank_is_forked_and_its_stand_in_passes_signals_and_endings_through(tmp_path):
+    """A rank a launcher starts (``python -u script`` with LOCAL_RANK set) is forked from the zygote
+    by tests/shim/sitecustomize.py; the process the launcher sees stands in for it."""
+    import psutil
+
+    from tests.conftest import _zygote, with_forks
+
+    assert _zygote() is not None
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_PROBE)
+
+    def started(argument: str, **env: str) -> tuple[subprocess.Popen, dict]:
+        process = subprocess.Popen([sys.executable, "-u", str(script), argument], stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, "LOCAL_RANK": "0", "RANK": "0", **env})
+        return process, json.loads(process.stdout.readline())
+
+    stood_in, said = started("stop")
+    assert said["pid"] != stood_in.pid and said["argv"] == ["stop"] and said["torch"]  # forked, imported
+    assert [p.pid for p in with_forks([psutil.Process(stood_in.pid)])] == [stood_in.pid, said["pid"]]
+    stood_in.send_signal(signal.SIGTERM)  # passed on: the rank's handler stops it, its status is the stand-in's
+    assert stood_in.wait(timeout=60) == 75 and stood_in.stdout.read() == "stopping\n"
+    died, _ = started("die")
+    assert died.wait(timeout=60) == -signal.SIGKILL  # the rank's death by a signal is the stand-in's
+    killed, said = started("killed")
+    rank = psutil.Process(said["pid"])
+    killed.kill()  # the stand-in killed: so is its rank
+    killed.wait(timeout=60)
+    _, alive = psutil.wait_procs([rank], timeout=30)
+    assert not alive
+    fresh, said = started("fresh", HF_HUB_OFFLINE="0")  # an environment the imports read: a fresh interpreter
+    assert said["pid"] == fresh.pid and not said["torch"]
+    fresh.kill()
+    fresh.wait(timeout=60)

@@ -18,6 +18,16 @@ Protocol, one JSON document per line: on stdout ``{"ready": true}`` once importe
 each request on stdin ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
 "stderr": path}``, ``{"pid": N}``, and when a child ends ``{"ended": N, "returncode": R}``
 (negative: the signal that ended it, as ``subprocess`` says). It exits when stdin closes.
+
+The ranks a launcher starts (torchrun's agent, inside ``make train-distributed``) are forked
+from here too: under the suite every Python process imports ``tests/shim/sitecustomize.py``, which
+in a rank hands its arguments, environment and standard streams to this process over the Unix
+socket named by :data:`SOCKET_ENV` and stands in for the fork (see there) while it runs. Each
+connection is one request, ``{"argv", "env", "cwd", "unbuffered"}`` with the descriptors 0-2
+passed alongside, answered ``{"pid": N}`` then ``{"ended": N, "returncode": R}``, or
+``{"fresh": [names]}`` where the environment differs in what the libraries read on import (the
+rank then starts as the fresh interpreter it is). A connection that closes first (its stand-in
+killed) ends its fork with SIGKILL, as the rank itself would have been.
 """
 
 from __future__ import annotations
@@ -25,13 +35,32 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import select
 import signal
+import socket
 import sys
+from pathlib import Path
 
 # What the scripts read when they run, not when the libraries import: a request may differ in these
 READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELERATE_MIXED_PRECISION",
                               "SFT_PLAY_CACHE"})
+# What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
+# import: the Makefile's variables and make's own (exported to the commands below it), the
+# rendezvous, accelerate's and the training's settings, and what DeepSpeed and datasets read (not
+# imported here). CUDA_VISIBLE_DEVICES is read at torch's first CUDA call, which the imports here
+# do not make (main checks it).
+RANK_READS_AT_RUN_TIME = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                                    "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
+                                    "HF_DATASETS_DISABLE_PROGRESS_BARS", "COLUMNS", "LINES", "MAKEFLAGS", "MFLAGS",
+                                    "MAKEOVERRIDES", "MAKELEVEL",
+                                    *re.findall(r"^([A-Z_]+) \?=", (Path(__file__).resolve().parents[1] / "Makefile")
+                                                .read_text(), flags=re.MULTILINE)})
+RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_", "ACCELERATE_", "FSDP_", "NCCL_",
+                                  "SFT_PLAY_")
+# The socket a rank's stand-in (tests/shim/sitecustomize.py) asks this process to fork it on
+SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # Only libraries that read nothing a script sets in its environment before importing them: not
 # datasets (HF_DATASETS_DISABLE_PROGRESS_BARS, set by sft_play.cli.quiet_libraries), DeepSpeed
 # (DS_ACCELERATOR, TORCH_CUDA_ARCH_LIST), bitsandbytes, peft or trl (sft_play.lean_imports)
@@ -45,8 +74,24 @@ PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.
 _KEPT: list = []
 
 
-def _child(request: dict, own_fds: tuple[int, ...]) -> None:
-    """In the forked child: become ``python argv...`` and never return."""
+def differing(env: dict, base: dict, rank: bool = False) -> list[str]:
+    """What `env` sets otherwise than `base` (the zygote's environment) beyond what the libraries
+    read when a script runs (and, for a launcher's rank, what the launcher sets for it)."""
+    def read_at_run_time(key: str) -> bool:
+        return key in READ_AT_RUN_TIME or rank and (key in RANK_READS_AT_RUN_TIME
+                                                    or key.startswith(RANK_PREFIXES_READ_AT_RUN_TIME))
+
+    def value(environment: dict, key: str) -> str | None:
+        if key == "PYTHONPATH" and rank:  # (a launcher puts the repo first again)
+            return os.pathsep.join(dict.fromkeys(environment.get(key, "").split(os.pathsep)))
+        return environment.get(key)
+
+    return sorted(key for key in set(env) | set(base) if not read_at_run_time(key) and value(env, key) != value(base, key))
+
+
+def _child(request: dict, own_fds: tuple[int, ...], stdio: list[int] | None = None) -> None:
+    """In the forked child: become ``python argv...`` and never return. Its standard streams are
+    the request's files, or the descriptors `stdio` (a rank's own, passed by its stand-in)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -57,15 +102,26 @@ def _child(request: dict, own_fds: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
-                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
-            opened = os.open(path, flags, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        # as a fresh interpreter opens them: stdout block-buffered to a file, stderr line-buffered
+        if stdio is None:
+            stdio = [os.open(path, flags, 0o644) for path, flags in (
+                (os.devnull, os.O_RDONLY), (request["stdout"], os.O_WRONLY | os.O_CREAT),
+                (request["stderr"], os.O_WRONLY | os.O_CREAT))]
+        for fd, opened in enumerate(stdio):
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+        # as a fresh interpreter opens them: stdout block-buffered to a file, stderr line-buffered;
+        # both written through under ``python -u`` (how launchers start their ranks)
         sys.stdin = sys.__stdin__ = open(0, closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+        if request.get("unbuffered"):
+            import io
+
+            sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+            sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                           errors="backslashreplace")
+        else:
+            sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)
+            sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
         threads = request["env"].get("OMP_NUM_THREADS")
         if threads:
             import torch
@@ -102,6 +158,25 @@ def _child(request: dict, own_fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
+class _Rank:
+    """A connection from a rank's stand-in: its request as it arrives, then the fork that runs it."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection, self.key, self.received, self.fds, self.pid = connection, connection.fileno(), b"", [], None
+
+    def answer(self, document: dict) -> None:
+        try:
+            self.connection.sendall((json.dumps(document) + "\n").encode())
+        except OSError:  # the stand-in is gone (its fork is ended below, when its connection closes)
+            pass
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.connection.close()
+
+
 def main() -> None:
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
@@ -110,20 +185,73 @@ def main() -> None:
         importlib.import_module(name)
     gc.freeze()
     gc.enable()
+    assert not sys.modules["torch"].cuda.is_initialized()  # (see RANK_READS_AT_RUN_TIME)
+    base = dict(os.environ)
     ended_r, ended_w = os.pipe()
     os.set_blocking(ended_w, False)
     signal.set_wakeup_fd(ended_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     out = sys.stdout
+    listener = None
+    if os.environ.get(SOCKET_ENV):
+        path = os.environ[SOCKET_ENV]
+        if os.path.exists(path):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(64)
+    ranks: dict[int, _Rank] = {}  # by the connection's descriptor
+    forked_ranks: dict[int, _Rank] = {}  # by the fork's pid
 
     def say(document: dict) -> None:
         out.write(json.dumps(document) + "\n")
         out.flush()
 
+    def fork(request: dict, stdio: list[int] | None = None) -> int:
+        sys.stdout.flush(), sys.stderr.flush()
+        own = (ended_r, ended_w, *([listener.fileno()] if listener else []), *ranks,
+               *(fd for rank in ranks.values() for fd in rank.fds if fd not in (stdio or ())))
+        pid = os.fork()
+        if pid == 0:
+            _child(request, own, stdio)
+        print(f"forked {pid}: {' '.join(request['argv'][:2])}", file=sys.stderr, flush=True)
+        return pid
+
+    def from_rank(rank: _Rank) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(rank.connection, 1 << 20, 3)
+        except OSError:
+            data, fds = b"", []
+        rank.fds += fds
+        if not data:  # the stand-in ended: so does its fork, as the rank itself would have
+            if rank.pid in forked_ranks:
+                os.kill(rank.pid, signal.SIGKILL)
+            del ranks[rank.key]
+            rank.close()
+            return
+        rank.received += data
+        if rank.pid is not None or not rank.received.endswith(b"\n"):
+            return
+        request = json.loads(rank.received)
+        reasons = differing(request["env"], base, rank=True)
+        if reasons or len(rank.fds) != 3:
+            print(f"fresh: {' '.join(request['argv'][:1])}: {reasons}", file=sys.stderr, flush=True)
+            rank.answer({"fresh": reasons})
+            del ranks[rank.key]
+            rank.close()
+            return
+        rank.pid = fork(request, rank.fds)
+        forked_ranks[rank.pid] = rank
+        for fd in rank.fds:
+            os.close(fd)
+        rank.fds = []
+        rank.answer({"pid": rank.pid})
+
     say({"ready": True})
     pending = b""
     while True:
-        readable, _, _ = select.select([sys.stdin.fileno(), ended_r], [], [])
+        watched = [sys.stdin.fileno(), ended_r, *([listener] if listener else []), *ranks]
+        readable, _, _ = select.select(watched, [], [])
         if ended_r in readable:
             os.read(ended_r, 4096)
         while True:  # every child that has ended
@@ -133,21 +261,31 @@ def main() -> None:
                 break
             if pid == 0:
                 break
-            say({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            rank = forked_ranks.pop(pid, None)
+            if rank is None:
+                say({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            else:
+                rank.answer({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)})
+                if ranks.get(rank.key) is rank:  # (not a later connection given the same descriptor)
+                    del ranks[rank.key]
+                    rank.close()
+        if listener is not None and listener in readable:
+            connection, _ = listener.accept()
+            rank = _Rank(connection)
+            ranks[rank.key] = rank
+        for fd in [fd for fd in readable if fd in ranks]:
+            from_rank(ranks[fd])
         if sys.stdin.fileno() in readable:
             chunk = os.read(sys.stdin.fileno(), 65536)
             if not chunk:
+                if listener is not None:
+                    listener.close()
+                    os.unlink(os.environ[SOCKET_ENV])
                 return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                sys.stdout.flush(), sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, (ended_r, ended_w))
-                say({"pid": pid})
-                print(f"forked {pid}: {' '.join(request['argv'][:2])}", file=sys.stderr, flush=True)
+                say({"pid": fork(json.loads(line))})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""Under the test suite (tests/conftest.py puts this folder on every process's ``PYTHONPATH``), a
+training rank that a launcher starts is forked from the suite's zygote (tests/zygote.py), which
+has imported torch, transformers and accelerate already, instead of importing them again: about
+4 CPU-seconds of each rank's start on 2 cores, and the suite starts dozens of ranks.
+
+This process, the one the launcher started, hands the rank's arguments, environment, working
+directory and standard streams to the zygote, and stands in for the fork while it runs: the
+signals it is sent go to the fork (a launcher stops its ranks by signalling them, or their process
+group, which is this process's alone), it asks the kernel for ``LAUNCHER_GONE`` when its parent
+ends as the rank would (``sft_play.stopping.die_with_parent``) and passes it on, and it ends as
+the fork ended: with its exit status, or killed by the same signal. Killed itself (SIGKILL), its
+connection closes and the zygote kills the fork. Where the zygote is not there, or the rank's
+environment differs from the zygote's in what the libraries read on import, nothing happens here
+and the rank starts as a fresh interpreter; so under ``SFT_PLAY_TESTS_FRESH=1``, which the tests of
+what a rank's own process does when its launcher ends give it.
+"""
+
+import os
+import sys
+
+
+def _stand_in() -> None:
+    path = os.environ.get("SFT_PLAY_TESTS_ZYGOTE")
+    if (not path or os.environ.get("SFT_PLAY_TESTS_FRESH") == "1" or "LOCAL_RANK" not in os.environ
+            or not sys.argv or not sys.argv[0].endswith(".py") or not sys.platform.startswith("linux")):
+        return
+    import json
+    import signal
+    import socket
+
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+        request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                   "unbuffered": "-u" in sys.orig_argv[1:sys.orig_argv.index(sys.argv[0])]
+                   if sys.argv[0] in sys.orig_argv else False}
+        socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        reader = connection.makefile("rb")
+        answer = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        connection.close()
+        return
+    if "pid" not in answer:  # the zygote said fresh (or is gone): this interpreter goes on as the rank
+        connection.close()
+        return
+    try:  # from here this process is the rank's stand-in, and never runs the script itself
+        _stand_in_for(answer["pid"], path, reader)
+    finally:
+        os._exit(1)
+
+
+def _stand_in_for(fork: int, path: str, reader) -> None:
+    import json
+    import signal
+
+    # which process stands in for which (tests/conftest.py: with_forks, for tests that walk a launch's tree)
+    record = os.path.join(os.path.dirname(path), "stand-ins", str(os.getpid()))
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    with open(record, "w") as file:
+        file.write(str(fork))
+
+    def forward(signum, _frame):
+        try:
+            os.kill(fork, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                   signal.SIGALRM, signal.SIGCONT, signal.SIGWINCH):
+        signal.signal(signum, forward)
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG: LAUNCHER_GONE
+    if os.getppid() != parent:
+        forward(signal.SIGUSR1, None)
+    ended = json.loads(reader.readline() or b'{"returncode": -9}')["returncode"]  # (-9: the zygote is gone)
+    if ended < 0:
+        if -ended not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-ended, signal.SIG_DFL)
+        os.kill(os.getpid(), -ended)
+    os._exit(ended if ended >= 0 else 128 - ended)
+
+
+_stand_in()
