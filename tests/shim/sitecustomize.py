@@ -25,7 +25,6 @@ def _stand_in() -> None:
             or not sys.argv or not sys.argv[0].endswith(".py") or not sys.platform.startswith("linux")):
         return
     import json
-    import signal
     import socket
 
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

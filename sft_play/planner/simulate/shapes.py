@@ -339,20 +339,6 @@ def with_method(base: ModelShape, method: str, lora: tuple | None = None, rank: 
     )
 
 
-def shape_from_config(model_config: Any, method: str, lora_config: Any = None, trust_remote_code: bool = False) -> ModelShape:
-    """Exact sizes of the model `model_config` describes, for `method` (full, lora or qlora).
-
-    Args:
-        model_config: a transformers ``PretrainedConfig`` (see :func:`load_model_config`).
-        method: ``full``, ``lora`` or ``qlora``.
-        lora_config: peft ``LoraConfig`` for lora/qlora.
-        trust_remote_code: allow custom architectures' code.
-    """
-    base = base_shape(model_config, trust_remote_code)
-    lora = lora_counts_for_config(model_config, lora_config, trust_remote_code) if method in ("lora", "qlora") else None
-    return with_method(base, method, lora, lora_config.r if lora is not None else 0)
-
-
 def model_shape(config: Any) -> ModelShape:
     """Exact sizes of the configured model and method (config.json only, no weights).
 

@@ -482,9 +482,6 @@ class _Autocast(TorchFunctionMode):
             kwargs = tree_map_only(torch.Tensor, self._cast, kwargs)
         return func(*args, **kwargs)
 
-    def cached_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.cache or {}).values())
-
 
 @functools.lru_cache(maxsize=8)
 def _one_layer_model(name_or_path: str, revision: str | None, trust_remote_code: bool, kind: str | None = None,
