@@ -198,8 +198,13 @@ def main() -> None:
         if os.path.exists(path):
             os.unlink(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(64)
+        try:
+            listener.bind(path)
+            listener.listen(64)
+        except OSError as exc:  # (a path too long for a socket): the ranks start fresh, the scripts are still served
+            print(f"no socket for the ranks at {path}: {exc}", file=sys.stderr, flush=True)
+            listener.close()
+            listener = None
     ranks: dict[int, _Rank] = {}  # by the connection's descriptor
     forked_ranks: dict[int, _Rank] = {}  # by the fork's pid
 
