@@ -71,3 +71,13 @@ def test_byte_units_are_defined_once():
     defined = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py")
                if re.search(r"^[A-Z]IB = 1024", p.read_text(), flags=re.M)]
     assert defined == ["sft_play/units.py"]
+
+
+def test_the_layout_names_every_module_and_folder():
+    """docs/LAYOUT.md is the map a newcomer reads: every module of the package by its file name,
+    every folder of it by ``name/``."""
+    layout = (REPO / "docs" / "LAYOUT.md").read_text()
+    files = sorted(p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" and p.name not in layout)
+    folders = sorted(f"{p.name}/" for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"
+                     and f"{p.name}/" not in layout)
+    assert files == [] and folders == [], "name them in docs/LAYOUT.md"
