@@ -90,12 +90,10 @@ def encoder_trace(spec: TraceSpec, inputs: str, train_tower: bool, train_project
     :func:`sft_play.data.vision.encoder_inputs`), with the tower and projector trained as said
     (cached in this process and on disk). Without `batched`, at micro-batch 1 only (``batched``
     None), unless the whole trace was made already."""
-    if not train_tower and not train_projector and spec.method == "lora":
+    if not train_tower and not train_projector and spec.method in ("lora", "full"):
         # A frozen encoder is the same under LoRA, which keeps its adapters out of it
-        # (sft_play.adapters: adapter_parts), as under full fine-tuning: one trace for both
-        spec = dataclasses.replace(spec, method="full", lora=None)
-    if not train_tower and not train_projector and spec.method == "full":
-        spec = dataclasses.replace(spec, adapter_dtype=spec.weights_dtype)  # (no adapters)
+        # (sft_play.architecture.adapter_parts), as under full fine-tuning: one trace for both
+        spec = dataclasses.replace(spec, method="full", lora=None, adapter_dtype=spec.weights_dtype)
     key = (spec, inputs, train_tower, train_projector)
     if not batched and (*key, True) in _TRACES:
         return _TRACES[(*key, True)]
