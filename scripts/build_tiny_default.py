@@ -8,7 +8,10 @@ Run once; its outputs are committed, and running it again reproduces them byte f
 The tasks are letter puzzles a few-million-parameter model learns in minutes on a CPU:
 reverse, upper-case or sort a short sequence of letters, and name the letter that follows one.
 
-Usage: python scripts/build_tiny_default.py [--out-dir .]
+With --preference it writes the preference pairs of the DPO default instead, from the files above:
+  data/tiny_pref/train.jsonl, data/tiny_pref/validation.jsonl   prompt/chosen/rejected, conversational
+
+Usage: python scripts/build_tiny_default.py [--out-dir .] [--preference]
 """
 
 from __future__ import annotations
@@ -159,11 +162,49 @@ def build_tokenizer(records: list[dict], model_dir: Path) -> None:
     assert vocab["<|endoftext|>"] == MODEL_CONFIG["pad_token_id"] and vocab["<|im_end|>"] == MODEL_CONFIG["eos_token_id"]
 
 
+PREFERENCE_TRAIN = 4000  # pairs from the first single-turn records of data/tiny/train.jsonl
+
+
+def preference_pairs(records: list[dict], limit: int | None = None) -> list[dict]:
+    """The DPO default's preference, learned on top of the SFT model: answers in upper case.
+    From each single-turn Reverse, Sort and Which record: chosen is the correct answer in upper
+    case, rejected the correct answer as the SFT model learned it (lower case). The two sides
+    differ only in case, token for token, so the preference cannot be won by length. Uppercase
+    puzzles are left out (their answer is upper case already)."""
+    pairs = []
+    for record in records:
+        turns = record["messages"]
+        if len(turns) != 2 or turns[0]["content"].startswith("Uppercase"):
+            continue
+        answer = turns[1]["content"]
+        pairs.append({"prompt": [turns[0]], "chosen": [{"role": "assistant", "content": answer.upper()}],
+                      "rejected": [{"role": "assistant", "content": answer}]})
+        if len(pairs) == limit:
+            break
+    return pairs
+
+
+def build_preference(out_dir: Path) -> None:
+    source, target = out_dir / "data" / "tiny", out_dir / "data" / "tiny_pref"
+    target.mkdir(parents=True, exist_ok=True)
+    for name, limit in (("train", PREFERENCE_TRAIN), ("validation", None)):
+        with open(source / f"{name}.jsonl", encoding="utf-8") as f:
+            pairs = preference_pairs([json.loads(line) for line in f], limit)
+        with open(target / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for pair in pairs:
+                f.write(json.dumps(pair) + "\n")
+        print(f"wrote {len(pairs)} pairs to {target / name}.jsonl")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default=".", help="repository root to write into")
+    parser.add_argument("--preference", action="store_true", help="write data/tiny_pref from data/tiny")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
+    if args.preference:
+        build_preference(out_dir)
+        return
     records = build_dataset(out_dir)
     model_dir = out_dir / "configs" / "tiny_model"
     model_dir.mkdir(parents=True, exist_ok=True)

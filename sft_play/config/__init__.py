@@ -4,7 +4,7 @@ overrides (:mod:`.loading`, :mod:`.overrides`), the wording of every problem
 packages) and the generated reference (:mod:`.reference`).
 
 A run config is a YAML file whose top-level keys are the sections (``model``, ``finetune``,
-``lora``, ``quantization``, ``data``, ``train``, ``distributed``, ``planner``). Every script
+``lora``, ``preference``, ``quantization``, ``data``, ``train``, ``distributed``, ``planner``). Every script
 takes ``--config PATH`` plus any number of ``section.key=value`` overrides with the same dotted
 names. :func:`load` validates everything it can without touching weights or the network and
 reports every problem at once (:class:`ConfigError`): unknown keys name the nearest valid key,
@@ -17,12 +17,12 @@ from sft_play.config.loading import load
 from sft_play.config.overrides import parse_override
 from sft_play.config.reference import reference_markdown
 from sft_play.config.schema import (SECTIONS, ConfigError, DataConfig, DistributedConfig, FinetuneConfig, LoraConfig,
-                                    ModelConfig, PlannerConfig, QuantizationConfig, RunConfig, TrainConfig,
-                                    context_parallel_problem, sequence_parallel_problem, tiling_problem,
-                                    valid_keys)
+                                    ModelConfig, PlannerConfig, PreferenceConfig, QuantizationConfig, RunConfig,
+                                    TrainConfig, context_parallel_problem, preference_losses,
+                                    sequence_parallel_problem, tiling_problem, valid_keys)
 
 __all__ = [
     "SECTIONS", "ConfigError", "DataConfig", "DistributedConfig", "FinetuneConfig", "LoraConfig", "ModelConfig",
-    "PlannerConfig", "QuantizationConfig", "RunConfig", "TrainConfig", "load", "parse_override", "reference_markdown",
-    "context_parallel_problem", "sequence_parallel_problem", "tiling_problem", "valid_keys",
+    "PlannerConfig", "PreferenceConfig", "QuantizationConfig", "RunConfig", "TrainConfig", "load", "parse_override",
+    "reference_markdown",    "context_parallel_problem", "preference_losses", "sequence_parallel_problem", "tiling_problem", "valid_keys",
 ]

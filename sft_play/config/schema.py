@@ -76,6 +76,38 @@ class FinetuneConfig(_Section):
     train_projector: bool = Field(
         False, description="Vision-language models: train the projector that maps image features into the language "
         "model (its weights, under LoRA and QLoRA too: beside the adapters, kept 16-bit); false keeps it frozen.")
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: supervised fine-tuning on answers; dpo: preference tuning on chosen/rejected pairs "
+        "(TRL's DPOTrainer; the preference section; docs/PREFERENCE.md). Start it from an SFT run's model: "
+        "model.name_or_path=runs/<sft>/model.")
+
+
+class PreferenceConfig(_Section):
+    """Preference tuning (``finetune.objective: dpo``): the loss and the reference model."""
+
+    beta: float = Field(0.1, gt=0, description="How far the policy may move from the reference: the reward is "
+                        "beta x (policy log-prob - reference log-prob) of an answer.")
+    loss_type: Union[str, list[str]] = Field(
+        "sigmoid", description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, exo_pair, bco_pair, nca_pair, "
+        "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm, sft; a list sums them "
+        "(with loss_weights).")
+    loss_weights: list[float] | None = Field(None, description="One weight per loss_type entry; null: all 1.")
+    sft_weight: float = Field(
+        0.0, ge=0, description="Adds TRL's sft loss (the chosen answers' NLL) at this weight beside the preference "
+        "loss (RPO; LLaMA-Factory's pref_ftx); keeps the chosen answers likely. 0: off.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Conservative DPO / robust / exo_pair: the assumed "
+                                   "share of pairs labelled the wrong way round.")
+    reference: Literal["auto", "adapters_off", "copy", "precomputed"] = Field(
+        "auto", description="Where the reference log-probs come from. adapters_off: the base under LoRA/QLoRA with "
+        "the adapters switched off (no memory); copy: a frozen second copy of the weights (full fine-tuning); "
+        "precomputed: one forward pass over the data before training, no reference in memory while training. "
+        "auto: adapters_off for lora/qlora, copy for full.")
+    max_prompt_length: int | None = Field(
+        None, gt=0, description="Prompts longer than this many tokens keep their last ones (cut from the left), so "
+        "that the answers fit data.max_seq_length; null: prompts are not cut.")
+    precompute_batch_size: int | None = Field(
+        None, gt=0, description="reference=precomputed: pairs per forward of the precompute pass; null: the "
+        "micro-batch.")
 
 
 class LoraConfig(_Section):
@@ -118,9 +150,9 @@ class QuantizationConfig(_Section):
 
 # The fields a record is read from, each from the column of that name unless data.columns maps it
 DATA_FIELDS = ("messages", "conversations", "tools", "images", "image", "instruction", "input", "output", "system",
-               "history", "prompt", "completion", "text")
+               "history", "prompt", "completion", "text", "chosen", "rejected")
 
-DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference", "pairwise"]
 
 
 class DataConfig(_Section):
@@ -339,6 +371,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -431,9 +464,76 @@ def context_parallel_problem(config: RunConfig, processes: int | None = None, on
     return None
 
 
+# TRL's DPO losses (trl/trainer/dpo_config.py, DPOConfig.loss_type)
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+def preference_losses(config: RunConfig) -> tuple[list[str], list[float] | None]:
+    """TRL's ``loss_type`` and ``loss_weights`` for the run: the preference section's, with the
+    sft term appended at ``preference.sft_weight``."""
+    pref = config.preference
+    losses = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+    weights = list(pref.loss_weights) if pref.loss_weights is not None else None
+    if pref.sft_weight:
+        weights = (weights or [1.0] * len(losses)) + [pref.sft_weight]
+        losses.append("sft")
+    return losses, weights
+
+
+def preference_problems(config: RunConfig) -> list[str]:
+    """What cannot go together with preference tuning, one message each (none for SFT unless the
+    preference section is set: it would be ignored)."""
+    pref, method, data, train = config.preference, config.finetune.method, config.data, config.train
+    if config.finetune.objective == "sft":
+        return ((["preference: set, but finetune.objective is sft (it would be ignored); set finetune.objective=dpo "
+                  "to train on chosen/rejected pairs"] if pref != PreferenceConfig() else [])
+                + ([f"data.format={data.format} is preference data: set finetune.objective=dpo to train on it"]
+                   if data.format in ("preference", "pairwise") else []))
+    problems = []
+    losses = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+    unknown = [name for name in losses if name not in DPO_LOSSES]
+    if unknown or not losses:
+        problems.append(f"preference.loss_type: {', '.join(map(repr, unknown)) or 'an empty list'}; TRL's DPO losses "
+                        f"are {', '.join(DPO_LOSSES)}")
+    if pref.loss_weights is not None and len(pref.loss_weights) != len(losses):
+        problems.append(f"preference.loss_weights: {len(pref.loss_weights)} weight(s) for {len(losses)} loss type(s); "
+                        "give one per entry of preference.loss_type")
+    if "exo_pair" in losses and pref.label_smoothing == 0:
+        problems.append("preference.loss_type=exo_pair needs preference.label_smoothing above 0 (1e-3 is EXO's)")
+    if "robust" in losses and pref.label_smoothing >= 0.5:
+        problems.append("preference.loss_type=robust: preference.label_smoothing must be below 0.5")
+    if pref.reference == "adapters_off" and method == "full":
+        problems.append("preference.reference=adapters_off: full fine-tuning has no adapters to switch off; use copy "
+                        "(a frozen copy of the weights) or precomputed (one pass before training)")
+    if pref.reference == "copy" and method != "full":
+        problems.append(f"preference.reference=copy under {method}: the base with its adapters switched off is the "
+                        "same model at no memory; use adapters_off (or auto)")
+    if pref.reference == "precomputed" and data.streaming:
+        problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
+                        "data.streaming=false, or use another preference.reference")
+    if "packing" in data.model_fields_set and data.packing:
+        problems.append("data.packing: pairs are never packed (each pair is one chosen and one rejected row, padded); "
+                        "leave data.packing out, or set it to false")
+    if data.train_on != "completion":
+        problems.append(f"data.train_on={data.train_on}: preference tuning scores the answers (what follows the "
+                        "prompt) only; leave data.train_on at completion")
+    if data.format not in ("auto", "preference", "pairwise"):
+        problems.append(f"data.format={data.format} is an SFT format; preference data is preference (prompt/chosen/"
+                        "rejected) or pairwise (a conversation plus chosen/rejected), or auto")
+    if config.distributed.sequence_parallel != 1 or config.distributed.context_parallel != 1:
+        problems.append("distributed.sequence_parallel / context_parallel: rows are not split across processes for "
+                        "preference tuning; leave them at 1")
+    for key, on in (("tiled_mlp", train.tiled_mlp), ("offload_activations", train.offload_activations),
+                    ("neftune_noise_alpha", train.neftune_noise_alpha)):
+        if on:
+            problems.append(f"train.{key}: an SFT lever, not applied to preference tuning; leave it out")
+    return problems
+
+
 def consistency_problems(config: RunConfig) -> list[str]:
     """Values that are each valid but not together (or not in range), one message each."""
-    problems = []
+    problems = preference_problems(config)
     train, method = config.train, config.finetune.method
     for ours in config.data.columns:
         if ours not in DATA_FIELDS:

@@ -73,12 +73,16 @@ def _tokenizer_fingerprint(tokenizer: Any, template: str) -> str:
     return hashlib.sha256((body + template + json.dumps(special)).encode()).hexdigest()
 
 
-def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int, images: str | None = None) -> str:
-    """The key of one preprocessing: data, tokenizer, settings, our code's version, and for a
-    vision-language model how its processor turns `images` into tokens."""
+def cache_key(cfg: DataConfig, tokenizer: Any, template: str, seed: int, images: str | None = None,
+              preference: str | None = None) -> str:
+    """The key of one preprocessing: data, tokenizer, settings, our code's version, for a
+    vision-language model how its processor turns `images` into tokens, and for preference pairs
+    the `preference` settings that decide them (:func:`sft_play.data.preference.identity`)."""
     identity = {"tokenizer": _tokenizer_fingerprint(tokenizer, template)}
     if images is not None:
         identity["images"] = hashlib.sha256(images.encode()).hexdigest()
+    if preference is not None:
+        identity["preference"] = preference
     return _key(cfg, seed, identity)
 
 
@@ -98,7 +102,7 @@ def _key(cfg: DataConfig, seed: int, tokenizer: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int) -> str | None:
+def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int, preference: str | None = None) -> str | None:
     """The key of one preprocessing's statistics, from the data, the settings and the files of a
     local tokenizer folder (names, sizes, modification times); None for a hub tokenizer, whose
     files only loading it would find."""
@@ -110,7 +114,8 @@ def stats_key(cfg: DataConfig, tokenizer_source: str | None, seed: int) -> str |
                        for entry in folder.iterdir() if entry.is_file())
     except OSError:  # a folder that cannot be listed: no statistics kept, nothing else changes
         return None
-    return _key(cfg, seed, {"tokenizer_files": [str(folder.resolve()), files]})
+    return _key(cfg, seed, {"tokenizer_files": [str(folder.resolve()), files],
+                            **({"preference": preference} if preference is not None else {})})
 
 
 def remember_stats(key: str | None, stats: dict, validation_stats: dict | None) -> None:

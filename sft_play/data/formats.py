@@ -1,4 +1,5 @@
-"""Record formats: detect which one a dataset uses and normalise rows to one of three shapes.
+"""Record formats: detect which one a dataset uses and normalise rows to one of three shapes
+(preference pairs to a fourth, :func:`normalise_pair`).
 
 Every supported format becomes one of:
   {"messages": [{"role": ..., "content": ...}, ...]}   chat (messages, sharegpt, alpaca; TRL's
@@ -21,6 +22,7 @@ from sft_play.config.schema import DATA_FIELDS
 from sft_play.data import images
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
+PAIR_FORMATS = ("preference", "pairwise")
 ROLES = ("system", "user", "assistant", "tool")
 
 # ShareGPT speakers to chat roles (the names seen in the wild).
@@ -94,6 +96,9 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     """
     cols = column_map(columns)
     keys = set().union(*(r.keys() for r in rows)) if rows else set()
+    if cols["chosen"] in keys and cols["rejected"] in keys:
+        raise UnknownFormat(f"the columns {cols['chosen']!r} and {cols['rejected']!r} are preference pairs, not "
+                            "supervised examples: set finetune.objective=dpo to train on them (docs/PREFERENCE.md)")
     for field in ("messages", "conversations"):  # each holds turns of either kind: the first turn tells
         if cols[field] in keys:
             first = next((r[cols[field]] for r in rows if r.get(cols[field])), None)
@@ -362,3 +367,114 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
             raise InvalidRow(source, index, cols["text"], "empty")
         return {"text": text}
     raise ValueError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def detect_pair_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
+    """The format of preference `rows`: ``preference`` (TRL's: ``prompt``/``chosen``/``rejected``,
+    strings or message lists, the prompt implicit when left out) or ``pairwise`` (LLaMA-Factory's:
+    the conversation so far in ``conversations``/``messages``, or Alpaca's ``instruction``/``input``,
+    beside ``chosen``/``rejected`` answers).
+
+    Raises:
+        UnknownFormat: naming the columns found.
+    """
+    cols = column_map(columns)
+    keys = set().union(*(r.keys() for r in rows)) if rows else set()
+    if cols["chosen"] in keys and cols["rejected"] in keys:
+        if cols["conversations"] in keys or cols["messages"] in keys or cols["instruction"] in keys:
+            return "pairwise"
+        return "preference"
+    absent = mapped_but_absent(rows, columns)
+    raise UnknownFormat(
+        f"cannot read preference pairs from the columns {sorted(keys)}"
+        + (f": {absent}" if absent else "; expected 'chosen' and 'rejected' (with 'prompt', or beside "
+           "'conversations'/'messages'/'instruction'). Map your columns with data.columns, e.g. "
+           "data.columns.prompt=question data.columns.chosen=chosen_response data.columns.rejected=rejected_response")
+    )
+
+
+SAME_ANSWERS = "chosen equal to rejected"  # no preference to learn
+
+
+def _answer(value: Any, source: str, index: int, field: str, conversational: bool) -> Any:
+    """One side of a pair: the answer's text (standard data), or its turns (conversational; a
+    single message is one turn, LLaMA-Factory's way)."""
+    if not conversational:
+        if not isinstance(value, str):
+            raise InvalidRow(source, index, field, "missing" if value is None else
+                             f"expected a string like the other fields, got {type(value).__name__}")
+        if not value.strip():
+            raise InvalidRow(source, index, field, EMPTY_ANSWER)
+        return value
+    if isinstance(value, str):
+        value = [{"role": "assistant", "content": value}]
+    elif isinstance(value, dict):
+        value = [value]
+    from_key = "from" if isinstance(value, list) and value and isinstance(value[0], dict) and "from" in value[0] else "role"
+    turns = _chat(value, source, index, field, from_key, "value" if from_key == "from" else "content",
+                  SHAREGPT_ROLES if from_key == "from" else None)
+    if turns[-1]["role"] != "assistant":
+        raise InvalidRow(source, index, field, "the answer must end with an assistant turn")
+    return turns
+
+
+def normalise_pair(row: dict[str, Any], fmt: str, columns: dict[str, str], source: str, index: int) -> dict[str, Any]:
+    """One raw preference row in `fmt` as ``{"prompt", "chosen", "rejected"}``: three strings
+    (standard) or three lists of turns (conversational), as TRL's ``DPOTrainer`` takes them.
+
+    Raises:
+        InvalidRow: naming the source, row and field at fault.
+    """
+    cols = column_map(columns)
+    chosen, rejected = row.get(cols["chosen"]), row.get(cols["rejected"])
+    if fmt == "preference":
+        prompt = row.get(cols["prompt"])
+        conversational = isinstance(prompt, list) or isinstance(chosen, list) or isinstance(rejected, list)
+        if prompt is None:  # implicit: the turns (or characters) both sides share
+            from trl.data_utils import extract_prompt
+
+            pair = {"chosen": _answer(chosen, source, index, cols["chosen"], conversational),
+                    "rejected": _answer(rejected, source, index, cols["rejected"], conversational)}
+            pair = extract_prompt(pair)
+            if not pair["prompt"] or (not conversational and not pair["prompt"].strip()):
+                raise InvalidRow(source, index, cols["chosen"], "no prompt: chosen and rejected share no turn "
+                                 "(no leading text) and no prompt column is given")
+            for side in ("chosen", "rejected"):
+                if not pair[side] or (conversational and pair[side][-1]["role"] != "assistant"):
+                    raise InvalidRow(source, index, cols[side], EMPTY_ANSWER if not pair[side] else
+                                     "chosen and rejected differ before their last assistant turn")
+        elif conversational:
+            if not isinstance(prompt, list):
+                raise InvalidRow(source, index, cols["prompt"], f"expected a list of messages like the answers "
+                                 f"(TRL's conversational preference), got {type(prompt).__name__}")
+            pair = {"prompt": _chat(prompt, source, index, cols["prompt"], "role", "content", None, needs_answer=False),
+                    "chosen": _answer(chosen, source, index, cols["chosen"], True),
+                    "rejected": _answer(rejected, source, index, cols["rejected"], True)}
+        else:
+            pair = {"prompt": _string(row, cols["prompt"], source, index),
+                    "chosen": _answer(chosen, source, index, cols["chosen"], False),
+                    "rejected": _answer(rejected, source, index, cols["rejected"], False)}
+    elif fmt == "pairwise":
+        if cols["instruction"] in row:
+            instruction = _string(row, cols["instruction"], source, index)
+            extra = _string(row, cols["input"], source, index, optional=True)
+            prompt = [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction}]
+            system = _string(row, cols["system"], source, index, optional=True)
+            prompt = [{"role": "system", "content": system}] * bool(system) + prompt
+        else:
+            field = cols["conversations"] if cols["conversations"] in row else cols["messages"]
+            turns = row.get(field)
+            sharegpt = isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]
+            prompt = _chat(turns, source, index, field, "from" if sharegpt else "role",
+                           "value" if sharegpt else "content", SHAREGPT_ROLES if sharegpt else None, needs_answer=False)
+            system = row.get(cols["system"])
+            if isinstance(system, str) and system and prompt[0]["role"] != "system":
+                prompt.insert(0, {"role": "system", "content": system})
+        pair = {"prompt": prompt, "chosen": _answer(chosen, source, index, cols["chosen"], True),
+                "rejected": _answer(rejected, source, index, cols["rejected"], True)}
+    else:
+        raise ValueError(f"unknown preference format {fmt!r}; expected one of {', '.join(PAIR_FORMATS)}")
+    if pair["chosen"] == pair["rejected"]:
+        raise InvalidRow(source, index, cols["rejected"], SAME_ANSWERS)
+    tools = tools_of(row, cols["tools"], source, index)
+    return {**pair, "tools": tools} if tools else pair

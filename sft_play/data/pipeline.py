@@ -23,7 +23,7 @@ from typing import Any
 from sft_play.config import DataConfig
 from sft_play.data import cache, vision
 from sft_play.data.formats import (SHOWN_BAD_ROWS, InvalidRow, InvalidRows, UnknownFormat, detect_format,
-                                   mapped_but_absent, normalise)
+                                   detect_pair_format, mapped_but_absent, normalise, normalise_pair)
 from sft_play.data.sources import HELD_OUT, iter_sources
 from sft_play.data.tokenize import (IGNORE_INDEX, encode_chats_with_markers, encode_record, escape_markers,
                                     has_generation_markers, markers_in, prompt_turns_unlabelled, renders_tools,
@@ -56,13 +56,14 @@ IMAGE_COUNTS = ("n_images", "n_image_tokens", "n_pixels", "encoder_inputs", "n_t
 
 
 def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None,
-                 streaming: bool = False, limit: int | None = None) -> Iterator[dict[str, Any]]:
+                 streaming: bool = False, limit: int | None = None, pairs: bool = False) -> Iterator[dict[str, Any]]:
     """Canonical records from every source in `paths` (of `split` where a source holds splits:
     ``data.split`` unless said), one at a time (the first `limit`), each with its file and row under
     :data:`ORIGIN` (so that what tokenising leaves out is named). With ``data.on_invalid: error``
     every bad row is collected and one :class:`InvalidRows` names them all once the records are
     read; with ``skip`` they are counted by reason in `stats.skipped`, their numbers in
-    `stats.skipped_rows`. Hub datasets are streamed with `streaming`."""
+    `stats.skipped_rows`. Hub datasets are streamed with `streaming`. With `pairs`, the records are
+    preference pairs (:func:`sft_play.data.formats.normalise_pair`)."""
     skipped: Counter[str] = Counter(stats.skipped)
     bad: list[InvalidRow] = []
     bad_count = 0
@@ -97,7 +98,8 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             stats.formats[source] = "empty"
             continue
         try:
-            fmt = cfg.format if cfg.format != "auto" else detect_format([r for _, r in head], cfg.columns)
+            detect = detect_pair_format if pairs else detect_format
+            fmt = cfg.format if cfg.format != "auto" else detect([r for _, r in head], cfg.columns)
         except UnknownFormat as exc:
             raise UnknownFormat(f"{source}: {exc}") from None
         if cfg.format == "auto":
@@ -111,13 +113,14 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
                 reject(row)
                 continue
             try:
-                record = normalise(row, fmt, cfg.columns, source, number)
+                record = (normalise_pair if pairs else normalise)(row, fmt, cfg.columns, source, number)
             except InvalidRow as exc:
                 reject(exc)
                 continue
             record[ORIGIN] = f"{source}:{number}"
-            if cfg.system_prompt and record.get("messages") and record["messages"][0]["role"] != "system":
-                record["messages"] = [{"role": "system", "content": cfg.system_prompt}, *record["messages"]]
+            turns = "prompt" if pairs and isinstance(record["prompt"], list) else "messages"
+            if cfg.system_prompt and record.get(turns) and record[turns][0]["role"] != "system":
+                record[turns] = [{"role": "system", "content": cfg.system_prompt}, *record[turns]]
             kept += 1
             given += 1
             yield record
@@ -125,7 +128,7 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
                 break
         for error in unread:
             reject(error)
-        if not kept and cfg.format != "auto":
+        if not kept and cfg.format != "auto" and not pairs:
             _refuse_forced_format(source, fmt, [r for _, r in head], cfg.columns)
         if given == limit:
             break

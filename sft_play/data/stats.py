@@ -46,6 +46,14 @@ class DataStats:
     # the kept examples that write one of the tokenizer's special tokens in their text, and the first few
     special_text: int = 0
     special_text_rows: list[str] = field(default_factory=list)
+    # preference pairs (finetune.objective: dpo): an example is a pair, its tokens the prompt and the
+    # longer answer (the padded length of its two rows); loss tokens both answers'
+    pairs: int = 0
+    prompt_tokens_p95: int = 0
+    prompt_tokens_max: int = 0
+    answer_tokens_p95: int = 0
+    answer_tokens_max: int = 0
+    prompts_cut: int = 0  # prompts cut from the left to preference.max_prompt_length
 
     @property
     def truncated_share(self) -> float:
