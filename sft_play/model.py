@@ -369,6 +369,20 @@ def load_model(config: RunConfig, run: Run, device: str | None = None) -> Any:
     return model
 
 
+def load_reference(config: RunConfig, run: Run, device: str | None = None) -> Any:
+    """A preference run's frozen reference (``preference.reference: copy``): the same weights as
+    the policy loads, in the compute dtype (TRL would load it in the policy's, fp32 masters for
+    full fine-tuning: twice the memory for the same forward under autocast); None where the run
+    takes its reference otherwise."""
+    if run.preference is None or run.preference.reference != "copy":
+        return None
+    reference = load_model(config, run, device)
+    if run.precision.mixed != "no":
+        reference.to(TORCH_DTYPES[run.precision.compute_dtype])
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
 def freeze_vision(model: Any, config: RunConfig) -> int:
     """Keep a vision-language model's vision encoder and projector frozen unless
     ``finetune.train_vision_tower``/``train_projector`` say otherwise (LoRA leaves them without

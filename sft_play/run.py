@@ -159,6 +159,35 @@ class Kernels:
 
 
 @dataclass(frozen=True)
+class Preference:
+    """A preference-tuning run's step (``finetune.objective: dpo``): each pair is two rows, chosen
+    and rejected, through the policy; the reference log-probs come from the base with the
+    adapters off (a second forward of the same weights), a frozen copy of the weights (a second
+    model in memory and a forward through it), or a pass over the data before training."""
+
+    objective: str  # dpo
+    reference: Literal["adapters_off", "copy", "precomputed"]
+    precompute_batch_size: int | None = None  # pairs per forward of the precompute pass (None: the micro-batch)
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each step runs a reference forward (not precomputed)."""
+        return self.reference != "precomputed"
+
+
+def preference_of(config: RunConfig) -> Preference | None:
+    """The run's preference step, None for SFT; ``preference.reference: auto`` resolved: the base
+    with its adapters off under LoRA and QLoRA (no memory), a frozen copy for full fine-tuning."""
+    if config.finetune.objective == "sft":
+        return None
+    pref = config.preference
+    reference = pref.reference
+    if reference == "auto":
+        reference = "copy" if config.finetune.method == "full" else "adapters_off"
+    return Preference(config.finetune.objective, reference, pref.precompute_batch_size)
+
+
+@dataclass(frozen=True)
 class Run:
     """How the run executes (see the module docstring for who reads what)."""
 
@@ -196,6 +225,12 @@ class Run:
     encoder_inputs: str = ""
     train_vision_tower: bool = False
     train_projector: bool = False
+    preference: Preference | None = None  # preference tuning's step (None: SFT)
+
+    @property
+    def rows_per_example(self) -> int:
+        """Rows of the forward per example of the micro-batch: a preference pair is two."""
+        return 2 if self.preference is not None else 1
 
     @property
     def fsdp_checkpointing(self) -> bool:
@@ -317,7 +352,7 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
         return SequenceLength(limit, "data.max_seq_length (the data not read for this plan: assumed full length)")
     share = data_stats.loss_token_share or 1.0
     examples = getattr(data_stats, "example_tokens", None)
-    if config.data.packing:
+    if config.data.packing and config.finetune.objective == "sft":  # (pairs are never packed)
         return SequenceLength(limit, f"data.max_seq_length (packed rows; {data_stats.examples} examples, "
                               f"p95 {data_stats.tokens_p95} tokens)", share, examples)
     longest = min(limit, data_stats.tokens_max)
@@ -438,7 +473,7 @@ def resolve(
         optimizer=resolve_optimizer(config, on_cuda),
         kernels=Kernels(
             attention=attention,
-            collator=collator_kind(config.data.packing, attention),
+            collator=collator_kind(config.data.packing and config.finetune.objective == "sft", attention),
             experts=experts_kernel(on_cuda, precision) if facts.num_experts > 1 else None,
             compile_layers=config.train.torch_compile,
             liger=config.train.liger_kernels and on_cuda,
@@ -470,6 +505,7 @@ def resolve(
         encoder_inputs=_encoder_inputs(config, data_stats) if facts.vision_towers else "",
         train_vision_tower=config.finetune.train_vision_tower and bool(facts.vision_towers),
         train_projector=config.finetune.train_projector and bool(facts.vision_towers),
+        preference=preference_of(config),
     )
 
 

@@ -80,7 +80,10 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     tokenizer = model.load_tokenizer(config)
     processor = model.load_processor(config, tokenizer)  # (a vision-language model's; None for text)
     with state.main_process_first():
-        bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor)
+        if config.finetune.objective != "sft":
+            bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+        else:
+            bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor)
 
     # Every decision about the run, once: the planner, the loader, the collator, the trainer
     # arguments and the disk check all read `run`
@@ -110,15 +113,18 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     # loads: transformers then loads it under DeepSpeed's zero.Init, each process materialising
     # only its partition, instead of every process holding the whole model in host memory
     # (kept alive to the end: transformers holds only a weak reference to the config)
-    zero3_arguments = (training.sft_arguments(config, run, run_dir, bundle.validation is not None)
+    zero3_arguments = (training.trainer_arguments(config, run, run_dir, bundle.validation is not None)
                        if run.parallel.strategy.zero3 else None)
     base = model.load_model(config, run, device=f"cuda:{state.local_process_index}" if where.on_cuda else "cpu")
     if zero3_arguments is not None and state.is_main_process:
         partitioned = all(hasattr(p, "ds_id") for p in base.parameters())
         logger.info("model loaded %s", "under DeepSpeed's zero.Init: each process holds only its partition"
                     if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
+    device = f"cuda:{state.local_process_index}" if where.on_cuda else "cpu"
+    reference = model.load_reference(config, run, device)  # (None: the adapters off, or log-probs precomputed)
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
-    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
+    # (preference pairs: TRL's own collator, chosen rows then rejected ones)
+    collator = None if run.preference is not None else collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
                                      split=run.parallel.row_multiple,
                                      # gloo gathers only equal shapes: every batch at the longest
                                      length=None if where.on_cuda else config.data.max_seq_length,
@@ -142,7 +148,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         # (a vision-language model's processor: TRL trains such a model only with it, and saves it with the model)
         config, run, run_dir, base, processor if run.images else tokenizer, bundle.train, bundle.validation, collator,
         [*faults, past_end, callbacks.LogLastStep(), callbacks.TokenThroughput(),
-         callbacks.ExpertLoad(), marker, stop, guard, *early],
+         callbacks.ExpertLoad(), marker, stop, guard, *early], reference=reference,
     )
     batch = run.batch
     checked = plan  # the prediction memory_check.json compares with: the plan, or calibration's

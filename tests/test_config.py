@@ -235,10 +235,10 @@ def test_warmup_steps_and_trackers_reach_the_trainer(tmp_path):
 
     config = config_module.load(None, ["train.warmup_steps=7", "train.max_steps=20", f"train.output_dir={tmp_path}"])
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(8, 1, 1, 8))
-    arguments = training.sft_arguments(config, run, tmp_path, False)
+    arguments = training.trainer_arguments(config, run, tmp_path, False)
     assert arguments.get_warmup_steps(20) == 7 and arguments.report_to == ["tensorboard"]
     config = config_module.load(None, ["train.tensorboard=false", f"train.output_dir={tmp_path}"])
-    assert training.sft_arguments(config, run, tmp_path, False).get_warmup_steps(100) == 3  # warmup_ratio 0.03
+    assert training.trainer_arguments(config, run, tmp_path, False).get_warmup_steps(100) == 3  # warmup_ratio 0.03
     from sft_play.config import environment
 
     real = environment._installed

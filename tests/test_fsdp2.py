@@ -98,7 +98,7 @@ def arguments(tmp_path, *overrides: str, on_cuda: bool = False, bf16: bool = Fal
     config = load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]", *overrides)
     run = resolve(config, on_cuda=on_cuda, bf16_supported=bf16, world_size=2).with_changes(
         batch=BatchSplit(2, 2, 2, 8))
-    return run, training.sft_arguments(config, run, tmp_path, False, layer_classes=["LlamaDecoderLayer"])
+    return run, training.trainer_arguments(config, run, tmp_path, False, layer_classes=["LlamaDecoderLayer"])
 
 
 def test_fsdp2_arguments_follow_the_run(tmp_path, process_state):

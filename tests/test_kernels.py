@@ -57,15 +57,15 @@ def test_cuda_only_switches_are_off_without_cuda_and_the_plan_says_so(monkeypatc
 
 def test_the_trainer_gets_liger_from_the_resolved_run():
     from sft_play.run import BatchSplit
-    from sft_play.training import sft_arguments
+    from sft_play.training import trainer_arguments
 
     config = load()
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1).with_changes(batch=BatchSplit(2, 1, 1, 2))
-    assert sft_arguments(config, run, Path("/tmp/unused"), False).use_liger_kernel is False
-    liger = sft_arguments(config, with_kernels(run, liger=True), Path("/tmp/unused"), False)
+    assert trainer_arguments(config, run, Path("/tmp/unused"), False).use_liger_kernel is False
+    liger = trainer_arguments(config, with_kernels(run, liger=True), Path("/tmp/unused"), False)
     assert liger.use_liger_kernel and liger.liger_kernel_config is None
     # the trainer binds Liger's SwiGLU over each MLP's forward as it trains: tiled MLPs keep theirs
-    tiled = sft_arguments(config, with_kernels(run, liger=True, tiled_mlp=True), Path("/tmp/unused"), False)
+    tiled = trainer_arguments(config, with_kernels(run, liger=True, tiled_mlp=True), Path("/tmp/unused"), False)
     assert tiled.liger_kernel_config == {"swiglu": False}
 
 

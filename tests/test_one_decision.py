@@ -27,7 +27,7 @@ def test_an_accelerate_config_that_says_bf16_does_not_turn_fp32_into_bf16(monkey
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     config = load("train.mixed_precision=no")
     run = resolve(config, on_cuda=False, bf16_supported=True, world_size=1).with_changes(batch=BatchSplit(2, 1, 1, 2))
-    args = training.sft_arguments(config, run, tmp_path, False)
+    args = training.trainer_arguments(config, run, tmp_path, False)
     assert not args.bf16 and not args.fp16
     assert args.mixed_precision == "no"  # what the trainer's accelerator is built with
 
@@ -65,7 +65,7 @@ def test_cpu_processes_beside_a_visible_gpu(monkeypatch):
     config = load()
     run = resolve(config, on_cuda=ddp.on_cuda, bf16_supported=False, world_size=2).with_changes(
         batch=BatchSplit(2, 1, 2, 4))
-    args = training.sft_arguments(config, run, REPO / "unused", False)
+    args = training.trainer_arguments(config, run, REPO / "unused", False)
     assert args.use_cpu and not args.dataloader_pin_memory
 
 

@@ -54,7 +54,14 @@ def path_problems(config: RunConfig) -> list[str]:
     model_path = config.model.name_or_path
     if _looks_like_local_path(model_path):
         path = Path(model_path).expanduser()
-        if not path.is_dir():
+        build_with = config.model.build_with
+        if build_with and not Path(build_with).is_file():
+            problems.append(f"model.build_with: file '{build_with}' does not exist")
+        if build_with and not path.is_dir():
+            if path.name != "model":
+                problems.append(f"model.build_with: model.name_or_path ({model_path}) must be a run's model folder, "
+                                "<output_dir>/<run_name>/model, for the run that builds it to write it there")
+        elif not path.is_dir():
             problems.append(f"model.name_or_path: folder '{model_path}' does not exist")
         elif not (path / "config.json").is_file():
             problems.append(f"model.name_or_path: '{model_path}' has no config.json" + _what_it_is(path))

@@ -62,6 +62,9 @@ class ModelConfig(_Section):
         False, description="Run Python code shipped with a hub model. Off unless you trust the source."
     )
     init_seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for weights initialised from config.json alone.")
+    build_with: str | None = Field(
+        None, description="A run config that trains this model first when model.name_or_path (a run's model "
+        "folder, <output_dir>/<run_name>/model) does not exist yet: the preference default trains its SFT model so.")
 
 
 class FinetuneConfig(_Section):

@@ -253,10 +253,11 @@ def _timed(train: Any, target: Target, shape: ModelShape, run: Run, split: Batch
            rows: int | None) -> tuple[Any, list[str]]:
     """The predicted time of `split` (None where the GPU's peak is unknown) and what the plan says
     it leaves out."""
-    step_time = predict_time(shape, run, split.global_batch_size * run.sequence.tokens,
+    step_time = predict_time(shape, run, split.global_batch_size * run.rows_per_example * run.sequence.tokens,
                              target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node,
                              total_steps(train.max_steps, train.num_epochs, rows, split.global_batch_size),
-                             split.gradient_accumulation_steps, run.masked(split.micro_batch_size))
+                             split.gradient_accumulation_steps,
+                             run.masked(split.micro_batch_size * run.rows_per_example))
     notes = []
     if step_time is None and run.on_cuda:
         notes.append(f"no time: the planner has no peak FLOP/s for '{target.gpu_model or target.device_name}' (it "

@@ -10,7 +10,7 @@
 """
 
 from sft_play.training.arguments import (accelerator_settings, deepspeed_config, fsdp_mixed_precision, fsdp_settings,
-                                         sft_arguments, shard_on_cpu,
+                                         trainer_arguments, shard_on_cpu,
                                          skip_deepspeed_inference_comm)
 from sft_play.training.backoff import calibrate, measure_peaks, train_with_backoff
 from sft_play.training.saving import (loss_history, save_final_model, summary_of, weights_fingerprint,
@@ -19,7 +19,7 @@ from sft_play.training.trainer import LoraPlus, trainer_factory
 
 __all__ = [
     "LoraPlus", "accelerator_settings", "calibrate", "deepspeed_config", "fsdp_mixed_precision", "fsdp_settings",
-    "loss_history", "measure_peaks", "save_final_model", "sft_arguments", "shard_on_cpu",
+    "loss_history", "measure_peaks", "save_final_model", "trainer_arguments", "shard_on_cpu",
     "skip_deepspeed_inference_comm", "summary_of", "train_with_backoff", "trainer_factory", "weights_fingerprint",
     "write_failure",
 ]

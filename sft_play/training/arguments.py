@@ -91,9 +91,10 @@ def fsdp_mixed_precision(run: Run, quant_storage: str | None = None) -> dict[str
     return {"param_dtype": gathered, "reduce_dtype": torch.float32, "output_dtype": compute}
 
 
-def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
-                  layer_classes: list[str] | None = None, batch: BatchSplit | None = None, **overrides: Any) -> Any:
-    """TRL ``SFTConfig`` for the run; every value comes from the run config or the resolved run.
+def trainer_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
+                      layer_classes: list[str] | None = None, batch: BatchSplit | None = None, **overrides: Any) -> Any:
+    """TRL's ``SFTConfig`` for the run (``DPOConfig`` for preference tuning); every value comes
+    from the run config or the resolved run.
     `batch` is the split to train at (default the run's, as planned; calibration and backoff
     pass theirs). `layer_classes` names the model's decoder layer classes (FSDP2's units).
     `overrides` replace any of them, e.g. for calibration steps."""
@@ -167,7 +168,17 @@ def sft_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bo
         accelerator_config=accelerator_settings(run),
         parallelism_config=sequence_parallelism(run) or context_parallelism(run),
     )
-    arguments = SFTConfig(**{**settings, **overrides})
+    if run.preference is not None:
+        from trl import DPOConfig
+
+        from sft_play.training.preference import dpo_settings
+
+        for sft_only in ("packing", "dataset_kwargs", "neftune_noise_alpha"):
+            del settings[sft_only]
+        settings["remove_unused_columns"] = True  # the pairs' ids reach TRL's collator, their file:row does not
+        arguments = DPOConfig(**{**settings, **dpo_settings(config, run, batch), **overrides})
+    else:
+        arguments = SFTConfig(**{**settings, **overrides})
     # With bf16 and fp16 both off, transformers takes the autocast mode from ACCELERATE_MIXED_PRECISION,
     # which `accelerate launch` exports from its config file: the run's precision wins
     arguments.mixed_precision = run.precision.mixed

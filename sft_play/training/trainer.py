@@ -14,7 +14,7 @@ from sft_play.callbacks import LogLines, PrintedLogLines
 from sft_play.config import RunConfig
 from sft_play.model import lora_config, score_labelled_positions_only
 from sft_play.run import BatchSplit, Run
-from sft_play.training.arguments import sft_arguments, shard_on_cpu
+from sft_play.training.arguments import trainer_arguments, shard_on_cpu
 
 
 def trainer_factory(
@@ -27,6 +27,7 @@ def trainer_factory(
     eval_dataset: Any | None,
     data_collator: Any = None,
     callbacks: list[TrainerCallback] | None = None,
+    reference: Any = None,
 ) -> Callable[..., Any]:
     """A function that builds the run's TRL ``SFTTrainer`` (over already tokenised, and with
     packing already packed, data) at a batch split: the run's own (``make()``), or another one
@@ -35,15 +36,24 @@ def trainer_factory(
     (:func:`sft_play.model.lora_config`); later ones reuse the wrapped model. The TensorBoard
     callback is moved behind ours, so that what our callbacks add to a log line
     (:class:`sft_play.callbacks.TokenThroughput`) reaches TensorBoard too, and the printed log
-    lines are ours (:class:`sft_play.callbacks.LogLines`)."""
+    lines are ours (:class:`sft_play.callbacks.LogLines`). A preference run builds TRL's
+    ``DPOTrainer`` instead (:mod:`sft_play.training.preference`), with `reference`, the frozen
+    copy of the weights, where the run keeps one (None: the adapters switched off, or log-probs
+    precomputed)."""
     from transformers import set_seed
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     score_labelled_positions_only()  # TRL's loss head, on a CPU too
-    trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None,
-                                   run.parallel.sequence_parallel)
-    held = {"model": model, "peft_config": lora_config(run)}
+    if run.preference is not None:
+        from sft_play.training import preference
+
+        trainer_class = preference.trainer_class()
+    else:
+        trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None,
+                                       run.parallel.sequence_parallel)
+    held = {"model": model, "peft_config": lora_config(run), "train_dataset": train_dataset,
+            "eval_dataset": eval_dataset}
     layers = architecture.decoder_layers(model, architecture.num_layers(model.config)) if run.parallel.fsdp else None
     layer_classes = sorted({type(layer).__name__ for layer in layers}) if layers is not None else []
 
@@ -51,26 +61,28 @@ def trainer_factory(
         if run.parallel.splits_sequence:
             attend_by_example_under_ulysses(run.kernels.attention)
             resume_split_loaders()
-        args = sft_arguments(config, run, run_dir, has_validation=eval_dataset is not None,
-                             layer_classes=layer_classes, batch=split, **overrides)
+        args = trainer_arguments(config, run, run_dir, has_validation=eval_dataset is not None,
+                                 layer_classes=layer_classes, batch=split, **overrides)
         shard_on_cpu(args, run)
         if held["peft_config"] is not None:
             # The adapter is created inside the trainer, before it seeds: seed it here, alike on
             # every rank. DDP would copy rank 0's adapter to the others anyway; FSDP2 shards each
             # rank's own, which must therefore be the same.
             set_seed(config.train.seed)
-        trainer = trainer_class(
-            model=held["model"],
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset if args.eval_strategy != "no" else None,
-            processing_class=tokenizer,
-            peft_config=held["peft_config"],
-            callbacks=callbacks,
-            optimizer_cls_and_kwargs=(LoraPlus, {"args": args, "ratio": run.loraplus_lr_ratio})
-            if run.loraplus_lr_ratio else None,
-        )
+        loraplus = (LoraPlus, {"args": args, "ratio": run.loraplus_lr_ratio}) if run.loraplus_lr_ratio else None
+        common = dict(model=held["model"], args=args, data_collator=data_collator,
+                      train_dataset=held["train_dataset"],
+                      eval_dataset=held["eval_dataset"] if args.eval_strategy != "no" else None,
+                      processing_class=tokenizer, peft_config=held["peft_config"], callbacks=callbacks)
+        if run.preference is not None:
+            # (DPOTrainer takes no optimizer_cls_and_kwargs; the trainer reads the attribute when it
+            # creates the optimizer)
+            trainer = trainer_class(**common, ref_model=reference, own_adapter=run.method != "full")
+            trainer.optimizer_cls_and_kwargs = loraplus
+            # a rebuild scores nothing again: the reference log-probs precomputed before training
+            held.update(train_dataset=trainer.train_dataset, eval_dataset=trainer.eval_dataset or held["eval_dataset"])
+        else:
+            trainer = trainer_class(**common, optimizer_cls_and_kwargs=loraplus)
         board = trainer.pop_callback(TensorBoardCallback)
         if board is not None:
             trainer.add_callback(board)

@@ -100,6 +100,16 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
     return stored + adapters // (run.parallel.weight_shards if run.parallel.fsdp else 1)
 
 
+def reference_bytes(shape: ModelShape, run: Run) -> int:
+    """A preference run's frozen reference copy (``preference.reference: copy``), loaded in the
+    compute dtype: whole on every GPU under DDP and ZeRO-1/2 (TRL prepares it at ZeRO stage 0),
+    sharded under ZeRO-3 and FSDP2; none with the adapters switched off or precomputed log-probs."""
+    if run.preference is None or run.preference.reference != "copy":
+        return 0
+    shards = run.parallel.world_size if run.parallel.strategy.shards_parameters else 1
+    return -(-shape.total_params * run.precision.compute_bytes // shards)
+
+
 def model_bytes(shape: ModelShape, run: Run) -> int:
     """Every parameter as stored, whole (before any sharding): QLoRA's quantised linears at half a
     byte plus their constants and the rest in the weights' dtype, else each in

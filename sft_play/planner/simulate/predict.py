@@ -51,7 +51,7 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
     """What the GPU holds before any activation: parameters, optimizer states, fp32 masters,
     communication buckets and what lives outside the allocator. A micro-batch cannot fit where
     this alone does not (checked before any replay)."""
-    return (memory.weights_bytes(shape, run) + memory.optimizer_state_bytes(shape, run)
+    return (memory.weights_bytes(shape, run) + memory.reference_bytes(shape, run) + memory.optimizer_state_bytes(shape, run)
             + memory.master_weights_bytes(shape, run) + memory.ddp_bucket_bytes(shape, run)
             + memory.zero_buffer_bytes(shape, run) + memory.fsdp_buffer_bytes(shape, run)
             + (memory.gradient_bytes(shape, run) if run.parallel.fsdp else 0)
@@ -123,7 +123,8 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
     if workers >= 2 and len(todo) * shape.num_layers >= FORK_LAYER_REPLAYS \
             and "fork" in multiprocessing.get_all_start_methods() and sys.platform != "darwin":
         for run, micro, _, _ in todo:  # traced here: a fork inherits them (and the disk keeps them)
-            traced_layers(trace_spec(run, micro), run.local_tokens, micro > 1)
+            rows = micro * run.rows_per_example
+            traced_layers(trace_spec(run, rows), run.local_tokens, rows > 1)
             traced_encoder(run, micro > 1)
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
@@ -257,15 +258,16 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     """One training step of `run` at `micro_batch` replayed through the simulated allocator
     (`capacity` bytes, None: unlimited); `log` collects its allocation events when given."""
     REPLAYS[0] += 1
-    trace = traced_layers(trace_spec(run, micro_batch), run.local_tokens, micro_batch > 1)
+    rows = micro_batch * run.rows_per_example  # a preference pair is two rows, chosen and rejected
+    trace = traced_layers(trace_spec(run, rows), run.local_tokens, rows > 1)
     spec = StepSpec(
         run=run,
-        micro_batch=micro_batch,
+        micro_batch=rows,
         seq_len=run.local_tokens,  # a split row's share: all but attention's all-to-all holds only it
         checkpointing=run.gradient_checkpointing,
-        masked=run.masked(micro_batch),
+        masked=run.masked(rows),
         eager_mask=run.kernels.attention == "eager",
-        sliding_mask=run.sliding_mask(micro_batch, shape.sliding_window),
+        sliding_mask=run.sliding_mask(rows, shape.sliding_window),
         loss_token_share=run.sequence.loss_token_share,  # TRL's head projects the labelled positions only
         accumulating=accumulating,
         on_cuda=run.on_cuda,
@@ -273,6 +275,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         neftune=run.neftune,
         offload_hidden=run.offload_activations and run.gradient_checkpointing,
         encoder=traced_encoder(run, micro_batch > 1),
+        reference_forward=run.preference is not None and run.preference.reference_forward,
     )
     return replay(shape, trace, spec, capacity, log)
 

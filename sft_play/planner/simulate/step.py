@@ -73,6 +73,9 @@ class StepSpec:
     neftune: bool = False  # NEFTune's noise, drawn and added to the embedding output (a transient)
     offload_hidden: bool = False  # the hidden states checkpointing keeps live in host memory (sft_play.long_rows)
     encoder: EncoderTrace | None = None  # the vision encoder on each example's images (None: none planned)
+    # preference tuning: the reference's forward without gradients, after the policy's (whose saved
+    # tensors are alive), before backward (TRL's DPOTrainer._compute_loss)
+    reference_forward: bool = False
     steps: int = 2
 
 
@@ -370,6 +373,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         masks = []
 
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
+    if spec.reference_forward:
+        _reference_forward(gpu, shape, trace, spec, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
         _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")
     if encoded is not None:
@@ -431,6 +436,43 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads)
         return []
     return grads
+
+
+def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int) -> None:
+    """The reference's forward under ``no_grad`` (the policy's weights with the adapters off, or
+    the frozen copy): the same layers, each layer's tensors freed once its output exists, as
+    nothing is kept for a backward; then TRL's fused head, whose kept tensors go too. Replayed from
+    the policy's trace, whose layer holds what it saves for backward until it ends: a layer's
+    peak here is the training forward's, an upper bound of the no-grad one."""
+    b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
+    _, norm = trace.at(b)
+    layers = trace.layers_at(b, shape.num_layers)
+    batch = gpu.new(8 * b * s, "reference")  # the labels: input_ids with the prompt masked
+    previous = gpu.new(b * s * h * residual, "reference")
+    rotary = [gpu.new(b * s * shape.head_dim * residual, "reference") for _ in range(2)]
+    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "reference")
+             for _ in range(shape.attention_masks)] if spec.masked else []
+    modules = [(layer, shape.num_layers + 2 + i) for i, layer in enumerate(layers)]
+    if norm is not None:
+        modules.append((norm, 2 * shape.num_layers + 2))
+    for module, where in modules:  # (handles past the policy's layers: both are alive at once)
+        names = {INPUT: previous}
+        _play(gpu, module, module.forward, where, names, b, "reference")
+        output = _name(names, module.output, where)
+        alive: dict[int, None] = {}
+        for is_alloc, event_id, _ in _sized(module, module.forward, b):
+            if event_id >= 0:
+                if is_alloc:
+                    alive[event_id] = None
+                else:
+                    alive.pop(event_id, None)
+        gpu.free(*(_name(names, event_id, where) for event_id in alive if event_id != module.output))
+        if module.output >= 0 or output != previous:
+            gpu.free(previous)
+        previous = output
+    head = _head_forward(gpu, shape, spec, previous, residual)
+    gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"], head["label_mask"], batch, *rotary,
+             *masks)
 
 
 def _encode_images(gpu: _Replay, encoder: EncoderTrace, micro: int) -> dict:

@@ -93,7 +93,9 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
     # MLP's active parameters, those of the experts a token is not routed to being all MLP
     active_mlp = shape.params_by_kind.get("mlp", 0) - (shape.total_params - n)
     tiles_again = 2.0 * active_mlp if run.kernels.tiled_mlp else 0.0
-    return flops + (recompute if run.gradient_checkpointing else 0.0) + tiles_again
+    # preference tuning: the reference's forward over the same rows
+    reference = 2.0 * n if run.preference is not None and run.preference.reference_forward else 0.0
+    return flops + (recompute if run.gradient_checkpointing else 0.0) + tiles_again + reference
 
 
 def keys_per_token(run: Run, masked: bool) -> float:
