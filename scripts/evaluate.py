@@ -16,6 +16,23 @@ def _examples(result: dict) -> str:
     return f"{examples} examples" + (f", packed into {rows} rows" if rows != examples else "")
 
 
+def print_pairs(run: object, result: dict, data: str | None) -> None:
+    """A preference run's evaluation (sft_play.export.evaluate_pairs)."""
+    from sft_play import export
+
+    print(f"Run: {run}\n  data: {result['data']} ({result['pairs']} pairs)\n"
+          f"  reward accuracy {result['reward_accuracy']:.3f}, margin mean {result['margin_mean']:.3f} "
+          f"(min {result['margin_min']:.3f}), rewards chosen {result['chosen_reward']:.3f} / rejected "
+          f"{result['rejected_reward']:.3f} (beta {result['beta']:g})\n"
+          f"  the model prefers the chosen answer in {result['preference_accuracy']:.3f} of the pairs "
+          f"({result['preference_accuracy_before']:.3f} before: its reference)")
+    for g in result["generations"]:
+        mark = "ok " if g["matches_chosen"] else ("rej" if g["matches_rejected"] else "no ")
+        print(f"  {mark} {g['prompt']!r} -> {g['answer']!r} (chosen {g['chosen']!r}, rejected {g['rejected']!r})")
+    matches = sum(g["matches_chosen"] for g in result["generations"])
+    print(f"  chosen answers: {matches}/{len(result['generations'])}; written to {run}/{export.eval_file_name(data)}")
+
+
 def main() -> int:
     parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
@@ -31,6 +48,9 @@ def main() -> int:
     with cli.importing():
         from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data)
+    if "reward_accuracy" in result:
+        print_pairs(run, result, args.data)
+        return 0
     print(f"Run: {run}\n  data: {result['data']}\n  validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
           f"over {result['loss_tokens']} tokens ({_examples(result)})")
     for g in result["generations"]:

@@ -226,7 +226,14 @@ def system_turn(path: str | Path) -> list[dict[str, str]]:
 
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     """The first `count` validation records of the run's data (``data.validation_path``'s, or
-    those ``data.validation_fraction`` held out), cut before their first answer."""
+    those ``data.validation_fraction`` held out), cut before their first answer; a preference
+    run's held-out pairs, with the chosen answer as the reference."""
+    if config.finetune.objective != "sft":
+        from sft_play.data import preference
+
+        pairs = preference.held_out_pairs(config.data, config.train.seed, count)
+        return [Prompt(p["prompt"], None, text_of(p["chosen"][-1]["content"])) if isinstance(p["prompt"], list)
+                else Prompt(None, p["prompt"], p["chosen"]) for p in pairs]
     prompts = []
     for record in data.validation_records(config.data, config.train.seed, limit=count):
         if "messages" in record:
@@ -355,6 +362,8 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     model, processing, config = load_trained(path)
     if config is None:
         raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
+    if config.finetune.objective != "sft":
+        return evaluate_pairs(path, model, processing, config, count, max_new_tokens, batch_size, data_path)
     # (the run's own tokenizer, as it prepared the data; a vision-language model's in its processor)
     processor = processing if text_tokenizer(processing) is not processing else None
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config)
@@ -400,6 +409,88 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
                             "exact_match": answer == prompt.reference})
     result = {"data": data_path or "the run's validation data", "loss": loss, "perplexity": math.exp(min(loss, 50.0)),
               "loss_tokens": tokens, "validation_rows": len(rows), "validation_examples": examples or len(rows),
+              "generations": generations}
+    model_dir, _ = _locate(Path(path))
+    (model_dir.parent / eval_file_name(data_path)).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _answer_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed log-probabilities of each row's answer tokens (TRL's fused head, as DPO scores them)."""
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
+                   use_cache=False, fused_lm_head=True)
+    return output.log_probs[:, -(labels.shape[1] - 1):].double().sum(dim=1)
+
+
+def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConfig, count: int, max_new_tokens: int,
+                   batch_size: int, data_path: str | None) -> dict[str, Any]:
+    """A preference run's evaluation on its held-out pairs (or `data_path`'s): the rewards as DPO
+    defines them, beta x (policy - reference) log-probability of each answer, with the reference
+    the run trained against (the base with the adapter off, or the model it started from);
+    ``reward_accuracy`` the share of pairs whose chosen answer's reward is the higher (TRL's
+    ``rewards/accuracies``: 0 before training, where every reward is 0); ``preference_accuracy``
+    the share of pairs whose chosen answer the model itself finds likelier, for the trained model
+    and for the reference ("before"). Greedy answers to the first `count` held-out prompts, with
+    whether they match the chosen or the rejected answer."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sft_play.data import preference
+    from sft_play.model import score_labelled_positions_only
+
+    if data_path is not None:
+        config = config.model_copy(update={"data": config.data.model_copy(
+            update={"validation_path": data_path, "validation_fraction": 0.0})})
+    elif not config.data.validation_path and not config.data.validation_fraction:
+        raise UserError("the run has no held-out pairs: set data.validation_path or data.validation_fraction, or "
+                        "evaluate on other pairs (make eval DATA=pairs.jsonl)")
+    bundle = preference.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    rows = bundle.validation
+    if rows is None or len(rows) == 0:
+        raise UserError(f"no usable held-out pair in {data_path or config.data.validation_path}")
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)
+    score_labelled_positions_only()
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    columns = list(preference.PAIR_COLUMNS)
+    batches = [collator([{c: rows[i][c] for c in columns} for i in range(start, min(start + batch_size, len(rows)))])
+               for start in range(0, len(rows), batch_size)]
+    device = model.device
+    with torch.no_grad():
+        policy = torch.cat([_answer_logps(model, {k: v.to(device) for k, v in b.items()}) for b in batches]).cpu()
+        with base_model_of(model, config) as reference_model:
+            if reference_model is not model:
+                add_fused_lm_head(reference_model)
+            reference = torch.cat([_answer_logps(reference_model, {k: v.to(device) for k, v in b.items()})
+                                   for b in batches]).cpu()
+
+    def sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # each batch is [chosen..., rejected...]
+        chosen, rejected, at = [], [], 0
+        for b in batches:
+            half = b["input_ids"].shape[0] // 2
+            chosen.append(values[at:at + half])
+            rejected.append(values[at + half:at + 2 * half])
+            at += 2 * half
+        return torch.cat(chosen), torch.cat(rejected)
+
+    (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = sides(policy), sides(reference)
+    beta = config.preference.beta
+    chosen_reward, rejected_reward = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
+    margin = chosen_reward - rejected_reward
+    generations = []
+    for pair, prompt in zip(preference.held_out_pairs(config.data, config.train.seed, count),
+                            held_out_prompts(config, count)):
+        answer = generate(model, tokenizer, prompt, max_new_tokens)
+        rejected = (text_of(pair["rejected"][-1]["content"]) if prompt.messages is not None else pair["rejected"]).strip()
+        generations.append({"prompt": prompt.shown(), "chosen": prompt.reference.strip(), "rejected": rejected,
+                            "answer": answer, "matches_chosen": answer == prompt.reference.strip(),
+                            "matches_rejected": answer == rejected})
+    result = {"data": data_path or "the run's held-out pairs", "pairs": len(rows), "beta": beta,
+              "reward_accuracy": float((margin > 0).double().mean()),
+              "margin_mean": float(margin.mean()), "margin_min": float(margin.min()),
+              "chosen_reward": float(chosen_reward.mean()), "rejected_reward": float(rejected_reward.mean()),
+              "preference_accuracy": float((policy_chosen > policy_rejected).double().mean()),
+              "preference_accuracy_before": float((ref_chosen > ref_rejected).double().mean()),
               "generations": generations}
     model_dir, _ = _locate(Path(path))
     (model_dir.parent / eval_file_name(data_path)).write_text(json.dumps(result, indent=2) + "\n")

@@ -12,7 +12,7 @@ import re
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sft_play.parallelism import Strategy, StrategyName
 
@@ -179,7 +179,8 @@ class DataConfig(_Section):
     )
     validation_fraction: float = Field(0.0, ge=0, lt=1, description="Share of training rows held out.")
     max_seq_length: int = Field(1024, gt=0, description="Longest sequence in tokens (the packed row length).")
-    packing: bool = Field(True, description="Join examples into rows of max_seq_length without cross-attention.")
+    packing: bool = Field(True, description="Join examples into rows of max_seq_length without cross-attention "
+                          "(preference pairs are never packed: false for them).")
     beyond_model_positions: bool = Field(
         False, description="Allow data.max_seq_length beyond the positions the model was trained on "
         "(max_position_embeddings): for a model whose context you extend (rope_scaling), or packed rows of examples "
@@ -381,6 +382,14 @@ class RunConfig(_Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
+    @model_validator(mode="after")
+    def _pairs_unpacked(self) -> RunConfig:
+        """Preference pairs are never packed (each is a chosen and a rejected row, padded, as TRL's
+        collator batches them): data.packing reads false for them, and the run folder's config says so."""
+        if self.finetune.objective != "sft" and self.data.packing:
+            self.data.packing = False
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data, in section order."""
         return self.model_dump(mode="json")
@@ -515,9 +524,6 @@ def preference_problems(config: RunConfig) -> list[str]:
     if pref.reference == "precomputed" and data.streaming:
         problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
                         "data.streaming=false, or use another preference.reference")
-    if "packing" in data.model_fields_set and data.packing:
-        problems.append("data.packing: pairs are never packed (each pair is one chosen and one rejected row, padded); "
-                        "leave data.packing out, or set it to false")
     if data.train_on != "completion":
         problems.append(f"data.train_on={data.train_on}: preference tuning scores the answers (what follows the "
                         "prompt) only; leave data.train_on at completion")

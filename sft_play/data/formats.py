@@ -440,9 +440,8 @@ def normalise_pair(row: dict[str, Any], fmt: str, columns: dict[str, str], sourc
                 raise InvalidRow(source, index, cols["chosen"], "no prompt: chosen and rejected share no turn "
                                  "(no leading text) and no prompt column is given")
             for side in ("chosen", "rejected"):
-                if not pair[side] or (conversational and pair[side][-1]["role"] != "assistant"):
-                    raise InvalidRow(source, index, cols[side], EMPTY_ANSWER if not pair[side] else
-                                     "chosen and rejected differ before their last assistant turn")
+                if not pair[side]:
+                    raise InvalidRow(source, index, cols[side], EMPTY_ANSWER)
         elif conversational:
             if not isinstance(prompt, list):
                 raise InvalidRow(source, index, cols["prompt"], f"expected a list of messages like the answers "

@@ -211,3 +211,12 @@ def _from_cache(cached: dict[str, Any]) -> DataBundle:
     from sft_play.data.pipeline import _bundle_from
 
     return _bundle_from(cached)
+
+
+def held_out_pairs(cfg: DataConfig, seed: int, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` held-out pairs of a run of `cfg` (``data.validation_path``'s, or its
+    seeded ``data.validation_fraction``), untokenised; empty without either."""
+    if not cfg.validation_path and not cfg.validation_fraction:
+        return []
+    held = _read(cfg, DataStats(), seed)[1] or []
+    return held[:limit] if limit is not None else held

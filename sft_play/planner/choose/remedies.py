@@ -76,9 +76,11 @@ class Remedy:
         A vision-language model's rows are never split (an image's tokens stay with its pixels):
         no sequence parallelism for it."""
         overrides = self.overrides
-        if _vision_language(config):
+        if _unsplit(config):
             overrides = tuple(o for o in overrides if not o.startswith("distributed.sequence_parallel="))
         changed = with_overrides(config, overrides)
+        if changed.finetune.method != "full" and changed.preference.reference == "copy":  # (adapters: the base is free)
+            overrides = (*overrides, "preference.reference=adapters_off")
         if (changed.finetune.method == "qlora" and Strategy(changed.distributed.strategy).shards_parameters
                 and changed.quantization.quant_storage == "uint8"):
             storage = "float16" if changed.model.torch_dtype == "float16" else "bfloat16"
@@ -87,8 +89,8 @@ class Remedy:
 
     def description_for(self, config: RunConfig) -> str:
         """The description, or where :meth:`overrides_for` splits no row for `config` (a
-        vision-language model), :attr:`unsplit`."""
-        return self.unsplit if self.unsplit and _vision_language(config) else self.description
+        vision-language model, preference pairs), :attr:`unsplit`."""
+        return self.unsplit if self.unsplit and _unsplit(config) else self.description
 
     def config_for(self, config: RunConfig) -> RunConfig:
         changed = with_overrides(config, self.overrides_for(config))
@@ -148,7 +150,8 @@ def _strategy(config: RunConfig) -> Strategy:
 def _splittable(config: RunConfig, target: Any) -> bool:
     """Long rows, several GPUs, not split yet, and an attention kernel a split sequence runs on
     (the model's own limits are the plan's: sft_play.run.sequence_split_problem)."""
-    return (_multi_gpu(target) and config.distributed.sequence_parallel == 1 and config.data.max_seq_length >= 8192
+    return (_multi_gpu(target) and _sft(config) and config.distributed.sequence_parallel == 1
+            and config.data.max_seq_length >= 8192
             and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp
             and not _vision_language(config))
 
@@ -158,6 +161,21 @@ def _vision_language(config: RunConfig) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
+def _unsplit(config: RunConfig) -> bool:
+    """Rows that are never split across processes: a vision-language model's (an image's tokens
+    stay with its pixels), and preference pairs (TRL's DPO step is not split)."""
+    return _vision_language(config) or config.finetune.objective != "sft"
+
+
+def _sft(config: RunConfig) -> bool:
+    return config.finetune.objective == "sft"
+
+
+def _reference_kept(config: RunConfig) -> bool:
+    """A preference run whose reference log-probs come from a forward in each step (not precomputed)."""
+    return not _sft(config) and config.preference.reference != "precomputed" and not config.data.streaming
+
+
 def _vision_facts(name_or_path: str, revision: str | None, trust_remote_code: bool) -> tuple[bool, bool]:
     """(whether the model sees images, whether its processor sizes them by a pixel budget), read
     from the model's config once and kept on disk beside its shape: a warm plan's remedies then
@@ -217,6 +235,9 @@ REMEDIES: tuple[Remedy, ...] = (
     Remedy("planner's micro-batch", "the micro-batch that fits, with more accumulation for the same global batch",
            ("train.micro_batch_size=auto", "train.gradient_accumulation_steps=auto"), "train",
            lambda c, t: isinstance(c.train.micro_batch_size, int) or isinstance(c.train.gradient_accumulation_steps, int)),
+    Remedy("precomputed reference", "the reference's log-probs computed in one pass over the data before training: "
+           "no reference forward in the steps, no copy of the weights kept (TRL's precompute_ref_log_probs)",
+           ("preference.reference=precomputed",), "train", lambda c, t: _reference_kept(c)),
     Remedy("gradient checkpointing", "recompute activations in backward (about 30% slower)",
            ("train.gradient_checkpointing=true",), "train",
            lambda c, t: not c.train.gradient_checkpointing),
@@ -230,11 +251,11 @@ REMEDIES: tuple[Remedy, ...] = (
            lambda c, t: t.on_cuda and not c.train.liger_kernels and c.data.max_seq_length >= 8192),
     Remedy("tiled MLP", "each layer's MLP in tiles of about hidden_size tokens (its intermediates one tile at a "
            "time; the MLP's forward runs once more; LoRA dropout off)", ("train.tiled_mlp=true", "lora.dropout=0"),
-           "train", lambda c, t: not c.train.tiled_mlp and c.data.max_seq_length >= 8192
+           "train", lambda c, t: not c.train.tiled_mlp and c.data.max_seq_length >= 8192 and _sft(c)
            and (t.world_size == 1 or _strategy(c).deepspeed), result=CLOSE),  # one process, or ZeRO (sft_play.long_rows)
     Remedy("activation offload", "the hidden states checkpointing keeps, one per layer, in host memory until backward "
            "(host memory and PCIe transfers)", ("train.gradient_checkpointing=true", "train.offload_activations=true"),
-           "train", lambda c, t: not c.train.offload_activations and c.data.max_seq_length >= 8192),
+           "train", lambda c, t: not c.train.offload_activations and c.data.max_seq_length >= 8192 and _sft(c)),
     Remedy("8-bit AdamW", "optimizer states in 8 bits (bitsandbytes; its block-wise rounding of the states)",
            ("train.optimizer=adamw_8bit",), "train",
            lambda c, t: _large_optimizer_states(c) and c.train.optimizer in ("auto", "adamw_torch", "adamw_torch_fused"),

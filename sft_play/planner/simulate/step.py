@@ -265,6 +265,7 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
         _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
         _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
     _chunked(gpu, memory.ddp_bucket_bytes(shape, run), "ddp_buckets", DDP_BUCKET_BYTES)
+    _chunked(gpu, memory.reference_bytes(shape, run), "reference")  # (a copy's; summed: loaded tensor by tensor)
 
 
 def _chunked(gpu: _Replay, total: int, category: str, chunk: int | None = None) -> None:

@@ -1,0 +1,314 @@
+"""Preference tuning (finetune.objective: dpo): the config's refusals, the pair formats and their
+bad rows, tokens identical to TRL's DPOTrainer preparation, the pairs' statistics and cache, the
+planner's step of two rows per pair with its reference, and real DPO runs through the entry script."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+from pathlib import Path
+
+import pytest
+
+from sft_play import config as config_module
+from sft_play.config import schema
+from sft_play.data import DataStats, load_records
+from sft_play.data.formats import InvalidRows, UnknownFormat
+from tests.conftest import REPO, run_script
+
+U = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+A = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+
+
+def dpo_config(*overrides: str):
+    return config_module.load(None, ["finetune.objective=dpo", *overrides], check_paths=False)
+
+
+def write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _pairs(path: str, cfg, stats: DataStats | None = None) -> list[dict]:
+    from sft_play.data.pipeline import ORIGIN, iter_records
+
+    return [{k: v for k, v in r.items() if k != ORIGIN} for r in iter_records(path, cfg, stats or DataStats(),
+                                                                                pairs=True)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The config
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["finetune.method=full", "preference.reference=adapters_off"], "no adapters to switch off"),
+    (["finetune.method=qlora", "preference.reference=copy"], "use adapters_off"),
+    (["preference.reference=precomputed", "data.streaming=true", "train.max_steps=5"], "a stream cannot be scored"),
+    (["data.train_on=all"], "scores the answers"),
+    (["data.format=alpaca"], "is an SFT format"),
+    (["preference.loss_type=sigmod"], "'sigmod'"),
+    (["preference.loss_type=exo_pair"], "label_smoothing above 0"),
+    (["preference.loss_type=robust", "preference.label_smoothing=0.6"], "below 0.5"),
+    (['preference.loss_type=["sigmoid","sft"]', "preference.loss_weights=[1.0]"], "1 weight(s) for 2 loss type(s)"),
+    (["train.tiled_mlp=true"], "train.tiled_mlp: an SFT lever"),
+    (["distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2"], "rows are not split"),
+])
+def test_each_impossible_combination_is_one_line(overrides, says):
+    with pytest.raises(config_module.ConfigError) as caught:
+        dpo_config(*overrides)
+    problems = caught.value.problems
+    assert len([p for p in problems if says in p]) == 1, problems
+
+
+def test_sft_configs_are_unchanged_and_a_stray_preference_section_is_named():
+    assert schema.consistency_problems(config_module.load(REPO / "configs" / "run_tiny.yaml", [])) == []
+    with pytest.raises(config_module.ConfigError) as caught:
+        config_module.load(None, ["preference.beta=0.2"], check_paths=False)
+    assert caught.value.problems == ["preference: set, but finetune.objective is sft (it would be ignored); set "
+                        "finetune.objective=dpo to train on chosen/rejected pairs"]
+    # the run folder's config.yaml holds every section at its defaults: read back, it says nothing
+    saved = config_module.RunConfig().to_yaml()
+    assert schema.consistency_problems(config_module.RunConfig.model_validate(__import__("yaml").safe_load(saved))) == []
+    dpo = dpo_config("data.packing=true")
+    assert not dpo.data.packing  # pairs are never packed; the run folder's config reads back the same
+    assert config_module.RunConfig.model_validate(__import__("yaml").safe_load(dpo.to_yaml())) == dpo
+
+
+def test_the_losses_take_the_sft_term_at_its_weight():
+    assert schema.preference_losses(dpo_config()) == (["sigmoid"], None)
+    assert schema.preference_losses(dpo_config("preference.sft_weight=0.2")) == (["sigmoid", "sft"], [1.0, 0.2])
+    assert schema.preference_losses(dpo_config('preference.loss_type=["ipo","hinge"]', "preference.loss_weights=[1,2]",
+                                               "preference.sft_weight=0.5")) == (["ipo", "hinge", "sft"], [1, 2, 0.5])
+
+
+# ------------------------------------------------------------------------------------------------
+# Formats and bad rows
+
+
+def test_each_pair_format_reads_into_trl_shape(tmp_path):
+    trl_chat = write(tmp_path / "trl.jsonl", [{"prompt": U("q"), "chosen": A("B"), "rejected": A("b")}])
+    trl_text = write(tmp_path / "text.jsonl", [{"prompt": "Q: ", "chosen": "yes", "rejected": "no"}])
+    implicit = write(tmp_path / "implicit.jsonl", [{"chosen": U("q") + A("B"), "rejected": U("q") + A("b")}])
+    hh = write(tmp_path / "hh.jsonl", [{"chosen": "\n\nHuman: hi\n\nAssistant: Hello!",
+                                        "rejected": "\n\nHuman: hi\n\nAssistant: Go away."}])
+    sharegpt = write(tmp_path / "llamafactory.jsonl", [{
+        "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "q"}],
+        "chosen": {"from": "gpt", "value": "B"}, "rejected": {"from": "gpt", "value": "b"}}])
+    alpaca = write(tmp_path / "alpaca.jsonl", [{"instruction": "q", "input": "x", "chosen": "B", "rejected": "b"}])
+    intel = write(tmp_path / "intel.jsonl", [{"question": "Q: ", "chosen": "yes", "rejected": "no"}])
+
+    stats = DataStats()
+    assert _pairs(trl_chat, dpo_config().data, stats) == [{"prompt": U("q"), "chosen": A("B"), "rejected": A("b")}]
+    assert stats.formats == {trl_chat: "preference"}
+    assert _pairs(trl_text, dpo_config().data) == [{"prompt": "Q: ", "chosen": "yes", "rejected": "no"}]
+    assert _pairs(implicit, dpo_config().data) == [{"prompt": U("q"), "chosen": A("B"), "rejected": A("b")}]
+    # (TRL's extract_prompt: the shared text up to the last whitespace before they differ)
+    assert _pairs(hh, dpo_config().data) == [{"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " Hello!",
+                                              "rejected": " Go away."}]
+    stats = DataStats()
+    assert _pairs(sharegpt, dpo_config().data, stats) == [
+        {"prompt": [{"role": "system", "content": "S"}, *U("q")], "chosen": A("B"), "rejected": A("b")}]
+    assert stats.formats == {sharegpt: "pairwise"}
+    assert _pairs(alpaca, dpo_config().data) == [{"prompt": U("q\n\nx"), "chosen": A("B"), "rejected": A("b")}]
+    assert _pairs(intel, dpo_config("data.columns.prompt=question").data) == [
+        {"prompt": "Q: ", "chosen": "yes", "rejected": "no"}]
+    assert _pairs(trl_chat, dpo_config("data.system_prompt=Be brief.").data)[0]["prompt"] == [
+        {"role": "system", "content": "Be brief."}, *U("q")]
+
+
+def test_bad_pairs_are_named_by_file_and_row(tmp_path):
+    path = write(tmp_path / "bad.jsonl", [
+        {"prompt": U("q"), "chosen": A("B"), "rejected": A("b")},
+        {"prompt": U("q"), "chosen": A("same"), "rejected": A("same")},
+        {"prompt": U("q"), "chosen": A("  "), "rejected": A("b")},
+        {"prompt": U("q"), "chosen": A("B")},
+        {"chosen": U("a") + A("B"), "rejected": U("b") + A("b")},
+        {"prompt": U("q"), "chosen": A("B"), "rejected": U("b")},
+    ])
+    with pytest.raises(InvalidRows) as caught:
+        _pairs(path, dpo_config().data)
+    said = str(caught.value)
+    assert "5 bad row(s)" in said
+    for row, words in ((2, "field 'rejected': chosen equal to rejected"), (3, "field 'chosen[0].content': empty answer"),
+                       (4, "field 'rejected': missing"), (5, "field 'chosen': no prompt: chosen and rejected share no turn"),
+                       (6, "field 'rejected': no assistant turn to learn from")):
+        assert f"bad.jsonl, row {row}, {words}" in said, said
+    stats = DataStats()
+    assert len(_pairs(path, dpo_config("data.on_invalid=skip").data, stats)) == 1
+    assert sum(stats.skipped.values()) == 5
+
+
+def test_pairs_under_sft_and_sft_data_under_dpo_are_refused_by_name(tmp_path):
+    pairs = write(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "B", "rejected": "b"}])
+    with pytest.raises(UnknownFormat, match="finetune.objective=dpo"):
+        load_records(pairs, config_module.load(None, [], check_paths=False).data, DataStats())
+    chats = write(tmp_path / "chats.jsonl", [{"messages": U("q") + A("a")}])
+    with pytest.raises(UnknownFormat, match="cannot read preference pairs"):
+        _pairs(chats, dpo_config().data)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokens, statistics, cache
+
+
+def test_tokens_are_trls_own(tiny_tokenizer, tmp_path):
+    """Our preparation against DPOTrainer._prepare_dataset (TRL 1.16's map: prompt extraction, the
+    EOS of standard answers, the chat template, the common prefix), pair by pair."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from sft_play.data.preference import tokenize_pair
+
+    rows = [{"prompt": U("Reverse the letters: z s b"), "chosen": A("B S Z"), "rejected": A("b s z")},
+            {"prompt": [{"role": "system", "content": "S"}, *U("q"), *A("a"), *U("q2")], "chosen": A("X"),
+             "rejected": A("x y")},
+            {"prompt": "Hello ", "chosen": "world", "rejected": "there"},
+            {"prompt": "Q:", "chosen": " yes<|im_end|>", "rejected": " no"}]
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=64)
+    trainer = types.SimpleNamespace(_tokenizer=tiny_tokenizer)
+    for row in rows:
+        theirs = DPOTrainer._prepare_dataset(trainer, datasets.Dataset.from_list([row]), tiny_tokenizer, args, "t")[0]
+        ours = tokenize_pair(row, tiny_tokenizer)
+        assert {k: theirs[k] for k in ours} == ours
+
+
+def test_pair_statistics_cuts_and_drops(tiny_tokenizer, tmp_path):
+    from sft_play.data.preference import build_pairs, prompt_fills_reason
+
+    long_prompt = " ".join("abcdefghij") * 4
+    path = write(tmp_path / "pairs.jsonl", [
+        {"prompt": U("Reverse the letters: z s b"), "chosen": A("B S Z"), "rejected": A("b s z")},
+        {"prompt": U(long_prompt), "chosen": A("B"), "rejected": A("b")},
+        {"prompt": U("q"), "chosen": A(" ".join("ABCDEFGHIJKLMNOPQRSTUVWXYZ" * 2)), "rejected": A("b")},
+    ])
+    config = dpo_config(f"data.path={path}", "data.max_seq_length=40", "data.cache=false")
+    bundle = build_pairs(config.data, config.preference, tiny_tokenizer)
+    stats = bundle.stats
+    assert stats.pairs == stats.examples == 2 and len(bundle.train) == 2
+    assert stats.skipped_rows == {prompt_fills_reason(40): [f"{path}:2"]}
+    assert stats.truncated == 1 and stats.dropped_overlong == 0  # the long answer is cut when batched
+    assert stats.answer_tokens_max == len(bundle.train[1]["chosen_ids"]) > stats.answer_tokens_p95 - 1
+    first = bundle.train[0]
+    assert stats.loss_tokens == sum(len(bundle.train[i][side]) for i in range(2) for side in ("chosen_ids", "rejected_ids"))
+    assert tiny_tokenizer.decode(first["chosen_ids"]).startswith("B S Z")
+
+    dropped = dpo_config(f"data.path={path}", "data.max_seq_length=40", "data.cache=false", "data.overlong=drop",
+                         "preference.max_prompt_length=16")
+    stats = build_pairs(dropped.data, dropped.preference, tiny_tokenizer).stats
+    assert stats.prompts_cut == 1 and stats.prompt_tokens_max == 16
+    assert stats.pairs == 2 and stats.dropped_overlong == 1  # the long answer; the cut prompt now fits
+
+
+def test_pairs_come_from_the_cache_the_second_time(tiny_tokenizer, tmp_path, caplog, monkeypatch):
+    from sft_play.data.preference import build_pairs
+
+    monkeypatch.setenv("SFT_PLAY_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path / "pairs.jsonl", [{"prompt": U("q"), "chosen": A("B"), "rejected": A("b")}] * 3)
+    config = dpo_config(f"data.path={path}")
+    with caplog.at_level(logging.INFO, logger="sft_play.data.preference"):
+        first = build_pairs(config.data, config.preference, tiny_tokenizer)
+        assert "from the cache" not in caplog.text
+        second = build_pairs(config.data, config.preference, tiny_tokenizer)
+        assert "from the cache" in caplog.text
+    assert second.train.to_dict() == first.train.to_dict() and second.stats == first.stats
+    caplog.clear()
+    cut = dpo_config(f"data.path={path}", "preference.max_prompt_length=2")
+    with caplog.at_level(logging.INFO, logger="sft_play.data.preference"):
+        build_pairs(cut.data, cut.preference, tiny_tokenizer)
+    assert "from the cache" not in caplog.text  # another prompt cut: other tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_the_plan_counts_two_rows_a_pair_the_reference_forward_and_its_copy():
+    """A pair is two rows through the policy: its step at micro-batch m replays the SFT step of 2m
+    rows plus the reference's forward (precomputed: none) and, for a copy, the reference's weights."""
+    from sft_play import planner
+    from sft_play.planner.simulate import memory, predict
+
+    def setup(*overrides):
+        config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml",
+                                    ["model.name_or_path=configs/tiny_model", *overrides], check_paths=False)
+        stats = DataStats(examples=100, pairs=100, tokens_max=26, tokens_p95=26, tokens_p50=26, tokens_total=5000,
+                          loss_tokens=1600)
+        target = planner.target_for(__import__("sft_play").hardware.detect().without_gpus(), gpus=1, allow_cpu=True)
+        shape = planner.model_shape(config)
+        return shape, planner.resolve_for(config, target, stats, shape)
+
+    shape, copy = setup()
+    _, precomputed = setup("preference.reference=precomputed")
+    assert copy.rows_per_example == 2 and copy.preference.reference == "copy" and copy.sequence.tokens == 26
+    assert memory.reference_bytes(shape, copy) == shape.total_params * 4  # fp32 on a CPU without bf16
+    assert memory.reference_bytes(shape, precomputed) == 0
+    sft = copy.with_changes(preference=None)
+    for micro in (1, 2, 4):
+        with_copy = predict.predict(shape, copy, micro).peak_bytes
+        scored_before = predict.predict(shape, precomputed, micro).peak_bytes
+        as_sft = predict.predict(shape, sft, 2 * micro).peak_bytes
+        assert scored_before >= as_sft  # two rows a pair, and the labels
+        assert with_copy > scored_before + memory.reference_bytes(shape, copy) - 1
+    assert [predict.predict(shape, copy, m).peak_bytes for m in (1, 2, 4)] == sorted(
+        predict.predict(shape, copy, m).peak_bytes for m in (1, 2, 4))
+
+
+# ------------------------------------------------------------------------------------------------
+# Real runs
+
+
+def _dpo_run(tmp_path: Path, name: str, *overrides: str):
+    result = run_script("train_distributed.py", "--config", "configs/run_tiny_dpo.yaml",
+                        "model.name_or_path=configs/tiny_model", f"train.output_dir={tmp_path}",
+                        f"train.run_name={name}", "train.max_steps=6", "train.logging_steps=1", "train.eval_steps=6",
+                        "train.mixed_precision=no", "data.num_proc=1", *overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return tmp_path / name, result
+
+
+def _scalars(run_dir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, list[float]] = {}
+    for events in (run_dir / "tensorboard").rglob("events.out.tfevents*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            found.setdefault(tag, []).extend(e.value for e in accumulator.Scalars(tag))
+    return found
+
+
+@pytest.mark.parametrize("method, reference", [("full", "auto"), ("lora", "auto"), ("full", "precomputed")])
+def test_dpo_trains_and_logs_rewards(tmp_path, method, reference):
+    """Six steps on the upper-case pairs from the tiny model's initial weights: the loss starts at
+    log 2 (the policy is its reference), falls, and the rewards reach TensorBoard; the reference is
+    what was asked for (a copy, the adapters off, a pass before training)."""
+    run_dir, result = _dpo_run(tmp_path, f"{method}-{reference}", f"finetune.method={method}",
+                               f"preference.reference={reference}", "train.learning_rate=3e-3")
+    scalars = _scalars(run_dir)
+    losses = scalars["train/loss"]
+    assert abs(losses[0] - 0.6931) < 1e-3 and losses[-1] < losses[0] - 0.05, losses
+    for tag in ("train/rewards/chosen", "train/rewards/margins", "train/rewards/accuracies", "eval/rewards/accuracies"):
+        assert tag in scalars, sorted(scalars)
+    assert scalars["train/rewards/margins"][-1] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 6
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["preference"]["reference"] == {"auto": "copy" if method == "full" else "adapters_off"}.get(
+        reference, reference)
+    if method == "lora":
+        saved = json.loads((run_dir / "model" / "adapter_config.json").read_text())
+        assert saved["r"] == 16 and not (run_dir / "model" / "ref").exists()  # the run's own adapter only
+
+
+def test_make_eval_scores_held_out_pairs(tmp_path):
+    run_dir, _ = _dpo_run(tmp_path, "eval", "train.learning_rate=3e-3")
+    result = run_script("evaluate.py", "--run", str(run_dir), "--count", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    written = json.loads((run_dir / "eval.json").read_text())
+    assert written["pairs"] == 90 and 0.0 <= written["reward_accuracy"] <= 1.0
+    assert written["preference_accuracy_before"] != written["preference_accuracy"] or written["margin_mean"] != 0
+    assert written["margin_mean"] > 0  # six steps already prefer upper case, against the start
+    assert len(written["generations"]) == 2 and {"matches_chosen", "matches_rejected"} <= set(written["generations"][0])
+    assert "reward accuracy" in result.stdout and "chosen answers:" in result.stdout
