@@ -262,7 +262,7 @@ def _dpo_run(tmp_path: Path, name: str, *overrides: str):
     result = run_script("train_distributed.py", "--config", "configs/run_tiny_dpo.yaml",
                         "model.name_or_path=configs/tiny_model", f"train.output_dir={tmp_path}",
                         f"train.run_name={name}", "train.max_steps=6", "train.logging_steps=1", "train.eval_steps=6",
-                        "train.mixed_precision=no", "data.num_proc=1", *overrides)
+                        "train.mixed_precision=no", "data.num_proc=1", "preference.sft_weight=0", *overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return tmp_path / name, result
 
