@@ -160,7 +160,6 @@ def _vision_language(config: RunConfig) -> bool:
     return _vision_facts(config.model.name_or_path, config.model.revision, config.model.trust_remote_code)[0]
 
 
-@functools.lru_cache(maxsize=32)
 def _unsplit(config: RunConfig) -> bool:
     """Rows that are never split across processes: a vision-language model's (an image's tokens
     stay with its pixels), and preference pairs (TRL's DPO step is not split)."""
@@ -176,6 +175,7 @@ def _reference_kept(config: RunConfig) -> bool:
     return not _sft(config) and config.preference.reference != "precomputed" and not config.data.streaming
 
 
+@functools.lru_cache(maxsize=32)
 def _vision_facts(name_or_path: str, revision: str | None, trust_remote_code: bool) -> tuple[bool, bool]:
     """(whether the model sees images, whether its processor sizes them by a pixel budget), read
     from the model's config once and kept on disk beside its shape: a warm plan's remedies then
