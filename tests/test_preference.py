@@ -312,3 +312,101 @@ def test_make_eval_scores_held_out_pairs(tmp_path):
     assert written["margin_mean"] > 0  # six steps already prefer upper case, against the start
     assert len(written["generations"]) == 2 and {"matches_chosen", "matches_rejected"} <= set(written["generations"][0])
     assert "reward accuracy" in result.stdout and "chosen answers:" in result.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Run life: an out-of-memory backoff, a stop and a resume
+
+
+def _dpo_factory(tmp_path: Path, callbacks: list, *overrides: str):
+    """The trainer factory the entry script builds for the DPO default (the tiny model's initial
+    weights as the SFT model), for tests that drive training in this process."""
+    from sft_play import data, model, training
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+        "model.name_or_path=configs/tiny_model", "train.max_steps=4", "train.logging_steps=1", "train.eval_steps=0",
+        f"train.output_dir={tmp_path}", "train.tensorboard=false", "train.global_batch_size=8",
+        "train.mixed_precision=no", "data.num_proc=1", "train.learning_rate=3e-3", *overrides], check_paths=False)
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
+    base = model.load_model(config, run, device="cpu")
+    return training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, None, callbacks,
+                                    reference=model.load_reference(config, run, device="cpu"))
+
+
+@pytest.mark.parametrize("overrides", [("finetune.method=lora",), ("preference.reference=precomputed",)],
+                         ids=["lora", "precomputed"])
+def test_an_out_of_memory_backoff_keeps_the_pairs_and_the_reference(tmp_path, overrides):
+    """Halving the micro-batch of pairs keeps the global batch of pairs; the trainer rebuilt from
+    the checkpoint keeps the run's reference: for LoRA the base with the adapter off (not the copy
+    of the trained adapter TRL makes of an adapter it is given), for precomputed log-probs those
+    scored before training (not the trained model's). Its losses are an uninterrupted run's."""
+    from transformers import TrainerCallback
+
+    from sft_play import training
+    from sft_play.run import BatchSplit
+
+    class InjectOutOfMemory(TrainerCallback):
+        raised = 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2 and args.per_device_train_batch_size > 4:
+                InjectOutOfMemory.raised += 1
+                raise __import__("torch").OutOfMemoryError("CUDA out of memory. (injected)")
+
+    trainer, trained = training.train_with_backoff(_dpo_factory(tmp_path / "backoff", [InjectOutOfMemory()], *overrides),
+                                                   BatchSplit(8, 1, 1, 8))
+    assert InjectOutOfMemory.raised == 1 and trained == BatchSplit(4, 2, 1, 8)
+    assert "ref" not in getattr(trainer.model, "peft_config", {})
+    reference, _ = training.train_with_backoff(_dpo_factory(tmp_path / "reference", [], *overrides),
+                                               BatchSplit(8, 1, 1, 8))
+    ours = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    theirs = [e["loss"] for e in reference.state.log_history if "loss" in e]
+    assert ours[-2:] == pytest.approx(theirs[-2:], rel=1e-3)
+    margins = [e["rewards/margins"] for e in trainer.state.log_history if "rewards/margins" in e]
+    assert margins[-1] == pytest.approx([e["rewards/margins"] for e in reference.state.log_history
+                                         if "rewards/margins" in e][-1], rel=1e-3)
+
+
+def test_a_stopped_dpo_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    common = ["--config", "configs/run_tiny_dpo.yaml", "model.name_or_path=configs/tiny_model", "train.max_steps=4",
+              "train.logging_steps=1", "train.eval_steps=0", f"train.output_dir={tmp_path}",
+              "train.mixed_precision=no", "data.num_proc=1", "train.global_batch_size=8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(*args, faults=""):
+        return subprocess.Popen([sys.executable, "scripts/train_distributed.py", *common, *args], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env={**env, "SFT_PLAY_FAULTS": faults} if faults else env)
+
+    reference = start("train.run_name=reference")
+    stopped = start("train.run_name=stopped", faults="hold_step=2")
+    seen = []
+
+    def read():
+        for line in stopped.stdout:
+            seen.append(line)
+            if "fault injection (hold_step)" in line:
+                stopped.send_signal(signal.SIGTERM)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    stopped.wait(timeout=300)
+    reader.join()
+    assert stopped.returncode == 75, "".join(seen)[-3000:]
+    resumed = start("train.run_name=stopped", "train.resume_from=auto")
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0 and "from checkpoint-2" in output, output[-3000:]
+    assert reference.wait(timeout=300) == 0, reference.stdout.read()[-3000:]
+    ours = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    theirs = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert ours["segments"] == 2 and ours["global_step"] == theirs["global_step"] == 4
+    assert ours["weights_fingerprints"] == theirs["weights_fingerprints"]
