@@ -12,7 +12,9 @@ what was created during them and was still alive. The planner predicts the same 
 without the CUDA allocator's cache, which a CPU does not have).
 
 The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
-rows of 256 tokens (the default's). The report puts each term of the plan beside the profile's
+rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
+a frozen reference copy, precomputed reference log-probs and LoRA's adapters switched off, two
+pairs a step (four rows of one shape). The report puts each term of the plan beside the profile's
 category at the peak. What this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
 two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
 points within the step (after forward, each layer's backward, after the optimizer step).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import sys
 import tempfile
@@ -38,6 +41,10 @@ from tiny_default import hardware_line
 
 CELLS = [{"method": method, "checkpointing": checkpointing, "micro": micro, "seq": 256}
          for method in ("full", "lora") for checkpointing in (False, True) for micro in (1, 2)]
+# Preference tuning (DPO, configs/run_tiny_dpo.yaml): pairs of one shape, "micro" in pairs (twice the rows)
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference}
+          for method, reference in (("full", "copy"), ("full", "precomputed"), ("lora", "adapters_off"))
+          for checkpointing in (False, True)]
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
 TERMS = {
@@ -82,6 +89,46 @@ def tiny_trainer(folder: Path, cell: dict):
     return config, run, make, batches
 
 
+def dpo_trainer(folder: Path, cell: dict):
+    """:func:`tiny_trainer` for preference tuning: the DPO default (configs/run_tiny_dpo.yaml) from
+    the tiny model's initial weights, its pairs through TRL's collator (each batch recorded)."""
+    from sft_play import config as config_module
+    from sft_play import data, model, training
+    from sft_play.run import resolve
+
+    # pairs of one shape (Reverse puzzles of five letters): the step the profile peaks in (the second,
+    # with the optimizer's states) is then the longest one, which the plan is of
+    pairs = folder / "pairs.jsonl"
+    with open(REPO / "data" / "tiny_pref" / "train.jsonl") as source, open(pairs, "w") as out:
+        out.writelines(itertools.islice((line for line in source if '"Reverse the letters: ' in line
+                                         and len(json.loads(line)["chosen"][0]["content"]) == 9), 16))
+    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+        f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
+        f"preference.reference={cell['reference']}", "train.max_steps=2", "train.logging_steps=1",
+        "train.eval_steps=0", "train.tensorboard=false", "train.mixed_precision=no", "data.num_proc=1",
+        f"train.global_batch_size={cell['micro']}", f"train.output_dir={folder}",
+        f"model.name_or_path={REPO / 'configs' / 'tiny_model'}", "model.build_with=null",
+        f"data.path={pairs}", "data.validation_path=null", "data.cache=false"])
+    tokenizer = model.load_tokenizer(config)
+    bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
+    base = model.load_model(config, run, device="cpu")
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)
+    batches: list[tuple[int, int, int]] = []
+
+    def recorded(features):
+        batch = collator(features)
+        mask = batch["completion_mask"]
+        batches.append((mask.shape[0], mask.shape[1], int(mask[:, 1:].sum())))
+        return batch
+
+    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [],
+                                    reference=model.load_reference(config, run, device="cpu"))
+    return config, run, make, batches
+
+
 def measure(cell: dict, folder: Path) -> dict:
     """Train the cell's two steps under the profiler; the live bytes at their peak by category,
     and the planner's prediction of the same run by term."""
@@ -94,7 +141,7 @@ def measure(cell: dict, folder: Path) -> dict:
     from sft_play.planner.simulate.predict import predict
     from sft_play.run import BatchSplit
 
-    config, run, make, batches = tiny_trainer(folder, cell)
+    config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
     split = BatchSplit(cell["micro"], 1, 1, cell["micro"])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         trainer, _ = training.train_with_backoff(make, split)
@@ -119,7 +166,11 @@ def measure(cell: dict, folder: Path) -> dict:
         category = memory._categories.get(key, version)
         measured[category.name if category is not None else "UNKNOWN"] += size
     # The base weights were made before the steps (the adapters and the copies LoRA trains, inside)
-    parameters = {p.untyped_storage()._cdata: p for p in [*trainer.model.parameters(), *trainer.model.buffers()]}
+    # (and a preference run's frozen reference copy, loaded before them too)
+    reference = getattr(trainer, "ref_model", None)
+    kept = [*trainer.model.parameters(), *trainer.model.buffers(),
+            *([*reference.parameters(), *reference.buffers()] if reference is not None else [])]
+    parameters = {p.untyped_storage()._cdata: p for p in kept}
     made_before = sum(p.untyped_storage().nbytes() for p in parameters.values()) - measured["PARAMETER"]
     measured["PARAMETER"] += made_before
     # The plan of each step's batch as it came (rows of its length, its labelled positions): the
@@ -129,7 +180,9 @@ def measure(cell: dict, folder: Path) -> dict:
     for rows, tokens, labelled in batches[:2]:
         sequence = dataclasses.replace(run.sequence, tokens=tokens,
                                        loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
-        predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence), rows))
+        # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
+        predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence),
+                                   rows // run.rows_per_example))
     prediction = max(predictions, key=lambda p: p.peak_bytes)
     return {**cell, "ok": True, "measured_bytes": peak + made_before, "measured": dict(measured),
             "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,

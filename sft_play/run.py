@@ -489,9 +489,12 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        lora=(LoraSpec.from_config(config.lora, facts.expert_parameters, facts.lora_exclude, adapter_parts(
-                  facts.vision_towers, facts.projectors, config.finetune.train_vision_tower,
-                  config.finetune.train_projector)) if method != "full" else None),
+        # (TRL's DPOTrainer switches dropout off, LoRA's too: the adapter is made without it)
+        lora=(LoraSpec.from_config(config.lora if config.finetune.objective == "sft"
+                                   else config.lora.model_copy(update={"dropout": 0.0}),
+                                   facts.expert_parameters, facts.lora_exclude, adapter_parts(
+                                       facts.vision_towers, facts.projectors, config.finetune.train_vision_tower,
+                                       config.finetune.train_projector)) if method != "full" else None),
         double_quant=config.quantization.double_quant,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8

@@ -22,3 +22,15 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
     assert measured["GRADIENT"] == planned["gradients"]
     # the whole peak within issue 61's 1 %
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
+
+
+def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):
+    """Preference tuning (issue 58): a pair is two rows through the policy, and the frozen
+    reference copy is a second set of weights; at the peak PyTorch counts both copies' parameters
+    (the plan's weights and reference terms) and the rest within issue 61's 1 %."""
+    result = ground_truth.measure({"method": "full", "checkpointing": False, "micro": 2, "seq": 64,
+                                   "reference": "copy"}, tmp_path)
+    measured, planned = result["measured"], result["predicted"]
+    assert [rows for rows, _, _ in result["batches"]] == [4, 4]  # two pairs a step: four rows
+    assert 0 <= measured["PARAMETER"] - planned["weights"] - planned["reference"] <= 2 * 256
+    assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
