@@ -18,6 +18,23 @@ def describe(name: str, stats, policy: str = "keep") -> list[str]:
     from sft_play.data import dropped_rows
     from sft_play.data.stats import special_text_note
 
+    if stats.pairs:  # preference pairs
+        lines = [
+            f"{name}: {stats.pairs} preference pairs, {stats.tokens_total} tokens in their chosen and rejected rows",
+            f"  prompt tokens: p95 {stats.prompt_tokens_p95}, max {stats.prompt_tokens_max}; the longer answer: p95 "
+            f"{stats.answer_tokens_p95}, max {stats.answer_tokens_max}",
+            f"  a pair (its prompt and longer answer, the padded length of its two rows): p50 {stats.tokens_p50}, p95 "
+            f"{stats.tokens_p95}, max {stats.tokens_max} (data.max_seq_length {stats.max_seq_length})",
+            f"  answers cut at data.max_seq_length: {stats.truncated} pair(s); dropped as too long: "
+            f"{stats.dropped_overlong}{dropped_rows(stats)}; prompts cut to preference.max_prompt_length: "
+            f"{stats.prompts_cut}",
+            f"  tokens scored (the answers): {100 * stats.loss_token_share:.1f}%",
+        ]
+        if stats.skipped:
+            from sft_play.data import skip_summary
+
+            lines.append(f"  {skip_summary(stats)}")
+        return lines + [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
     lines = [
         f"{name}: {stats.examples} examples, {stats.tokens_total} tokens",
         f"  tokens per example: p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "
@@ -58,10 +75,10 @@ def main() -> int:
     with cli.importing():
         from sft_play import checks, data, model
 
-    config = config_module.load(args.config, args.overrides)
+    config, _ = config_module.as_built(config_module.load(args.config, args.overrides))
     checks.ensure_positions(config)
     tokenizer = model.load_tokenizer(config)
-    bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=model.load_processor(config, tokenizer))
+    bundle = data.build_for_run(config, tokenizer, model.load_processor(config, tokenizer))
     if args.json:
         print(json.dumps({"train": bundle.stats.to_dict(),
                           "validation": bundle.validation_stats.to_dict() if bundle.validation_stats else None},

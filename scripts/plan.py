@@ -11,6 +11,7 @@ Usage: python scripts/plan.py --config PATH [key=value ...] [--gpus N] [--vram-g
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from sft_play import cli, lean_imports
 
@@ -20,7 +21,7 @@ def read_data_stats(config):
     from sft_play import data
 
     source = config.model.tokenizer_name_or_path or config.model.name_or_path
-    remembered = data.remembered_stats(config.data, source, seed=config.train.seed)
+    remembered = data.remembered_stats_for_run(config, source)
     if remembered is not None:  # measured before (make train, make plan): no tokenizer to load
         return remembered, None
     with cli.importing():
@@ -41,7 +42,7 @@ def read_data_stats(config):
     except UserError as exc:
         return None, f"data not read: {exc}"
     try:
-        return data.build(config.data, tokenizer, seed=config.train.seed, processor=processor).stats, None
+        return data.build_for_run(config, tokenizer, processor).stats, None
     except (InvalidRow, OSError, ValueError) as exc:
         return None, f"data not read: {exc}"
 
@@ -76,6 +77,9 @@ def main() -> int:
     # Described hardware (--vram-gib) is not this machine: a setting that needs a package this
     # machine lacks (flash-attn, liger-kernel) still plans; training there checks for it
     config = config_module.load(args.config, args.overrides, check_packages=args.vram_gib is None)
+    config, stand_in = config_module.as_built(config)
+    if stand_in:
+        print(f"note: {stand_in}", file=sys.stderr)
     facts = hardware.detect()
     # Nothing described and no GPU here: the CPU run make train takes on this machine
     on_this_cpu = not facts.gpus and args.gpus is None and args.vram_gib is None

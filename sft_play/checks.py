@@ -167,7 +167,8 @@ def check_data(config: RunConfig) -> list[Check]:
         stats = DataStats()
         records = images = 0
         try:
-            for record in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT):
+            for record in iter_records(paths, config.data, stats, None if key == "data.path" else HELD_OUT,
+                                       pairs=config.finetune.objective != "sft"):
                 records += 1
                 images += bool(record.get("images"))
                 if markers and markers_in(record, markers):
@@ -179,7 +180,8 @@ def check_data(config: RunConfig) -> list[Check]:
             continue
         pictured += images
         formats = ", ".join(sorted(set(stats.formats.values())))
-        detail = f"{records} records ({formats})" + (f", {images} with images" if images else "")
+        what = "preference pairs" if config.finetune.objective != "sft" else "records"
+        detail = f"{records} {what} ({formats})" + (f", {images} with images" if images else "")
         if stats.skipped:
             from sft_play.data import skip_summary
 
@@ -267,7 +269,8 @@ def check_config(path: str, overrides: list[str]) -> tuple[RunConfig | None, Che
         config = config_module.load(path, overrides)
     except ConfigError as exc:
         return None, Check("config", False, str(exc))
-    return config, Check("config", True, f"{path} is valid")
+    config, stand_in = config_module.as_built(config)
+    return config, Check("config", True, f"{path} is valid" + (f"; {stand_in}" if stand_in else ""))
 
 
 def needed_disk_bytes(config: RunConfig, shape, run) -> int:

@@ -358,6 +358,9 @@ def sequence_length(config: RunConfig, data_stats: Any | None) -> SequenceLength
     longest = min(limit, data_stats.tokens_max)
     source = (f"longest example in the data ({data_stats.tokens_max} tokens, packing off; p50 {data_stats.tokens_p50}, "
               f"p95 {data_stats.tokens_p95})")
+    if getattr(data_stats, "pairs", 0):
+        source = (f"longest pair in the data (its prompt and longer answer, {data_stats.tokens_max} tokens; p50 "
+                  f"{data_stats.tokens_p50}, p95 {data_stats.tokens_p95}): each pair is two rows of it, padded")
     budget = _smaller_pixel_budget(config, data_stats)
     if budget:
         per_image, _ = architecture.image_tokens(_model_config(config), budget)

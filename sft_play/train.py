@@ -80,10 +80,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     tokenizer = model.load_tokenizer(config)
     processor = model.load_processor(config, tokenizer)  # (a vision-language model's; None for text)
     with state.main_process_first():
-        if config.finetune.objective != "sft":
-            bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
-        else:
-            bundle = data.build(config.data, tokenizer, seed=config.train.seed, processor=processor)
+        bundle = data.build_for_run(config, tokenizer, processor)  # (preference pairs, or SFT examples)
 
     # Every decision about the run, once: the planner, the loader, the collator, the trainer
     # arguments and the disk check all read `run`

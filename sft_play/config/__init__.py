@@ -13,7 +13,7 @@ bad values name the allowed values, missing files name the path.
 Nothing here imports torch or transformers, so every script can use it, ``make check`` too.
 """
 
-from sft_play.config.loading import load
+from sft_play.config.loading import as_built, load
 from sft_play.config.overrides import parse_override
 from sft_play.config.reference import reference_markdown
 from sft_play.config.schema import (SECTIONS, ConfigError, DataConfig, DistributedConfig, FinetuneConfig, LoraConfig,
@@ -22,7 +22,7 @@ from sft_play.config.schema import (SECTIONS, ConfigError, DataConfig, Distribut
                                     sequence_parallel_problem, tiling_problem, valid_keys)
 
 __all__ = [
-    "SECTIONS", "ConfigError", "DataConfig", "DistributedConfig", "FinetuneConfig", "LoraConfig", "ModelConfig",
+    "SECTIONS", "ConfigError", "as_built", "DataConfig", "DistributedConfig", "FinetuneConfig", "LoraConfig", "ModelConfig",
     "PlannerConfig", "PreferenceConfig", "QuantizationConfig", "RunConfig", "TrainConfig", "load", "parse_override",
     "reference_markdown",    "context_parallel_problem", "preference_losses", "sequence_parallel_problem", "tiling_problem", "valid_keys",
 ]

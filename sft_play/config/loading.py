@@ -159,3 +159,22 @@ def _values(document: Any) -> int:
         return sizes[id(node)]
 
     return size(document)
+
+
+def as_built(config: RunConfig) -> tuple[RunConfig, str | None]:
+    """`config` to plan and check before its model exists: where ``model.name_or_path`` is a run's
+    model folder not trained yet and ``model.build_with`` trains it, the model that run starts from
+    stands in (the same shapes and tokenizer: a fine-tune changes neither), with a line that says so;
+    else `config` itself and None."""
+    from pathlib import Path
+
+    if not config.model.build_with or Path(config.model.name_or_path).is_dir():
+        return config, None
+    built = load(config.model.build_with, check_paths=False, check_packages=False).model
+    stand_in = config.model.model_copy(update={"name_or_path": built.name_or_path, "build_with": None,
+                                               "tokenizer_name_or_path": built.tokenizer_name_or_path,
+                                               "init_seed": built.init_seed})
+    return (config.model_copy(update={"model": stand_in}),
+            f"{config.model.name_or_path} does not exist yet (make train builds it first with "
+            f"{config.model.build_with}): planned and checked with the model that run starts from, "
+            f"{built.name_or_path}")

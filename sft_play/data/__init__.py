@@ -12,10 +12,10 @@
 
 from sft_play.data.pipeline import (build, iter_records, load_records, mix, remembered_stats, skip_summary,
                                     tokenize_file, tokenize_records, validation_records)
-from sft_play.data.preference import build_pairs
+from sft_play.data.preference import build_for_run, build_pairs, remembered_stats_for_run
 from sft_play.data.sources import HELD_OUT
 from sft_play.data.stats import DataBundle, DataStats, NoUsableData, dropped_reason, dropped_rows
 
-__all__ = ["HELD_OUT", "DataBundle", "DataStats", "NoUsableData", "build", "build_pairs", "dropped_reason", "dropped_rows",
+__all__ = ["HELD_OUT", "DataBundle", "DataStats", "NoUsableData", "build", "build_for_run", "build_pairs", "remembered_stats_for_run", "dropped_reason", "dropped_rows",
            "iter_records", "load_records", "mix", "remembered_stats", "skip_summary", "tokenize_file", "tokenize_records",
            "validation_records"]

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from sft_play.config import DataConfig, PreferenceConfig
+from sft_play.config import DataConfig, PreferenceConfig, RunConfig
 from sft_play.data import cache
 from sft_play.data.pipeline import ORIGIN, iter_records, mix, skip_summary
 from sft_play.data.sources import HELD_OUT
@@ -220,3 +220,28 @@ def held_out_pairs(cfg: DataConfig, seed: int, limit: int | None = None) -> list
         return []
     held = _read(cfg, DataStats(), seed)[1] or []
     return held[:limit] if limit is not None else held
+
+
+def build_for_run(config: RunConfig, tokenizer: Any, processor: Any = None) -> DataBundle:
+    """The run's data as its objective reads it: preference pairs (:func:`build_pairs`), or SFT
+    examples (:func:`sft_play.data.pipeline.build`, with a vision-language model's `processor`)."""
+    from sft_play.data.pipeline import build
+
+    if config.finetune.objective != "sft":
+        return build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    return build(config.data, tokenizer, seed=config.train.seed, processor=processor)
+
+
+def remembered_stats_for_run(config: RunConfig, tokenizer_source: str | None) -> DataStats | None:
+    """The run's training data statistics as an earlier preparation of the same data, settings and
+    local tokenizer measured them (read without loading the tokenizer); None when none did."""
+    from sft_play.data.pipeline import _stat_fields
+
+    cfg = config.data
+    if config.finetune.objective == "sft":
+        from sft_play.data.pipeline import remembered_stats
+
+        return remembered_stats(cfg, tokenizer_source, config.train.seed)
+    key = cache.stats_key(cfg, tokenizer_source, config.train.seed, preference=identity(config.preference))
+    saved = cache.remembered_stats(key) if cfg.cache else None
+    return DataStats(**_stat_fields(saved["stats"])) if saved else None
