@@ -190,13 +190,17 @@ def measure(cell: dict, folder: Path) -> dict:
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| step | method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        step = f"DPO, reference {r['reference']}" if r.get("reference") else "SFT"
         if not r.get("ok"):
-            lines.append(f"| {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} | | | |")
+            lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
+                         "| | | |")
             continue
         measured, predicted = collections.Counter(r["measured"]), collections.Counter(r["predicted"])
+        # (PyTorch counts a reference copy's weights as parameters, beside the policy's)
+        predicted["weights"] += predicted.pop("reference", 0) if r.get("reference") == "copy" else 0
         differences = []
         for term, categories in TERMS.items():
             difference = predicted[term] - sum(measured[c] for c in categories)
@@ -208,7 +212,7 @@ def table(results: list[dict]) -> list[str]:
         if unnamed or other:
             differences.append(f"other {other - unnamed:+,}")
         error = 100 * (r["predicted_bytes"] / r["measured_bytes"] - 1)
-        lines.append(f"| {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
+        lines.append(f"| {step} | {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
                      f"{r['measured_bytes']:,} | {r['predicted_bytes']:,} | {error:+.2f} % | {'; '.join(differences)} |")
     return lines
 
@@ -232,7 +236,8 @@ def main() -> int:
         "256 tokens; *measured* is the live bytes at the steps' peak by PyTorch's memory profile, *planned* the",
         "planner's prediction of the same run on the CPU. By term: the plan's term less the profile's category at",
         "the peak (weights: PARAMETER; optimizer_states: OPTIMIZER_STATE; inputs: INPUT; activations: ACTIVATION;",
-        "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either).",
+        "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either). DPO cells: TRL's DPOTrainer on",
+        "pairs of one shape, micro in pairs (twice the rows, 24 tokens), rows of the copy's weights counted as weights.",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",

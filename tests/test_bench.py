@@ -29,7 +29,7 @@ def forked(monkeypatch):
         script, *rest = map(str, args)
         return run_script(script, *rest, timeout=int(timeout or 600), env=env or {})
 
-    for name in ("_common", "tiny_default", "tiny_recipes", "tiny_vlm", "planner_accuracy"):
+    for name in ("_common", "tiny_default", "tiny_recipes", "tiny_vlm", "planner_accuracy", "preference"):
         monkeypatch.setattr(importlib.import_module(name), "run_python", run_python)
 
 
@@ -547,3 +547,19 @@ def test_the_planner_speed_report_compares_answers_and_says_what_failed():
     assert f"| {longest.name} | this | 3.0 | - | failed | failed |  |" in lines
     assert "|  | earlier | 3.0 | - | 3.0 | 1.5 | yes |" in lines
     assert "the earlier one: commit abc1234" in text
+
+
+def test_the_preference_bench_trains_both_sides_to_the_same_losses(forked, tmp_path):
+    """bench/preference.py's product check: SFT-Play's DPO run and TRL's DPOTrainer, built as its own
+    script builds it, from the same weights and pairs, log the same losses step for step (our
+    tokens, collator and reference are TRL's); the report says pairs/s and peak memory of each."""
+    import preference
+
+    weights = preference.starting_weights(tmp_path / "start", None)
+    rows = {"SFT-Play": preference.side("ours", weights, tmp_path, 3),
+            "TRL": preference.side("trl", weights, tmp_path, 3)}
+    assert len(rows["SFT-Play"]["losses"]) == len(rows["TRL"]["losses"]) == 3
+    assert rows["SFT-Play"]["losses"] == pytest.approx(rows["TRL"]["losses"], abs=1e-4)
+    assert rows["SFT-Play"]["losses"][0] == pytest.approx(0.6931, abs=1e-4)
+    text = preference.report(rows, 3, "the tiny model initialised", None)
+    assert "| SFT-Play |" in text and "| TRL |" in text and "Ratio of pairs/s" in text
