@@ -10,6 +10,7 @@ process and every later command (merge, generate) sees identical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -376,9 +377,10 @@ def load_reference(config: RunConfig, run: Run, device: str | None = None) -> An
     takes its reference otherwise."""
     if run.preference is None or run.preference.reference != "copy":
         return None
-    reference = load_model(config, run, device)
-    if run.precision.mixed != "no":
-        reference.to(TORCH_DTYPES[run.precision.compute_dtype])
+    precision = run.precision
+    if precision.mixed != "no":  # loaded in it, not cast after: the fp32 masters' size never held twice
+        precision = dataclasses.replace(precision, weights_dtype=precision.compute_dtype)
+    reference = load_model(config, run.with_changes(precision=precision), device)
     reference.requires_grad_(False)
     return reference.eval()
 

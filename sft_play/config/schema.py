@@ -521,6 +521,17 @@ def preference_problems(config: RunConfig) -> list[str]:
     if pref.reference == "copy" and method != "full":
         problems.append(f"preference.reference=copy under {method}: the base with its adapters switched off is the "
                         "same model at no memory; use adapters_off (or auto)")
+    if "sft" in losses and pref.sft_weight:
+        problems.append("preference.sft_weight adds the sft loss, which preference.loss_type names already: give it "
+                        "once (its weight in preference.loss_weights, or preference.sft_weight)")
+    if pref.reference == "precomputed" and method == "full" and Strategy(config.distributed.strategy).fsdp:
+        problems.append("preference.reference=precomputed under FSDP2 with full fine-tuning: TRL then loads a "
+                        "reference of its own from the model's name, without model.revision or initialised weights; "
+                        "use preference.reference=copy, or deepspeed_zero3")
+    if data.special_tokens_in_text != "keep":
+        problems.append(f"data.special_tokens_in_text={data.special_tokens_in_text}: pairs are tokenised as TRL's "
+                        "DPOTrainer tokenises them, which reads special tokens written in the text as the tokens; "
+                        "leave it at keep")
     if pref.reference == "precomputed" and data.streaming:
         problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
                         "data.streaming=false, or use another preference.reference")

@@ -96,9 +96,6 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     """
     cols = column_map(columns)
     keys = set().union(*(r.keys() for r in rows)) if rows else set()
-    if cols["chosen"] in keys and cols["rejected"] in keys:
-        raise UnknownFormat(f"the columns {cols['chosen']!r} and {cols['rejected']!r} are preference pairs, not "
-                            "supervised examples: set finetune.objective=dpo to train on them (docs/PREFERENCE.md)")
     for field in ("messages", "conversations"):  # each holds turns of either kind: the first turn tells
         if cols[field] in keys:
             first = next((r[cols[field]] for r in rows if r.get(cols[field])), None)
@@ -112,6 +109,9 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
         return "prompt_completion"
     if cols["text"] in keys:
         return "text"
+    if cols["chosen"] in keys and cols["rejected"] in keys:
+        raise UnknownFormat(f"the columns {cols['chosen']!r} and {cols['rejected']!r} are preference pairs, not "
+                            "supervised examples: set finetune.objective=dpo to train on them (docs/PREFERENCE.md)")
     absent = mapped_but_absent(rows, columns)
     raise UnknownFormat(
         f"cannot tell the data format from the columns {sorted(keys)}"
@@ -381,7 +381,9 @@ def detect_pair_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> s
     cols = column_map(columns)
     keys = set().union(*(r.keys() for r in rows)) if rows else set()
     if cols["chosen"] in keys and cols["rejected"] in keys:
-        if cols["conversations"] in keys or cols["messages"] in keys or cols["instruction"] in keys:
+        # (a prompt column wins: UltraFeedback's pairs also carry the chosen conversation as messages)
+        if cols["prompt"] not in keys and (cols["conversations"] in keys or cols["messages"] in keys
+                                           or cols["instruction"] in keys):
             return "pairwise"
         return "preference"
     absent = mapped_but_absent(rows, columns)
@@ -430,6 +432,8 @@ def normalise_pair(row: dict[str, Any], fmt: str, columns: dict[str, str], sourc
     if fmt == "preference":
         prompt = row.get(cols["prompt"])
         conversational = isinstance(prompt, list) or isinstance(chosen, list) or isinstance(rejected, list)
+        if isinstance(prompt, str) and isinstance(chosen, list) and isinstance(rejected, list):
+            prompt = None  # whole conversations beside the prompt's text (UltraFeedback's): they carry it
         if prompt is None:  # implicit: the turns (or characters) both sides share
             from trl.data_utils import extract_prompt
 
@@ -469,6 +473,9 @@ def normalise_pair(row: dict[str, Any], fmt: str, columns: dict[str, str], sourc
             system = row.get(cols["system"])
             if isinstance(system, str) and system and prompt[0]["role"] != "system":
                 prompt.insert(0, {"role": "system", "content": system})
+            if prompt[-1]["role"] == "assistant":
+                raise InvalidRow(source, index, field, "the conversation before the answers ends with an assistant "
+                                 "turn: it is the prompt, and the answers are chosen/rejected")
         pair = {"prompt": prompt, "chosen": _answer(chosen, source, index, cols["chosen"], True),
                 "rejected": _answer(rejected, source, index, cols["rejected"], True)}
     else:

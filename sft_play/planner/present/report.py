@@ -15,6 +15,7 @@ from sft_play.units import GIB
 # Breakdown terms in the order they are drawn and listed; labels for people.
 TERM_LABELS = {
     "weights": "weights (+ adapters)",
+    "reference": "reference copy (preference)",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "master_weights": "fp32 master weights",
@@ -26,6 +27,7 @@ TERM_LABELS = {
     "activations": "activations (forward)",
     "backward_working": "backward working set",
     "logits_loss": "loss head (chunked)",
+    "reference_forward": "reference forward (preference)",
     "optimizer_step": "optimizer step temporaries",
     "allocator_cache": "allocator cache (freed, kept)",
     "smaller_batch": "a smaller micro-batch or shorter rows peak higher",

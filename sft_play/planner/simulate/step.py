@@ -448,17 +448,17 @@ def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec:
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)
-    batch = gpu.new(8 * b * s, "reference")  # the labels: input_ids with the prompt masked
-    previous = gpu.new(b * s * h * residual, "reference")
-    rotary = [gpu.new(b * s * shape.head_dim * residual, "reference") for _ in range(2)]
-    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "reference")
+    batch = gpu.new(8 * b * s, "reference_forward")  # the labels: input_ids with the prompt masked
+    previous = gpu.new(b * s * h * residual, "reference_forward")
+    rotary = [gpu.new(b * s * shape.head_dim * residual, "reference_forward") for _ in range(2)]
+    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "reference_forward")
              for _ in range(shape.attention_masks)] if spec.masked else []
     modules = [(layer, shape.num_layers + 2 + i) for i, layer in enumerate(layers)]
     if norm is not None:
         modules.append((norm, 2 * shape.num_layers + 2))
     for module, where in modules:  # (handles past the policy's layers: both are alive at once)
         names = {INPUT: previous}
-        _play(gpu, module, module.forward, where, names, b, "reference")
+        _play(gpu, module, module.forward, where, names, b, "reference_forward")
         output = _name(names, module.output, where)
         alive: dict[int, None] = {}
         for is_alloc, event_id, _ in _sized(module, module.forward, b):
