@@ -112,13 +112,16 @@ def detect_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     if cols["chosen"] in keys and cols["rejected"] in keys:
         raise UnknownFormat(f"the columns {cols['chosen']!r} and {cols['rejected']!r} are preference pairs, not "
                             "supervised examples: set finetune.objective=dpo to train on them (docs/PREFERENCE.md)")
+    raise _unread(rows, columns, "cannot tell the data format", "expected 'messages', 'conversations', "
+                  "'instruction'+'output', 'prompt'+'completion' or 'text'. Set data.format, or map your columns with "
+                  "data.columns, e.g. data.columns.prompt=question data.columns.completion=answer")
+
+
+def _unread(rows: list[dict[str, Any]], columns: dict[str, str], what: str, expected: str) -> UnknownFormat:
+    """The error for rows no format reads: the mapped columns that are absent, or what was expected."""
+    keys = set().union(*(r.keys() for r in rows)) if rows else set()
     absent = mapped_but_absent(rows, columns)
-    raise UnknownFormat(
-        f"cannot tell the data format from the columns {sorted(keys)}"
-        + (f": {absent}" if absent else "; expected 'messages', 'conversations', 'instruction'+'output', "
-           "'prompt'+'completion' or 'text'. Set data.format, or map your columns with data.columns, e.g. "
-           "data.columns.prompt=question data.columns.completion=answer")
-    )
+    return UnknownFormat(f"{what} from the columns {sorted(keys)}" + (f": {absent}" if absent else f"; {expected}"))
 
 
 def mapped_but_absent(rows: list[dict[str, Any]], columns: dict[str, str]) -> str | None:
@@ -386,13 +389,10 @@ def detect_pair_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> s
                                            or cols["instruction"] in keys):
             return "pairwise"
         return "preference"
-    absent = mapped_but_absent(rows, columns)
-    raise UnknownFormat(
-        f"cannot read preference pairs from the columns {sorted(keys)}"
-        + (f": {absent}" if absent else "; expected 'chosen' and 'rejected' (with 'prompt', or beside "
-           "'conversations'/'messages'/'instruction'). Map your columns with data.columns, e.g. "
-           "data.columns.prompt=question data.columns.chosen=chosen_response data.columns.rejected=rejected_response")
-    )
+    raise _unread(rows, columns, "cannot read preference pairs", "expected 'chosen' and 'rejected' (with 'prompt', "
+                  "or beside 'conversations'/'messages'/'instruction'). Map your columns with data.columns, e.g. "
+                  "data.columns.prompt=question data.columns.chosen=chosen_response "
+                  "data.columns.rejected=rejected_response")
 
 
 SAME_ANSWERS = "chosen equal to rejected"  # no preference to learn
