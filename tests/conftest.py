@@ -273,6 +273,11 @@ def start_script(args: list[str], env: dict, stdout, stderr):
     return subprocess.Popen(args, cwd=REPO, stdout=stdout, stderr=stderr, text=True, env=env)
 
 
+# In the environment of a script a test starts itself: forked from the zygote, its stand-in the
+# process the test holds (tests/shim/sitecustomize.py says for which tests)
+FORKED = {"SFT_PLAY_TESTS_FORK": "1"}
+
+
 def with_forks(processes: list) -> list:
     """`processes` (``psutil.Process``) and, for each rank's stand-in among them, the rank itself,
     forked from the zygote (tests/shim/sitecustomize.py): the process tree a launch would have."""

@@ -23,7 +23,7 @@ from sft_play import callbacks, checkpoints, checks, run_folder, training
 from sft_play import config as config_module
 from sft_play.errors import UserError
 from sft_play.run import BatchSplit
-from tests.conftest import PINNED
+from tests.conftest import FORKED, PINNED
 from tests.conftest import tiny_trainer_factory as build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def train_process(*overrides: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
                              *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **FORKED, **(env or {})})
 
 
 def run_to_end(*overrides: str) -> str:
@@ -100,6 +100,47 @@ def test_sigint_in_process_stops_at_the_step_boundary_with_a_checkpoint(tmp_path
     assert stop.received == "SIGINT" and stop.stopped_at == 2 and trainer.state.global_step == 2
     assert checkpoints.is_complete(tmp_path / "checkpoints" / "checkpoint-2")
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+
+
+def test_a_stop_signal_during_a_write_to_the_log_is_said_after_it():
+    """A write blocked on a full pipe runs pending signal handlers inside it: the stop's message,
+    logged from there into the same stream, raised "reentrant call inside BufferedWriter" and was
+    lost (a logging traceback instead). Here the stream runs the handler in the middle of a write,
+    as that write would, and refuses a write into itself as the buffered writer does."""
+    import io
+    import logging
+
+    stop = callbacks.GracefulStop()
+
+    class Stream(io.StringIO):
+        writing = False
+
+        def write(self, text):
+            if self.writing:
+                raise RuntimeError("reentrant call inside <_io.BufferedWriter name=2>")
+            self.writing = True
+            try:
+                if "step 2 waits" in text:
+                    stop._handle(signal.SIGTERM, None)
+                return super().write(text)
+            finally:
+                self.writing = False
+
+    stream = Stream()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("sft_play.callbacks")
+    logger.addHandler(handler)
+    try:
+        logger.warning("step 2 waits for a stop signal")
+        for thread in threading.enumerate():
+            if thread.name == "stop-message":
+                thread.join(10)
+    finally:
+        logger.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [
+        "step 2 waits for a stop signal",
+        "received SIGTERM: finishing this step, saving a checkpoint, then stopping (send it again to stop at once)"]
+    assert stop.received == "SIGTERM"
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -493,7 +534,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume(tmp
          "--config", "configs/run_tiny.yaml", "train.max_steps=6", "train.logging_steps=1", "train.save_steps=2",
          "train.save_total_limit=1", f"train.output_dir={tmp_path}", "train.run_name=killed", *PINNED],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "SFT_PLAY_FAULTS": "kill_before_marker=6:1"},
+        env={**os.environ, **FORKED, "SFT_PLAY_FAULTS": "kill_before_marker=6:1"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-4000:]

@@ -15,7 +15,7 @@ from sft_play import config as config_module
 from sft_play.config import schema
 from sft_play.data import DataStats, load_records
 from sft_play.data.formats import InvalidRows, UnknownFormat
-from tests.conftest import REPO, run_script
+from tests.conftest import FORKED, REPO, run_script
 
 U = lambda text: [{"role": "user", "content": text}]  # noqa: E731
 A = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
@@ -405,7 +405,7 @@ def test_a_stopped_dpo_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
     common = ["--config", "configs/run_tiny_dpo.yaml", "model.name_or_path=configs/tiny_model", "train.max_steps=4",
               "train.logging_steps=1", "train.eval_steps=0", f"train.output_dir={tmp_path}",
               "train.mixed_precision=no", "data.num_proc=1", "train.global_batch_size=8"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **FORKED, "OMP_NUM_THREADS": "1"}
 
     def start(*args, faults=""):
         return subprocess.Popen([sys.executable, "scripts/train_distributed.py", *common, *args], cwd=REPO, text=True,

@@ -20,7 +20,7 @@ import pytest
 
 from sft_play import callbacks, checkpoints, run_folder
 from sft_play import config as config_module
-from tests.conftest import PINNED
+from tests.conftest import FORKED, PINNED
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", *PINNED]
@@ -31,7 +31,7 @@ OWN_RANKS = {"SFT_PLAY_TESTS_FRESH": "1"}
 
 def train(tmp_path: Path, *overrides: str, faults: str = "", on_line=None) -> tuple[int, str]:
     """Run the training entry to its end; `on_line(process, line)` sees each line as it comes."""
-    env = {**os.environ, **({"SFT_PLAY_FAULTS": faults} if faults else {})}
+    env = {**os.environ, **FORKED, **({"SFT_PLAY_FAULTS": faults} if faults else {})}
     process = subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
                                 *COMMON, f"train.output_dir={tmp_path}", "train.run_name=r", *overrides],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -345,7 +345,7 @@ def test_a_closed_stdout_never_ends_a_run(tmp_path):
     pipe (a BrokenPipeError ended the run there, without its model)."""
     process = subprocess.Popen([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
                                 *COMMON, f"train.output_dir={tmp_path}", "train.run_name=r"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **FORKED})
     process.stdout.readline()
     process.stdout.close()  # the reader goes away
     assert process.wait(timeout=600) == 0

@@ -238,7 +238,7 @@ def main() -> None:
         if rank.pid is not None or not rank.received.endswith(b"\n"):
             return
         request = json.loads(rank.received)
-        reasons = differing(request["env"], base, rank=True)
+        reasons = differing(request["env"], base, rank=True)  # (a script's own request too: the same reads)
         if reasons or len(rank.fds) != 3:
             print(f"fresh: {' '.join(request['argv'][:1])}: {reasons}", file=sys.stderr, flush=True)
             rank.answer({"fresh": reasons})

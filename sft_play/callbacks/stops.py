@@ -20,6 +20,14 @@ from sft_play.stopping import DUPLICATE_SIGNAL_WINDOW_S, LAUNCHER_GONE
 logger = logging.getLogger("sft_play.callbacks")
 
 
+def _say(message: str, *args) -> None:
+    """Log from a signal handler, on a thread of its own. The handler may run inside a write to the
+    same stream (a write blocked on a full pipe runs pending handlers): logging from there raised
+    "reentrant call inside BufferedWriter", printed a traceback and lost the message. The thread
+    waits for that write to finish instead."""
+    threading.Thread(target=logger.warning, args=(message, *args), name="stop-message").start()
+
+
 class GracefulStop(TrainerCallback):
     """On SIGTERM, SIGINT or SIGHUP, finish the current step, save a checkpoint, and stop.
 
@@ -54,11 +62,11 @@ class GracefulStop(TrainerCallback):
         self.received = "the end of its launcher" if signum == LAUNCHER_GONE else signal.Signals(signum).name
         self._first_at = now
         if self.final_save:
-            logger.warning("received %s during the final save: it finishes first (send it again to stop at once)",
-                           self.received)
+            _say("received %s during the final save: it finishes first (send it again to stop at once)",
+                 self.received)
         else:
-            logger.warning("received %s: finishing this step, saving a checkpoint, then stopping "
-                           "(send it again to stop at once)", self.received)
+            _say("received %s: finishing this step, saving a checkpoint, then stopping "
+                 "(send it again to stop at once)", self.received)
 
     def install(self) -> None:
         """Handle SIGTERM and SIGINT from now on (main thread only; once)."""

@@ -13,15 +13,27 @@ connection closes and the zygote kills the fork. Where the zygote is not there, 
 environment differs from the zygote's in what the libraries read on import, nothing happens here
 and the rank starts as a fresh interpreter; so under ``SFT_PLAY_TESTS_FRESH=1``, which the tests of
 what a rank's own process does when its launcher ends give it.
+
+A script a test starts itself (``python scripts/train_distributed.py ...``, not through
+``conftest.run_script``) is forked the same way where the test puts ``SFT_PLAY_TESTS_FORK=1`` in its
+environment: for the tests that send it signals, read its output as it comes, or wait for it, as
+they would for the script's own process. Not for a test of what the process group, the terminal or
+a SIGKILL does to the script itself: the fork is not in the stand-in's process group, and a SIGKILL
+reaches it when the zygote sees the stand-in gone, a moment later.
 """
 
 import os
 import sys
 
+FORK_ENV = "SFT_PLAY_TESTS_FORK"
+
 
 def _stand_in() -> None:
     path = os.environ.get("SFT_PLAY_TESTS_ZYGOTE")
-    if (not path or os.environ.get("SFT_PLAY_TESTS_FRESH") == "1" or "LOCAL_RANK" not in os.environ
+    # a script a test starts itself asks for its fork too where the test says so (FORK_ENV); its own
+    # children (a launcher and its agent) do not, unless they are ranks
+    script = os.environ.pop(FORK_ENV, None) == "1"
+    if (not path or os.environ.get("SFT_PLAY_TESTS_FRESH") == "1" or not (script or "LOCAL_RANK" in os.environ)
             or not sys.argv or not sys.argv[0].endswith(".py") or not sys.platform.startswith("linux")):
         return
     import json
@@ -30,7 +42,7 @@ def _stand_in() -> None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(path)
-        request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
+        request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "rank": not script,
                    "unbuffered": "-u" in sys.orig_argv[1:sys.orig_argv.index(sys.argv[0])]
                    if sys.argv[0] in sys.orig_argv else False}
         socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
@@ -43,12 +55,12 @@ def _stand_in() -> None:
         connection.close()
         return
     try:  # from here this process is the rank's stand-in, and never runs the script itself
-        _stand_in_for(answer["pid"], path, reader)
+        _stand_in_for(answer["pid"], path, reader, rank=not script)
     finally:
         os._exit(1)
 
 
-def _stand_in_for(fork: int, path: str, reader) -> None:
+def _stand_in_for(fork: int, path: str, reader, rank: bool) -> None:
     import json
     import signal
 
@@ -67,12 +79,13 @@ def _stand_in_for(fork: int, path: str, reader) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                    signal.SIGALRM, signal.SIGCONT, signal.SIGWINCH):
         signal.signal(signum, forward)
-    import ctypes
+    if rank:
+        import ctypes
 
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG: LAUNCHER_GONE
-    if os.getppid() != parent:
-        forward(signal.SIGUSR1, None)
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG: LAUNCHER_GONE
+        if os.getppid() != parent:
+            forward(signal.SIGUSR1, None)
     ended = json.loads(reader.readline() or b'{"returncode": -9}')["returncode"]  # (-9: the zygote is gone)
     if ended < 0:
         if -ended not in (signal.SIGKILL, signal.SIGSTOP):
