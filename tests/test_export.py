@@ -14,7 +14,7 @@ import torch
 
 from sft_play import export
 from sft_play.errors import UserError
-from tests.conftest import printed_answers, run_scripts_together
+from tests.conftest import FORKED, printed_answers, run_scripts_together
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -205,7 +205,7 @@ def test_generate_works_for_merged_and_full_models(runs, commands, which):
 def test_chat_answers_each_line_and_keeps_the_history(runs):
     process = subprocess.run([sys.executable, "scripts/chat.py", "--run", str(runs["lora"]), "--max-new-tokens", "8"],
                              cwd=REPO, input="Reverse the letters: a b c\n/reset\nWhich letter comes after d?\n/exit\n",
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env={**os.environ, **FORKED})
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.count("model> ") == 2
     model, tokenizer, _ = export.load_trained(runs["lora"], device="cpu")

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from sft_play.launch import port_is_free
-from tests.conftest import PINNED
+from tests.conftest import FORKED, PINNED
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+                          timeout=timeout, env={**os.environ, **FORKED})
 
 
 def phony_targets() -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from sft_play.data.formats import InvalidRow
 from sft_play.data.tokenize import IGNORE_INDEX
 from sft_play.errors import UserError
 from tests import vlm_models
-from tests.conftest import FIXTURES, REPO, printed_answers, run_scripts_together
+from tests.conftest import FIXTURES, FORKED, REPO, printed_answers, run_scripts_together
 
 FAMILIES = tuple(vlm_models.BUILDERS)
 
@@ -471,7 +472,7 @@ def test_chat_shows_a_picture_with_the_next_line(vision_runs, colours):
     picture = sorted((colours / "images").iterdir())[0]
     lines = f"/image {picture}\nWhat colour is this picture?\n/image missing.png\nAnd now?\n"
     done = subprocess.run([sys.executable, "scripts/chat.py", "--run", str(vision_runs["gemma3-full"])], cwd=REPO,
-                          input=lines, capture_output=True, text=True, timeout=300)
+                          input=lines, capture_output=True, text=True, timeout=300, env={**os.environ, **FORKED})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("(the picture goes with your next line)") == 1
     assert "(/image missing.png: no such image file" in done.stdout
