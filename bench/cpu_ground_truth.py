@@ -8,8 +8,8 @@ PyTorch's memory profile (``torch.profiler._memory_profiler.MemoryProfile``, wha
 (parameter, optimizer state, input, activation, gradient, temporary, autograd detail); the live
 bytes at the step's peak are the base weights made before the steps plus the largest sum of
 what was created during them and was still alive. The planner predicts the same run on the CPU
-(``sft_play.planner.simulate.predict``: the same trace and replay as on a GPU, its live bytes
-without the CUDA allocator's cache, which a CPU does not have).
+(``sft_play.planner.simulate.predict``: the same trace and replay as on a GPU, counted as host
+memory: each tensor's bytes as asked, without the CUDA allocator's rounding, blocks and cache).
 
 The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
 rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with

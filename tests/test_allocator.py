@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sft_play.planner.simulate.allocator import MIB, CachingAllocator, OutOfMemory, round_size, segment_size
+from sft_play.planner.simulate.allocator import MIB, CachingAllocator, HostMemory, OutOfMemory, round_size, segment_size
 
 
 def test_sizes_round_to_512_bytes_and_segments_by_pool():
@@ -174,3 +174,22 @@ def test_a_public_models_step_replays_compiled_as_through_the_reference(model, o
     assert replays["compiled"] == replays["reference"]
     assert [list(r.at_peak) for r in replays["compiled"]] == [list(r.at_peak) for r in replays["reference"]]
     assert replays["reference"][2].out_of_memory
+
+
+def test_host_memory_counts_the_bytes_asked_and_its_peak_by_category():
+    """A CPU step's tensors (bench/cpu_ground_truth.py checks it against PyTorch's own count): the
+    sizes the CUDA allocator would round or keep whole are counted as they are."""
+    cuda, host = CachingAllocator(), HostMemory()
+    for memory in (cuda, host):
+        memory.malloc("labels", 510, "inputs")  # two rows of 255 positions
+        memory.malloc("tile", 15 * MIB + 256 * 1024, "logits_loss")  # leaves an unsplit remainder of 768 KiB
+        memory.free("tile")
+        memory.malloc("state", 4, "optimizer_states")
+    assert cuda.peak_allocated == 512 + 16 * MIB
+    assert host.peak_allocated == host.peak_reserved == 510 + 15 * MIB + 256 * 1024
+    assert host.at_peak_allocated == host.at_peak == {"inputs": 510, "logits_loss": 15 * MIB + 256 * 1024}
+    assert host.allocated == 514 and host.releases == 0
+    limited = HostMemory(capacity=1000)
+    limited.malloc("a", 600)
+    with pytest.raises(OutOfMemory):
+        limited.malloc("b", 600)

@@ -240,10 +240,15 @@ def _lora_rank(shape: ModelShape) -> int:
     return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
 
 
-def trainable_tensors(shape: ModelShape, run: Run) -> list[int]:
-    """The numel of every trainable tensor: each weight for full fine-tuning, else the adapters."""
+def trainable_tensors(shape: ModelShape, run: Run, in_order: bool = False) -> list[int]:
+    """The numel of every trainable tensor: each weight for full fine-tuning, else the adapters.
+    `in_order`: as ``model.parameters()`` lists them, the embedding (the first tensor outside the
+    layers) before the layers and the rest after."""
     if run.method == "full":
-        return [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)] + list(shape.other_tensors)
+        layers = [n for i in range(shape.num_layers) for n, _ in shape.tensors_of_layer(i)]
+        if in_order and shape.other_tensors:
+            return shape.other_tensors[:1] + layers + list(shape.other_tensors[1:])
+        return layers + list(shape.other_tensors)
     return adapter_tensors(shape)
 
 

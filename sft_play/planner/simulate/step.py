@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sft_play.planner.simulate import compiled, memory
-from sft_play.planner.simulate.allocator import CachingAllocator, OutOfMemory
+from sft_play.planner.simulate.allocator import CachingAllocator, HostMemory, OutOfMemory
 from sft_play.planner.simulate.encoder import EncoderTrace
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.trace import GRAD_IN, INPUT, LayerTrace, ModuleEvents
@@ -87,7 +87,7 @@ class _Replay:
     """The allocator (or the recorder of a compiled replay, :class:`_Events`) plus names for the
     tensors of the step."""
 
-    allocator: CachingAllocator | _Events
+    allocator: CachingAllocator | HostMemory | _Events
     counter: itertools.count = field(default_factory=lambda: itertools.count(_OWN_HANDLES))
 
     def new(self, size: float, category: str) -> int:
@@ -182,6 +182,15 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     ``out_of_memory``. `log`, a list, receives every allocation and free in order (through the
     reference allocator); without one the step is replayed compiled where it can be
     (:mod:`sft_play.planner.simulate.compiled`), with the same result."""
+    if not spec.on_cuda:  # host memory: no caching allocator to simulate
+        host = HostMemory(capacity=capacity, log=log)
+        try:
+            _replay(_Replay(host), shape, trace, spec)
+            oom = False
+        except OutOfMemory:
+            oom = True
+        return StepMemory(host.peak_reserved, host.peak_allocated, dict(host.at_peak), oom, 0,
+                          dict(host.at_peak_allocated))
     if log is None and _events_per_step(shape, trace, spec) >= COMPILED_FROM and compiled.available():
         events = _Events()
         _replay(_Replay(events), shape, trace, spec)
@@ -301,7 +310,21 @@ def _held_gradients(gpu: _Replay, shape: ModelShape, run: Run) -> list:
 
 def _optimizer_step(gpu: _Replay, shape: ModelShape, run: Run) -> None:
     """Temporaries of the step itself: foreach AdamW's state-sized intermediate, DeepSpeed's fp32
-    copy of the gradient partition (fused AdamW and 8-bit optimizers work in place)."""
+    copy of the gradient partition (fused AdamW and 8-bit optimizers work in place). On a CPU,
+    torch's AdamW runs tensor by tensor (its foreach kernels are for CUDA and its kin:
+    ``torch.utils._foreach_utils``): ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` makes two
+    tensors of the parameter's size, the first freed at once, the last denom when the next is
+    assigned."""
+    if not run.on_cuda and run.optimizer == "adamw_torch" and not run.parallel.deepspeed \
+            and not (run.parallel.fsdp and run.parallel.offload_parameters):
+        denom, size = None, memory.trainable_bytes(run)
+        for numel in memory.trainable_tensors(shape, run, in_order=True):
+            root = gpu.new(numel * size, "optimizer_step")
+            quotient = gpu.new(numel * size, "optimizer_step")
+            gpu.free(root, denom)
+            denom = quotient
+        gpu.free(denom)
+        return
     size = memory.optimizer_step_bytes(shape, run)
     if size:
         gpu.free(gpu.new(size, "optimizer_step"))
