@@ -62,6 +62,12 @@ def test_every_measured_row_is_within_the_targets(errors):
                       f"{100 * e:+.1f}%" for r, e in errors)
     assert statistics.median(magnitudes) <= 0.03, table
     assert max(magnitudes) <= 0.06, table
+    # what every plan of this kind says of its evidence (sft_play/planner/present/evidence.json)
+    from sft_play.planner.present.evidence import measured
+
+    said = next(g for g in measured()["gpu"] if g["rows"] == 21)
+    assert (said["median_error_pct"], said["max_error_pct"]) == (round(100 * statistics.median(magnitudes), 2),
+                                                                 round(100 * max(magnitudes), 2)), table
 
 
 def test_the_micro_batch_that_ran_out_of_memory_is_predicted_not_to_fit():
@@ -137,3 +143,10 @@ def test_the_h200_rows_live_tensors_within_half_a_percent_and_gemma2s_shortfall_
     fraction, note = safety_fraction(0.03, run.kernels.attention)
     assert note and gemma.peak_bytes / (1 - fraction) >= measured["peak_bytes"]
     assert safety_fraction(0.03, "sdpa") == (0.03, None)
+    from sft_play.planner.present.evidence import measured
+
+    errors = [abs(prediction.peak_bytes / row["measured"]["peak_bytes"] - 1)
+              for prediction, row in ((qwen3, rows["qwen3-30b-a3b"]), (gemma, gemma_row))]
+    said = next(g for g in measured()["gpu"] if g["device"] == "one H200")
+    assert said["rows"] == len(errors) and said["max_error_pct"] == round(100 * max(errors), 2)
+    assert abs(said["median_error_pct"] - 100 * statistics.median(errors)) < 0.01

@@ -24,6 +24,7 @@ from sft_play.planner.choose import remedies as remedy_catalogue
 from sft_play.planner.choose.search import FitSearch
 from sft_play.planner.choose.split import budget_bytes, decide_split, safety_fraction
 from sft_play.planner.present.notes import epoch_notes, host_memory, run_notes, split_notes, vision_notes
+from sft_play.planner.present.evidence import evidence
 from sft_play.planner.simulate.predict import REPLAYS, predict, static_lower_bound
 from sft_play.planner.simulate.shapes import ModelShape, model_shape
 from sft_play.planner.simulate.timing import PEAK_BF16, predict_time, total_steps
@@ -76,6 +77,9 @@ class Plan:
     replays: int = 0  # training steps replayed through the allocator (remedies' plans included)
     sequence_parallel: int = 1  # processes each row is split across (distributed.sequence_parallel, as resolved)
     context_parallel: int = 1  # the same with torch's ring attention (distributed.context_parallel)
+    # what the memory figures rest on: GPU measurements of runs of this kind, rules checked on CPU
+    # steps, what neither covered (present/evidence.py)
+    evidence: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -355,6 +359,7 @@ def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: 
         warnings=warnings,
         sequence_parallel=run.parallel.sequence_parallel,
         context_parallel=run.parallel.context_parallel,
+        evidence=evidence(run, shape),
     )
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from sft_play.parallelism import Strategy
 from sft_play.planner.plan import Plan
 from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, plan_command
+from sft_play.planner.present.evidence import lines as evidence_lines
 from sft_play.units import GIB
 
 # Breakdown terms in the order they are drawn and listed; labels for people.
@@ -102,6 +103,8 @@ def to_text(plan: Plan, config_path: str | None = None, overrides: list[str] | t
         if t["seconds_per_step"] < 0.01:
             lines.append("  time: a step this short is not what the time model counts (FLOPs and communication): "
                          "kernel launches, Python and the data loader dominate it, so expect far longer")
+    if plan.evidence:
+        lines += [f"{'Evidence' if i == 0 else '':<8} {line}" for i, line in enumerate(evidence_lines(plan.evidence))]
     lines += [f"  note: {note}" for note in plan.notes]
     lines += [f"  warning: {warning}" for warning in plan.warnings]
     if plan.remedies:

@@ -1,0 +1,67 @@
+"""Every plan says what its memory figures rest on (issue 61): GPU measurements of runs of its
+kind, the rules checked on real CPU steps, and what neither covered."""
+
+from __future__ import annotations
+
+import re
+
+from sft_play import config as config_module
+from sft_play.planner import Target, model_shape, resolve_for
+from sft_play.planner.present import evidence as module
+from tests.conftest import FIXTURES, REPO
+
+GIB = 1024**3
+
+
+def found(model: str, *overrides: str, gpus: int = 1) -> dict:
+    config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / model}", *overrides],
+                                check_paths=False)
+    shape = model_shape(config)
+    return module.evidence(resolve_for(config, Target(gpus, 80 * GIB, f"{gpus} x H100", gpu_model="H100"), None, shape),
+                           shape)
+
+
+def test_a_run_of_a_measured_kind_names_its_gpu_rows_and_a_checked_one_the_cpu_steps():
+    said = found("qwen2.5-0.5b", "finetune.method=lora", "data.max_seq_length=2048", "model.attn_implementation=sdpa")
+    assert [g["device"] for g in said["gpu"]] == ["one H100 80GB"] and not said["cpu"] and not said["extrapolated"]
+    assert module.lines(said) == [
+        "measured on a GPU: 21 runs of this kind on one H100 80GB (2026-11-23), peak error median 0.57 %, at most 2.77 %"]
+    # the embedded default's Llama: the CPU steps checked its rules; no GPU measured LoRA of the family
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", ["finetune.method=lora"], check_paths=False)
+    shape = model_shape(config)
+    tiny = module.evidence(resolve_for(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), None, shape), shape)
+    assert tiny["cpu"] and tiny["gpu"] == [] and tiny["extrapolated"] == ["lora of the llama family (measured: qlora)"]
+    assert module.lines(tiny)[1].startswith("checked on CPU steps: the trace and replay rules this plan uses")
+
+
+def test_the_gpu_kinds_are_the_measured_rows():
+    import json
+
+    for fixture, device in (("h100_measurements.json", "one H100 80GB"), ("h200_measurements.json", "one H200")):
+        rows = json.loads((FIXTURES / fixture).read_text())["rows"]
+        kinds = {(json.loads((FIXTURES / "model_configs" / r["model"] / "config.json").read_text())["model_type"],
+                  r["method"]) for r in rows}
+        said = next(g for g in module.measured()["gpu"] if g["device"] == device)
+        assert kinds == {tuple(kind) for kind in said["kinds"]}
+
+
+def test_what_no_measurement_covered_is_named():
+    said = found("qwen2.5-7b", "finetune.method=full", "distributed.strategy=deepspeed_zero3", "data.max_seq_length=16384",
+                 "train.gradient_checkpointing=true", "train.tiled_mlp=true", "model.attn_implementation=sdpa", gpus=8)
+    assert said["gpu"] == [] and not said["cpu"]
+    assert said["extrapolated"] == ["tiled MLPs", "deepspeed_zero3 across processes (measured: one process)",
+                                    "rows of 16,384 tokens (measured up to 4,096)"]
+    assert module.lines(said)[0] == "measured on a GPU: no run of this kind"
+    # the CPU steps check which tensors live and when at any length, but not another family's layers
+    gemma = found("gemma-2-9b", "finetune.method=lora", "data.max_seq_length=8192")
+    assert not gemma["cpu"] and gemma["gpu"] == []
+    assert gemma["extrapolated"] == ["rows of 8,192 tokens (measured up to 2,048)"]
+
+
+def test_the_cpu_facts_are_the_ground_truth_reports():
+    """evidence.json's CPU line against the report bench/cpu_ground_truth.py writes: as many cells,
+    and none beyond the error it states."""
+    report = (REPO / "docs" / "reports" / "cpu_ground_truth.md").read_text()
+    errors = [abs(float(e)) for e in re.findall(r"\| ([+-][\d.]+) % \|", report)]
+    facts = module.measured()["cpu"]
+    assert len(errors) == facts["cells"] and max(errors) <= facts["max_error_pct"]
