@@ -440,13 +440,14 @@ def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConf
     from sft_play.model import score_labelled_positions_only
 
     if data_path is not None:
-        config = config.model_copy(update={"data": config.data.model_copy(
+        rows = preference.pairs_of(data_path, config.data, config.preference, tokenizer)
+        config = config.model_copy(update={"data": config.data.model_copy(  # (its prompts for the generations)
             update={"validation_path": data_path, "validation_fraction": 0.0})})
     elif not config.data.validation_path and not config.data.validation_fraction:
         raise UserError("the run has no held-out pairs: set data.validation_path or data.validation_fraction, or "
                         "evaluate on other pairs (make eval DATA=pairs.jsonl)")
-    bundle = preference.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
-    rows = bundle.validation
+    else:
+        rows = preference.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed).validation
     if rows is None or len(rows) == 0:
         raise UserError(f"no usable held-out pair in {data_path or config.data.validation_path}")
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)

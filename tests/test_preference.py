@@ -335,6 +335,17 @@ def test_make_eval_scores_held_out_pairs(tmp_path):
     assert written["margin_mean"] > 0  # six steps already prefer upper case, against the start
     assert len(written["generations"]) == 2 and {"matches_chosen", "matches_rejected"} <= set(written["generations"][0])
     assert "reward accuracy" in result.stdout and "chosen answers:" in result.stdout
+    # other pairs (make eval DATA=...): those pairs alone, the run's training pairs neither read nor prepared
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join((REPO / "data" / "tiny_pref" / "validation.jsonl").read_text().splitlines(True)[:4]))
+    cache = tmp_path / "fresh-cache"
+    result = run_script("evaluate.py", "--run", str(run_dir), "--count", "1", "--data", str(other),
+                        env={"SFT_PLAY_CACHE": str(cache)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    written = json.loads((run_dir / "eval-other.json").read_text())
+    assert written["pairs"] == 4 and written["data"] == str(other) and len(written["generations"]) == 1
+    assert written["generations"][0]["chosen"] in other.read_text()
+    assert not list((cache / "data").glob("*")), "nothing prepared"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -216,10 +216,24 @@ def _from_cache(cached: dict[str, Any]) -> DataBundle:
 def held_out_pairs(cfg: DataConfig, seed: int, limit: int | None = None) -> list[dict[str, Any]]:
     """The first `limit` held-out pairs of a run of `cfg` (``data.validation_path``'s, or its
     seeded ``data.validation_fraction``), untokenised; empty without either."""
-    if not cfg.validation_path and not cfg.validation_fraction:
+    if cfg.validation_path:  # (the training pairs unread)
+        held = list(iter_records(cfg.validation_path, cfg, DataStats(), HELD_OUT, pairs=True))
+    elif cfg.validation_fraction:
+        held = _read(cfg, DataStats(), seed)[1] or []
+    else:
         return []
-    held = _read(cfg, DataStats(), seed)[1] or []
     return held[:limit] if limit is not None else held
+
+
+def pairs_of(path: str, cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any) -> list[dict[str, list[int]]]:
+    """The pairs of `path` alone, read and tokenised as a run's held-out pairs are, for an
+    evaluation on other data: the run's own training pairs are neither read nor prepared."""
+    stats = DataStats()
+    columns = tokenize_pairs(list(iter_records(path, cfg, stats, HELD_OUT, pairs=True)), tokenizer, cfg, pref, stats)
+    summary = skip_summary(stats)
+    if summary:
+        logger.warning("data (%s): %s", path, summary)
+    return [{name: columns[name][i] for name in PAIR_COLUMNS} for i in range(len(columns[PAIR_COLUMNS[0]]))]
 
 
 def build_for_run(config: RunConfig, tokenizer: Any, processor: Any = None) -> DataBundle:
