@@ -848,7 +848,9 @@ def test_tool_calls_and_tools_are_rendered_and_the_calls_learned(tmp_path, tiny_
         plain.train[0]["input_ids"])
 
 
-def test_a_system_prompt_goes_to_every_chat_without_one_and_to_what_generate_asks(tmp_path):
+def test_a_system_prompt_goes_to_every_chat_without_one_and_to_what_generate_asks(tmp_path, caplog):
+    import logging
+
     from sft_play.export import user_prompt
 
     path = tmp_path / "chat.jsonl"
@@ -862,6 +864,15 @@ def test_a_system_prompt_goes_to_every_chat_without_one_and_to_what_generate_ask
     (run / "model").mkdir(parents=True)
     (run / "config.yaml").write_text("data:\n  system_prompt: Be brief.\n")
     assert user_prompt(run, "hi").messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    # text records have no chat to give it: said once a source, not silently dropped
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in (("2+2=", "4"), ("1+1=", "2"))))
+    with caplog.at_level(logging.WARNING, logger="sft_play.data"):
+        assert [r["prompt"] for r in load_records(str(text), data_config(system_prompt="Be brief."), DataStats())] == [
+            "2+2=", "1+1="]
+    assert [r.getMessage() for r in caplog.records if "system_prompt" in r.getMessage()] == [
+        f"data.system_prompt: {text} holds text, not conversations: there is no chat to give a system message, so the "
+        "setting changes nothing for its records"]
 
 
 def test_train_on_last_learns_the_last_assistant_turn_only(tiny_tokenizer):

@@ -90,7 +90,7 @@ def test_the_losses_take_the_sft_term_at_its_weight():
 # Formats and bad rows
 
 
-def test_each_pair_format_reads_into_trl_shape(tmp_path):
+def test_each_pair_format_reads_into_trl_shape(tmp_path, caplog):
     trl_chat = write(tmp_path / "trl.jsonl", [{"prompt": U("q"), "chosen": A("B"), "rejected": A("b")}])
     trl_text = write(tmp_path / "text.jsonl", [{"prompt": "Q: ", "chosen": "yes", "rejected": "no"}])
     implicit = write(tmp_path / "implicit.jsonl", [{"chosen": U("q") + A("B"), "rejected": U("q") + A("b")}])
@@ -119,6 +119,13 @@ def test_each_pair_format_reads_into_trl_shape(tmp_path):
         {"prompt": "Q: ", "chosen": "yes", "rejected": "no"}]
     assert _pairs(trl_chat, dpo_config("data.system_prompt=Be brief.").data)[0]["prompt"] == [
         {"role": "system", "content": "Be brief."}, *U("q")]
+    # text pairs have no chat to give it: said once, not silently dropped
+    write(Path(trl_text), [{"prompt": "Q: ", "chosen": "yes", "rejected": "no"}] * 3)
+    with caplog.at_level(logging.WARNING, logger="sft_play.data"):
+        assert _pairs(trl_text, dpo_config("data.system_prompt=Be brief.").data)[0]["prompt"] == "Q: "
+    said = [r.getMessage() for r in caplog.records if "data.system_prompt" in r.getMessage()]
+    assert said == [f"data.system_prompt: {trl_text} holds text, not conversations: there is no chat to give a "
+                    "system message, so the setting changes nothing for its pairs"]
 
 
 def test_a_prompt_column_wins_over_the_chosen_conversation_beside_it(tmp_path):

@@ -198,7 +198,7 @@ class DataConfig(_Section):
     )
     system_prompt: str | None = Field(
         None, description="A system message for every chat record that has none (LLaMA-Factory's default_system); "
-        "make generate and make chat start with it too.",
+        "make generate and make chat start with it too. Text records have no chat to give it: said once a source.",
     )
     on_invalid: Literal["error", "skip"] = Field("error", description="Bad rows stop the run, or are skipped and counted.")
     special_tokens_in_text: Literal["keep", "escape", "refuse"] = Field(

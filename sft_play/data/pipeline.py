@@ -106,6 +106,7 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
         kept = 0
+        text_said = not cfg.system_prompt
         for number, row in itertools.chain(head, rows):
             while unread and unread[0].row < number:
                 reject(unread.pop(0))
@@ -121,6 +122,11 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             turns = "prompt" if pairs and isinstance(record["prompt"], list) else "messages"
             if cfg.system_prompt and record.get(turns) and record[turns][0]["role"] != "system":
                 record[turns] = [{"role": "system", "content": cfg.system_prompt}, *record[turns]]
+            elif not text_said and not record.get(turns):
+                text_said = True  # (once a source: a text record has no turn to put a system message before)
+                logger.warning("data.system_prompt: %s holds text, not conversations: there is no chat to give a "
+                               "system message, so the setting changes nothing for its %s", source,
+                               "pairs" if pairs else "records")
             kept += 1
             given += 1
             yield record
