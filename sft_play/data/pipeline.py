@@ -81,6 +81,7 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
         stats.skipped = dict(skipped)
 
     given = 0
+    told: set[str] = set()  # the sources of text records data.system_prompt changes nothing for
     for source, rows in iter_sources(paths, split or cfg.split, streaming):
         rows = iter(rows)
         head: list[tuple[int, dict[str, Any]]] = []  # the first readable rows: they tell the format
@@ -106,7 +107,6 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
             logger.info("data: %s looks like '%s' records", source, fmt)
         stats.formats[source] = fmt
         kept = 0
-        text_said = not cfg.system_prompt
         for number, row in itertools.chain(head, rows):
             while unread and unread[0].row < number:
                 reject(unread.pop(0))
@@ -119,14 +119,8 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
                 reject(exc)
                 continue
             record[ORIGIN] = f"{source}:{number}"
-            turns = "prompt" if pairs and isinstance(record["prompt"], list) else "messages"
-            if cfg.system_prompt and record.get(turns) and record[turns][0]["role"] != "system":
-                record[turns] = [{"role": "system", "content": cfg.system_prompt}, *record[turns]]
-            elif not text_said and not record.get(turns):
-                text_said = True  # (once a source: a text record has no turn to put a system message before)
-                logger.warning("data.system_prompt: %s holds text, not conversations: there is no chat to give a "
-                               "system message, so the setting changes nothing for its %s", source,
-                               "pairs" if pairs else "records")
+            if cfg.system_prompt:
+                _with_system_prompt(record, cfg.system_prompt, pairs, source, told)
             kept += 1
             given += 1
             yield record
@@ -141,6 +135,20 @@ def iter_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, spli
     stats.skipped = dict(skipped)
     if bad and cfg.on_invalid == "error":
         raise InvalidRows(bad, bad_count)
+
+
+def _with_system_prompt(record: dict[str, Any], system: str, pairs: bool, source: str, told: set[str]) -> None:
+    """``data.system_prompt`` put first in a chat record without a system message of its own; for
+    a text record (a text pair, a prompt and completion), which has no chat to give it, said once
+    a source."""
+    turns = "prompt" if pairs and isinstance(record["prompt"], list) else "messages"
+    if record.get(turns):
+        if record[turns][0]["role"] != "system":
+            record[turns] = [{"role": "system", "content": system}, *record[turns]]
+    elif source not in told:
+        told.add(source)
+        logger.warning("data.system_prompt: %s holds text, not conversations: there is no chat to give a system "
+                       "message, so the setting changes nothing for its %s", source, "pairs" if pairs else "records")
 
 
 def load_records(paths: str | list[str], cfg: DataConfig, stats: DataStats, split: str | None = None) -> list[dict[str, Any]]:

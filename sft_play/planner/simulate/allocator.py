@@ -275,9 +275,6 @@ class HostMemory:
     ``reserved`` is ``allocated``, and a `capacity` exceeded by the live bytes is out of memory.
     Checked against PyTorch's memory profile of real CPU steps (bench/cpu_ground_truth.py)."""
 
-    __slots__ = ("capacity", "allocated", "peak_allocated", "at_peak_allocated", "releases", "log", "_live",
-                 "_by_category", "_peak_pending")
-
     def __init__(self, capacity: int | None = None, log: list | None = None):
         self.capacity = capacity
         self.allocated = self.peak_allocated = self.releases = 0
@@ -285,7 +282,6 @@ class HostMemory:
         self.log = log
         self._live: dict = {}  # handle -> (size, category)
         self._by_category: dict[str, int] = {}
-        self._peak_pending = False
 
     @property
     def peak_reserved(self) -> int:
@@ -293,7 +289,6 @@ class HostMemory:
 
     @property
     def at_peak(self) -> dict[str, int]:
-        self._snapshot()
         return self.at_peak_allocated
 
     def malloc(self, handle, size: int, category: str = "other") -> None:
@@ -306,20 +301,12 @@ class HostMemory:
         self._by_category[category] = self._by_category.get(category, 0) + size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
-            self._peak_pending = True
+            self.at_peak_allocated = {k: v for k, v in self._by_category.items() if v}
 
     def free(self, handle) -> None:
         found = self._live.pop(handle, None)
-        if found is None:
-            return
-        if self.log is not None:
-            self.log.append(("f", handle))
-        self._snapshot()
-        size, category = found
-        self.allocated -= size
-        self._by_category[category] -= size
-
-    def _snapshot(self) -> None:
-        if self._peak_pending:
-            self.at_peak_allocated = {k: v for k, v in self._by_category.items() if v}
-            self._peak_pending = False
+        if found is not None:
+            if self.log is not None:
+                self.log.append(("f", handle))
+            self.allocated -= found[0]
+            self._by_category[found[1]] -= found[0]

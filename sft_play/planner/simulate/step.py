@@ -182,23 +182,15 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     ``out_of_memory``. `log`, a list, receives every allocation and free in order (through the
     reference allocator); without one the step is replayed compiled where it can be
     (:mod:`sft_play.planner.simulate.compiled`), with the same result."""
-    if not spec.on_cuda:  # host memory: no caching allocator to simulate
-        host = HostMemory(capacity=capacity, log=log)
-        try:
-            _replay(_Replay(host), shape, trace, spec)
-            oom = False
-        except OutOfMemory:
-            oom = True
-        return StepMemory(host.peak_reserved, host.peak_allocated, dict(host.at_peak), oom, 0,
-                          dict(host.at_peak_allocated))
-    if log is None and _events_per_step(shape, trace, spec) >= COMPILED_FROM and compiled.available():
+    if spec.on_cuda and log is None and _events_per_step(shape, trace, spec) >= COMPILED_FROM and compiled.available():
         events = _Events()
         _replay(_Replay(events), shape, trace, spec)
         kinds, handles, sizes, categories, category_ids = events.arrays()
         found = compiled.replay(kinds, handles, sizes, categories, category_ids, capacity)
         return StepMemory(found["peak_reserved"], found["peak_allocated"], found["at_peak"], found["out_of_memory"],
                           found["releases"], found["at_peak_allocated"])
-    allocator = CachingAllocator(capacity=capacity, log=log)
+    # (host memory, a CPU run's: no caching allocator to simulate)
+    allocator = CachingAllocator(capacity=capacity, log=log) if spec.on_cuda else HostMemory(capacity, log)
     gpu = _Replay(allocator)
     try:
         _replay(gpu, shape, trace, spec)
