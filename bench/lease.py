@@ -17,24 +17,37 @@ Tasks, each in a fresh process (a clean allocator; an out-of-memory error cannot
      doubling from half B's until one runs out of memory, each try on freshly loaded weights
      with its own warm-up; every try is a row, T is the fastest
   A  TRL with its defaults (bench/throughput.py)
-  P  the planner's predicted against measured peak for one shape (bench/planner_accuracy.py's
-     worker: 3 steps of rows exactly the sequence length long, torch's peak reservation plus
-     what NVML sees outside it)
+  P  the planner's predicted against measured peak and seconds per step for one shape
+     (bench/planner_accuracy.py's worker: a few steps of rows exactly the sequence length long,
+     torch's peak reservation plus what NVML sees outside it); a shape may switch long-row levers
+     on, show one image a row, or train preference pairs (bench/shapes.py)
   S  the GPU's own allocations for a shape, replayed through the planner's allocator
      (bench/memory_snapshot.py): whether a rule of the simulation or the traced order differs;
      the trace is written beside the rows
 
-Phase 1 (the first report; sized for 8 minutes on one H100): S for Gemma-2-9B (12 layers) LoRA,
-whose allocator cache the planner under-predicted on an H200 (docs/PLANNER.md, section 6), B and T for Qwen2.5-0.5B full and
-Llama-3.1-8B LoRA, then P for six shapes of five families, two of them never measured before
-(Gemma-2 and Qwen3-MoE, cut to fewer layers so that a lease can build their weights). Phase 2
-(the next call): QLoRA and 8k-token LoRA, TRL's defaults, B with each kernel lever, more shapes.
---shape adds any config folder as a P task, first in phase 1. Without a GPU the same code runs a
-tiny shape on the CPU (phase 1: B, T, P; phase 2: A) and the report says no GPU figure exists.
+The order is what each task settles (phase 1, about 20 minutes on an H200: more than one lease,
+each call going on from the last):
+  1. Llama-3.1-8B LoRA, one row of 32k and of 64k tokens, with checkpointing, then with a tiled MLP,
+     then with offloaded hidden states: the per-token working set the planner disagreed with itself
+     about (one process against ZeRO-3);
+  2. S for Gemma-2-9B (12 layers) LoRA, whose allocator cache the planner under-predicted on an H200
+     (docs/PLANNER.md, section 6);
+  3. Qwen2.5-VL-7B LoRA, frozen encoder, one image a row at 448 x 448 and at 1344 x 1344: the
+     encoder trace's first GPU check;
+  4. Llama-3.1-8B DPO with LoRA (the reference: the adapters switched off);
+  5. B and T for Qwen2.5-0.5B full and Llama-3.1-8B LoRA: SFT-Play planned against TRL tuned on its
+     supported setup.
+Phase 2: the old list's shapes (Gemma-2 and Qwen3-MoE P rows among them), QLoRA and 8k-token LoRA,
+TRL's defaults, B with each kernel lever, more shapes. A task has TASK_SECONDS at most; --dry-run
+plans every task here, as the lent GPU will run it, with its estimated seconds: the rehearsal to run
+before a lease. --shape adds any config folder as a P task, first in phase 1. Without a GPU the same
+code runs tiny shapes of every kind on the CPU and the report says no GPU figure exists.
 
 Usage: python bench/lease.py [--minutes 8] [--phase 1|all] [--state docs/reports/gpu_lease.jsonl]
                              [--output docs/reports/gpu_lease.md] [--max-tasks N] [--keep-weights]
-                             [--shape FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N] ...]
+                             [--dry-run [h100|h200]]
+                             [--shape FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N][,pixels=N]
+                                      [,objective=dpo][,steps=3][,tiled][,offload][,dropout0] ...]
 On the lent GPU machine (see docs/PLANNER.md, "Measuring on a GPU"): a second call continues
 from the rows of the first when they travel with it:
   cp docs/reports/gpu_lease.jsonl $OUT/ 2>/dev/null; python bench/lease.py --state $OUT/gpu_lease.jsonl --output $OUT/gpu_lease.md
@@ -54,25 +67,55 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from _common import REPO, REPORTS, import_training_stack, lean, run_worker, versions  # bench/ is the script's folder
-from shapes import Shape, build_weights, model_folder, shape_task, weights_for
+from _common import (  # bench/ is the script's folder
+    CONFIGS,
+    REPO,
+    REPORTS,
+    import_training_stack,
+    lean,
+    run_worker,
+    versions,
+)
+from shapes import ROW_LEVERS, Shape, build_weights, model_folder, shape_task, weights_for
 
 GIB = 1024**3
 MIN_SECONDS_LEFT = 45  # a task is not started with less than this left on a GPU (the weights alone take longer)
+TASK_SECONDS = 180  # the most one task may take on a GPU: each is sized to fit (--dry-run estimates them)
+# What a task took on the H200 lease of 2026-11-26 besides its timed steps (docs/reports/gpu_lease.jsonl):
+# random weights built on the GPU 19-31 s a model; a P task's process, load and plan 22-25 s at 2k tokens
+# (its steps a second or two); B 50 s for 8B LoRA; T's search 30-249 s. The dry run's estimate of a task
+# is these plus the plan's own seconds per step for its steps; S replays besides (about a minute).
+SETUP_SECONDS = {"W": 30, "P": 25, "S": 60, "B": 50, "T": 170, "A": 60}
+
+
+# 1. The per-token working set of long rows, where the planner disagrees with itself (one process
+#    against ZeRO-3): Llama-3.1-8B LoRA, one row a step, plain with checkpointing and with each lever
+LONG_ROWS = [Shape("llama-3.1-8b", "lora", seq, True, 1, levers=("dropout0", *lever), steps=2)
+             for seq in (32768, 65536) for lever in ((), ("tiled",), ("offload",))]
+# 3. The vision encoder's trace: Qwen2.5-VL-7B LoRA, frozen encoder, one image a row at two budgets
+#    (448 x 448: 256 image tokens; 1344 x 1344: 2,304), 256 text tokens beside it
+PICTURES = [Shape("qwen2.5-vl-7b", "lora", (side // 28) ** 2 + 256, True, 2, pixels=side * side)
+            for side in (448, 1344)]
+# 4. Preference tuning: Llama-3.1-8B DPO with LoRA (the reference: the adapters switched off)
+PAIRS = [Shape("llama-3.1-8b", "lora", 2048, True, 2, objective="dpo")]
 
 
 def gpu_plan() -> list[dict]:
-    """Every GPU task in the order it runs: phase 1 is the first report."""
+    """Every GPU task in the order it runs, most telling first; phase 1 is what a first lease is for."""
     from throughput import GPU_CASES, LEVERS
 
     cases = {case.name: case for case in GPU_CASES}
     main = [(cases["qwen2.5-0.5b-full"], 32), (cases["llama-3.1-8b-lora"], 16)]
-    # First: the allocator on the GPU's own order for the shape the planner under-predicted (docs/PLANNER.md,
-    # section 6): about a minute that says whether a rule of the simulated allocator or the traced order differs
-    tasks = [snapshot_task(Shape("gemma-2-9b", "lora", 2048, True, 8, layers=12), 1)]
+    tasks = [shape_task(shape, 1) for shape in LONG_ROWS]
+    # 2. The allocator on the GPU's own order for the shape the planner under-predicted (docs/PLANNER.md,
+    # section 6): whether a rule of the simulated allocator or the traced order differs
+    tasks.append(snapshot_task(Shape("gemma-2-9b", "lora", 2048, True, 8, layers=12), 1))
+    tasks += [shape_task(shape, 1) for shape in PICTURES + PAIRS]
+    # 5. SFT-Play planned against TRL tuned on its supported setup
     for case, global_batch in main:
         tasks += [throughput_task("B", case, 1, global_batch), throughput_task("T", case, 1, global_batch)]
-    tasks += [shape_task(shape, 1) for shape in (
+    # 6. The rest: shapes never measured, the old list's rows, TRL's defaults, each kernel lever
+    tasks += [shape_task(shape, 2) for shape in (
         Shape("gemma-2-9b", "lora", 2048, True, 8, layers=12),  # never measured: soft-capped logits, big vocabulary
         Shape("qwen3-30b-a3b", "lora", 2048, True, 8, layers=6),  # never measured: routed experts
         Shape("llama-3.2-3b", "full", 2048, True, 4),  # full fine-tuning with checkpointing (its predicted peak swung from one shape to the next)
@@ -104,12 +147,17 @@ def gpu_plan() -> list[dict]:
 
 
 def cpu_plan() -> list[dict]:
-    """The same tasks on a tiny shape, so that the command cannot rot without a GPU."""
+    """The same kinds of task on tiny shapes, so that the command cannot rot without a GPU: every
+    worker the GPU plan runs (a long-row lever, an image a row, preference pairs) once."""
     from throughput import CPU_CASES
 
     case = CPU_CASES[0]
+    tiny = str(REPO / "configs" / "tiny_model")
     return [throughput_task("B", case, 1, 8), throughput_task("T", case, 1, 8),
-            shape_task(Shape(str(REPO / "configs" / "tiny_model"), "lora", 128, False, 4), 1),
+            shape_task(Shape(tiny, "lora", 128, False, 4), 1),
+            shape_task(Shape(tiny, "lora", 128, True, 1, levers=("dropout0", "tiled"), steps=2), 1),
+            shape_task(Shape(str(CONFIGS / "tiny-qwen2.5-vl"), "lora", 16 + 64, True, 2, pixels=112 * 112, steps=2), 1),
+            shape_task(Shape(tiny, "lora", 128, True, 2, objective="dpo", steps=2), 1),
             throughput_task("A", case, 2, 8)]
 
 
@@ -216,10 +264,11 @@ def run_task(task: dict, state: Path, output: Path, on_cuda: bool) -> dict:
 
 def measure_shape(shape: Shape, folder: str, workdir: str) -> dict:
     import planner_accuracy
+
     from sft_play import hardware
     from sft_play.planner import Target, target_for
 
-    case = planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,))
+    case = _case_of(shape, folder)
     facts = hardware.detect()
     target = target_for(facts, gpus=1, allow_cpu=True)
     if facts.gpus:  # plan against the whole device: the measurement is of one process alone on it
@@ -365,19 +414,22 @@ def render(rows: list[dict], state: Path) -> str:
     if shapes:
         lines += ["## The planner's peak on shapes", "",
                   "| shape | peak GiB: predicted / measured | error | live GiB: predicted / measured | "
-                  "cache GiB: predicted / measured |", "|---|---|---|---|---|"]
+                  "cache GiB: predicted / measured | s/step: predicted / measured |", "|---|---|---|---|---|---|"]
         errors = []
         for key, result in shapes:
             predicted, measured = result.get("predicted", {}), result.get("measured", {})
             if not measured.get("ok") or not measured.get("peak_bytes") or measured["peak_bytes"] <= 0:
-                lines.append(f"| {key[2:]} | {_gib(predicted.get('peak_bytes'))} / ({measured.get('error') or result.get('error')}) | | | |")
+                lines.append(f"| {key[2:]} | {_gib(predicted.get('peak_bytes'))} / ({measured.get('error') or result.get('error')}) | | | | |")
                 continue
             error = (predicted["peak_bytes"] - measured["peak_bytes"]) / measured["peak_bytes"]
             errors.append(abs(error))
+            steps = measured.get("step_seconds") or []  # (after the first step: its warm-up is not timed)
+            timing = (f"{predicted['seconds_per_step']:.2f}" if predicted.get("seconds_per_step") else "n/a") + \
+                (f" / {statistics.median(steps):.2f}" if steps else " / n/a")
             lines.append(f"| {key[2:]} | {_gib(predicted['peak_bytes'])} / {_gib(measured['peak_bytes'])} | "
                          f"{100 * error:+.1f}% | {_gib(predicted.get('allocated_bytes'))} / "
                          f"{_gib(measured.get('allocated_bytes'))} | {_gib(predicted.get('allocator_cache_bytes'))} / "
-                         f"{_gib(measured.get('allocator_cache_bytes'))} |")
+                         f"{_gib(measured.get('allocator_cache_bytes'))} | {timing} |")
         if errors and on_cuda:
             lines += ["", f"Peak: median absolute error {100 * statistics.median(errors):.1f}%, max "
                           f"{100 * max(errors):.1f}% over {len(errors)} shape(s)."]
@@ -442,6 +494,75 @@ def detect_device() -> tuple[bool, str]:
     return True, name.decode() if isinstance(name, bytes) else str(name)
 
 
+# The GPUs a lease lends, as their own NVML reports them (name, total memory)
+LENT = {"h100": ("NVIDIA H100 80GB HBM3", 81_559 * 1024**2), "h200": ("NVIDIA H200", 143_771 * 1024**2)}
+
+
+def dry_run(tasks: list[dict], lent: str, minutes: float) -> list[str]:
+    """The GPU plan's tasks in order, each planned here as the lease will measure it (its config
+    loaded, its prediction made on the lent GPU) with its estimated seconds: a rehearsal that needs
+    no GPU and catches a task that cannot be planned, or that is sized past TASK_SECONDS."""
+    import planner_accuracy
+    import throughput
+
+    from sft_play import config as config_module
+    from sft_play import planner
+    from sft_play.planner import Target
+
+    name, memory = LENT[lent]
+    target = Target(1, memory, name, gpu_model=name)
+    lines = [(f"Dry run: {len(tasks)} task(s) as `make bench-gpu` runs them on one {name} ({memory / GIB:.0f} GiB); "
+              f"estimated seconds: setup as the last lease took it, plus the plan's steps. A call stops starting "
+              f"tasks after {minutes:g} minutes."), "",
+             "| # | task | phase | planned peak GiB | planned s/step | estimated s | minutes so far | call |",
+             "|---|---|---|---|---|---|---|---|"]
+    built: set[str] = set()
+    clock, total, call = 0.0, 0.0, 1
+    for number, task in enumerate(tasks, 1):
+        kind = task["kind"]
+        peak = step = None
+        try:
+            if kind in {"P", "S"}:
+                shape = Shape(**task["shape"])
+                case = _case_of(shape, model_folder(task))
+                predicted, _ = planner_accuracy.predict(case, shape.micro, target)
+                peak, step = predicted["peak_bytes"], predicted["seconds_per_step"]
+                seconds = SETUP_SECONDS[kind] + (shape.steps + 1) * (step or 0)
+            else:
+                case = throughput.Case(**task["case"])
+                config = config_module.load(None, throughput.sft_play_overrides(case, "/tmp/unused", 8, task["global_batch"],
+                                                                                task.get("lever", "")),
+                                            check_paths=False)
+                plan = planner.make_plan(config, target, options=planner.WITHOUT_REMEDIES)
+                peak, step = plan.peak_bytes_per_gpu, (plan.time or {}).get("seconds_per_step")
+                seconds = SETUP_SECONDS[kind] + (8 * (step or 0) if kind != "T" else 0)
+        except Exception as exc:  # noqa: BLE001 - what the lease would have hit: said in its row
+            lines.append(f"| {number} | {task['key']} | {task['phase']} | cannot be planned: "
+                         f"{type(exc).__name__}: {str(exc)[:200]} | | | | |")
+            continue
+        folder = model_folder(task)
+        if folder not in built:
+            built.add(folder)
+            seconds += SETUP_SECONDS["W"]
+        if clock + seconds > 60 * minutes:
+            clock, call = 0.0, call + 1
+        clock += seconds
+        total += seconds
+        over = " **over its 3 minutes**" if seconds > TASK_SECONDS else ""
+        lines.append(f"| {number} | {task['key']} | {task['phase']} | {_gib(peak)} | "
+                     f"{f'{step:.2f}' if step else 'n/a'} | {seconds:.0f}{over} | {total / 60:.1f} | {call} |")
+    return lines
+
+
+def _case_of(shape: Shape, folder: str):
+    """planner_accuracy's case for a P or S task's shape."""
+    import planner_accuracy
+
+    return planner_accuracy.Case(folder, shape.method, shape.seq_len, shape.checkpointing, (shape.micro,),
+                                 levers=tuple(o for lever in shape.levers for o in ROW_LEVERS[lever]),
+                                 pixels=shape.pixels, objective=shape.objective, steps=shape.steps)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=None,
@@ -455,6 +576,9 @@ def main() -> int:
                              "[,micro=2][,layers=N] (first in phase 1; repeatable)")
     parser.add_argument("--max-tasks", type=int, default=None, help="run at most this many tasks in this call")
     parser.add_argument("--keep-weights", action="store_true", help="keep the weights this call builds")
+    parser.add_argument("--dry-run", choices=sorted(LENT), nargs="?", const="h100", default=None, metavar="GPU",
+                        help="measure nothing: plan every GPU task here as it will run on that GPU (h100, the "
+                             "default, or h200), with its estimated seconds, and print the order")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -470,6 +594,18 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     lean()  # every measurement runs in a worker of its own
+    if args.dry_run:
+        tasks = [task for task in [shape_task(shape, 1) for shape in shapes] + gpu_plan()
+                 if args.phase == "all" or task["phase"] == 1][:args.max_tasks]
+        began = time.time()
+        lines = dry_run(tasks, args.dry_run, args.minutes if args.minutes is not None else 8.0)
+        from tiny_default import hardware_line
+
+        print("\n".join(["# The GPU lease's tasks, planned before it", "",
+                         f"`python bench/lease.py {' '.join(sys.argv[1:])}`, planned on {hardware_line()} in "
+                         f"{time.time() - began:.0f} s (planning is CPU work; nothing here ran on a GPU).", "", *lines]),
+              flush=True)
+        return 0
 
     on_cuda, device = detect_device()
     state, output = Path(args.state), Path(args.output)
@@ -524,9 +660,11 @@ def main() -> int:
                     break
         append_row(state, {"kind": "start", "task": task["key"], "spec": task})
         print(f"[{time.time() - started:5.0f} s] {task['key']}", flush=True)
-        spec = {"task": {**task, "deadline": deadline}, "state": str(state), "output": str(output),
+        # a task has TASK_SECONDS (T's search stops itself a little before); the call's deadline may come first
+        allowed = min(left, TASK_SECONDS) if left is not None else TASK_SECONDS if on_cuda else 3600
+        spec = {"task": {**task, "deadline": time.time() + allowed - 20}, "state": str(state), "output": str(output),
                 "on_cuda": on_cuda}
-        result = run_worker(__file__, spec, timeout=int(left) if left is not None else 3600)
+        result = run_worker(__file__, spec, timeout=int(allowed))
         rows = read_rows(state)
         since = max(i for i, row in enumerate(rows) if row.get("kind") == "start" and row.get("task") == task["key"])
         if task["key"] in {row.get("task") for row in rows[since:] if row.get("kind") in DONE_KINDS}:
@@ -534,9 +672,10 @@ def main() -> int:
         elif result.get("error") == "timeout" and deadline and time.time() >= deadline - 1:
             append_row(state, {"kind": "cut", "task": task["key"]})
             cut = True
-        else:  # the worker died before its row: the failure is the row
-            append_row(state, {"task": task["key"], "kind": task["kind"],
-                               "result": {"ok": False, "error": result.get("error", "no result")}})
+        else:  # the worker died before its row, or overran its time: the failure is the row
+            error = result.get("error", "no result")
+            append_row(state, {"task": task["key"], "kind": task["kind"], "result": {"ok": False, "error": (
+                f"over its {TASK_SECONDS} s (sized too large for a lease)" if error == "timeout" else error)}})
             done += 1
         render_to(state, output)
         if built and not args.keep_weights:  # disk: weights no later task of this call needs go

@@ -27,6 +27,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,10 +37,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from _common import CONFIGS, REPO, REPORTS, import_training_stack, lean, process_gpu_bytes, run_python, run_worker, versions  # bench/ is the script's folder
+from _common import (  # bench/ is the script's folder
+    CONFIGS,
+    REPO,
+    REPORTS,
+    import_training_stack,
+    lean,
+    process_gpu_bytes,
+    run_python,
+    run_worker,
+    versions,
+)
+
 from sft_play.parallelism import Strategy
 from sft_play.units import GIB
-
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,10 @@ class Case:
     checkpointing: bool
     micro_batches: tuple[int, ...]
     strategy: str = "ddp"
+    levers: tuple[str, ...] = ()  # config overrides switched on besides (bench/shapes.py's ROW_LEVERS)
+    pixels: int = 0  # vision-language: each row shows one square image of this many pixels
+    objective: str = "sft"  # dpo: a micro-batch of pairs, prompt and answers half the sequence each
+    steps: int = 3
 
     def overrides(self, micro: int, output_dir: str) -> list[str]:
         return [
@@ -62,18 +77,31 @@ class Case:
             f"train.micro_batch_size={micro}",
             f"train.global_batch_size={micro}",
             "train.gradient_accumulation_steps=1",
-            "train.max_steps=3",
+            f"train.max_steps={self.steps}",
             "train.logging_steps=1",
             "train.tensorboard=false",
             f"train.output_dir={output_dir}",
             f"distributed.strategy={self.strategy}",
             "lora.r=16",
+            *self.levers,
+            *([f"data.image_max_pixels={self.pixels}", "data.packing=false"] if self.pixels else []),
+            *(["finetune.objective=dpo", "model.build_with=null", "train.eval_steps=0"]
+              if self.objective == "dpo" else []),
         ]
 
     @property
     def label(self) -> str:
         extra = "" if self.strategy == "ddp" else f" {self.strategy}"
         return f"{Path(self.model).name} {self.method}{extra}"
+
+    @property
+    def image_side(self) -> int:
+        """The side of the square image a row shows: Qwen-VL's patches merged 2 x 2 are 28 pixels."""
+        return 28 * max(1, round(self.pixels ** 0.5 / 28)) if self.pixels else 0
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_side // 28) ** 2
 
 
 def _grid(models, methods, seqs, micros):
@@ -104,13 +132,31 @@ GRIDS = {
 
 def _stats(case: Case, micro: int):
     """What the worker's data looks like to the planner: rows of one example, all seq_len long,
-    every position labelled."""
+    every position labelled (pairs: a prompt and two answers of half that each, the answers
+    labelled; a picture: one image of its tokens in each row, the rest text)."""
     from sft_play.data import DataStats
 
-    rows = 3 * micro
-    return DataStats(examples=rows, tokens_total=rows * case.seq_len, loss_tokens=rows * case.seq_len,
-                     tokens_p50=case.seq_len, tokens_p95=case.seq_len, tokens_max=case.seq_len, packed_rows=rows,
-                     max_seq_length=case.seq_len, uniform_rows=True)
+    rows = case.steps * micro
+    if case.objective == "dpo":
+        prompt, answer = case.seq_len // 2, case.seq_len - case.seq_len // 2
+        return DataStats(examples=rows, pairs=rows, tokens_total=2 * rows * case.seq_len, loss_tokens=2 * rows * answer,
+                         tokens_p50=case.seq_len, tokens_p95=case.seq_len, tokens_max=case.seq_len,
+                         tokens_squared=2 * rows * case.seq_len ** 2, max_seq_length=case.seq_len,
+                         prompt_tokens_p95=prompt, prompt_tokens_max=prompt, answer_tokens_p95=answer,
+                         answer_tokens_max=answer)
+    stats = DataStats(examples=rows, tokens_total=rows * case.seq_len, loss_tokens=rows * case.seq_len,
+                      tokens_p50=case.seq_len, tokens_p95=case.seq_len, tokens_max=case.seq_len, packed_rows=rows,
+                      max_seq_length=case.seq_len, uniform_rows=True)
+    if case.pixels:
+        grid = case.image_side // 14
+        return dataclasses.replace(
+            stats, packed_rows=None, uniform_rows=False, loss_tokens=rows * (case.seq_len - case.image_tokens - 1),
+            images=rows, image_tokens=rows * case.image_tokens,
+            images_max=1, pictured=rows, text_tokens_max=case.seq_len - case.image_tokens,
+            image_max_pixels=case.pixels, encoder_inputs={
+                "image_grid_thw": {"values": [[1, grid, grid]]},
+                "pixel_values": {"shape": [grid * grid, 3 * 2 * 14 * 14], "dtype": "float32"}})
+    return stats
 
 
 def _single_process_launcher(config) -> None:
@@ -123,15 +169,12 @@ def _single_process_launcher(config) -> None:
 
 def _worker(case: Case, micro: int, output_dir: str) -> dict:
     """Train a few steps of `case` at `micro` in this process and report the peak and its terms."""
-    import datasets
     import psutil
     import torch
 
     from sft_play import config as config_module
     from sft_play import model, training
-    from sft_play.data import collate
-    from sft_play.run import BatchSplit
-    from sft_play.run import resolve
+    from sft_play.run import BatchSplit, resolve
 
     on_cuda = torch.cuda.is_available()
     config = config_module.load(None, case.overrides(micro, output_dir), check_paths=False)
@@ -148,20 +191,19 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny_model")
-    base = model.load_model(config, run, device="cuda:0" if on_cuda else "cpu")
-    vocab = base.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    rows = 3 * micro
-    ids = torch.randint(3, vocab, (rows, case.seq_len), generator=generator).tolist()
-    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows})
-    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
-    make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, dataset, None, collator)
+    device = "cuda:0" if on_cuda else "cpu"
+    base = model.load_model(config, run, device=device)
+    dataset, collator = _rows(case, micro, base.config, tokenizer.pad_token_id, run)
+    times = _step_timer()
+    make = training.trainer_factory(config, run, Path(output_dir), base, tokenizer, dataset, None, collator, [times],
+                                    reference=model.load_reference(config, run, device))
     trainer = make(BatchSplit(micro, 1, 1, micro))
     result: dict = {"ok": True, "context_bytes": int(context)}
     if on_cuda:
         result["weights_bytes"] = int(torch.cuda.memory_allocated())  # the model and its adapters, on the GPU
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    result["step_seconds"] = [round(b - a, 4) for a, b in zip(times.ends, times.ends[1:])]  # (the first: warm-up)
     if on_cuda:
         states = sum(t.numel() * t.element_size() for state in trainer.optimizer.state.values()
                      for t in state.values() if torch.is_tensor(t) and t.is_cuda)
@@ -176,6 +218,69 @@ def _worker(case: Case, micro: int, output_dir: str) -> dict:
 
         result["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - host_baseline)
     return result
+
+
+def _rows(case: Case, micro: int, model_config, pad_token_id: int, run):
+    """The worker's dataset of `case.steps` micro-batches of random tokens, and its collator
+    (None: a preference run's, TRL's own). Rows with an image hold its placeholder tokens after a
+    few text ones, unlabelled, and the collator adds the pixels Qwen-VL's processor would hand
+    over (random, of the image's shape: the processor itself needs torchvision)."""
+    import datasets
+    import torch
+
+    from sft_play.data import collate
+
+    generator = torch.Generator().manual_seed(0)
+    rows = case.steps * micro
+    text = model_config.get_text_config()
+    special = [getattr(model_config, key, None) for key in ("image_token_id", "video_token_id",
+                                                           "vision_start_token_id", "vision_end_token_id")]
+    top = min([text.vocab_size, *[i for i in special if i is not None and i > 100]])  # no placeholder in the text
+
+    def tokens(count: int) -> list[list[int]]:
+        return torch.randint(3, top, (rows, count), generator=generator).tolist()
+
+    if case.objective == "dpo":
+        half = case.seq_len // 2
+        return datasets.Dataset.from_dict({"prompt_ids": tokens(half), "chosen_ids": tokens(case.seq_len - half),
+                                           "rejected_ids": tokens(case.seq_len - half)}), None
+    ids = tokens(case.seq_len)
+    if not case.pixels:
+        return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows}), \
+            collate.make_collator(pad_token_id, run.kernels.collator)
+    first = 8  # text tokens before the picture
+    picture = [model_config.vision_start_token_id] + [model_config.image_token_id] * case.image_tokens
+    labels = []
+    for row in ids:
+        row[first:first + len(picture)] = picture
+        labels.append([-100 if first <= i < first + len(picture) else token for i, token in enumerate(row)])
+    grid = case.image_side // 14
+    padded = collate.make_collator(pad_token_id, "padded")
+
+    def with_pixels(examples: list[dict]) -> dict:
+        batch = padded(examples)
+        batch["pixel_values"] = torch.randn(len(examples) * grid * grid, 3 * 2 * 14 * 14, generator=generator)
+        batch["image_grid_thw"] = torch.tensor([[1, grid, grid]] * len(examples))
+        return batch
+
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}), with_pixels
+
+
+def _step_timer():
+    """A trainer callback that keeps the moment each optimizer step ends (the GPU's work done)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    return StepTimes()
 
 
 def measure(case: Case, micro: int, timeout: int) -> dict:
@@ -200,15 +305,20 @@ def predict(case: Case, micro: int, target) -> tuple[dict, int]:
     from sft_play import config as config_module
     from sft_play.planner import WITHOUT_REMEDIES, make_plan
     from sft_play.planner.simulate.predict import predict as predict_peak
+    from sft_play.planner.simulate.timing import predict_time
 
     _, shape, run = resolved(case, micro, target)
     prediction = predict_peak(shape, run, micro)
+    step = predict_time(shape, run, micro * run.rows_per_example * run.sequence.tokens,
+                        target.gpu_model or target.device_name, target.interconnect, target.gpus_per_node, None, 1,
+                        run.masked(micro * run.rows_per_example))
     terms = {
         "peak_bytes": prediction.peak_bytes,
         "allocated_bytes": prediction.allocated_bytes,
         "weights_bytes": prediction.breakdown.get("weights", 0),
         "optimizer_states_bytes": prediction.breakdown.get("optimizer_states", 0),
         "allocator_cache_bytes": prediction.breakdown.get("allocator_cache", 0),
+        "seconds_per_step": step.seconds_per_step if step else None,
     }
     auto = config_module.load(
         None, case.overrides(micro, "/tmp/unused") + ["train.micro_batch_size=auto",

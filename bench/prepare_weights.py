@@ -24,8 +24,9 @@ from _common import CONFIGS  # bench/ is the script's folder
 def prepare(name: str, dtype: str, seed: int = 0) -> str:
     """Build `name`'s weights (a folder of tests/fixtures/model_configs, or any config folder)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from sft_play.architecture import model_class
     from sft_play.model import TORCH_DTYPES, has_weights, init_weights_dir, save_init_weights
 
     config_dir = CONFIGS / name if (CONFIGS / name).is_dir() else Path(name)
@@ -34,8 +35,9 @@ def prepare(name: str, dtype: str, seed: int = 0) -> str:
         return f"{name} {dtype}: already in {target}"
     started = time.time()
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=TORCH_DTYPES[dtype])
+    model_config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("cuda"):  # (a vision-language model's class: its encoder's weights too)
+        model = model_class(model_config).from_config(model_config, dtype=TORCH_DTYPES[dtype])
     save_init_weights(model, target)
     del model
     torch.cuda.empty_cache()

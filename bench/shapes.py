@@ -11,6 +11,11 @@ from pathlib import Path
 
 from _common import CONFIGS, REPO, worker_env  # bench/ is the script's folder
 
+# The long-row levers a shape can switch on, as the run's config overrides
+# (a tiled MLP recomputes each tile without replaying its random numbers: LoRA's dropout must be off)
+ROW_LEVERS = {"tiled": ("train.tiled_mlp=true",), "offload": ("train.offload_activations=true",),
+              "dropout0": ("lora.dropout=0",)}
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -22,27 +27,46 @@ class Shape:
     checkpointing: bool = True
     micro: int = 2
     layers: int | None = None  # keep only the first N decoder layers (a shape a short lease can build)
+    levers: tuple[str, ...] = ()  # long-row levers on (ROW_LEVERS)
+    pixels: int = 0  # vision-language: each row shows one square image of this many pixels
+    objective: str = "sft"  # dpo: `micro` pairs a step, prompts and answers of half seq_len each
+    steps: int = 3
+
+    def __post_init__(self):  # (a shape read back from JSON has lists)
+        object.__setattr__(self, "levers", tuple(self.levers))
 
     @property
     def label(self) -> str:
         cut = f" ({self.layers} layers)" if self.layers else ""
-        return f"{Path(self.model).name}{cut} {self.method} {self.seq_len} ckpt {'on' if self.checkpointing else 'off'}" \
-               f" micro {self.micro}"
+        extra = "".join(f" +{lever}" for lever in self.levers) + (f" {self.pixels:,} px" if self.pixels else "") + (
+            f" {self.objective}" if self.objective != "sft" else "")
+        return f"{Path(self.model).name}{cut} {self.method}{extra} {self.seq_len} ckpt " \
+               f"{'on' if self.checkpointing else 'off'} micro {self.micro}"
 
     @classmethod
     def parse(cls, text: str) -> "Shape":
-        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N]``"""
+        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N][,pixels=N][,objective=dpo]
+        [,steps=3][,tiled][,offload]``"""
         folder, *fields = text.split(",")
         values: dict = {"model": folder}
+        levers = []
         for field in fields:
             key, _, value = field.partition("=")
             key = {"seq": "seq_len", "ckpt": "checkpointing"}.get(key.strip(), key.strip())
-            if key not in {"method", "seq_len", "checkpointing", "micro", "layers"} or not value:
-                raise ValueError(f"--shape {text}: '{field}' is not one of method=, seq=, ckpt=, micro=, layers=")
+            if key in ROW_LEVERS and not value:
+                levers.append(key)
+                continue
+            if key not in {"method", "seq_len", "checkpointing", "micro", "layers", "pixels", "objective", "steps"} \
+                    or not value:
+                raise ValueError(f"--shape {text}: '{field}' is not one of method=, seq=, ckpt=, micro=, layers=, "
+                                 f"pixels=, objective=, steps= or a lever ({', '.join(ROW_LEVERS)})")
             values[key] = (value.lower() in {"on", "true", "1", "yes"} if key == "checkpointing" else
-                           value if key == "method" else int(value))
+                           value if key in {"method", "objective"} else int(value))
+        values["levers"] = tuple(levers)
         if values.get("method", "lora") not in {"full", "lora", "qlora"}:
             raise ValueError(f"--shape {text}: method must be full, lora or qlora")
+        if values.get("objective", "sft") not in {"sft", "dpo"}:
+            raise ValueError(f"--shape {text}: objective must be sft or dpo")
         if not (CONFIGS / folder).is_dir() and not (Path(folder) / "config.json").is_file():
             raise ValueError(f"--shape {text}: '{folder}' is neither a folder with a config.json nor a fixture of "
                              f"{CONFIGS.relative_to(REPO)}")

@@ -189,6 +189,17 @@ LEVERS = {
 }
 
 
+def sft_play_overrides(case: Case, output_dir: str, steps: int, global_batch: int, lever: str = "") -> list[str]:
+    """B's run config, as overrides of the defaults."""
+    return [
+        f"model.name_or_path={case.model}", f"finetune.method={case.method}", f"data.max_seq_length={case.seq_cap}",
+        "train.micro_batch_size=auto", f"train.global_batch_size={global_batch}", f"train.max_steps={steps}",
+        "train.logging_steps=1", "train.tensorboard=false", f"train.output_dir={output_dir}", "lora.r=16",
+        "lora.dropout=0", f"train.learning_rate={2e-4 if case.method != 'full' else 2e-5}",
+        *LEVERS.get(lever, []),
+    ]
+
+
 def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: str = "", global_batch: int = 64) -> dict:
     """B: SFT-Play's own path, planned for `global_batch` rows a step; with `lever`, one kernel
     switch on (LEVERS)."""
@@ -202,13 +213,8 @@ def run_sft_play(case: Case, steps: int, warmup: int, output_dir: str, lever: st
     from sft_play.model import weights_location
 
     on_cuda = torch.cuda.is_available()
-    config = config_module.load(None, [
-        f"model.name_or_path={case.model}", f"finetune.method={case.method}", f"data.max_seq_length={case.seq_cap}",
-        "train.micro_batch_size=auto", f"train.global_batch_size={global_batch}", f"train.max_steps={warmup + steps}",
-        "train.logging_steps=1", "train.tensorboard=false", f"train.output_dir={output_dir}", "lora.r=16",
-        "lora.dropout=0", f"train.learning_rate={2e-4 if case.method != 'full' else 2e-5}",
-        *LEVERS.get(lever, []),
-    ], check_paths=False)
+    config = config_module.load(None, sft_play_overrides(case, output_dir, warmup + steps, global_batch, lever),
+                                check_paths=False)
     vocab = AutoConfig.from_pretrained(weights_location(config)).vocab_size
     facts = hardware.detect()
     target = planner.target_for(facts, gpus=1, allow_cpu=True)

@@ -114,14 +114,17 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(forked,
     assert call("--max-tasks", "2") == 0
     text = report.read_text()
     assert "No GPU figure exists in this report" in text and "- device: CPU" in text
-    assert ("These rows await a GPU: S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8, B qwen2.5-0.5b-full, "
-            "T qwen2.5-0.5b-full, B llama-3.1-8b-lora") in text
+    assert ("These rows await a GPU: P llama-3.1-8b lora +dropout0 32768 ckpt on micro 1, P llama-3.1-8b lora "
+            "+dropout0 +tiled 32768 ckpt on micro 1, ") in text
     assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
-    assert "2 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
+    assert "5 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
     assert call() == 0
     rows = [json.loads(line) for line in state.read_text().splitlines()]
     results = collections.Counter(row["task"] for row in rows if row["kind"] in {"A", "B", "T", "P"})
-    assert sorted(results) == ["A tiny-lora", "B tiny-lora", "P tiny_model lora 128 ckpt off micro 4", "T tiny-lora"]
+    assert sorted(results) == ["A tiny-lora", "B tiny-lora", "P tiny-qwen2.5-vl lora 12,544 px 80 ckpt on micro 2",
+                               "P tiny_model lora +dropout0 +tiled 128 ckpt on micro 1",
+                               "P tiny_model lora 128 ckpt off micro 4", "P tiny_model lora dpo 128 ckpt on micro 2",
+                               "T tiny-lora"]
     assert set(results.values()) == {1}, "the second call went on; it did not measure again"
     assert all(row["result"].get("ok", True) for row in rows if row["kind"] in {"A", "B", "T", "P"}), rows
     assert [row["kind"] for row in rows].count("call") == 2 and any(row["kind"] == "T-try" for row in rows)
@@ -136,6 +139,9 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(forked,
     assert all(float(side[7]) > 0 for side in sides.values())  # each side's loss of its last steps
     shape = next(line for line in text.splitlines() if line.startswith("| tiny_model lora 128"))
     assert "%" in shape, shape  # predicted against measured
+    # every kind of P the GPU plan has trained its steps here: each one timed after its first
+    shapes = {row["task"]: row["result"]["measured"] for row in rows if row["kind"] == "P"}
+    assert all(len(measured["step_seconds"]) == 1 for key, measured in shapes.items() if "micro 4" not in key), shapes
     timing = next(line for line in text.splitlines() if line.startswith("| B tiny-lora |"))
     assert "n/a (no GPU to time)" in timing
     # rows of another device are not mixed into this one's: the command says so and exits, no traceback
@@ -172,13 +178,44 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
         shapes.Shape.parse("no-such-model")
     with pytest.raises(ValueError, match="batch=4"):
         shapes.Shape.parse("gemma-2-9b,batch=4")
-    snapshot = lease.gpu_plan()[0]  # a GPU's first task: the allocator on the GPU's own order, for Gemma-2
+    shape = shapes.Shape.parse("llama-3.1-8b,seq=65536,micro=1,steps=2,dropout0,offload")
+    assert shape.levers == ("dropout0", "offload") and shape.steps == 2
+    assert shape.label == "llama-3.1-8b lora +dropout0 +offload 65536 ckpt on micro 1"
+    with pytest.raises(ValueError, match="objective must be sft or dpo"):
+        shapes.Shape.parse("llama-3.1-8b,objective=kto")
+    plan = lease.gpu_plan()  # first the long rows' working set, then the allocator on the GPU's own order
+    assert [task["kind"] for task in plan[:7]] == ["P"] * 6 + ["S"]
+    snapshot = plan[6]
     assert snapshot["kind"] == "S" and snapshot["shape"]["model"] == "gemma-2-9b" and snapshot["shape"]["layers"] == 12
     assert json.loads((Path(shapes.model_folder(snapshot)) / "config.json").read_text())["num_hidden_layers"] == 12
     cut = shapes.cut_layers(REPO / "tests" / "fixtures" / "model_configs" / "qwen3-30b-a3b", 6)
     config = json.loads((cut / "config.json").read_text())
     assert config["num_hidden_layers"] == 6 and all(len(v) == 6 for v in config.values() if isinstance(v, list)
                                                     and len(v) > 1)
+
+
+def test_the_dry_run_plans_each_kind_of_gpu_task_as_the_lent_gpu_will_run_it():
+    """The rehearsal before a lease: a long row with and without a lever, an image a row, DPO
+    pairs and SFT-Play's planned side, each planned for the lent GPU within its 3 minutes; a task
+    the planner refuses is said in its row, not met on the GPU."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import lease
+    import shapes
+
+    plan = {task["key"]: task for task in lease.gpu_plan()}
+    picked = [shapes.shape_task(shape, 1) for shape in (lease.LONG_ROWS[3], lease.LONG_ROWS[5], lease.PICTURES[0],
+                                                        lease.PAIRS[0])]
+    picked += [plan["B llama-3.1-8b-lora"], shapes.shape_task(shapes.Shape("llama-3.1-8b", seq_len=0), 1)]
+    assert all(task["key"] in plan for task in picked[:4])
+    lines = lease.dry_run(picked, "h100", 8.0)
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 6
+    *planned, refused = rows
+    peaks = [float(row[3]) for row in planned]
+    assert all(0 < peak < 80 for peak in peaks)  # each fits the H100 it is planned for
+    assert peaks[1] < peaks[0]  # offloaded hidden states: less on the GPU than the plain 64k row
+    assert all(float(row[4]) > 0 and int(row[5]) <= lease.TASK_SECONDS for row in planned), planned
+    assert "cannot be planned" in refused[3]
 
 
 def test_the_tuned_search_doubles_until_memory_runs_out_in_any_form_and_keeps_the_best(monkeypatch):
@@ -252,8 +289,9 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
         {"task": "B llama-3.2-3b-full", "kind": "B", "result": {"tokens_per_second": 9000.0, "micro_batch": 8}},
         {"task": "T llama-3.2-3b-full", "kind": "T", "result": {"tokens_per_second": 1000.0, "micro_batch": 4}},
         {"task": "P llama-3.2-3b full 2048 ckpt on micro 4", "kind": "P", "result": {
-            "ok": True, "predicted": {"peak_bytes": 51 * gib, "allocated_bytes": 48 * gib},
-            "measured": {"ok": True, "peak_bytes": 50 * gib, "allocated_bytes": 47 * gib}}},
+            "ok": True, "predicted": {"peak_bytes": 51 * gib, "allocated_bytes": 48 * gib, "seconds_per_step": 1.25},
+            "measured": {"ok": True, "peak_bytes": 50 * gib, "allocated_bytes": 47 * gib,
+                         "step_seconds": [1.0, 1.5, 1.1]}}},
         {"task": "B llama-3.1-8b-lora", "kind": "B", "result": {"ok": False, "error": "out of memory",
                                                                   "predicted_peak": 70 * gib}},
         {"task": "S gemma-2-9b (12 layers) lora 2048 ckpt on micro 8", "kind": "S", "result": {
@@ -275,6 +313,7 @@ def test_a_gpu_report_renders_mfu_time_and_the_planners_error_from_its_rows(tmp_
     assert "T qwen2.5-0.5b-full, " in left and "T llama-3.1-8b-lora, " in left and "B qwen2.5-0.5b-full," not in left
     assert "| B qwen2.5-0.5b-full | 1.100 / 1.000 | +10.0% | 55.00 / 54.00 | +1.9% |" in text
     assert "| llama-3.2-3b full 2048 ckpt on micro 4 | 51.00 / 50.00 | +2.0% |" in text
+    assert "| 1.25 / 1.10 |" in text  # seconds per step: planned against the median measured
     assert "Peak: median absolute error 2.0%" in text and "32: out of memory" in text
     assert "| llama-3.1-8b-lora | B | - | failed: out of memory |" in text
     assert ("- gemma-2-9b (12 layers) lora 2048 ckpt on micro 8: 9 events; peak reserved: ...; the simulation reserves "
