@@ -14,8 +14,9 @@ memory: each tensor's bytes as asked, without the CUDA allocator's rounding, blo
 The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
 rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
 a frozen reference copy, precomputed reference log-probs and LoRA's adapters switched off, two
-pairs a step (four rows of one shape). The report puts each term of the plan beside the profile's
-category at the peak. What this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
+pairs a step (four rows of one shape); and ORPO (full) and SimPO (LoRA) steps on them, without a
+reference. The report puts each term of the plan beside the profile's category at the peak. What
+this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
 two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
 points within the step (after forward, each layer's backward, after the optimizer step).
 
@@ -44,6 +45,10 @@ CELLS = [{"method": method, "checkpointing": checkpointing, "micro": micro, "seq
 # Preference tuning (DPO, configs/run_tiny_dpo.yaml): pairs of one shape, "micro" in pairs (twice the rows)
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference}
           for method, reference in (("full", "copy"), ("full", "precomputed"), ("lora", "adapters_off"))
+          for checkpointing in (False, True)]
+# ORPO and SimPO: the same step without a reference (their loss from its log-probs)
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": "none",
+           "objective": objective} for method, objective in (("full", "orpo"), ("lora", "simpo"))
           for checkpointing in (False, True)]
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
@@ -102,9 +107,12 @@ def dpo_trainer(folder: Path, cell: dict):
     with open(REPO / "data" / "tiny_pref" / "train.jsonl") as source, open(pairs, "w") as out:
         out.writelines(itertools.islice((line for line in source if '"Reverse the letters: ' in line
                                          and len(json.loads(line)["chosen"][0]["content"]) == 9), 16))
+    objective = cell.get("objective", "dpo")
+    preference = ([f"preference.reference={cell['reference']}"] if objective == "dpo" else
+                  [f"finetune.objective={objective}", "preference.sft_weight=0"])
     config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
         f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
-        f"preference.reference={cell['reference']}", "train.max_steps=2", "train.logging_steps=1",
+        *preference, "train.max_steps=2", "train.logging_steps=1",
         "train.eval_steps=0", "train.tensorboard=false", "train.mixed_precision=no", "data.num_proc=1",
         f"train.global_batch_size={cell['micro']}", f"train.output_dir={folder}",
         f"model.name_or_path={REPO / 'configs' / 'tiny_model'}", "model.build_with=null",
@@ -193,7 +201,8 @@ def table(results: list[dict]) -> list[str]:
     lines = ["| step | method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        step = f"DPO, reference {r['reference']}" if r.get("reference") else "SFT"
+        step = (f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
+                f"DPO, reference {r['reference']}" if r.get("reference") else "SFT")
         if not r.get("ok"):
             lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
                          "| | | |")
@@ -237,7 +246,8 @@ def main() -> int:
         "planner's prediction of the same run on the CPU. By term: the plan's term less the profile's category at",
         "the peak (weights: PARAMETER; optimizer_states: OPTIMIZER_STATE; inputs: INPUT; activations: ACTIVATION;",
         "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either). DPO cells: TRL's DPOTrainer on",
-        "pairs of one shape, micro in pairs (twice the rows, 24 tokens), rows of the copy's weights counted as weights.",
+        "pairs of one shape, micro in pairs (twice the rows, 24 tokens), rows of the copy's weights counted as weights;",
+        "ORPO and SimPO cells: the same trainer's step without a reference, their loss from its log-probs.",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",

@@ -1,21 +1,24 @@
-"""DPO beside TRL's own DPO script path, on this machine: the same starting weights, pairs, steps,
-batch, learning rate and loss through SFT-Play (`make train CONFIG=configs/run_tiny_dpo.yaml` as it
-runs) and through TRL's ``DPOTrainer`` built as ``trl.scripts.dpo.main`` builds it (the model and
-its reference loaded from the folder, the pairs by ``datasets.load_dataset`` of data/tiny_pref, TRL's
-own preparation). Writes pairs per second (of the trainer's own runtime), the losses at each
-logged step and the peak resident memory of each process to docs/reports/preference.md.
+"""Preference tuning beside TRL's own trainers, on this machine: the same starting weights, pairs,
+steps, batch, learning rate and loss through SFT-Play (`make train CONFIG=configs/run_tiny_dpo.yaml`
+as it runs, with the objective set) and through TRL's trainer for that objective, built as TRL's
+own scripts build theirs (the model loaded from the folder, the pairs by ``datasets.load_dataset``
+of data/tiny_pref, TRL's own preparation): ``DPOTrainer`` as ``trl.scripts.dpo.main``; for ORPO and
+SimPO, ``ORPOTrainer`` and ``CPOTrainer`` with ``loss_type="simpo"`` (``trl.experimental``). Writes
+pairs per second (of the trainer's own runtime), the losses at each logged step and the peak
+resident memory of each process to docs/reports/preference.md.
 
-Both sides: full fine-tuning with a frozen reference copy, sigmoid DPO alone (beta 0.1; the
-default's SFT term off, TRL's script has none), fp32, global batch 16 pairs in one micro-batch,
-learning rate 5e-4 with the default's schedule, seed 42, no evaluation. The starting weights are
-the tiny model's initialised ones (configs/tiny_model, seed 0), or the SFT model `--sft` names.
+Both sides: full fine-tuning, the loss alone (beta 0.1, TRL's default for each; DPO's reference a
+frozen copy; the default's SFT term off, TRL's scripts have none; SimPO's gamma 0.5, no NLL beside
+it), fp32, global batch 16 pairs in one micro-batch, learning rate 5e-4 with the default's schedule,
+seed 42, no evaluation. The starting weights are the tiny model's initialised ones
+(configs/tiny_model, seed 0), or the SFT model `--sft` names.
 
 With --default it also times `make train CONFIG=configs/run_tiny_dpo.yaml` as a new user runs it
 (the SFT model trained first when missing), and scores the result (make eval: held-out reward
 accuracy; greedy answers against the chosen ones).
 
-Usage: python bench/preference.py [--steps 100] [--sft runs/tiny-sft/model] [--default]
-       [--out docs/reports/preference.md]
+Usage: python bench/preference.py [--objectives dpo orpo simpo] [--steps 100] [--sft runs/tiny-sft/model]
+       [--default] [--out docs/reports/preference.md]
 """
 
 from __future__ import annotations
@@ -56,12 +59,16 @@ def starting_weights(folder: Path, sft: str | None) -> str:
     return str(folder)
 
 
-def ours_worker(weights: str, folder: Path, steps: int) -> dict:
+OBJECTIVES = ("dpo", "orpo", "simpo")
+
+
+def ours_worker(weights: str, folder: Path, steps: int, objective: str = "dpo") -> dict:
     """SFT-Play's entry script in this process, as make train runs it; its summary and peak RSS."""
     import runpy
 
     sys.argv = ["scripts/train_distributed.py", "--config", "configs/run_tiny_dpo.yaml",
                 f"model.name_or_path={weights}", "model.build_with=null", "preference.sft_weight=0",
+                f"finetune.objective={objective}",
                 f"train.max_steps={steps}", "train.eval_steps=0", "train.tensorboard=false", f"train.logging_steps={logging_steps(steps)}",
                 "train.mixed_precision=no", f"train.micro_batch_size={PAIRS_PER_STEP}",
                 f"train.global_batch_size={PAIRS_PER_STEP}", f"train.learning_rate={LEARNING_RATE}",
@@ -76,32 +83,46 @@ def ours_worker(weights: str, folder: Path, steps: int) -> dict:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def trl_worker(weights: str, folder: Path, steps: int) -> dict:
-    """TRL's DPOTrainer as trl/scripts/dpo.py's main() builds it, with the same settings."""
+def trl_worker(weights: str, folder: Path, steps: int, objective: str = "dpo") -> dict:
+    """TRL's trainer for `objective` as its script builds it (trl/scripts/dpo.py's main() for DPO),
+    with the same settings."""
+    import warnings
+
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(folder / "trl"), use_cpu=True, bf16=False, report_to="none", seed=42,
-                     per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1, max_steps=steps,
-                     learning_rate=LEARNING_RATE, lr_scheduler_type="cosine", warmup_steps=0.05, logging_steps=logging_steps(steps),
-                     logging_first_step=True, activation_checkpointing=False, max_length=64, beta=0.1,
-                     loss_type=["sigmoid"], save_strategy="no", optim="adamw_torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (that trl.experimental's APIs may change)
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    common = dict(output_dir=str(folder / "trl"), use_cpu=True, bf16=False, report_to="none", seed=42,
+                  per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1, max_steps=steps,
+                  learning_rate=LEARNING_RATE, lr_scheduler_type="cosine", warmup_steps=0.05,
+                  logging_steps=logging_steps(steps), logging_first_step=True, max_length=64, beta=0.1,
+                  save_strategy="no", optim="adamw_torch")
+    if objective == "dpo":
+        trainer_class, args = DPOTrainer, DPOConfig(**common, activation_checkpointing=False, loss_type=["sigmoid"])
+    elif objective == "orpo":
+        trainer_class, args = ORPOTrainer, ORPOConfig(**common)
+    else:
+        trainer_class, args = CPOTrainer, CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.5)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(weights)
     dataset = load_dataset(str(REPO / "data" / "tiny_pref"))
-    trainer = DPOTrainer(model=model, args=args, train_dataset=dataset["train"], processing_class=tokenizer)
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset["train"], processing_class=tokenizer)
     output = trainer.train()
     losses = [round(e["loss"], 4) for e in trainer.state.log_history if "loss" in e]
     return {"runtime_s": output.metrics["train_runtime"], "losses": losses,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def side(name: str, weights: str, folder: Path, steps: int) -> dict:
+def side(name: str, weights: str, folder: Path, steps: int, objective: str = "dpo") -> dict:
     started = time.monotonic()
-    result = run_python([__file__, f"--{name}-worker", weights, folder, "--steps", steps], cwd=REPO,
-                        env=worker_env())
+    result = run_python([__file__, f"--{name}-worker", weights, folder, "--steps", steps, "--objective", objective],
+                        cwd=REPO, env=worker_env())
     line = next((line for line in reversed(result.stdout.splitlines()) if line.startswith("{")), None)
     if result.returncode != 0 or line is None:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -133,28 +154,46 @@ def the_default(folder: Path) -> dict:
             "chosen": sum(g["matches_chosen"] for g in result["generations"]), "of": len(result["generations"])}
 
 
-def report(rows: dict, steps: int, start: str, default: dict | None) -> str:
-    ours, theirs = rows["SFT-Play"], rows["TRL"]
+# What each objective's sides run, as the report says it
+RUNS = {
+    "dpo": ("DPO", "TRL's DPOTrainer", "sigmoid DPO with a frozen reference copy"),
+    "orpo": ("ORPO", "TRL's ORPOTrainer (trl.experimental)", "ORPO (the chosen answers' NLL plus beta x the odds "
+             "ratio), no reference"),
+    "simpo": ("SimPO", "TRL's CPOTrainer with loss_type simpo (trl.experimental)", "SimPO (gamma 0.5, no NLL), no "
+              "reference"),
+}
+
+
+def report(sections: dict[str, dict], steps: int, start: str, default: dict | None) -> str:
+    """`sections`: each objective's rows, side by side."""
     lines = [
-        "# Preference tuning (DPO): SFT-Play beside TRL's own DPO path",
+        "# Preference tuning: SFT-Play beside TRL's own trainers",
         "",
         "Written by `python bench/preference.py` (its docstring says what each side runs). The same starting",
         f"weights ({start}), pairs (data/tiny_pref), {steps} steps of {PAIRS_PER_STEP} pairs, learning rate",
-        f"{LEARNING_RATE:g}, sigmoid DPO with a frozen reference copy, fp32, one process each; pairs per second of",
-        "the trainer's own runtime, peak resident memory of the whole process.",
+        f"{LEARNING_RATE:g}, beta 0.1, fp32, one process each; pairs per second of the trainer's own runtime, peak",
+        "resident memory of the whole process.",
         "",
         f"- machine: {hardware_line()} (no GPU)",
         f"- software: {versions()}",
-        "",
-        f"| side | pairs/s | runtime (s) | process wall (s) | peak RSS (GiB) | losses (every {logging_steps(steps)} step(s)) |",
-        "|---|---|---|---|---|---|",
     ]
-    for name, row in rows.items():
-        lines.append(f"| {name} | {row['pairs_per_s']:.1f} | {row['runtime_s']:.1f} | {row['wall_s']:.1f} | "
-                     f"{row['peak_rss_gib']:.2f} | {', '.join(f'{x:g}' for x in row['losses'])} |")
-    same = ours["losses"] == theirs["losses"]
-    lines += ["", f"Ratio of pairs/s, SFT-Play to TRL: **{ours['pairs_per_s'] / theirs['pairs_per_s']:.2f}**; "
-              f"losses {'identical at every logged step' if same else 'differ (see the table)'}."]
+    for objective, rows in sections.items():
+        title, peer, loss = RUNS[objective]
+        ours, theirs = rows["SFT-Play"], rows["TRL"]
+        lines += ["", f"## {title}: SFT-Play beside {peer}", "", f"The loss: {loss}.", "",
+                  f"| side | pairs/s | runtime (s) | process wall (s) | peak RSS (GiB) | losses (every "
+                  f"{logging_steps(steps)} step(s)) |", "|---|---|---|---|---|---|"]
+        for name, row in rows.items():
+            lines.append(f"| {name} | {row['pairs_per_s']:.1f} | {row['runtime_s']:.1f} | {row['wall_s']:.1f} | "
+                         f"{row['peak_rss_gib']:.2f} | {', '.join(f'{x:g}' for x in row['losses'])} |")
+        same = ours["losses"] == theirs["losses"]
+        lines += ["", f"Ratio of pairs/s, SFT-Play to TRL: **{ours['pairs_per_s'] / theirs['pairs_per_s']:.2f}**; "
+                  f"losses {'identical at every logged step' if same else 'differ (see the table)'}."]
+        if objective != "dpo":
+            lines += ["", f"TRL's {title} trainer tokenises the pairs' text itself and ends each answer with one more "
+                      "end-of-sequence token than the chat template (the DPO trainer's tokens, which SFT-Play's side "
+                      "uses): its answers are a token longer, so the losses are close, not equal. The loss computed "
+                      "both ways from the same tokens is equal (tests/test_preference.py)."]
     if default is not None:
         lines += ["", "## The embedded default as a new user runs it", "",
                   "`make train CONFIG=configs/run_tiny_dpo.yaml` from a clean state (the SFT model trained first), then",
@@ -171,6 +210,8 @@ def report(rows: dict, steps: int, start: str, default: dict | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
+    parser.add_argument("--objective", choices=OBJECTIVES, default="dpo", help=argparse.SUPPRESS)  # (a worker's)
     parser.add_argument("--sft", help="the SFT model both sides start from (default: the tiny model initialised)")
     parser.add_argument("--default", action="store_true", help="also time and score make train of the default")
     parser.add_argument("--out", type=Path, default=REPORTS / "preference.md")
@@ -180,15 +221,17 @@ def main() -> int:
     for name, worker in (("ours_worker", ours_worker), ("trl_worker", trl_worker)):
         given = getattr(args, name)
         if given:
-            print(json.dumps(worker(given[0], Path(given[1]), args.steps)))
+            print(json.dumps(worker(given[0], Path(given[1]), args.steps, args.objective)))
             return 0
     with tempfile.TemporaryDirectory(prefix="sft-play-preference-") as folder:
         root = Path(folder)
         weights = starting_weights(root / "start", args.sft)
-        rows = {"SFT-Play": side("ours", weights, root, args.steps), "TRL": side("trl", weights, root, args.steps)}
+        sections = {objective: {"SFT-Play": side("ours", weights, root / objective, args.steps, objective),
+                                "TRL": side("trl", weights, root / objective, args.steps, objective)}
+                    for objective in args.objectives}
         default = the_default(root / "default") if args.default else None
     start = args.sft or "the tiny model initialised, configs/tiny_model seed 0"
-    args.out.write_text(report(rows, args.steps, start, default))
+    args.out.write_text(report(sections, args.steps, start, default))
     print(args.out.read_text())
     return 0
 

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from sft_play import architecture, hardware
 from sft_play.architecture import ModelFacts, adapter_parts
 from sft_play.adapters import LoraSpec
-from sft_play.config import RunConfig
+from sft_play.config import REFERENCE_FREE, RunConfig
 from sft_play.parallelism import Parallelism, Strategy
 from sft_play.precision import DTYPE_BYTES, Precision, resolve_optimizer, resolve_precision
 
@@ -160,19 +160,20 @@ class Kernels:
 
 @dataclass(frozen=True)
 class Preference:
-    """A preference-tuning run's step (``finetune.objective: dpo``): each pair is two rows, chosen
-    and rejected, through the policy; the reference log-probs come from the base with the
-    adapters off (a second forward of the same weights), a frozen copy of the weights (a second
-    model in memory and a forward through it), or a pass over the data before training."""
+    """A preference-tuning run's step (``finetune.objective``: dpo, orpo or simpo): each pair is
+    two rows, chosen and rejected, through the policy. DPO's reference log-probs come from the
+    base with the adapters off (a second forward of the same weights), a frozen copy of the
+    weights (a second model in memory and a forward through it), or a pass over the data before
+    training; ORPO and SimPO score the policy alone (``none``)."""
 
-    objective: str  # dpo
-    reference: Literal["adapters_off", "copy", "precomputed"]
+    objective: str  # dpo, orpo or simpo
+    reference: Literal["adapters_off", "copy", "precomputed", "none"]
     precompute_batch_size: int | None = None  # pairs per forward of the precompute pass (None: the micro-batch)
 
     @property
     def reference_forward(self) -> bool:
-        """Whether each step runs a reference forward (not precomputed)."""
-        return self.reference != "precomputed"
+        """Whether each step runs a reference forward (not precomputed, not reference-free)."""
+        return self.reference not in ("precomputed", "none")
 
 
 def preference_of(config: RunConfig) -> Preference | None:
@@ -182,7 +183,9 @@ def preference_of(config: RunConfig) -> Preference | None:
         return None
     pref = config.preference
     reference = pref.reference
-    if reference == "auto":
+    if config.finetune.objective in REFERENCE_FREE:
+        reference = "none"
+    elif reference == "auto":
         reference = "copy" if config.finetune.method == "full" else "adapters_off"
     return Preference(config.finetune.objective, reference, pref.precompute_batch_size)
 

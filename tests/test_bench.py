@@ -600,5 +600,5 @@ def test_the_preference_bench_trains_both_sides_to_the_same_losses(forked, tmp_p
     assert len(rows["SFT-Play"]["losses"]) == len(rows["TRL"]["losses"]) == 3
     assert rows["SFT-Play"]["losses"] == pytest.approx(rows["TRL"]["losses"], abs=1e-4)
     assert rows["SFT-Play"]["losses"][0] == pytest.approx(0.6931, abs=1e-4)
-    text = preference.report(rows, 3, "the tiny model initialised", None)
+    text = preference.report({"dpo": rows}, 3, "the tiny model initialised", None)
     assert "| SFT-Play |" in text and "| TRL |" in text and "Ratio of pairs/s" in text

@@ -1,4 +1,4 @@
-"""Preference tuning (finetune.objective: dpo): the config's refusals, the pair formats and their
+"""Preference tuning (finetune.objective: dpo, orpo, simpo): the config's refusals, the pair formats and their
 bad rows, tokens identical to TRL's DPOTrainer preparation, the pairs' statistics and cache, the
 planner's step of two rows per pair with its reference, and real DPO runs through the entry script."""
 
@@ -65,12 +65,34 @@ def test_each_impossible_combination_is_one_line(overrides, says):
     assert len([p for p in problems if says in p]) == 1, problems
 
 
+@pytest.mark.parametrize("objective, overrides, says", [
+    ("orpo", ["preference.reference=copy"], "preference.reference: copy; finetune.objective=orpo scores the policy"),
+    ("simpo", ["preference.reference=precomputed"], "finetune.objective=simpo scores the policy alone"),
+    ("orpo", ["preference.loss_type=ipo"], "preference.loss_type: DPO's loss"),
+    ("simpo", ["preference.precompute_batch_size=4"], "preference.precompute_batch_size"),
+    ("orpo", ["preference.sft_weight=1"], "the NLL is part of ORPO already"),
+    ("orpo", ["preference.label_smoothing=0.1"], "TRL's ORPO has none"),
+    ("orpo", ["preference.simpo_gamma=1"], "SimPO's margin"),
+    ("dpo", ["preference.simpo_gamma=1"], "set finetune.objective=simpo"),
+    ("simpo", ["train.tiled_mlp=true"], "train.tiled_mlp: an SFT lever"),
+    ("orpo", ["data.train_on=all"], "scores the answers"),
+])
+def test_the_reference_free_objectives_refuse_a_reference_and_dpos_settings(objective, overrides, says):
+    with pytest.raises(config_module.ConfigError) as caught:
+        config_module.load(None, [f"finetune.objective={objective}", *overrides], check_paths=False)
+    problems = caught.value.problems
+    assert len([p for p in problems if says in p]) == 1, problems
+    # what each takes: SimPO's margin and the NLL beside it (CPO-SimPO), label smoothing
+    config_module.load(None, ["finetune.objective=simpo", "preference.simpo_gamma=1", "preference.sft_weight=0.5",
+                              "preference.label_smoothing=0.1", "preference.beta=2"], check_paths=False)
+
+
 def test_sft_configs_are_unchanged_and_a_stray_preference_section_is_named():
     assert schema.consistency_problems(config_module.load(REPO / "configs" / "run_tiny.yaml", [])) == []
     with pytest.raises(config_module.ConfigError) as caught:
         config_module.load(None, ["preference.beta=0.2"], check_paths=False)
     assert caught.value.problems == ["preference: set, but finetune.objective is sft (it would be ignored); set "
-                        "finetune.objective=dpo to train on chosen/rejected pairs"]
+                                     "finetune.objective to dpo, orpo or simpo to train on chosen/rejected pairs"]
     # the run folder's config.yaml holds every section at its defaults: read back, it says nothing
     saved = config_module.RunConfig().to_yaml()
     assert schema.consistency_problems(config_module.RunConfig.model_validate(__import__("yaml").safe_load(saved))) == []
@@ -283,6 +305,86 @@ def test_the_plan_counts_two_rows_a_pair_the_reference_forward_and_its_copy():
         assert with_copy > scored_before + memory.reference_bytes(shape, copy) - 1
     assert [predict.predict(shape, copy, m).peak_bytes for m in (1, 2, 4)] == sorted(
         predict.predict(shape, copy, m).peak_bytes for m in (1, 2, 4))
+    # ORPO and SimPO score the policy alone: no reference forward, no copy, the precomputed run's step
+    for objective in ("orpo", "simpo"):
+        _, alone = setup(f"finetune.objective={objective}", "preference.sft_weight=0")
+        assert alone.preference.reference == "none" and memory.reference_bytes(shape, alone) == 0
+        assert not alone.preference.reference_forward and alone.rows_per_example == 2
+        assert [predict.predict(shape, alone, m).peak_bytes for m in (1, 2, 4)] == [
+            predict.predict(shape, precomputed, m).peak_bytes for m in (1, 2, 4)]
+
+
+def test_no_remedy_offers_a_reference_to_a_run_that_has_none():
+    from sft_play.planner import Target
+    from sft_play.planner.choose import remedies
+    from sft_play.units import GIB
+
+    target = Target(1, 24 * GIB, "1 x 24 GiB")
+    offered = {objective: [r.name for r in remedies.REMEDIES if r.applies(config, target)] for objective, config in (
+        ("dpo", dpo_config("finetune.method=full")),
+        ("orpo", dpo_config("finetune.objective=orpo", "finetune.method=full")),
+        ("simpo", dpo_config("finetune.objective=simpo")))}
+    assert "precomputed reference" in offered["dpo"]
+    assert "precomputed reference" not in offered["orpo"] + offered["simpo"]
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_the_reference_free_losses_are_trls_own_from_the_full_logits(objective):
+    """ORPO's and SimPO's loss here (TRL's fused head, average log-prob per answer) against TRL's
+    ORPOTrainer / CPOTrainer computation from the full b x s x V logits of the same model and pairs:
+    its get_batch_logps, its cross-entropy NLL of the chosen answers, its loss function."""
+    import collections
+    import warnings
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sft_play.data import preference
+    from sft_play.model import load_tokenizer, score_labelled_positions_only
+    from sft_play.training.preference import reference_free_loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.cpo import CPOTrainer
+        from trl.experimental.orpo import ORPOTrainer
+
+    config = dpo_config(f"finetune.objective={objective}", "data.max_seq_length=64",
+                        *(["preference.beta=2", "preference.simpo_gamma=0.8", "preference.sft_weight=0.3",
+                           "preference.label_smoothing=0.1"] if objective == "simpo" else ["preference.beta=0.3"]))
+    tokenizer = load_tokenizer(config_module.load(None, ["model.name_or_path=configs/tiny_model"], check_paths=False))
+    pairs = preference.pairs_of(str(REPO / "data" / "tiny_pref" / "validation.jsonl"), config.data, config.preference,
+                                tokenizer)[:6]
+    batch = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=64)(
+        [{c: p[c] for c in preference.PAIR_COLUMNS} for p in pairs])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny_model"))
+    pref = config.preference
+    accelerator = types.SimpleNamespace(gather_for_metrics=lambda t: t, device=torch.device("cpu"))
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=accelerator, beta=pref.beta, label_smoothing=pref.label_smoothing,
+        loss_type="simpo", simpo_gamma=pref.simpo_gamma, alpha=0.0, cpo_alpha=pref.sft_weight,
+        aux_loss_enabled=False, _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1)
+    score_labelled_positions_only()
+    add_fused_lm_head(model)
+    ours = reference_free_loss(trainer, objective, model, dict(batch), False)
+
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    half = len(pairs)
+    average = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    nll = torch.nn.functional.cross_entropy(logits[:half, :-1].reshape(-1, logits.shape[-1]), labels[:half, 1:].reshape(-1))
+    if objective == "orpo":
+        losses = ORPOTrainer.odds_ratio_loss(trainer, average[:half], average[half:])[0]
+        theirs = nll - losses.mean()
+    else:
+        losses = CPOTrainer.cpo_loss(trainer, average[:half], average[half:])[0]
+        theirs = losses.mean() + pref.sft_weight * nll
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (float(ours), float(theirs))
+    logged = trainer._metrics["train"]
+    assert logged["rewards/accuracies"] and logged["nll_loss"][0] == pytest.approx(float(nll.detach()), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,6 +435,24 @@ def test_dpo_trains_and_logs_rewards(tmp_path, method, reference):
         assert saved["r"] == 16 and not (run_dir / "model" / "ref").exists()  # the run's own adapter only
 
 
+@pytest.mark.parametrize("objective, method", [("orpo", "full"), ("simpo", "lora")])
+def test_orpo_and_simpo_train_without_a_reference(tmp_path, objective, method):
+    """Six steps of each reference-free objective through the entry script: the loss falls, the
+    chosen answers' reward (beta x their average log-prob) pulls ahead of the rejected ones', and
+    the run keeps no reference."""
+    run_dir, _ = _dpo_run(tmp_path, objective, f"finetune.objective={objective}", f"finetune.method={method}",
+                          "train.learning_rate=3e-3", *(["preference.beta=2"] if objective == "simpo" else []))
+    scalars = _scalars(run_dir)
+    losses = scalars["train/loss"]
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert scalars["train/rewards/margins"][-1] > scalars["train/rewards/margins"][0]
+    assert scalars["eval/rewards/accuracies"][-1] > 0.9 and "train/nll_loss" in scalars
+    if objective == "orpo":
+        assert "train/log_odds_ratio" in scalars
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["preference"] == {"objective": objective, "reference": "none", "precompute_batch_size": None}
+
+
 def test_make_eval_scores_held_out_pairs(tmp_path):
     run_dir, _ = _dpo_run(tmp_path, "eval", "train.learning_rate=3e-3")
     result = run_script("evaluate.py", "--run", str(run_dir), "--count", "2")
@@ -377,8 +497,9 @@ def _dpo_factory(tmp_path: Path, callbacks: list, *overrides: str):
                                     reference=model.load_reference(config, run, device="cpu"))
 
 
-@pytest.mark.parametrize("overrides", [("finetune.method=lora",), ("preference.reference=precomputed",)],
-                         ids=["lora", "precomputed"])
+@pytest.mark.parametrize("overrides", [("finetune.method=lora",), ("preference.reference=precomputed",),
+                                       ("finetune.objective=orpo", "preference.sft_weight=0")],
+                         ids=["lora", "precomputed", "orpo"])
 def test_an_out_of_memory_backoff_keeps_the_pairs_and_the_reference(tmp_path, overrides):
     """Halving the micro-batch of pairs keeps the global batch of pairs; the trainer rebuilt from
     the checkpoint keeps the run's reference: for LoRA the base with the adapter off (not the copy
@@ -403,6 +524,8 @@ def test_an_out_of_memory_backoff_keeps_the_pairs_and_the_reference(tmp_path, ov
     assert "ref" not in getattr(trainer.model, "peft_config", {})
     if "preference.reference=precomputed" in overrides:  # scored before training, no model kept for it
         assert trainer.ref_model is None and "ref_chosen_logps" in trainer.train_dataset.column_names
+    if "finetune.objective=orpo" in overrides:  # full fine-tuning, and no reference TRL would have loaded
+        assert trainer.ref_model is None and "ref_chosen_logps" not in trainer.train_dataset.column_names
     reference, _ = training.train_with_backoff(_dpo_factory(tmp_path / "reference", [], *overrides),
                                                BatchSplit(8, 1, 1, 8))
     ours = [e["loss"] for e in trainer.state.log_history if "loss" in e]

@@ -1,7 +1,8 @@
 """Preference tuning on two CPU processes under every strategy, started by the make targets: DDP
 and ZeRO-2 (the reference copy whole in each process: TRL prepares it at ZeRO stage 0), ZeRO-3
 (the reference sharded by TRL's prepare_deepspeed, loaded under zero.Init) and FSDP2 (LoRA: the
-reference is the base with the adapter off). The same pairs and reference give the same losses."""
+reference is the base with the adapter off), and ORPO under ZeRO-3 (no reference at all). The same
+pairs and reference give the same losses."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ RUNS = {  # name: (make target, overrides)
     "zero2": ("train-deepspeed", ("distributed.strategy=deepspeed_zero2",)),
     "zero3": ("train-deepspeed", ("distributed.strategy=deepspeed_zero3",)),
     "fsdp2-lora": ("train-distributed", ("distributed.strategy=fsdp2", "finetune.method=lora")),
+    # ORPO, full fine-tuning sharded: no reference loaded, none prepared for DeepSpeed
+    "orpo-zero3": ("train-deepspeed", ("distributed.strategy=deepspeed_zero3", "finetune.objective=orpo")),
 }
 COMMON = ("model.name_or_path=configs/tiny_model", "train.max_steps=3", "train.logging_steps=1", "train.eval_steps=0",
           "train.global_batch_size=8", "train.mixed_precision=no", "data.num_proc=1", "preference.sft_weight=0")
@@ -47,9 +50,13 @@ def test_dpo_trains_on_two_processes(runs, name):
     assert "2 process(es) on 1 node(s)" in result.stdout + result.stderr
     run = json.loads((root / name / "run.json").read_text())
     assert run["parallel"]["world_size"] == 2 and run["preference"]["reference"] == (
-        "adapters_off" if "lora" in name else "copy")
+        "none" if "orpo" in name else "adapters_off" if "lora" in name else "copy")
     losses = _losses(result.stdout + result.stderr)
-    assert len(losses) == 3 and losses[0] == pytest.approx(0.6931, abs=1e-4), losses
+    assert len(losses) == 3, losses
+    if "orpo" in name:  # the chosen answers' NLL (about log 512 from random weights) minus beta x the odds term
+        assert 5.5 < losses[0] < 7 and losses[-1] < losses[0] and "log_odds_ratio" in result.stdout + result.stderr
+    else:  # the policy is its reference: log 2
+        assert losses[0] == pytest.approx(0.6931, abs=1e-4), losses
     if name in ("ddp", "zero2"):  # replicated weights: every rank ends with the same
         assert re.search(r"final weights identical on all 2 rank\(s\)", result.stdout + result.stderr)
 

@@ -79,17 +79,23 @@ class FinetuneConfig(_Section):
     train_projector: bool = Field(
         False, description="Vision-language models: train the projector that maps image features into the language "
         "model (its weights, under LoRA and QLoRA too: beside the adapters, kept 16-bit); false keeps it frozen.")
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
         "sft", description="sft: supervised fine-tuning on answers; dpo: preference tuning on chosen/rejected pairs "
-        "(TRL's DPOTrainer; the preference section; docs/PREFERENCE.md). Start it from an SFT run's model: "
+        "against a reference (TRL's DPOTrainer); orpo: the chosen answers' NLL plus an odds-ratio term, no reference "
+        "(ORPO, which can start from the base model); simpo: a margin between the answers' average log-probs, no "
+        "reference (SimPO). The preference section; docs/PREFERENCE.md. Start dpo and simpo from an SFT run's model: "
         "model.name_or_path=runs/<sft>/model.")
 
 
 class PreferenceConfig(_Section):
-    """Preference tuning (``finetune.objective: dpo``): the loss and the reference model."""
+    """Preference tuning (``finetune.objective: dpo``, ``orpo`` or ``simpo``): the loss and the reference model."""
 
-    beta: float = Field(0.1, gt=0, description="How far the policy may move from the reference: the reward is "
-                        "beta x (policy log-prob - reference log-prob) of an answer.")
+    beta: float = Field(0.1, gt=0, description="dpo: how far the policy may move from the reference (the reward "
+                        "is beta x (policy log-prob - reference log-prob) of an answer); orpo: the odds-ratio term's "
+                        "weight beside the NLL (lambda; 0.1 as TRL's ORPOConfig); simpo: the scale of the average "
+                        "log-prob reward (SimPO's authors use 2-2.5; 0.1 is TRL's CPOConfig default).")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the margin the chosen answer's reward must exceed the "
+                               "rejected one's by (TRL's simpo_gamma).")
     loss_type: Union[str, list[str]] = Field(
         "sigmoid", description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, exo_pair, bco_pair, nca_pair, "
         "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm, sft; a list sums them "
@@ -97,14 +103,15 @@ class PreferenceConfig(_Section):
     loss_weights: list[float] | None = Field(None, description="One weight per loss_type entry; null: all 1.")
     sft_weight: float = Field(
         0.0, ge=0, description="Adds TRL's sft loss (the chosen answers' NLL) at this weight beside the preference "
-        "loss (RPO; LLaMA-Factory's pref_ftx); keeps the chosen answers likely. 0: off.")
+        "loss (RPO; LLaMA-Factory's pref_ftx; under simpo CPO-SimPO's cpo_alpha); keeps the chosen answers likely. "
+        "0: off. ORPO's loss has its NLL built in.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Conservative DPO / robust / exo_pair: the assumed "
                                    "share of pairs labelled the wrong way round.")
     reference: Literal["auto", "adapters_off", "copy", "precomputed"] = Field(
         "auto", description="Where the reference log-probs come from. adapters_off: the base under LoRA/QLoRA with "
         "the adapters switched off (no memory); copy: a frozen second copy of the weights (full fine-tuning); "
         "precomputed: one forward pass over the data before training, no reference in memory while training. "
-        "auto: adapters_off for lora/qlora, copy for full.")
+        "auto: adapters_off for lora/qlora, copy for full (orpo and simpo use no reference: leave it at auto).")
     max_prompt_length: int | None = Field(
         None, gt=0, description="Prompts longer than this many tokens keep their last ones (cut from the left), so "
         "that the answers fit data.max_seq_length; null: prompts are not cut.")
@@ -493,15 +500,22 @@ def preference_losses(config: RunConfig) -> tuple[list[str], list[float] | None]
     return losses, weights
 
 
+# Preference objectives that score the policy alone: no reference model, forward or pass
+REFERENCE_FREE = ("orpo", "simpo")
+
+
 def preference_problems(config: RunConfig) -> list[str]:
     """What cannot go together with preference tuning, one message each (none for SFT unless the
     preference section is set: it would be ignored)."""
-    pref, method, data, train = config.preference, config.finetune.method, config.data, config.train
-    if config.finetune.objective == "sft":
-        return ((["preference: set, but finetune.objective is sft (it would be ignored); set finetune.objective=dpo "
-                  "to train on chosen/rejected pairs"] if pref != PreferenceConfig() else [])
-                + ([f"data.format={data.format} is preference data: set finetune.objective=dpo to train on it"]
-                   if data.format in ("preference", "pairwise") else []))
+    pref, method, data = config.preference, config.finetune.method, config.data
+    objective = config.finetune.objective
+    if objective == "sft":
+        return ((["preference: set, but finetune.objective is sft (it would be ignored); set finetune.objective to "
+                  "dpo, orpo or simpo to train on chosen/rejected pairs"] if pref != PreferenceConfig() else [])
+                + ([f"data.format={data.format} is preference data: set finetune.objective to dpo, orpo or simpo to "
+                    "train on it"] if data.format in ("preference", "pairwise") else []))
+    if objective in REFERENCE_FREE:
+        return _reference_free_problems(config) + _pair_problems(config)
     problems = []
     losses = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
     unknown = [name for name in losses if name not in DPO_LOSSES]
@@ -528,13 +542,40 @@ def preference_problems(config: RunConfig) -> list[str]:
         problems.append("preference.reference=precomputed under FSDP2 with full fine-tuning: TRL then loads a "
                         "reference of its own from the model's name, without model.revision or initialised weights; "
                         "use preference.reference=copy, or deepspeed_zero3")
+    if pref.reference == "precomputed" and data.streaming:
+        problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
+                        "data.streaming=false, or use another preference.reference")
+    if pref.simpo_gamma != PreferenceConfig().simpo_gamma:
+        problems.append("preference.simpo_gamma is SimPO's margin: set finetune.objective=simpo, or leave it out")
+    return problems + _pair_problems(config)
+
+
+def _reference_free_problems(config: RunConfig) -> list[str]:
+    """What an ORPO or SimPO run cannot take: a reference, and the DPO loss's own settings."""
+    pref, objective = config.preference, config.finetune.objective
+    default = PreferenceConfig()
+    problems = [f"preference.{key}: {what}; finetune.objective={objective} scores the policy alone (no reference), "
+                "leave it out" for key, what in (
+                    ("reference", f"{pref.reference}"), ("precompute_batch_size", "a reference pass's batch"),
+                    ("loss_type", "DPO's loss"), ("loss_weights", "DPO's loss weights"))
+                if getattr(pref, key) != getattr(default, key)]
+    if objective == "orpo":
+        problems += [f"preference.{key}: {what} (ORPO's loss is the chosen answers' NLL plus beta x its odds-ratio "
+                     "term); leave it out" for key, what in (
+                         ("sft_weight", "the NLL is part of ORPO already"),
+                         ("label_smoothing", "TRL's ORPO has none"), ("simpo_gamma", "SimPO's margin"))
+                     if getattr(pref, key) != getattr(default, key)]
+    return problems
+
+
+def _pair_problems(config: RunConfig) -> list[str]:
+    """What no preference objective takes: the data settings and SFT levers pairs do not fit."""
+    data, train = config.data, config.train
+    problems = []
     if data.special_tokens_in_text != "keep":
         problems.append(f"data.special_tokens_in_text={data.special_tokens_in_text}: pairs are tokenised as TRL's "
                         "DPOTrainer tokenises them, which reads special tokens written in the text as the tokens; "
                         "leave it at keep")
-    if pref.reference == "precomputed" and data.streaming:
-        problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
-                        "data.streaming=false, or use another preference.reference")
     if data.train_on != "completion":
         problems.append(f"data.train_on={data.train_on}: preference tuning scores the answers (what follows the "
                         "prompt) only; leave data.train_on at completion")

@@ -48,7 +48,7 @@ def trainer_factory(
     if run.preference is not None:
         from sft_play.training import preference
 
-        trainer_class = preference.trainer_class()
+        trainer_class = preference.trainer_class(config)
     else:
         trainer_class = _trainer_class(architecture.hidden_size(model.config) if run.offload_activations else None,
                                        run.parallel.sequence_parallel)

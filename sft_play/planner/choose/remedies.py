@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sft_play.architecture import config_identity, is_vision_language, load_model_config, sizes_by_pixels
-from sft_play.config import RunConfig, parse_override
+from sft_play.config import REFERENCE_FREE, RunConfig, parse_override
 from sft_play.config.schema import consistency_problems
 from sft_play.hardware import gpu_model_for_memory
 from sft_play.parallelism import Strategy
@@ -171,8 +171,10 @@ def _sft(config: RunConfig) -> bool:
 
 
 def _reference_kept(config: RunConfig) -> bool:
-    """A preference run whose reference log-probs come from a forward in each step (not precomputed)."""
-    return not _sft(config) and config.preference.reference != "precomputed" and not config.data.streaming
+    """A DPO run whose reference log-probs come from a forward in each step (not precomputed; ORPO
+    and SimPO have no reference)."""
+    return (config.finetune.objective not in REFERENCE_FREE and not _sft(config)
+            and config.preference.reference != "precomputed" and not config.data.streaming)
 
 
 @functools.lru_cache(maxsize=32)

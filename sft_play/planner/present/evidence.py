@@ -60,7 +60,7 @@ def lines(found: dict[str, Any]) -> list[str]:
 def _kind(run: Run, shape: ModelShape) -> dict[str, Any]:
     return {"model_type": shape.model_type, "method": run.method,
             "strategy": "none" if run.parallel.world_size <= 1 else run.parallel.strategy.name,
-            "objective": "dpo" if run.preference is not None else "sft",
+            "objective": run.preference.objective if run.preference is not None else "sft",
             "attention": run.kernels.attention, "tokens": run.sequence.tokens}
 
 
