@@ -14,8 +14,8 @@ memory: each tensor's bytes as asked, without the CUDA allocator's rounding, blo
 The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
 rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
 a frozen reference copy, precomputed reference log-probs and LoRA's adapters switched off, two
-pairs a step (four rows of one shape); and ORPO (full) and SimPO (LoRA) steps on them, without a
-reference. The report puts each term of the plan beside the profile's category at the peak. What
+pairs a step (four rows of one shape), and one whose reference pass before training takes all
+16 pairs a forward; and ORPO (full) and SimPO (LoRA) steps on them, without a reference. The report puts each term of the plan beside the profile's category at the peak. What
 this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
 two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
 points within the step (after forward, each layer's backward, after the optimizer step).
@@ -46,6 +46,9 @@ CELLS = [{"method": method, "checkpointing": checkpointing, "micro": micro, "seq
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference}
           for method, reference in (("full", "copy"), ("full", "precomputed"), ("lora", "adapters_off"))
           for checkpointing in (False, True)]
+# TRL's reference pass before training at 8 times the micro-batch (all 16 pairs a forward): the run's peak
+CELLS += [{"method": "full", "checkpointing": True, "micro": 2, "seq": 64, "reference": "precomputed",
+           "precompute": 16}]
 # ORPO and SimPO: the same step without a reference (their loss from its log-probs)
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": "none",
            "objective": objective} for method, objective in (("full", "orpo"), ("lora", "simpo"))
@@ -110,6 +113,8 @@ def dpo_trainer(folder: Path, cell: dict):
     objective = cell.get("objective", "dpo")
     preference = ([f"preference.reference={cell['reference']}"] if objective == "dpo" else
                   [f"finetune.objective={objective}", "preference.sft_weight=0"])
+    if cell.get("precompute"):
+        preference.append(f"preference.precompute_batch_size={cell['precompute']}")
     config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
         f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
         *preference, "train.max_steps=2", "train.logging_steps=1",
@@ -185,7 +190,8 @@ def measure(cell: dict, folder: Path) -> dict:
     # rules compared, not the data's statistics (a plan assumes full rows and the data's share)
     shape = model_shape(config)
     predictions = []
-    for rows, tokens, labelled in batches[:2]:
+    steps = [b for b in batches if b[0] == cell["micro"] * run.rows_per_example]  # (not a reference pass's batch)
+    for rows, tokens, labelled in steps[:2]:
         sequence = dataclasses.replace(run.sequence, tokens=tokens,
                                        loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
         # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
@@ -194,7 +200,7 @@ def measure(cell: dict, folder: Path) -> dict:
     prediction = max(predictions, key=lambda p: p.peak_bytes)
     return {**cell, "ok": True, "measured_bytes": peak + made_before, "measured": dict(measured),
             "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,
-            "batches": batches[:2], "torch": torch.__version__}
+            "batches": steps[:2], "torch": torch.__version__}
 
 
 def table(results: list[dict]) -> list[str]:
@@ -202,7 +208,8 @@ def table(results: list[dict]) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         step = (f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
-                f"DPO, reference {r['reference']}" if r.get("reference") else "SFT")
+                f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
+                if r.get("reference") else "SFT")
         if not r.get("ok"):
             lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
                          "| | | |")

@@ -25,7 +25,7 @@ def print_pairs(run: object, result: dict, data: str | None) -> None:
           f"(min {result['margin_min']:.3f}), rewards chosen {result['chosen_reward']:.3f} / rejected "
           f"{result['rejected_reward']:.3f} (beta {result['beta']:g})\n"
           f"  the model prefers the chosen answer in {result['preference_accuracy']:.3f} of the pairs "
-          f"({result['preference_accuracy_before']:.3f} before: its reference)")
+          f"({result['preference_accuracy_before']:.3f} before: the model it started from)")
     for g in result["generations"]:
         mark = "ok " if g["matches_chosen"] else ("rej" if g["matches_rejected"] else "no ")
         print(f"  {mark} {g['prompt']!r} -> {g['answer']!r} (chosen {g['chosen']!r}, rejected {g['rejected']!r})")

@@ -6,7 +6,12 @@ class UserError(Exception):
 
 
 class OutOfMemory(UserError):
-    """Training ran out of memory and could not back off any further."""
+    """Training ran out of memory and could not back off any further; `split` is the batch split
+    it ran out at."""
+
+    def __init__(self, message: str, split: object = None):
+        super().__init__(message)
+        self.split = split
 
 
 def hub_error(name: str, error: OSError, what: str = "model", config_only: bool = False) -> UserError:

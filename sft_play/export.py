@@ -427,7 +427,8 @@ def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConf
                    batch_size: int, data_path: str | None) -> dict[str, Any]:
     """A preference run's evaluation on its held-out pairs (or `data_path`'s): the rewards as DPO
     defines them, beta x (policy - reference) log-probability of each answer, with the reference
-    the run trained against (the base with the adapter off, or the model it started from);
+    the run trained against (the base with the adapter off, or the model it started from; for
+    ORPO and SimPO, which train against none, the model they started from too);
     ``reward_accuracy`` the share of pairs whose chosen answer's reward is the higher (TRL's
     ``rewards/accuracies``: 0 before training, where every reward is 0); ``preference_accuracy``
     the share of pairs whose chosen answer the model itself finds likelier, for the trained model

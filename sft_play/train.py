@@ -2,8 +2,9 @@
 (``python``), under torchrun, under ``accelerate launch`` and under DeepSpeed:
 
   config -> placement -> process group -> shared run folder -> tokenizer -> data
-    -> run (every decision, once) -> plan -> run folder -> model -> trainer
-    -> [calibration] -> train (with OOM backoff) -> outcome: stopped, NaN, or saved
+    -> decide: run (every decision, once) and plan -> run folder
+    -> build: model, collator, callbacks, trainer factory -> calibrated: [calibration]
+    -> train_phase: train (with OOM backoff) -> finish: stopped, NaN, or saved
 
 The run is decided once, and completed by its plan (the batch split); what changes after that
 (calibration's split, an out-of-memory backoff) is recorded as events beside it, and the split
@@ -72,8 +73,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     base_weights = model.weights_location(config)
     where = placement(config)
     state = start_processes(config, where)
-    output_dir = Path(config.train.output_dir)
-    check_shared_folder(output_dir)
+    check_shared_folder(Path(config.train.output_dir))
     facts = shared_hardware(state, where)
 
     checks.ensure_positions(config)
@@ -82,8 +82,34 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     with state.main_process_first():
         bundle = data.build_for_run(config, tokenizer, processor)  # (preference pairs, or SFT examples)
 
-    # Every decision about the run, once: the planner, the loader, the collator, the trainer
-    # arguments and the disk check all read `run`
+    shape, run, plan = decide(config, state, where, facts, bundle)
+    counts = run_folder.data_summary(bundle.stats)
+    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, counts)
+    if state.is_main_process:
+        run_folder.write_plan(run_dir, report.to_json(plan))
+        run_folder.write_run(run_dir, run, counts, base_weights)
+    announce(state, run, plan)
+
+    built = build(config, state, where, run, run_dir, tokenizer, processor, bundle, stop, resume_checkpoint)
+    checked = calibrated(config, state, where, run, shape, plan, built.make_trainer, run_dir)
+    if callbacks.any_rank(stop.received is not None):
+        if state.is_main_process:
+            print(f"\nStopped by {stop.received or 'a signal'} before training started: nothing new to save\n"
+                  f"  resume: {resume_command()}", flush=True)
+        state.wait_for_everyone()
+        return EXIT_INTERRUPTED
+
+    trained = train_phase(state, where, run_dir, built, checked, resume_checkpoint)
+    if isinstance(trained, int):
+        return trained
+    trainer, batch = trained
+    return finish(config, state, where, facts, run, run_dir, bundle, counts, built, checked, trainer, batch, stop)
+
+
+def decide(config: RunConfig, state: PartialState, where: Placement, facts: hardware.HardwareInfo,
+           bundle: Any) -> tuple[Any, Run, Any]:
+    """Every decision about the run, once (the planner, the loader, the collator, the trainer
+    arguments and the disk check all read the run): (model shape, run as planned, plan)."""
     target = planner.target_for(facts if where.on_cuda else facts.without_gpus(), gpus=state.num_processes,
                                 allow_cpu=True)
     shape = planner.model_shape(config)
@@ -97,38 +123,48 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     if run.parallel.context_parallel > 1 and state.is_main_process:
         logger.info("context parallelism: each row split across %d processes (torch's ring attention)",
                     run.parallel.context_parallel)
-    counts = run_folder.data_summary(bundle.stats)
+    return shape, run, plan
 
-    run_dir, resume_checkpoint = open_run_folder(config, config_path, state, shape, run, counts)
-    if state.is_main_process:
-        run_folder.write_plan(run_dir, report.to_json(plan))
-        run_folder.write_run(run_dir, run, counts, base_weights)
-    announce(state, run, plan)
 
+@dataclasses.dataclass
+class Built:
+    """What training is made of once the model is loaded: the trainer factory (at any batch
+    split) and the callbacks the flow reads after training."""
+
+    make_trainer: Any
+    past_end: callbacks.NothingPastTheEnd
+    guard: callbacks.NonFiniteGuard
+    before: float  # the earlier segments' training time, carried on by a resume
+    zero3_arguments: Any = None  # kept alive: transformers holds only a weak reference to DeepSpeed's config
+
+
+def build(config: RunConfig, state: PartialState, where: Placement, run: Run, run_dir: Path, tokenizer: Any,
+          processor: Any, bundle: Any, stop: callbacks.GracefulStop, resume_checkpoint: str | None) -> Built:
+    """The model (and a preference run's reference) loaded, the collator and the callbacks: the
+    trainer factory."""
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")  # transformers' TensorBoardCallback reads only this
     # Under ZeRO-3 the training arguments, and DeepSpeed's config with them, exist before the model
     # loads: transformers then loads it under DeepSpeed's zero.Init, each process materialising
     # only its partition, instead of every process holding the whole model in host memory
-    # (kept alive to the end: transformers holds only a weak reference to the config)
     zero3_arguments = (training.trainer_arguments(config, run, run_dir, bundle.validation is not None)
                        if run.parallel.strategy.zero3 else None)
-    base = model.load_model(config, run, device=f"cuda:{state.local_process_index}" if where.on_cuda else "cpu")
+    device = f"cuda:{state.local_process_index}" if where.on_cuda else "cpu"
+    base = model.load_model(config, run, device=device)
     if zero3_arguments is not None and state.is_main_process:
         partitioned = all(hasattr(p, "ds_id") for p in base.parameters())
         logger.info("model loaded %s", "under DeepSpeed's zero.Init: each process holds only its partition"
                     if partitioned else "whole in each process (not under zero.Init): DeepSpeed partitions it later")
-    device = f"cuda:{state.local_process_index}" if where.on_cuda else "cpu"
     reference = model.load_reference(config, run, device)  # (None: the adapters off, or log-probs precomputed)
     record_to = run_dir / "samples" / f"rank-{state.process_index}.jsonl" if config.train.record_samples else None
     # (preference pairs: TRL's own collator, chosen rows then rejected ones)
-    collator = None if run.preference is not None else collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, record_to,
-                                     split=run.parallel.row_multiple,
-                                     # gloo gathers only equal shapes: every batch at the longest
-                                     length=None if where.on_cuda else config.data.max_seq_length,
-                                     processor=processor if run.images else None,
-                                     # ZeRO-3 gathers the encoder's sharded weights on every process
-                                     # alike: a batch without an image gets a stand-in one
-                                     stand_in=run.images and run.parallel.strategy.zero3)
+    collator = None if run.preference is not None else collate.make_collator(
+        tokenizer.pad_token_id, run.kernels.collator, record_to, split=run.parallel.row_multiple,
+        # gloo gathers only equal shapes: every batch at the longest
+        length=None if where.on_cuda else config.data.max_seq_length,
+        processor=processor if run.images else None,
+        # ZeRO-3 gathers the encoder's sharded weights on every process alike: a batch without an
+        # image gets a stand-in one
+        stand_in=run.images and run.parallel.strategy.zero3)
     guard = callbacks.NonFiniteGuard(
         # (sharded gradients are checked by the clipping's global norm instead, on every rank alike)
         config.train.max_bad_steps,
@@ -136,7 +172,7 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
     )
     faults = [callbacks.FaultInjection(stop)] if os.environ.get(callbacks.FAULTS_ENV) else []  # tests only
     past_end = callbacks.NothingPastTheEnd()
-    before = checkpoints.time_before(resume_checkpoint)  # the earlier segments' time, carried on
+    before = checkpoints.time_before(resume_checkpoint)
     marker = callbacks.CheckpointMarker(keep=config.train.save_total_limit, strategy=run.parallel.strategy.name,
                                         before=before)
     patience = config.train.early_stopping_patience
@@ -147,48 +183,54 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         [*faults, past_end, callbacks.LogLastStep(), callbacks.TokenThroughput(),
          callbacks.ExpertLoad(), marker, stop, guard, *early], reference=reference,
     )
-    batch = run.batch
-    checked = plan  # the prediction memory_check.json compares with: the plan, or calibration's
-    if config.planner.calibrate and config.train.micro_batch_size == "auto":
-        # calibration builds several trainers on one model: FSDP2 shards it in place, and DeepSpeed's
-        # sequence-parallel groups and attention wrapper are set up once per process
-        if run.parallel.fsdp or run.parallel.splits_sequence:
-            if state.is_main_process:
-                logger.warning("planner.calibrate is not done under %s; planning analytically",
-                               "FSDP2 (it shards the model in place)" if run.parallel.fsdp else "sequence parallelism")
-        elif where.on_cuda:
-            checked = training.calibrate(plan, make_trainer, config, run, shape)
-            batch = checked.split
-            if state.is_main_process:
-                added = [line for line in checked.notes if line not in plan.notes]
-                logger.info("%s", checked.describe())
-                for line in added:
-                    logger.info("plan: %s", line)
-                run_folder.record_event(run_dir, "calibrated", batch=batch.to_dict(),
-                                        peak_bytes_per_gpu=checked.peak_bytes_per_gpu, notes=added)
-        elif state.is_main_process:
-            logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
-    if callbacks.any_rank(stop.received is not None):
+    return Built(make_trainer, past_end, guard, before, zero3_arguments)
+
+
+def calibrated(config: RunConfig, state: PartialState, where: Placement, run: Run, shape: Any, plan: Any,
+               make_trainer: Any, run_dir: Path) -> Any:
+    """The plan training starts from: calibration's (``planner.calibrate``, measured on the GPU),
+    or the plan itself. Its split is the batch training starts at; memory_check.json compares the
+    run's peak with its prediction."""
+    if not config.planner.calibrate or config.train.micro_batch_size != "auto":
+        return plan
+    # calibration builds several trainers on one model: FSDP2 shards it in place, and DeepSpeed's
+    # sequence-parallel groups and attention wrapper are set up once per process
+    if run.parallel.fsdp or run.parallel.splits_sequence:
         if state.is_main_process:
-            print(f"\nStopped by {stop.received or 'a signal'} before training started: nothing new to save\n"
-                  f"  resume: {resume_command()}", flush=True)
-        state.wait_for_everyone()
-        return EXIT_INTERRUPTED
+            logger.warning("planner.calibrate is not done under %s; planning analytically",
+                           "FSDP2 (it shards the model in place)" if run.parallel.fsdp else "sequence parallelism")
+        return plan
+    if not where.on_cuda:
+        if state.is_main_process:
+            logger.warning("planner.calibrate needs a GPU to measure; planning analytically")
+        return plan
+    checked = training.calibrate(plan, make_trainer, config, run, shape)
+    if state.is_main_process:
+        added = [line for line in checked.notes if line not in plan.notes]
+        logger.info("%s", checked.describe())
+        for line in added:
+            logger.info("plan: %s", line)
+        run_folder.record_event(run_dir, "calibrated", batch=checked.split.to_dict(),
+                                peak_bytes_per_gpu=checked.peak_bytes_per_gpu, notes=added)
+    return checked
 
-    trying = [batch]  # the split training is at, as backoffs change it
 
+def train_phase(state: PartialState, where: Placement, run_dir: Path, built: Built, checked: Any,
+                resume_checkpoint: str | None) -> tuple[Any, Any] | int:
+    """Train from `checked`'s split, halving the micro-batch where memory runs out: (the trainer
+    that finished, the split it ended at), or the exit code of a run that lost another rank."""
     def backed_off(before: Any, after: Any, step: int) -> None:
-        trying[0] = after
         if state.is_main_process:
             run_folder.record_event(run_dir, "out_of_memory", failed_step=step + 1, continued_from_step=step,
                                     batch_before=before.to_dict(), batch=after.to_dict())
 
     try:
-        trainer, batch = training.train_with_backoff(make_trainer, batch, resume_checkpoint, on_backoff=backed_off)
-    except OutOfMemory:
+        return training.train_with_backoff(built.make_trainer, checked.split, resume_checkpoint,
+                                           on_backoff=backed_off)
+    except OutOfMemory as error:
         if state.is_main_process:  # the planner's miss, on record (this rank's own measurements)
-            check = memory_check.record(run_dir, checked, trying[0], [memory_check.measure_here(where.on_cuda)],
-                                        "out_of_memory")
+            check = memory_check.record(run_dir, checked, error.split or checked.split,
+                                        [memory_check.measure_here(where.on_cuda)], "out_of_memory")
             logger.error("%s", memory_check.line(check))
         raise
     except Exception as error:
@@ -200,18 +242,25 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         print(f"[rank {state.process_index}] error: lost contact with another process of this run (it stopped, "
               f"or its node failed): {str(error).splitlines()[0][:300]}", file=sys.stderr, flush=True)
         return EXIT_LOST_PEER
+
+
+def finish(config: RunConfig, state: PartialState, where: Placement, facts: hardware.HardwareInfo, run: Run,
+           run_dir: Path, bundle: Any, counts: dict, built: Built, checked: Any, trainer: Any, batch: Any,
+           stop: callbacks.GracefulStop) -> int:
+    """The outcome: the memory check recorded, then a NaN stop said, a stop signal's checkpoint
+    said (and the exit code for it), or the model saved."""
     state.wait_for_everyone()
     measured = gather_object([memory_check.measure_here(where.on_cuda, state.local_process_index)])
-    if state.is_main_process and past_end.reached is None:  # a resume that only saves measured loading alone
-        outcome = "stopped" if stop.received or guard.stopped_at is not None else "finished"
+    if state.is_main_process and built.past_end.reached is None:  # a resume that only saves measured loading alone
+        outcome = "stopped" if stop.received or built.guard.stopped_at is not None else "finished"
         logger.info("%s", memory_check.line(memory_check.record(run_dir, checked, batch, measured, outcome)))
-    if guard.stopped_at is not None:
-        raise UserError(nan_message(config, guard.stopped_at, run_dir))
+    if built.guard.stopped_at is not None:
+        raise UserError(nan_message(config, built.guard.stopped_at, run_dir))
     if stop.received:
         if state.is_main_process:
             last = checkpoints.newest_complete(run_dir / "checkpoints")
             run_folder.write_summary(run_dir, training.summary_of(trainer, {
-                "interrupted": stop.received, **batch_record(run, batch, counts["rows"])}), before)
+                "interrupted": stop.received, **batch_record(run, batch, counts["rows"])}), built.before)
             print(f"\nStopped by {stop.received} at step {stop.stopped_at}; "
                   + (f"checkpoint saved: {last}" if last else "no complete checkpoint could be saved")
                   + f"\n  resume: {resume_command()}"
@@ -221,11 +270,11 @@ def _train(config: RunConfig, config_path: str, stop: callbacks.GracefulStop) ->
         return EXIT_INTERRUPTED
     stop.final_save = True  # a stop during the final save lets it finish: the model is whole, or not there at all
     stop.install()
-    save(trainer, state, run, batch, run_dir, bundle, stop, before)
+    save(trainer, state, run, batch, run_dir, bundle, stop, built.before)
     if state.is_main_process and stop.received:
         print(f"(a stop signal, {stop.received}, came during the final save, which finished first: the run is "
               "complete)", flush=True)
-    if state.is_main_process and where.on_cuda and past_end.reached is None:  # outside the allocator, for later plans
+    if state.is_main_process and where.on_cuda and built.past_end.reached is None:  # outside the allocator, for later plans
         memory_check.remember_runtime(facts, run, measured)
     state.wait_for_everyone()  # the same after a finished run (the entry then leaves: cli.leave)
     return 0

@@ -64,8 +64,9 @@ def test_events_are_recorded_beside_the_run_oldest_first(tmp_path):
 
 def test_gives_up_with_a_clear_message_at_micro_batch_one(tmp_path):
     make = build(tmp_path, [InjectOutOfMemory(at_step=0)])
-    with pytest.raises(OutOfMemory, match="out of memory at micro-batch 1: nothing left to halve"):
+    with pytest.raises(OutOfMemory, match="out of memory at micro-batch 1: nothing left to halve") as caught:
         _train(make, BatchSplit(2, 4, 1, 8))
+    assert caught.value.split == BatchSplit(1, 8, 1, 8)  # the split it ran out at, for the run's memory check
 
 
 def test_other_errors_are_not_swallowed(tmp_path):

@@ -314,6 +314,36 @@ def test_the_plan_counts_two_rows_a_pair_the_reference_forward_and_its_copy():
             predict.predict(shape, precomputed, m).peak_bytes for m in (1, 2, 4)]
 
 
+def test_a_reference_pass_larger_than_the_step_is_the_plans_peak():
+    """precomputed: TRL scores every pair before training, preference.precompute_batch_size pairs
+    a forward without gradients and before the optimizer's states exist. At the micro-batch that
+    pass is below a training step; far larger, it is the run's peak, and the plan says so."""
+    from sft_play import planner
+    from sft_play.planner.simulate import predict
+
+    def planned(*overrides):
+        config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml",
+                                    ["model.name_or_path=configs/tiny_model", "preference.reference=precomputed",
+                                     *overrides], check_paths=False)
+        stats = DataStats(examples=100, pairs=100, tokens_max=26, tokens_p95=26, tokens_p50=26, tokens_total=5000,
+                          loss_tokens=1600)
+        target = planner.target_for(__import__("sft_play").hardware.detect().without_gpus(), gpus=1, allow_cpu=True)
+        shape = planner.model_shape(config)
+        return shape, planner.resolve_for(config, target, stats, shape)
+
+    shape, run = planned()
+    step = predict.predict(shape, run, 2)
+    assert "precompute_pass" not in step.breakdown  # the pass at the micro-batch: below the step
+    _, larger = planned("preference.precompute_batch_size=512")
+    scored = predict.predict(shape, larger, 2)
+    assert scored.peak_bytes > step.peak_bytes and scored.breakdown.get("precompute_pass", 0) > 0
+    assert scored.peak_bytes == sum(scored.breakdown.values())
+    # the pass has no optimizer states and no gradients: its peak is the weights and the forward's
+    assert "optimizer_states" not in scored.breakdown and "gradients" not in scored.breakdown
+    assert predict.predict(shape, larger, 2).peak_bytes < predict.predict(shape, larger.with_changes(
+        preference=None), 2 * 512).peak_bytes  # (no backward's working set kept either)
+
+
 def test_no_remedy_offers_a_reference_to_a_run_that_has_none():
     from sft_play.planner import Target
     from sft_play.planner.choose import remedies

@@ -100,7 +100,7 @@ def train_with_backoff(
             if split.micro_batch_size == 1:
                 raise OutOfMemory(
                     "out of memory at micro-batch 1: nothing left to halve. `make plan` lists what would fit "
-                    "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)"
+                    "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)", split
                 ) from error
             # several processes, or a model DeepSpeed or FSDP2 has wrapped in place: restart instead
             if (trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False)
@@ -108,7 +108,7 @@ def train_with_backoff(
                 raise OutOfMemory(
                     f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
                     f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
-                    f"(and RESUME=auto to continue)"
+                    f"(and RESUME=auto to continue)", split
                 ) from error
             step = trainer.state.global_step
             trainer.optimizer.zero_grad(set_to_none=True)

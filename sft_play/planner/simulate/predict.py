@@ -25,7 +25,7 @@ from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache, memory
 from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
 from sft_play.planner.simulate.shapes import ModelShape
-from sft_play.planner.simulate.step import StepSpec, replay
+from sft_play.planner.simulate.step import StepSpec, replay, replay_reference_pass
 from sft_play.planner.simulate.trace import TraceSpec, layer_trace
 from sft_play.run import Run
 
@@ -244,6 +244,16 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
         breakdown["allocator_cache"] = result.peak_reserved - result.peak_allocated
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
+    scored = _reference_pass(shape, run, micro_batch, budget)
+    if scored is not None and (scored.peak_reserved if run.on_cuda else scored.peak_allocated) + outside > peak:
+        # (the reference pass before training is the run's peak: its tensors are the plan's terms)
+        breakdown = dict(scored.at_peak_allocated)
+        peak = (scored.peak_reserved if run.on_cuda else scored.peak_allocated) + outside
+        if run.on_cuda:
+            breakdown["allocator_cache"] = scored.peak_reserved - scored.peak_allocated
+        if budget is not None:
+            fits = bool(fits) and not scored.out_of_memory and peak <= budget
+        result = dataclasses.replace(result, peak_allocated=max(result.peak_allocated, scored.peak_allocated))
     breakdown["cuda_runtime"] = breakdown.get("cuda_runtime", 0) + outside
     breakdown = {k: v for k, v in breakdown.items() if v}
     breakdown[max(breakdown, key=breakdown.get)] += peak - sum(breakdown.values())  # rounding
@@ -278,6 +288,25 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         reference_forward=run.preference is not None and run.preference.reference_forward,
     )
     return replay(shape, trace, spec, capacity, log)
+
+
+def _reference_pass(shape: ModelShape, run: Run, micro_batch: int, budget: int | None):
+    """TRL's reference pass before training (``preference.reference: precomputed``) replayed where
+    it takes more pairs a forward than the step (``preference.precompute_batch_size``): the weights
+    and that forward without gradients, before any optimizer state exists. None where there is
+    none, or where it cannot be the larger (the step's forward keeps more at the same batch)."""
+    pairs = run.preference.precompute_batch_size if run.preference is not None else None
+    if run.preference is None or run.preference.reference != "precomputed" or not pairs or pairs <= micro_batch:
+        return None
+    REPLAYS[0] += 1
+    rows = pairs * run.rows_per_example
+    spec = StepSpec(run=run, micro_batch=rows, seq_len=run.local_tokens, checkpointing=False, masked=run.masked(rows),
+                    eager_mask=run.kernels.attention == "eager", sliding_mask=run.sliding_mask(rows, shape.sliding_window),
+                    loss_token_share=run.sequence.loss_token_share, on_cuda=run.on_cuda,
+                    cublas_workspace=run.cublas_workspace_bytes)
+    outside = memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured)
+    return replay_reference_pass(shape, traced_layers(trace_spec(run, rows), run.local_tokens, rows > 1), spec,
+                                 None if budget is None else max(0, budget - outside))
 
 
 def traced_encoder(run: Run, batched: bool = True) -> EncoderTrace | None:

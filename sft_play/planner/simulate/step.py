@@ -201,6 +201,24 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
                       allocator.releases, dict(allocator.at_peak_allocated))
 
 
+def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:
+    """TRL's reference pass before training (``precompute_ref_log_probs``): the weights as loaded
+    and one forward of `spec.micro_batch` rows without gradients (:func:`_reference_forward`),
+    before the optimizer's states exist; its tensors counted as ``precompute_pass``."""
+    allocator = CachingAllocator(capacity=capacity) if spec.on_cuda else HostMemory(capacity, None)
+    gpu = _Replay(allocator)
+    try:
+        _static(gpu, shape, spec.run)
+        if spec.on_cuda:
+            gpu.new(spec.cublas_workspace, "cuda_runtime")
+        _reference_forward(gpu, shape, trace, spec, memory.residual_bytes(spec.run), "precompute_pass")
+        oom = False
+    except OutOfMemory:
+        oom = True
+    return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
+                      allocator.releases, dict(allocator.at_peak_allocated))
+
+
 # Replays of fewer events than this run through the reference allocator: a tiny model's step
 # (hundreds of events) takes milliseconds there, less than loading the compiled code (about half
 # a second, and numba's import) would cost the process
@@ -454,7 +472,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     return grads
 
 
-def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int) -> None:
+def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int,
+                       category: str = "reference_forward") -> None:
     """The reference's forward under ``no_grad`` (the policy's weights with the adapters off, or
     the frozen copy): the same layers, each layer's tensors freed once its output exists, as
     nothing is kept for a backward; then TRL's fused head, whose kept tensors go too. Replayed from
@@ -463,17 +482,17 @@ def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec:
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)
-    batch = gpu.new(8 * b * s, "reference_forward")  # the labels: input_ids with the prompt masked
-    previous = gpu.new(b * s * h * residual, "reference_forward")
-    rotary = [gpu.new(b * s * shape.head_dim * residual, "reference_forward") for _ in range(2)]
-    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "reference_forward")
+    batch = gpu.new(8 * b * s, category)  # the labels: input_ids with the prompt masked
+    previous = gpu.new(b * s * h * residual, category)
+    rotary = [gpu.new(b * s * shape.head_dim * residual, category) for _ in range(2)]
+    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), category)
              for _ in range(shape.attention_masks)] if spec.masked else []
     modules = [(layer, shape.num_layers + 2 + i) for i, layer in enumerate(layers)]
     if norm is not None:
         modules.append((norm, 2 * shape.num_layers + 2))
     for module, where in modules:  # (handles past the policy's layers: both are alive at once)
         names = {INPUT: previous}
-        _play(gpu, module, module.forward, where, names, b, "reference_forward")
+        _play(gpu, module, module.forward, where, names, b, category)
         output = _name(names, module.output, where)
         alive: dict[int, None] = {}
         for is_alloc, event_id, _ in _sized(module, module.forward, b):
