@@ -593,16 +593,28 @@ def _pair_problems(config: RunConfig) -> list[str]:
 
 
 def consistency_problems(config: RunConfig) -> list[str]:
-    """Values that are each valid but not together (or not in range), one message each."""
-    problems = preference_problems(config)
-    train, method = config.train, config.finetune.method
+    """Values that are each valid but not together (or not in range), one message each: the
+    preference objective's, then the data's, the training's and the processes'."""
+    return (preference_problems(config) + _column_problems(config) + _schedule_problems(config)
+            + _precision_and_lever_problems(config) + _distributed_problems(config) + _batch_and_data_problems(config))
+
+
+def _column_problems(config: RunConfig) -> list[str]:
+    problems = []
     for ours in config.data.columns:
         if ours not in DATA_FIELDS:
             near = difflib.get_close_matches(ours, DATA_FIELDS, n=1)
             problems.append(f"data.columns.{ours}: no such field" + (f"; did you mean data.columns.{near[0]}?" if near
                             else "") + f" The fields: {', '.join(DATA_FIELDS)}")
-    if train.early_stopping_patience and not (train.eval_steps and (config.data.validation_path
-                                                                   or config.data.validation_fraction > 0)):
+    return problems
+
+
+def _schedule_problems(config: RunConfig) -> list[str]:
+    """How long the run trains, and on what: steps, evaluations, a stream, images."""
+    train, data = config.train, config.data
+    problems = []
+    if train.early_stopping_patience and not (train.eval_steps and (data.validation_path
+                                                                   or data.validation_fraction > 0)):
         problems.append(f"train.early_stopping_patience={train.early_stopping_patience} counts evaluations: set "
                         "train.eval_steps and validation data (data.validation_path or data.validation_fraction)")
     for key in ("micro_batch_size", "gradient_accumulation_steps"):
@@ -611,22 +623,27 @@ def consistency_problems(config: RunConfig) -> list[str]:
             problems.append(f"train.{key}: got {value}; use a positive number, or auto for the planner's choice")
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(f"train.max_steps: got {train.max_steps}; use a positive number of steps, or -1 for num_epochs")
-    if config.data.streaming and train.max_steps < 1:
+    if data.streaming and train.max_steps < 1:
         problems.append("data.streaming: a stream's length is not known before it is read; set train.max_steps (the "
                         "run's optimizer steps)")
-    if config.data.streaming and config.data.validation_fraction > 0:
+    if data.streaming and data.validation_fraction > 0:
         problems.append("data.streaming: a stream has no records to hold out before training; set "
                         "data.validation_path to held-out data (prepared whole), and data.validation_fraction=0")
-    data = config.data
     if data.image_max_pixels and data.image_min_pixels and data.image_min_pixels > data.image_max_pixels:
         problems.append(f"data.image_min_pixels={data.image_min_pixels} is above data.image_max_pixels="
                         f"{data.image_max_pixels}: an image cannot be given more pixels than it may keep")
+    return problems
+
+
+def _precision_and_lever_problems(config: RunConfig) -> list[str]:
+    """The weights' dtype against the precision, and the long-row levers' preconditions."""
+    train, method = config.train, config.finetune.method
+    problems = []
     if method == "full" and config.model.torch_dtype == "float16" and train.mixed_precision == "fp16":
         problems.append(
             "model.torch_dtype: float16 weights cannot be trained with fp16 mixed precision (the gradient scaler "
             "needs float32 master weights); use torch_dtype float32 or bfloat16"
         )
-    strategy = Strategy(config.distributed.strategy)
     if train.offload_activations and not train.gradient_checkpointing:
         problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
                         "set train.gradient_checkpointing=true too")
@@ -638,13 +655,21 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.tiled_mlp and method != "full" and config.lora.dropout > 0:
         problems.append(f"train.tiled_mlp recomputes each tile in backward without replaying its random numbers: LoRA "
                         f"dropout ({config.lora.dropout}) would differ between the passes; set lora.dropout=0")
+    return problems
+
+
+def _distributed_problems(config: RunConfig) -> list[str]:
+    """What a strategy cannot shard, offload or average as asked."""
+    train, method, distributed = config.train, config.finetune.method, config.distributed
+    strategy = Strategy(distributed.strategy)
+    problems = []
     if method == "qlora" and strategy.shards_parameters and config.quantization.quant_storage == "uint8":
         problems.append(
             f"quantization.quant_storage: QLoRA under {strategy.label} needs "
             "the packed 4-bit weights stored in the compute dtype so they can be sharded; set "
             "quantization.quant_storage=bfloat16"
         )
-    if config.distributed.offload_parameters and not strategy.shards_parameters:
+    if distributed.offload_parameters and not strategy.shards_parameters:
         problems.append(
             "distributed.offload_parameters: parameters are offloaded by ZeRO-3 or FSDP2 only; set "
             "distributed.strategy=deepspeed_zero3 (make train-deepspeed) or fsdp2 (make train-distributed)"
@@ -656,7 +681,7 @@ def consistency_problems(config: RunConfig) -> list[str]:
             "gradient for its shard (measured: grad norm 4.33 against 4.27 for DDP and one process); remove "
             "lm_head from lora.modules_to_save, or use ddp or deepspeed_* for it"
         )
-    if config.distributed.offload_optimizer and not strategy.shards_states:
+    if distributed.offload_optimizer and not strategy.shards_states:
         problems.append(
             "distributed.offload_optimizer: DDP keeps the optimizer on the GPU (this would be ignored); DeepSpeed "
             "offloads it: set distributed.strategy=deepspeed_zero2 (make train-deepspeed), or FSDP2 with "
@@ -665,17 +690,23 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.min_lr_ratio and train.lr_scheduler != "cosine":
         problems.append(f"train.min_lr_ratio: a floor for the cosine schedule only (train.lr_scheduler is "
                         f"{train.lr_scheduler}); set train.lr_scheduler=cosine, or leave min_lr_ratio at 0")
-    if (method != "full" and config.lora.loraplus_lr_ratio and strategy.deepspeed
-            and config.distributed.offload_optimizer):
+    if method != "full" and config.lora.loraplus_lr_ratio and strategy.deepspeed and distributed.offload_optimizer:
         problems.append(
             "lora.loraplus_lr_ratio: with distributed.offload_optimizer DeepSpeed builds its own optimizer on the "
             "CPU, without LoRA+'s parameter groups; leave one of them out"
         )
-    if strategy.fsdp and config.distributed.offload_optimizer and not config.distributed.offload_parameters:
+    if strategy.fsdp and distributed.offload_optimizer and not distributed.offload_parameters:
         problems.append(
             "distributed.offload_optimizer: FSDP2 offloads parameters, gradients and optimizer states together; "
             "set distributed.offload_parameters=true instead"
         )
+    return problems
+
+
+def _batch_and_data_problems(config: RunConfig) -> list[str]:
+    """The batch, the run's name, and the data sources' weights and held-out share."""
+    train, data = config.train, config.data
+    problems = []
     if isinstance(train.micro_batch_size, int) and train.micro_batch_size > train.global_batch_size:
         problems.append(
             f"train.micro_batch_size: {train.micro_batch_size} is larger than train.global_batch_size "
@@ -684,12 +715,12 @@ def consistency_problems(config: RunConfig) -> list[str]:
     if train.run_name is not None and not RUN_NAME.fullmatch(train.run_name):
         problems.append(f"train.run_name: got {train.run_name!r}; a run is one folder inside train.output_dir: use "
                         "letters, digits, '.', '_' and '-' (up to 128, not starting with '.' or '-'), no '/'")
-    weights, paths = config.data.weights, config.data.path
+    weights, paths = data.weights, data.path
     if weights is not None and (isinstance(paths, str) or len(weights) != len(paths)):
         problems.append(f"data.weights: {len(weights)} weight(s) for {1 if isinstance(paths, str) else len(paths)} "
                         "data.path entries; give one weight per entry of a data.path list")
     elif weights is not None and (any(w < 0 for w in weights) or not sum(weights)):
         problems.append("data.weights: weights must be >= 0 and not all 0")
-    if config.data.validation_path and config.data.validation_fraction > 0:
+    if data.validation_path and data.validation_fraction > 0:
         problems.append("data.validation_fraction: set either data.validation_path or data.validation_fraction, not both")
     return problems
