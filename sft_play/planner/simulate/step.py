@@ -348,57 +348,15 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     """One micro-batch; returns the handles of parameter gradients it created (alive until the
     optimizer step's ``zero_grad``)."""
     run = spec.run
-    b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
+    b = spec.micro_batch
     residual = memory.residual_bytes(run)
-    hidden_bytes = b * s * h * residual
+    hidden_bytes = b * spec.seq_len * shape.hidden_size * residual
     _, norm = trace.at(b)
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
-    # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
-    batch = [gpu.new(8 * b * s, "inputs") for _ in range(3)]
-    gathered_embedding = _gather_embedding(gpu, shape, run)
-    embeddings = gpu.new(b * s * h * residual, "activations")
-    gpu.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
-    encoded = _encode_images(gpu, spec.encoder, b) if spec.encoder is not None else None
-    if encoded is not None:  # inputs_embeds.masked_scatter(image_mask, features): a new tensor
-        placed = gpu.new(b * s * h * residual, "activations")
-        gpu.free(embeddings)
-        _play(gpu, spec.encoder.at(b), spec.encoder.at(b).after_forward, "vision", encoded, b, "activations")
-        embeddings = placed
-    if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
-        noise = gpu.new(b * s * h * residual, "activations")
-        noised = gpu.new(b * s * h * residual, "activations")
-        gpu.free(noise, embeddings)
-        embeddings = noised
-    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
-    # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
-    rotary = [gpu.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
-    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
-             for _ in range(shape.attention_masks)] if spec.masked else []
-    if spec.sliding_mask:  # the sliding-window layers' boolean mask (run.sliding_mask)
-        masks.append(gpu.new(b * s * s, "inputs"))
-
-    # Layers forward: the input of layer i is the output of layer i - 1
-    previous = embeddings
-    outputs = []
-    for i, layer in enumerate(layers):
-        names = {INPUT: previous}
-        _play(gpu, layer, layer.forward, i, names, b, "activations")
-        if i > 0:
-            _play(gpu, layer, layer.after_forward, i, names, b, "activations")
-        if spec.offload_hidden and layer.input_kept:  # copied to host memory; back for the layer's backward
-            gpu.free(names[INPUT])
-        previous = _name(names, layer.output, i)
-        outputs.append(names)
-    last_hidden = previous
-    norm_names = {INPUT: last_hidden}
-    if norm is not None:
-        _play(gpu, norm, norm.forward, "norm", norm_names, b, "activations")
-        _play(gpu, norm, norm.after_forward, "norm", norm_names, b, "activations")
-        if spec.offload_hidden and norm.input_kept:
-            gpu.free(norm_names[INPUT])
-        last_hidden = _name(norm_names, norm.output, "norm")
+    batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
+    outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings)
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
         gpu.free(embeddings)
@@ -429,38 +387,17 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
             gpu.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
         incoming = _name(names, layer.input_grad, i)
-        parameter_grads = [_name(names, g, i) for g in layer.persistent]
-        if run.parallel.strategy.shards_states or not keep_grads:
-            # ZeRO copies them into its reduction bucket, FSDP2 reduce-scatters them into its
-            # shard; a later micro-batch adds them into the gradients of the first: either way
-            # they go as the layer finishes
-            gpu.free(*parameter_grads)
-        else:
-            grads += parameter_grads
+        _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
     if encoded is not None and spec.encoder.trains:
         # the features' gradient (masked_scatter's backward: the image tokens' rows of the
         # embeddings' gradient), then the encoder's and projector's backward
         events = spec.encoder.at(b)
         encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
         _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
-        parameter_grads = [_name(encoded, g, "vision") for g in events.persistent]
-        if run.parallel.strategy.shards_states or not keep_grads:
-            gpu.free(*parameter_grads)
-        else:
-            grads += parameter_grads
+        _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
     gpu.free(incoming)
     if _trains(run, "embed_tokens") and not run.parallel.deepspeed:
-        # The embedding's dense gradient; tied to the head's, it is added into it (a transient;
-        # LoRA's copy is a module of its own); FSDP2 gathers an untied embedding again for its
-        # backward and reduce-scatters the gradient (transients in its param_dtype)
-        gathered_embedding = _gather_embedding(gpu, shape, run)
-        embedding = gpu.new(shape.vocab_size * h * (memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)),
-                            "gradients")
-        gpu.free(gathered_embedding)
-        if (shape.tie_word_embeddings and run.method == "full") or run.parallel.fsdp:
-            gpu.free(embedding)
-        else:
-            grads.append(embedding)
+        _embedding_gradient(gpu, shape, run, grads)
     gpu.free(*rotary, *masks, *batch)
     if encoded is not None:
         gpu.free(encoded[INPUT])
@@ -470,6 +407,89 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads)
         return []
     return grads
+
+
+def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> tuple:
+    """The micro-batch on the GPU and what the backbone reads besides its layers: the batch's
+    tensors, the embeddings (with the images' features placed, NEFTune's noise added), the vision
+    encoder's tensors (None: no images), the rotary tables and the attention masks."""
+    run = spec.run
+    b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
+    # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
+    batch = [gpu.new(8 * b * s, "inputs") for _ in range(3)]
+    gathered_embedding = _gather_embedding(gpu, shape, run)
+    embeddings = gpu.new(b * s * h * residual, "activations")
+    gpu.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
+    encoded = _encode_images(gpu, spec.encoder, b) if spec.encoder is not None else None
+    if encoded is not None:  # inputs_embeds.masked_scatter(image_mask, features): a new tensor
+        placed = gpu.new(b * s * h * residual, "activations")
+        gpu.free(embeddings)
+        _play(gpu, spec.encoder.at(b), spec.encoder.at(b).after_forward, "vision", encoded, b, "activations")
+        embeddings = placed
+    if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
+        noise = gpu.new(b * s * h * residual, "activations")
+        noised = gpu.new(b * s * h * residual, "activations")
+        gpu.free(noise, embeddings)
+        embeddings = noised
+    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
+    # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
+    rotary = [gpu.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
+    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
+             for _ in range(shape.attention_masks)] if spec.masked else []
+    if spec.sliding_mask:  # the sliding-window layers' boolean mask (run.sliding_mask)
+        masks.append(gpu.new(b * s * s, "inputs"))
+    return batch, embeddings, encoded, rotary, masks
+
+
+def _backbone_forward(gpu: _Replay, spec: StepSpec, layers: list, norm: ModuleEvents | None, embeddings: int) -> tuple:
+    """The layers forward, each one's input the previous one's output, then the final norm: each
+    layer's tensor names (what backward reads), the norm's, and the backbone's output."""
+    b = spec.micro_batch
+    previous = embeddings
+    outputs = []
+    for i, layer in enumerate(layers):
+        names = {INPUT: previous}
+        _play(gpu, layer, layer.forward, i, names, b, "activations")
+        if i > 0:
+            _play(gpu, layer, layer.after_forward, i, names, b, "activations")
+        if spec.offload_hidden and layer.input_kept:  # copied to host memory; back for the layer's backward
+            gpu.free(names[INPUT])
+        previous = _name(names, layer.output, i)
+        outputs.append(names)
+    last_hidden = previous
+    norm_names = {INPUT: last_hidden}
+    if norm is not None:
+        _play(gpu, norm, norm.forward, "norm", norm_names, b, "activations")
+        _play(gpu, norm, norm.after_forward, "norm", norm_names, b, "activations")
+        if spec.offload_hidden and norm.input_kept:
+            gpu.free(norm_names[INPUT])
+        last_hidden = _name(norm_names, norm.output, "norm")
+    return outputs, norm_names, last_hidden
+
+
+def _keep_or_free(gpu: _Replay, run: Run, keep_grads: bool, grads: list, parameter_grads: list) -> None:
+    """A module's parameter gradients as its backward finishes: kept to the optimizer step, or
+    gone at once (ZeRO copies them into its reduction bucket, FSDP2 reduce-scatters them into its
+    shard; a later micro-batch adds them into the gradients of the first)."""
+    if run.parallel.strategy.shards_states or not keep_grads:
+        gpu.free(*parameter_grads)
+    else:
+        grads += parameter_grads
+
+
+def _embedding_gradient(gpu: _Replay, shape: ModelShape, run: Run, grads: list) -> None:
+    """The embedding's dense gradient; tied to the head's, it is added into it (a transient;
+    LoRA's copy is a module of its own); FSDP2 gathers an untied embedding again for its backward
+    and reduce-scatters the gradient (transients in its param_dtype)."""
+    gathered_embedding = _gather_embedding(gpu, shape, run)
+    embedding = gpu.new(shape.vocab_size * shape.hidden_size
+                        * (memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)),
+                        "gradients")
+    gpu.free(gathered_embedding)
+    if (shape.tie_word_embeddings and run.method == "full") or run.parallel.fsdp:
+        gpu.free(embedding)
+    else:
+        grads.append(embedding)
 
 
 def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int,
