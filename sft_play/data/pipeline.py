@@ -405,54 +405,15 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    template = resolve_chat_template(tokenizer, cfg.chat_template)
     limit = cfg.max_seq_length
     stats.max_seq_length = limit
     table = records if isinstance(records, datasets.Dataset) else record_table(records)
     if not len(table):
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
     files = _Files(folder)
-    tokens = datasets.List(datasets.Value("int32"))
-    features = {"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
-                "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32"),
-                "n_markers": datasets.Value("int32")}
-    if processor is not None:
-        features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
-                     "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32"),
-                     "n_pixels": datasets.Value("int64"), "encoder_inputs": datasets.Value("string"),
-                     "n_text_tokens": datasets.Value("int32")}
-    encoded = table.map(
-        _encode_batch,
-        batched=True,
-        fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": limit,
-                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
-                   "skip_unreadable": cfg.on_invalid == "skip", "special_text": cfg.special_tokens_in_text},
-        remove_columns=table.column_names,
-        features=datasets.Features(features),
-        num_proc=tokenising_processes(cfg.num_proc, len(table)),
-        desc="Tokenising",
-        **files.kwargs("tokenised"),
-    )
+    encoded = _encoded(table, tokenizer, cfg, processor, files)
     status_column = encoded.data.column("status")
-    status = Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(status_column).to_pylist()})
-    stats.truncated += status["truncated"]
-    stats.dropped_overlong += status["dropped"]
-    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit),
-                UNREADABLE: UNREADABLE_REASON, SPECIAL_TEXT: SPECIAL_TEXT_REASON}
-    for kind, reason in left_out.items():
-        if status[kind]:  # what tokenising left out, named by file and row as the bad rows are
-            where = stats.skipped_rows.setdefault(reason, [])
-            origins = pc.filter(encoded.data.column("origin"), pc.equal(status_column, kind))
-            for chunk in range(0, len(origins), _WRITE_BATCH):
-                for origin in origins.slice(chunk, _WRITE_BATCH).to_pylist():
-                    if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
-                        where.append(origin)
-                if len(where) >= SKIPPED_ROWS_KEPT:
-                    break
-    for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit)),
-                         (UNREADABLE, UNREADABLE_REASON), (SPECIAL_TEXT, SPECIAL_TEXT_REASON)):
-        if status[kind]:
-            stats.skipped = {**stats.skipped, reason: stats.skipped.get(reason, 0) + status[kind]}
+    _count_left_out(encoded, status_column, stats, limit)
     dataset = encoded.filter(lambda status: [kind in ("ok", "truncated") for kind in status], input_columns=["status"],
                              batched=True, **files.kwargs("kept")).remove_columns(["status", "origin"])
     # the kept rows' counts, read from the tokenised columns as stored (through the filter's
@@ -473,25 +434,7 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         stats.special_text_rows = [o for o in marked.slice(0, SKIPPED_ROWS_KEPT).to_pylist() if o]
     dataset = dataset.remove_columns([name for name in counted])
     if processor is not None and len(dataset):
-        stats.images = int(counts["n_images"].astype(np.int64).sum())
-        stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
-        stats.images_max = int(counts["n_images"].max())
-        stats.pictured = int((counts["n_images"] > 0).sum())
-        # the most text tokens an example holds before any cut, of those kept and of those left out for
-        # an image a cut would reach: at a smaller pixel budget, the planner bounds their rows by it
-        uncut = pc.is_in(status_column, value_set=pa.array(["ok", "truncated", CUT_IMAGE]))
-        stats.text_tokens_max = int(pc.max(pc.filter(encoded.data.column("n_text_tokens"), uncut)).as_py() or 0)
-        stats.image_max_pixels = vision.pixel_budget(processor)
-        if stats.images:  # the vision encoder's inputs for the example with the most pixels (the planner's)
-            heaviest = int(counts["n_pixels"].argmax())
-            described = pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py()
-            stats.encoder_inputs = json.loads(described) if described else {}
-        if not stats.images:
-            dataset = dataset.remove_columns(["images", "token_types"])  # text only: trained as text
-        elif cfg.packing:
-            raise UserError("data.packing joins examples into rows, which examples with images cannot share (their "
-                            "image tokens and pixels go together, as TRL and Axolotl refuse too): set data.packing=false "
-                            "for data with images")
+        dataset = _count_images(dataset, encoded, kept, counts, stats, cfg, processor)
     stats.tokens_p50 = int(np.percentile(lengths, 50))
     stats.tokens_p95 = int(np.percentile(lengths, 95))
     stats.tokens_max = int(lengths.max())
@@ -505,6 +448,92 @@ def tokenize_records(records: Any, tokenizer: Any, cfg: DataConfig, stats: DataS
         dataset = pack_dataset(dataset, limit, "bfd", map_kwargs={"desc": "Packing", **files.kwargs("packed")})
         stats.packed_rows = len(dataset)
         stats.uniform_rows = stats.uniform_rows and stats.packed_rows == stats.examples
+    return dataset
+
+
+def _encoded(table: Any, tokenizer: Any, cfg: DataConfig, processor: Any, files: Any) -> Any:
+    """Every record tokenised (:func:`_encode_batch`), with its status, origin and counts."""
+    import datasets
+
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    tokens = datasets.List(datasets.Value("int32"))
+    features = {"input_ids": tokens, "labels": tokens, "status": datasets.Value("string"),
+                "origin": datasets.Value("string"), "n_tokens": datasets.Value("int32"), "n_loss": datasets.Value("int32"),
+                "n_markers": datasets.Value("int32")}
+    if processor is not None:
+        features |= {"images": datasets.Value("string"), "token_types": datasets.List(datasets.Value("int8")),
+                     "n_images": datasets.Value("int32"), "n_image_tokens": datasets.Value("int32"),
+                     "n_pixels": datasets.Value("int64"), "encoder_inputs": datasets.Value("string"),
+                     "n_text_tokens": datasets.Value("int32")}
+    return table.map(
+        _encode_batch,
+        batched=True,
+        fn_kwargs={"tokenizer": tokenizer, "template": template, "train_on": cfg.train_on, "limit": cfg.max_seq_length,
+                   "overlong": cfg.overlong, "tools_rendered": renders_tools(template), "processor": processor,
+                   "skip_unreadable": cfg.on_invalid == "skip", "special_text": cfg.special_tokens_in_text},
+        remove_columns=table.column_names,
+        features=datasets.Features(features),
+        num_proc=tokenising_processes(cfg.num_proc, len(table)),
+        desc="Tokenising",
+        **files.kwargs("tokenised"),
+    )
+
+
+def _count_left_out(encoded: Any, status_column: Any, stats: DataStats, limit: int) -> None:
+    """What tokenising truncated or left out, counted in `stats` and the first few named by file
+    and row, as the bad rows are."""
+    import pyarrow.compute as pc
+
+    status = Counter({entry["values"]: entry["counts"] for entry in pc.value_counts(status_column).to_pylist()})
+    stats.truncated += status["truncated"]
+    stats.dropped_overlong += status["dropped"]
+    left_out = {"no_answer": NO_ANSWER_LEFT, "dropped": dropped_reason(limit), CUT_IMAGE: image_cut_reason(limit),
+                UNREADABLE: UNREADABLE_REASON, SPECIAL_TEXT: SPECIAL_TEXT_REASON}
+    for kind, reason in left_out.items():
+        if status[kind]:
+            where = stats.skipped_rows.setdefault(reason, [])
+            origins = pc.filter(encoded.data.column("origin"), pc.equal(status_column, kind))
+            for chunk in range(0, len(origins), _WRITE_BATCH):
+                for origin in origins.slice(chunk, _WRITE_BATCH).to_pylist():
+                    if origin and origin not in where and len(where) < SKIPPED_ROWS_KEPT:  # (a mix repeats records)
+                        where.append(origin)
+                if len(where) >= SKIPPED_ROWS_KEPT:
+                    break
+    for kind, reason in (("no_answer", NO_ANSWER_LEFT), (CUT_IMAGE, image_cut_reason(limit)),
+                         (UNREADABLE, UNREADABLE_REASON), (SPECIAL_TEXT, SPECIAL_TEXT_REASON)):
+        if status[kind]:
+            stats.skipped = {**stats.skipped, reason: stats.skipped.get(reason, 0) + status[kind]}
+
+
+def _count_images(dataset: Any, encoded: Any, kept: Any, counts: dict, stats: DataStats, cfg: DataConfig,
+                  processor: Any) -> Any:
+    """A vision-language model's data: its images counted in `stats` (and the encoder's inputs for
+    the example with the most pixels, which the planner traces); `dataset` without the image
+    columns where no example has one."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    stats.images = int(counts["n_images"].astype(np.int64).sum())
+    stats.image_tokens = int(counts["n_image_tokens"].astype(np.int64).sum())
+    stats.images_max = int(counts["n_images"].max())
+    stats.pictured = int((counts["n_images"] > 0).sum())
+    # the most text tokens an example holds before any cut, of those kept and of those left out for
+    # an image a cut would reach: at a smaller pixel budget, the planner bounds their rows by it
+    status_column = encoded.data.column("status")
+    uncut = pc.is_in(status_column, value_set=pa.array(["ok", "truncated", CUT_IMAGE]))
+    stats.text_tokens_max = int(pc.max(pc.filter(encoded.data.column("n_text_tokens"), uncut)).as_py() or 0)
+    stats.image_max_pixels = vision.pixel_budget(processor)
+    if stats.images:  # the vision encoder's inputs for the example with the most pixels (the planner's)
+        heaviest = int(counts["n_pixels"].argmax())
+        described = pc.filter(encoded.data.column("encoder_inputs"), kept)[heaviest].as_py()
+        stats.encoder_inputs = json.loads(described) if described else {}
+    if not stats.images:
+        return dataset.remove_columns(["images", "token_types"])  # text only: trained as text
+    if cfg.packing:
+        raise UserError("data.packing joins examples into rows, which examples with images cannot share (their "
+                        "image tokens and pixels go together, as TRL and Axolotl refuse too): set data.packing=false "
+                        "for data with images")
     return dataset
 
 
