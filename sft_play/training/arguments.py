@@ -97,7 +97,8 @@ def trainer_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation
     from the run config or the resolved run.
     `batch` is the split to train at (default the run's, as planned; calibration and backoff
     pass theirs). `layer_classes` names the model's decoder layer classes (FSDP2's units).
-    `overrides` replace any of them, e.g. for calibration steps."""
+    `overrides` replace any of them, e.g. for calibration steps. (Long by design: one table of
+    every argument, each beside its reason, read top to bottom.)"""
     from trl import SFTConfig
 
     batch = batch or run.batch
