@@ -169,7 +169,7 @@ def throughput_task(kind: str, case, phase: int, global_batch: int, lever: str =
 
 def snapshot_task(shape: Shape, phase: int) -> dict:
     """S: bench/memory_snapshot.py on a shape: the GPU's allocations replayed through the simulation."""
-    return {"key": f"S {shape.label}", "kind": "S", "phase": phase, "shape": asdict(shape)}
+    return {"key": f"S {shape.label}", "kind": "S", "phase": phase, "shape": shape.fields()}
 
 
 # --- rows ---------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import gzip
 import json
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 from _common import lean  # bench/ is the script's folder
@@ -290,7 +289,7 @@ def record_shape(shape, folder: str, output: Path) -> dict:
         trace = compact(torch.cuda.memory._snapshot(), torch.cuda.memory_stats())
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    trace.update(shape=shape.label, shape_fields=asdict(shape), measured=measured,
+    trace.update(shape=shape.label, shape_fields=shape.fields(), measured=measured,
                  device=torch.cuda.get_device_name(0), torch=torch.__version__)
     output.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(output, "wt") as handle:

@@ -35,6 +35,10 @@ class Shape:
     def __post_init__(self):  # (a shape read back from JSON has lists)
         object.__setattr__(self, "levers", tuple(self.levers))
 
+    def fields(self) -> dict:
+        """The shape as JSON holds it (and gives it back): a task's or a trace's."""
+        return {**asdict(self), "levers": list(self.levers)}
+
     @property
     def label(self) -> str:
         cut = f" ({self.layers} layers)" if self.layers else ""
@@ -74,7 +78,7 @@ class Shape:
 
 
 def shape_task(shape: Shape, phase: int) -> dict:
-    return {"key": f"P {shape.label}", "kind": "P", "phase": phase, "shape": asdict(shape)}
+    return {"key": f"P {shape.label}", "kind": "P", "phase": phase, "shape": shape.fields()}
 
 
 def model_folder(task: dict) -> str:
