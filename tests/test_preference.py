@@ -276,23 +276,27 @@ def test_pairs_come_from_the_cache_the_second_time(tiny_tokenizer, tmp_path, cap
 # The plan
 
 
+def _planned_dpo(*overrides: str):
+    """(model shape, resolved run) of the DPO default on the tiny model, one CPU process, for pairs
+    of 26 tokens."""
+    from sft_play import hardware, planner
+
+    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml",
+                                ["model.name_or_path=configs/tiny_model", *overrides], check_paths=False)
+    stats = DataStats(examples=100, pairs=100, tokens_max=26, tokens_p95=26, tokens_p50=26, tokens_total=5000,
+                      loss_tokens=1600)
+    target = planner.target_for(hardware.detect().without_gpus(), gpus=1, allow_cpu=True)
+    shape = planner.model_shape(config)
+    return shape, planner.resolve_for(config, target, stats, shape)
+
+
 def test_the_plan_counts_two_rows_a_pair_the_reference_forward_and_its_copy():
     """A pair is two rows through the policy: its step at micro-batch m replays the SFT step of 2m
     rows plus the reference's forward (precomputed: none) and, for a copy, the reference's weights."""
-    from sft_play import planner
     from sft_play.planner.simulate import memory, predict
 
-    def setup(*overrides):
-        config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml",
-                                    ["model.name_or_path=configs/tiny_model", *overrides], check_paths=False)
-        stats = DataStats(examples=100, pairs=100, tokens_max=26, tokens_p95=26, tokens_p50=26, tokens_total=5000,
-                          loss_tokens=1600)
-        target = planner.target_for(__import__("sft_play").hardware.detect().without_gpus(), gpus=1, allow_cpu=True)
-        shape = planner.model_shape(config)
-        return shape, planner.resolve_for(config, target, stats, shape)
-
-    shape, copy = setup()
-    _, precomputed = setup("preference.reference=precomputed")
+    shape, copy = _planned_dpo()
+    _, precomputed = _planned_dpo("preference.reference=precomputed")
     assert copy.rows_per_example == 2 and copy.preference.reference == "copy" and copy.sequence.tokens == 26
     assert memory.reference_bytes(shape, copy) == shape.total_params * 4  # fp32 on a CPU without bf16
     assert memory.reference_bytes(shape, precomputed) == 0
@@ -307,7 +311,7 @@ def test_the_plan_counts_two_rows_a_pair_the_reference_forward_and_its_copy():
         predict.predict(shape, copy, m).peak_bytes for m in (1, 2, 4))
     # ORPO and SimPO score the policy alone: no reference forward, no copy, the precomputed run's step
     for objective in ("orpo", "simpo"):
-        _, alone = setup(f"finetune.objective={objective}", "preference.sft_weight=0")
+        _, alone = _planned_dpo(f"finetune.objective={objective}", "preference.sft_weight=0")
         assert alone.preference.reference == "none" and memory.reference_bytes(shape, alone) == 0
         assert not alone.preference.reference_forward and alone.rows_per_example == 2
         assert [predict.predict(shape, alone, m).peak_bytes for m in (1, 2, 4)] == [
@@ -318,23 +322,12 @@ def test_a_reference_pass_larger_than_the_step_is_the_plans_peak():
     """precomputed: TRL scores every pair before training, preference.precompute_batch_size pairs
     a forward without gradients and before the optimizer's states exist. At the micro-batch that
     pass is below a training step; far larger, it is the run's peak, and the plan says so."""
-    from sft_play import planner
     from sft_play.planner.simulate import predict
 
-    def planned(*overrides):
-        config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml",
-                                    ["model.name_or_path=configs/tiny_model", "preference.reference=precomputed",
-                                     *overrides], check_paths=False)
-        stats = DataStats(examples=100, pairs=100, tokens_max=26, tokens_p95=26, tokens_p50=26, tokens_total=5000,
-                          loss_tokens=1600)
-        target = planner.target_for(__import__("sft_play").hardware.detect().without_gpus(), gpus=1, allow_cpu=True)
-        shape = planner.model_shape(config)
-        return shape, planner.resolve_for(config, target, stats, shape)
-
-    shape, run = planned()
+    shape, run = _planned_dpo("preference.reference=precomputed")
     step = predict.predict(shape, run, 2)
     assert "precompute_pass" not in step.breakdown  # the pass at the micro-batch: below the step
-    _, larger = planned("preference.precompute_batch_size=512")
+    _, larger = _planned_dpo("preference.reference=precomputed", "preference.precompute_batch_size=512")
     scored = predict.predict(shape, larger, 2)
     assert scored.peak_bytes > step.peak_bytes and scored.breakdown.get("precompute_pass", 0) > 0
     assert scored.peak_bytes == sum(scored.breakdown.values())

@@ -244,7 +244,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
         breakdown["allocator_cache"] = result.peak_reserved - result.peak_allocated
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
-    scored = _reference_pass(shape, run, micro_batch, budget)
+    scored = _reference_pass(shape, run, micro_batch, None if budget is None else max(0, budget - outside))
     if scored is not None and (scored.peak_reserved if run.on_cuda else scored.peak_allocated) + outside > peak:
         # (the reference pass before training is the run's peak: its tensors are the plan's terms)
         breakdown = dict(scored.at_peak_allocated)
@@ -290,7 +290,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     return replay(shape, trace, spec, capacity, log)
 
 
-def _reference_pass(shape: ModelShape, run: Run, micro_batch: int, budget: int | None):
+def _reference_pass(shape: ModelShape, run: Run, micro_batch: int, capacity: int | None):
     """TRL's reference pass before training (``preference.reference: precomputed``) replayed where
     it takes more pairs a forward than the step (``preference.precompute_batch_size``): the weights
     and that forward without gradients, before any optimizer state exists. None where there is
@@ -304,9 +304,8 @@ def _reference_pass(shape: ModelShape, run: Run, micro_batch: int, budget: int |
                     eager_mask=run.kernels.attention == "eager", sliding_mask=run.sliding_mask(rows, shape.sliding_window),
                     loss_token_share=run.sequence.loss_token_share, on_cuda=run.on_cuda,
                     cublas_workspace=run.cublas_workspace_bytes)
-    outside = memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured)
     return replay_reference_pass(shape, traced_layers(trace_spec(run, rows), run.local_tokens, rows > 1), spec,
-                                 None if budget is None else max(0, budget - outside))
+                                 capacity)
 
 
 def traced_encoder(run: Run, batched: bool = True) -> EncoderTrace | None:
