@@ -33,6 +33,21 @@ def print_pairs(run: object, result: dict, data: str | None) -> None:
     print(f"  chosen answers: {matches}/{len(result['generations'])}; written to {run}/{export.eval_file_name(data)}")
 
 
+def print_answers(run: object, result: dict, data: str | None) -> None:
+    """A KTO run's evaluation on answers labelled one by one (sft_play.export.evaluate_answers)."""
+    from sft_play import export
+
+    rewards = {side: "n/a" if result[f"{side}_reward"] is None else f"{result[f'{side}_reward']:.3f}"
+               for side in ("desirable", "undesirable")}
+    print(f"Run: {run}\n  data: {result['data']} ({result['answers']} answers, {result['desirable']} desirable)\n"
+          f"  reward accuracy {result['reward_accuracy']:.3f} (a reward of its label's sign), rewards desirable "
+          f"{rewards['desirable']} / undesirable {rewards['undesirable']} (beta {result['beta']:g})")
+    for g in result["generations"]:
+        print(f"  {'=  ' if g['matches_given'] else '   '} {g['prompt']!r} -> {g['answer']!r} (given "
+              f"{g['given']!r}, {'desirable' if g['label'] else 'undesirable'})")
+    print(f"  written to {run}/{export.eval_file_name(data)}")
+
+
 def main() -> int:
     parser = cli.run_parser(cli.summary(__doc__))
     parser.add_argument("--count", type=int, default=5, help="held-out prompts to answer (default 5)")
@@ -48,6 +63,9 @@ def main() -> int:
     with cli.importing():
         from sft_play import export
     result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data)
+    if "answers" in result:
+        print_answers(run, result, args.data)
+        return 0
     if "reward_accuracy" in result:
         print_pairs(run, result, args.data)
         return 0

@@ -227,13 +227,16 @@ def system_turn(path: str | Path) -> list[dict[str, str]]:
 def held_out_prompts(config: RunConfig, count: int) -> list[Prompt]:
     """The first `count` validation records of the run's data (``data.validation_path``'s, or
     those ``data.validation_fraction`` held out), cut before their first answer; a preference
-    run's held-out pairs, with the chosen answer as the reference."""
+    run's held-out pairs, with the chosen answer as the reference (KTO's labelled answers: a
+    desirable one)."""
     if config.finetune.objective != "sft":
         from sft_play.data import preference
 
         pairs = preference.held_out_pairs(config.data, config.train.seed, count)
-        return [Prompt(p["prompt"], None, text_of(p["chosen"][-1]["content"])) if isinstance(p["prompt"], list)
-                else Prompt(None, p["prompt"], p["chosen"]) for p in pairs]
+        # (KTO's labelled answers: the answer where desirable, else none)
+        answers = [p["chosen"] if "chosen" in p else p["completion"] if p["label"] else None for p in pairs]
+        return [Prompt(p["prompt"], None, text_of(a[-1]["content"]) if a is not None else "")
+                if isinstance(p["prompt"], list) else Prompt(None, p["prompt"], a or "") for p, a in zip(pairs, answers)]
     prompts = []
     for record in data.validation_records(config.data, config.train.seed, limit=count):
         if "messages" in record:
@@ -423,6 +426,60 @@ def _answer_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return output.log_probs[:, -(labels.shape[1] - 1):].double().sum(dim=1)
 
 
+def evaluate_answers(path: str | Path, model: Any, tokenizer: Any, config: RunConfig, count: int, max_new_tokens: int,
+                     batch_size: int, data_path: str | None) -> dict[str, Any]:
+    """A KTO run's evaluation on held-out answers labelled one by one (or `data_path`'s): each
+    answer's reward as KTO defines it, beta x (policy - reference) log-probability, with the
+    reference the run trained against; ``reward_accuracy`` the share of answers whose reward has
+    their label's sign (above 0 for a desirable one, below for an undesirable one; 0 before
+    training). Greedy answers to the first `count` held-out prompts, beside the answer and its label."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+    from trl.trainer.utils import add_fused_lm_head
+
+    from sft_play.data import preference
+    from sft_play.model import score_labelled_positions_only
+
+    rows = preference.answers_of(data_path, config, tokenizer)
+    if not rows:
+        raise UserError(f"no usable held-out answer in {data_path or config.data.validation_path or config.data.path}")
+    collator = DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id,
+                                                 max_length=config.data.max_seq_length)
+    score_labelled_positions_only()
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    batches = [collator(rows[start:start + batch_size]) for start in range(0, len(rows), batch_size)]
+    device = model.device
+    with torch.no_grad():
+        policy = torch.cat([_answer_logps(model, {k: v.to(device) for k, v in b.items()}) for b in batches]).cpu()
+        with base_model_of(model, config) as reference_model:
+            if reference_model is not model:
+                add_fused_lm_head(reference_model)
+            reference = torch.cat([_answer_logps(reference_model, {k: v.to(device) for k, v in b.items()})
+                                   for b in batches]).cpu()
+    labels = torch.tensor([bool(row["label"]) for row in rows])
+    beta = config.preference.beta
+    reward = beta * (policy - reference)
+    if data_path is not None:
+        config = config.model_copy(update={"data": config.data.model_copy(
+            update={"validation_path": data_path, "validation_fraction": 0.0})})
+    generations = []
+    for record in preference.held_out_pairs(config.data, config.train.seed, count):
+        shown = record["prompt"]
+        prompt = Prompt(shown, None, "") if isinstance(shown, list) else Prompt(None, shown, "")
+        given = text_of(record["completion"][-1]["content"]) if isinstance(record["completion"], list) else record["completion"]
+        answer = generate(model, tokenizer, prompt, max_new_tokens)
+        generations.append({"prompt": prompt.shown(), "given": given.strip(), "label": record["label"],
+                            "answer": answer, "matches_given": answer == given.strip()})
+    desirable, undesirable = reward[labels], reward[~labels]
+    result = {"data": data_path or "the run's held-out answers", "answers": len(rows), "desirable": int(labels.sum()),
+              "beta": beta, "reward_accuracy": float(((reward > 0) == labels).double().mean()),
+              "desirable_reward": float(desirable.mean()) if len(desirable) else None,
+              "undesirable_reward": float(undesirable.mean()) if len(undesirable) else None,
+              "generations": generations}
+    model_dir, _ = _locate(Path(path))
+    (model_dir.parent / eval_file_name(data_path)).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConfig, count: int, max_new_tokens: int,
                    batch_size: int, data_path: str | None) -> dict[str, Any]:
     """A preference run's evaluation on its held-out pairs (or `data_path`'s): the rewards as DPO
@@ -440,6 +497,8 @@ def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConf
     from sft_play.data import preference
     from sft_play.model import score_labelled_positions_only
 
+    if config.finetune.objective == "kto" and preference.labelled(config.data, config.train.seed, data_path):
+        return evaluate_answers(path, model, tokenizer, config, count, max_new_tokens, batch_size, data_path)
     if data_path is not None:
         rows = preference.pairs_of(data_path, config.data, config.preference, tokenizer)
         config = config.model_copy(update={"data": config.data.model_copy(  # (its prompts for the generations)

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from sft_play import architecture, hardware
 from sft_play.architecture import ModelFacts, adapter_parts
 from sft_play.adapters import LoraSpec
-from sft_play.config import REFERENCE_FREE, RunConfig
+from sft_play.config import REFERENCE_FREE, RunConfig, kto_estimates_kl
 from sft_play.parallelism import Parallelism, Strategy
 from sft_play.precision import DTYPE_BYTES, Precision, resolve_optimizer, resolve_precision
 
@@ -160,20 +160,39 @@ class Kernels:
 
 @dataclass(frozen=True)
 class Preference:
-    """A preference-tuning run's step (``finetune.objective``: dpo, orpo or simpo): each pair is
-    two rows, chosen and rejected, through the policy. DPO's reference log-probs come from the
-    base with the adapters off (a second forward of the same weights), a frozen copy of the
-    weights (a second model in memory and a forward through it), or a pass over the data before
-    training; ORPO and SimPO score the policy alone (``none``)."""
+    """A preference-tuning run's step (``finetune.objective``: dpo, kto, orpo or simpo). DPO, ORPO
+    and SimPO take pairs: each is two rows, chosen and rejected, through the policy. KTO takes
+    answers, one row each, and scores a second, mismatched row for each without gradients (its KL
+    estimate: another answer of the micro-batch after the same prompt), through the policy and
+    the reference both. The reference's log-probs come from the base with the adapters off (a
+    second forward of the same weights), a frozen copy of the weights (a second model in memory
+    and a forward through it), or a pass over the data before training; ORPO and SimPO score the
+    policy alone (``none``)."""
 
-    objective: str  # dpo, orpo or simpo
+    objective: str  # dpo, kto, orpo or simpo
     reference: Literal["adapters_off", "copy", "precomputed", "none"]
-    precompute_batch_size: int | None = None  # pairs per forward of the precompute pass (None: the micro-batch)
+    precompute_batch_size: int | None = None  # examples per forward of the precompute pass (None: the micro-batch)
+    kl: bool = False  # KTO's KL estimate: a forward without gradients of the mismatched rows, policy and reference
 
     @property
     def reference_forward(self) -> bool:
         """Whether each step runs a reference forward (not precomputed, not reference-free)."""
         return self.reference not in ("precomputed", "none")
+
+    @property
+    def rows_per_example(self) -> int:
+        """Rows of the training forward per example: a pair is two, a KTO answer one."""
+        return 1 if self.objective == "kto" else 2
+
+    @property
+    def reference_forwards(self) -> int:
+        """The reference's forwards a step (each over the step's rows): KTO's mismatched rows too."""
+        return (1 + self.kl) if self.reference_forward else 0
+
+    @property
+    def forwards_per_pass(self) -> int:
+        """The forwards of each batch of the precompute pass: KTO scores the mismatched rows too."""
+        return 1 + self.kl
 
 
 def preference_of(config: RunConfig) -> Preference | None:
@@ -187,7 +206,7 @@ def preference_of(config: RunConfig) -> Preference | None:
         reference = "none"
     elif reference == "auto":
         reference = "copy" if config.finetune.method == "full" else "adapters_off"
-    return Preference(config.finetune.objective, reference, pref.precompute_batch_size)
+    return Preference(config.finetune.objective, reference, pref.precompute_batch_size, kto_estimates_kl(config))
 
 
 @dataclass(frozen=True)
@@ -233,7 +252,13 @@ class Run:
     @property
     def rows_per_example(self) -> int:
         """Rows of the forward per example of the micro-batch: a preference pair is two."""
-        return 2 if self.preference is not None else 1
+        return self.preference.rows_per_example if self.preference is not None else 1
+
+    @property
+    def smallest_micro_batch(self) -> int:
+        """The smallest micro-batch the run trains at: KTO's KL estimate takes another answer of
+        the micro-batch (TRL's KTOTrainer refuses one)."""
+        return 2 if self.preference is not None and self.preference.kl else 1
 
     @property
     def fsdp_checkpointing(self) -> bool:

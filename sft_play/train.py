@@ -136,6 +136,7 @@ class Built:
     guard: callbacks.NonFiniteGuard
     before: float  # the earlier segments' training time, carried on by a resume
     zero3_arguments: Any = None  # kept alive: transformers holds only a weak reference to DeepSpeed's config
+    smallest_micro_batch: int = 1  # what an out-of-memory backoff may halve to (Run.smallest_micro_batch)
 
 
 def build(config: RunConfig, state: PartialState, where: Placement, run: Run, run_dir: Path, tokenizer: Any,
@@ -183,7 +184,7 @@ def build(config: RunConfig, state: PartialState, where: Placement, run: Run, ru
         [*faults, past_end, callbacks.LogLastStep(), callbacks.TokenThroughput(),
          callbacks.ExpertLoad(), marker, stop, guard, *early], reference=reference,
     )
-    return Built(make_trainer, past_end, guard, before, zero3_arguments)
+    return Built(make_trainer, past_end, guard, before, zero3_arguments, run.smallest_micro_batch)
 
 
 def calibrated(config: RunConfig, state: PartialState, where: Placement, run: Run, shape: Any, plan: Any,
@@ -226,7 +227,7 @@ def train_phase(state: PartialState, where: Placement, run_dir: Path, built: Bui
 
     try:
         return training.train_with_backoff(built.make_trainer, checked.split, resume_checkpoint,
-                                           on_backoff=backed_off)
+                                           on_backoff=backed_off, smallest=built.smallest_micro_batch)
     except OutOfMemory as error:
         if state.is_main_process:  # the planner's miss, on record (this rank's own measurements)
             check = memory_check.record(run_dir, checked, error.split or checked.split,

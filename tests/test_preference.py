@@ -68,7 +68,8 @@ def test_each_impossible_combination_is_one_line(overrides, says):
 @pytest.mark.parametrize("objective, overrides, says", [
     ("orpo", ["preference.reference=copy"], "preference.reference: copy; finetune.objective=orpo scores the policy"),
     ("simpo", ["preference.reference=precomputed"], "finetune.objective=simpo scores the policy alone"),
-    ("orpo", ["preference.loss_type=ipo"], "preference.loss_type: DPO's loss"),
+    ("orpo", ["preference.loss_type=ipo"], "preference.loss_type: a reference loss"),
+    ("simpo", ["preference.desirable_weight=2"], "weighs KTO's labelled answers"),
     ("simpo", ["preference.precompute_batch_size=4"], "preference.precompute_batch_size"),
     ("orpo", ["preference.sft_weight=1"], "the NLL is part of ORPO already"),
     ("orpo", ["preference.label_smoothing=0.1"], "TRL's ORPO has none"),
@@ -92,7 +93,7 @@ def test_sft_configs_are_unchanged_and_a_stray_preference_section_is_named():
     with pytest.raises(config_module.ConfigError) as caught:
         config_module.load(None, ["preference.beta=0.2"], check_paths=False)
     assert caught.value.problems == ["preference: set, but finetune.objective is sft (it would be ignored); set "
-                                     "finetune.objective to dpo, orpo or simpo to train on chosen/rejected pairs"]
+                                     "finetune.objective to dpo, kto, orpo or simpo to train on preference data"]
     # the run folder's config.yaml holds every section at its defaults: read back, it says nothing
     saved = config_module.RunConfig().to_yaml()
     assert schema.consistency_problems(config_module.RunConfig.model_validate(__import__("yaml").safe_load(saved))) == []
@@ -197,7 +198,7 @@ def test_pairs_under_sft_and_sft_data_under_dpo_are_refused_by_name(tmp_path):
     with pytest.raises(UnknownFormat, match="finetune.objective=dpo"):
         load_records(pairs, config_module.load(None, [], check_paths=False).data, DataStats())
     chats = write(tmp_path / "chats.jsonl", [{"messages": U("q") + A("a")}])
-    with pytest.raises(UnknownFormat, match="cannot read preference pairs"):
+    with pytest.raises(UnknownFormat, match="cannot read preference data"):
         _pairs(chats, dpo_config().data)
 
 
@@ -473,7 +474,8 @@ def test_orpo_and_simpo_train_without_a_reference(tmp_path, objective, method):
     if objective == "orpo":
         assert "train/log_odds_ratio" in scalars
     run = json.loads((run_dir / "run.json").read_text())
-    assert run["preference"] == {"objective": objective, "reference": "none", "precompute_batch_size": None}
+    assert run["preference"] == {"objective": objective, "reference": "none", "precompute_batch_size": None,
+                                 "kl": False}
 
 
 def test_make_eval_scores_held_out_pairs(tmp_path):

@@ -79,32 +79,38 @@ class FinetuneConfig(_Section):
     train_projector: bool = Field(
         False, description="Vision-language models: train the projector that maps image features into the language "
         "model (its weights, under LoRA and QLoRA too: beside the adapters, kept 16-bit); false keeps it frozen.")
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
+    objective: Literal["sft", "dpo", "kto", "orpo", "simpo"] = Field(
         "sft", description="sft: supervised fine-tuning on answers; dpo: preference tuning on chosen/rejected pairs "
-        "against a reference (TRL's DPOTrainer); orpo: the chosen answers' NLL plus an odds-ratio term, no reference "
-        "(ORPO, which can start from the base model); simpo: a margin between the answers' average log-probs, no "
-        "reference (SimPO). The preference section; docs/PREFERENCE.md. Start dpo and simpo from an SFT run's model: "
-        "model.name_or_path=runs/<sft>/model.")
+        "against a reference (TRL's DPOTrainer); kto: answers each labelled desirable or not, no pairing needed "
+        "(TRL's KTOTrainer; pairs are split into a desirable and an undesirable answer); orpo: the chosen answers' "
+        "NLL plus an odds-ratio term, no reference (ORPO, which can start from the base model); simpo: a margin "
+        "between the answers' average log-probs, no reference (SimPO). The preference section; docs/PREFERENCE.md. "
+        "Start dpo, kto and simpo from an SFT run's model: model.name_or_path=runs/<sft>/model.")
 
 
 class PreferenceConfig(_Section):
-    """Preference tuning (``finetune.objective: dpo``, ``orpo`` or ``simpo``): the loss and the reference model."""
+    """Preference tuning (``finetune.objective: dpo``, ``kto``, ``orpo`` or ``simpo``): the loss and the
+    reference model."""
 
-    beta: float = Field(0.1, gt=0, description="dpo: how far the policy may move from the reference (the reward "
-                        "is beta x (policy log-prob - reference log-prob) of an answer); orpo: the odds-ratio term's "
+    beta: float = Field(0.1, gt=0, description="dpo and kto: how far the policy may move from the reference (the "
+                        "reward is beta x (policy log-prob - reference log-prob) of an answer); orpo: the odds-ratio term's "
                         "weight beside the NLL (lambda; 0.1 as TRL's ORPOConfig); simpo: the scale of the average "
                         "log-prob reward (SimPO's authors use 2-2.5; 0.1 is TRL's CPOConfig default).")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the margin the chosen answer's reward must exceed the "
                                "rejected one's by (TRL's simpo_gamma).")
-    loss_type: Union[str, list[str]] = Field(
-        "sigmoid", description="TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, exo_pair, bco_pair, nca_pair, "
+    loss_type: Union[str, list[str], None] = Field(
+        None, description="dpo: TRL's DPO loss(es): sigmoid (DPO), ipo, hinge, robust, exo_pair, bco_pair, nca_pair, "
         "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sigmoid_norm, sft; a list sums them "
-        "(with loss_weights).")
+        "(with loss_weights). kto: kto, or apo_zero_unpaired (no KL estimate). null: sigmoid for dpo, kto for kto.")
     loss_weights: list[float] | None = Field(None, description="One weight per loss_type entry; null: all 1.")
     sft_weight: float = Field(
         0.0, ge=0, description="Adds TRL's sft loss (the chosen answers' NLL) at this weight beside the preference "
         "loss (RPO; LLaMA-Factory's pref_ftx; under simpo CPO-SimPO's cpo_alpha); keeps the chosen answers likely. "
         "0: off. ORPO's loss has its NLL built in.")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: the weight of a desirable answer's loss (raise "
+                                    "it when desirable answers are the fewer: KTO's paper keeps weight x count "
+                                    "of each side within 1-4/3 of the other's).")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of an undesirable answer's loss.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Conservative DPO / robust / exo_pair: the assumed "
                                    "share of pairs labelled the wrong way round.")
     reference: Literal["auto", "adapters_off", "copy", "precomputed"] = Field(
@@ -116,8 +122,8 @@ class PreferenceConfig(_Section):
         None, gt=0, description="Prompts longer than this many tokens keep their last ones (cut from the left), so "
         "that the answers fit data.max_seq_length; null: prompts are not cut.")
     precompute_batch_size: int | None = Field(
-        None, gt=0, description="reference=precomputed: pairs per forward of the precompute pass; null: the "
-        "micro-batch.")
+        None, gt=0, description="reference=precomputed: pairs (kto: answers) per forward of the precompute pass; "
+        "null: the micro-batch.")
 
 
 class LoraConfig(_Section):
@@ -160,9 +166,10 @@ class QuantizationConfig(_Section):
 
 # The fields a record is read from, each from the column of that name unless data.columns maps it
 DATA_FIELDS = ("messages", "conversations", "tools", "images", "image", "instruction", "input", "output", "system",
-               "history", "prompt", "completion", "text", "chosen", "rejected")
+               "history", "prompt", "completion", "text", "chosen", "rejected", "label")
 
-DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference", "pairwise"]
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference", "pairwise",
+                     "unpaired"]
 
 
 class DataConfig(_Section):
@@ -484,15 +491,30 @@ def context_parallel_problem(config: RunConfig, processes: int | None = None, on
 
 
 # TRL's DPO losses (trl/trainer/dpo_config.py, DPOConfig.loss_type)
+KTO_LOSSES = ("kto", "apo_zero_unpaired")  # the second estimates no KL term
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+def loss_types(pref: PreferenceConfig, objective: str = "dpo") -> list[str]:
+    """``preference.loss_type`` as a list, null as the objective's own loss (DPO's sigmoid, KTO's kto)."""
+    if pref.loss_type is None:
+        return ["kto" if objective == "kto" else "sigmoid"]
+    return [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+
+
+def kto_estimates_kl(config: RunConfig) -> bool:
+    """Whether a KTO step also scores mismatched answers for its KL estimate (every KTO loss but
+    apo_zero_unpaired): a forward more of the policy and of the reference, and at least two rows
+    a micro-batch (TRL's KTOTrainer)."""
+    return config.finetune.objective == "kto" and loss_types(config.preference, "kto") != ["apo_zero_unpaired"]
 
 
 def preference_losses(config: RunConfig) -> tuple[list[str], list[float] | None]:
     """TRL's ``loss_type`` and ``loss_weights`` for the run: the preference section's, with the
     sft term appended at ``preference.sft_weight``."""
     pref = config.preference
-    losses = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
+    losses = loss_types(pref)
     weights = list(pref.loss_weights) if pref.loss_weights is not None else None
     if pref.sft_weight:
         weights = (weights or [1.0] * len(losses)) + [pref.sft_weight]
@@ -511,33 +533,19 @@ def preference_problems(config: RunConfig) -> list[str]:
     objective = config.finetune.objective
     if objective == "sft":
         return ((["preference: set, but finetune.objective is sft (it would be ignored); set finetune.objective to "
-                  "dpo, orpo or simpo to train on chosen/rejected pairs"] if pref != PreferenceConfig() else [])
-                + ([f"data.format={data.format} is preference data: set finetune.objective to dpo, orpo or simpo to "
-                    "train on it"] if data.format in ("preference", "pairwise") else []))
+                  "dpo, kto, orpo or simpo to train on preference data"] if pref != PreferenceConfig() else [])
+                + ([f"data.format={data.format} is preference data: set finetune.objective to "
+                    f"{'kto' if data.format == 'unpaired' else 'dpo, kto, orpo or simpo'} to train on it"]
+                   if data.format in ("preference", "pairwise", "unpaired") else []))
     if objective in REFERENCE_FREE:
         return _reference_free_problems(config) + _pair_problems(config)
-    problems = []
-    losses = [pref.loss_type] if isinstance(pref.loss_type, str) else list(pref.loss_type)
-    unknown = [name for name in losses if name not in DPO_LOSSES]
-    if unknown or not losses:
-        problems.append(f"preference.loss_type: {', '.join(map(repr, unknown)) or 'an empty list'}; TRL's DPO losses "
-                        f"are {', '.join(DPO_LOSSES)}")
-    if pref.loss_weights is not None and len(pref.loss_weights) != len(losses):
-        problems.append(f"preference.loss_weights: {len(pref.loss_weights)} weight(s) for {len(losses)} loss type(s); "
-                        "give one per entry of preference.loss_type")
-    if "exo_pair" in losses and pref.label_smoothing == 0:
-        problems.append("preference.loss_type=exo_pair needs preference.label_smoothing above 0 (1e-3 is EXO's)")
-    if "robust" in losses and pref.label_smoothing >= 0.5:
-        problems.append("preference.loss_type=robust: preference.label_smoothing must be below 0.5")
+    problems = _kto_problems(config) if objective == "kto" else _dpo_loss_problems(config)
     if pref.reference == "adapters_off" and method == "full":
         problems.append("preference.reference=adapters_off: full fine-tuning has no adapters to switch off; use copy "
                         "(a frozen copy of the weights) or precomputed (one pass before training)")
     if pref.reference == "copy" and method != "full":
         problems.append(f"preference.reference=copy under {method}: the base with its adapters switched off is the "
                         "same model at no memory; use adapters_off (or auto)")
-    if "sft" in losses and pref.sft_weight:
-        problems.append("preference.sft_weight adds the sft loss, which preference.loss_type names already: give it "
-                        "once (its weight in preference.loss_weights, or preference.sft_weight)")
     if pref.reference == "precomputed" and method == "full" and Strategy(config.distributed.strategy).fsdp:
         problems.append("preference.reference=precomputed under FSDP2 with full fine-tuning: TRL then loads a "
                         "reference of its own from the model's name, without model.revision or initialised weights; "
@@ -545,9 +553,57 @@ def preference_problems(config: RunConfig) -> list[str]:
     if pref.reference == "precomputed" and data.streaming:
         problems.append("preference.reference=precomputed: a stream cannot be scored before training; set "
                         "data.streaming=false, or use another preference.reference")
+    return problems + _pair_problems(config)
+
+
+def _dpo_loss_problems(config: RunConfig) -> list[str]:
+    """DPO's loss settings that do not go together, and KTO's given to DPO."""
+    pref = config.preference
+    losses = loss_types(pref)
+    problems = []
+    unknown = [name for name in losses if name not in DPO_LOSSES]
+    if unknown or not losses:
+        problems.append(f"preference.loss_type: {', '.join(map(repr, unknown)) or 'an empty list'}; TRL's DPO losses "
+                        f"are {', '.join(DPO_LOSSES)}" + ("; kto and apo_zero_unpaired are KTO's: set "
+                                                          "finetune.objective=kto" if set(unknown) & set(KTO_LOSSES) else ""))
+    if pref.loss_weights is not None and len(pref.loss_weights) != len(losses):
+        problems.append(f"preference.loss_weights: {len(pref.loss_weights)} weight(s) for {len(losses)} loss type(s); "
+                        "give one per entry of preference.loss_type")
+    if "exo_pair" in losses and pref.label_smoothing == 0:
+        problems.append("preference.loss_type=exo_pair needs preference.label_smoothing above 0 (1e-3 is EXO's)")
+    if "robust" in losses and pref.label_smoothing >= 0.5:
+        problems.append("preference.loss_type=robust: preference.label_smoothing must be below 0.5")
+    if "sft" in losses and pref.sft_weight:
+        problems.append("preference.sft_weight adds the sft loss, which preference.loss_type names already: give it "
+                        "once (its weight in preference.loss_weights, or preference.sft_weight)")
     if pref.simpo_gamma != PreferenceConfig().simpo_gamma:
         problems.append("preference.simpo_gamma is SimPO's margin: set finetune.objective=simpo, or leave it out")
-    return problems + _pair_problems(config)
+    return problems + _not_kto_problems(config)
+
+
+def _not_kto_problems(config: RunConfig) -> list[str]:
+    pref, default = config.preference, PreferenceConfig()
+    return [f"preference.{key} weighs KTO's labelled answers: set finetune.objective=kto, or leave it out"
+            for key in ("desirable_weight", "undesirable_weight") if getattr(pref, key) != getattr(default, key)]
+
+
+def _kto_problems(config: RunConfig) -> list[str]:
+    """What a KTO run cannot take: DPO's pair settings, a loss TRL's KTOTrainer lacks, one row a
+    micro-batch where the KL term is estimated."""
+    pref, default = config.preference, PreferenceConfig()
+    problems = []
+    if isinstance(pref.loss_type, list) or loss_types(pref, "kto")[0] not in KTO_LOSSES:
+        problems.append(f"preference.loss_type={pref.loss_type}: TRL's KTO losses are {', '.join(KTO_LOSSES)} (one)")
+    problems += [f"preference.{key}: {what}; finetune.objective=kto takes no such setting, leave it out"
+                 for key, what in (("loss_weights", "DPO's loss weights"), ("label_smoothing", "DPO's label smoothing"),
+                                   ("sft_weight", "an sft term beside DPO's loss"), ("simpo_gamma", "SimPO's margin"))
+                 if getattr(pref, key) != getattr(default, key)]
+    micro = config.train.micro_batch_size
+    if kto_estimates_kl(config) and isinstance(micro, int) and micro < 2:
+        problems.append(f"train.micro_batch_size={micro}: KTO estimates its KL term from the other answers of the "
+                        "micro-batch, so it needs at least 2 (or preference.loss_type=apo_zero_unpaired, which "
+                        "estimates none)")
+    return problems
 
 
 def _reference_free_problems(config: RunConfig) -> list[str]:
@@ -557,8 +613,8 @@ def _reference_free_problems(config: RunConfig) -> list[str]:
     problems = [f"preference.{key}: {what}; finetune.objective={objective} scores the policy alone (no reference), "
                 "leave it out" for key, what in (
                     ("reference", f"{pref.reference}"), ("precompute_batch_size", "a reference pass's batch"),
-                    ("loss_type", "DPO's loss"), ("loss_weights", "DPO's loss weights"))
-                if getattr(pref, key) != getattr(default, key)]
+                    ("loss_type", "a reference loss"), ("loss_weights", "DPO's loss weights"))
+                if getattr(pref, key) != getattr(default, key)] + _not_kto_problems(config)
     if objective == "orpo":
         problems += [f"preference.{key}: {what} (ORPO's loss is the chosen answers' NLL plus beta x its odds-ratio "
                      "term); leave it out" for key, what in (
@@ -579,9 +635,13 @@ def _pair_problems(config: RunConfig) -> list[str]:
     if data.train_on != "completion":
         problems.append(f"data.train_on={data.train_on}: preference tuning scores the answers (what follows the "
                         "prompt) only; leave data.train_on at completion")
-    if data.format not in ("auto", "preference", "pairwise"):
+    if data.format not in ("auto", "preference", "pairwise", "unpaired"):
         problems.append(f"data.format={data.format} is an SFT format; preference data is preference (prompt/chosen/"
-                        "rejected) or pairwise (a conversation plus chosen/rejected), or auto")
+                        "rejected), pairwise (a conversation plus chosen/rejected), unpaired (KTO's prompt/"
+                        "completion/label), or auto")
+    if data.format == "unpaired" and config.finetune.objective != "kto":
+        problems.append(f"data.format=unpaired: answers labelled one by one have no pairs for "
+                        f"finetune.objective={config.finetune.objective}; use finetune.objective=kto")
     if config.distributed.sequence_parallel != 1 or config.distributed.context_parallel != 1:
         problems.append("distributed.sequence_parallel / context_parallel: rows are not split across processes for "
                         "preference tuning; leave them at 1")

@@ -1,5 +1,5 @@
 """Record formats: detect which one a dataset uses and normalise rows to one of three shapes
-(preference pairs to a fourth, :func:`normalise_pair`).
+(preference data to a fourth or fifth, :func:`normalise_pair`).
 
 Every supported format becomes one of:
   {"messages": [{"role": ..., "content": ...}, ...]}   chat (messages, sharegpt, alpaca; TRL's
@@ -22,7 +22,7 @@ from sft_play.config.schema import DATA_FIELDS
 from sft_play.data import images
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
-PAIR_FORMATS = ("preference", "pairwise")
+PAIR_FORMATS = ("preference", "pairwise", "unpaired")
 ROLES = ("system", "user", "assistant", "tool")
 
 # ShareGPT speakers to chat roles (the names seen in the wild).
@@ -374,9 +374,10 @@ def normalise(row: dict[str, Any], fmt: str, columns: dict[str, str], source: st
 
 def detect_pair_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
     """The format of preference `rows`: ``preference`` (TRL's: ``prompt``/``chosen``/``rejected``,
-    strings or message lists, the prompt implicit when left out) or ``pairwise`` (LLaMA-Factory's:
+    strings or message lists, the prompt implicit when left out), ``pairwise`` (LLaMA-Factory's:
     the conversation so far in ``conversations``/``messages``, or Alpaca's ``instruction``/``input``,
-    beside ``chosen``/``rejected`` answers).
+    beside ``chosen``/``rejected`` answers) or ``unpaired`` (TRL's for KTO: ``prompt``/``completion``
+    with a boolean ``label``, true for a desirable answer).
 
     Raises:
         UnknownFormat: naming the columns found.
@@ -389,13 +390,39 @@ def detect_pair_format(rows: list[dict[str, Any]], columns: dict[str, str]) -> s
                                            or cols["instruction"] in keys):
             return "pairwise"
         return "preference"
-    raise _unread(rows, columns, "cannot read preference pairs", "expected 'chosen' and 'rejected' (with 'prompt', "
-                  "or beside 'conversations'/'messages'/'instruction'). Map your columns with data.columns, e.g. "
+    if cols["prompt"] in keys and cols["completion"] in keys and cols["label"] in keys:
+        return "unpaired"
+    raise _unread(rows, columns, "cannot read preference data", "expected 'chosen' and 'rejected' (with 'prompt', "
+                  "or beside 'conversations'/'messages'/'instruction'), or KTO's 'prompt', 'completion' and 'label'. "
+                  "Map your columns with data.columns, e.g. "
                   "data.columns.prompt=question data.columns.chosen=chosen_response "
                   "data.columns.rejected=rejected_response")
 
 
 SAME_ANSWERS = "chosen equal to rejected"  # no preference to learn
+
+
+def _unpaired(row: dict[str, Any], cols: dict[str, str], source: str, index: int) -> dict[str, Any]:
+    """One KTO row: a prompt, one answer and whether it is desirable (true/false, or 1/0)."""
+    label = row.get(cols["label"])
+    if isinstance(label, int) and not isinstance(label, bool) and label in (0, 1):
+        label = bool(label)
+    if not isinstance(label, bool):
+        raise InvalidRow(source, index, cols["label"], "missing" if label is None else
+                         f"expected true (a desirable answer) or false, got {label!r}")
+    prompt, completion = row.get(cols["prompt"]), row.get(cols["completion"])
+    conversational = isinstance(prompt, list) or isinstance(completion, list)
+    if conversational:
+        if not isinstance(prompt, list):
+            raise InvalidRow(source, index, cols["prompt"], f"expected a list of messages like the completion "
+                             f"(TRL's conversational unpaired data), got {type(prompt).__name__}")
+        prompt = _chat(prompt, source, index, cols["prompt"], "role", "content", None, needs_answer=False)
+    else:
+        prompt = _string(row, cols["prompt"], source, index)
+    record = {"prompt": prompt, "completion": _answer(completion, source, index, cols["completion"], conversational),
+              "label": label}
+    tools = tools_of(row, cols["tools"], source, index)
+    return {**record, "tools": tools} if tools else record
 
 
 def _answer(value: Any, source: str, index: int, field: str, conversational: bool) -> Any:
@@ -422,12 +449,15 @@ def _answer(value: Any, source: str, index: int, field: str, conversational: boo
 
 def normalise_pair(row: dict[str, Any], fmt: str, columns: dict[str, str], source: str, index: int) -> dict[str, Any]:
     """One raw preference row in `fmt` as ``{"prompt", "chosen", "rejected"}``: three strings
-    (standard) or three lists of turns (conversational), as TRL's ``DPOTrainer`` takes them.
+    (standard) or three lists of turns (conversational), as TRL's ``DPOTrainer`` takes them; an
+    ``unpaired`` row as ``{"prompt", "completion", "label"}``, as TRL's ``KTOTrainer`` takes it.
 
     Raises:
         InvalidRow: naming the source, row and field at fault.
     """
     cols = column_map(columns)
+    if fmt == "unpaired":
+        return _unpaired(row, cols, source, index)
     chosen, rejected = row.get(cols["chosen"]), row.get(cols["rejected"])
     if fmt == "preference":
         prompt = row.get(cols["prompt"])

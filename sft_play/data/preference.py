@@ -1,6 +1,6 @@
-"""Preference pairs (``finetune.objective: dpo``): read and checked like SFT records
-(:func:`sft_play.data.pipeline.iter_records` with ``pairs``), tokenised exactly as TRL's
-``DPOTrainer`` tokenises them, measured in pairs and cached.
+"""Preference data (``finetune.objective``: dpo, kto, orpo, simpo): read and checked like SFT
+records (:func:`sft_play.data.pipeline.iter_records` with ``pairs``), tokenised exactly as TRL's
+``DPOTrainer`` tokenises pairs (and ``KTOTrainer`` labelled answers), measured and cached.
 
 The tokens are ours, not TRL's preparation: TRL's ``_prepare_dataset`` maps every row again on
 each trainer it builds and keeps no statistics, and the planner needs the pairs' lengths before
@@ -29,6 +29,7 @@ from sft_play.errors import UserError
 logger = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+ANSWER_COLUMNS = ("prompt_ids", "completion_ids", "label")  # KTO's: one answer, desirable or not
 SKIPPED_ROWS_KEPT = 20
 
 
@@ -63,6 +64,107 @@ def tokenize_pair(pair: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
     return {"prompt_ids": prompt_ids[:shared], "chosen_ids": chosen[shared:], "rejected_ids": rejected[shared:]}
 
 
+def tokenize_answer(record: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """A labelled answer (``prompt``/``completion``) as TRL's ``KTOTrainer`` tokenises it
+    (``tokenize_fn`` of trl/trainer/kto_trainer.py, 1.16): a standard completion ends with the EOS
+    token; the completion is what follows the tokens the prompt shares with prompt+completion."""
+    from trl.data_utils import _tokenize, common_prefix_length, is_conversational
+
+    if is_conversational(record):
+        kwargs: dict[str, Any] = {"tools": record.get("tools")}
+        prompt_ids = _tokenize(tokenizer, record["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+        full = _tokenize(tokenizer, record["prompt"] + record["completion"], **kwargs)["input_ids"]
+    else:
+        completion = record["completion"]
+        completion = completion if completion.endswith(tokenizer.eos_token) else completion + tokenizer.eos_token
+        prompt_ids = _tokenize(tokenizer, record["prompt"])["input_ids"]
+        full = _tokenize(tokenizer, record["prompt"] + completion)["input_ids"]
+    shared = common_prefix_length(prompt_ids, full)
+    return {"prompt_ids": prompt_ids[:shared], "completion_ids": full[shared:]}
+
+
+def unpaired(records: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """KTO's answers of `records`: a pair gives its chosen answer (desirable) and its rejected one
+    (TRL's ``unpair_preference_dataset``); answers labelled already stay. Shuffled with `seed`:
+    TRL's KTOTrainer reads them in order (each answer's KL estimate takes its micro-batch
+    neighbour's answer), so an order that kept a pair's two answers, or a file's sides, together
+    would bias both."""
+    import random
+
+    answers = []
+    for record in records:
+        if "label" in record:
+            answers.append(record)
+            continue
+        extra = {key: value for key, value in record.items() if key not in ("chosen", "rejected")}
+        answers += [{**extra, "completion": record["chosen"], "label": True},
+                    {**extra, "completion": record["rejected"], "label": False}]
+    random.Random(seed).shuffle(answers)
+    return answers
+
+
+def tokenize_answers(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfig, pref: PreferenceConfig,
+                     stats: DataStats) -> dict[str, list]:
+    """KTO's labelled answers of `records` as ``prompt_ids``/``completion_ids``/``label`` columns,
+    measured into `stats` (an example is an answer), cut and dropped as :func:`tokenize_pairs`
+    does pairs."""
+    limit = cfg.max_seq_length
+    columns: dict[str, list] = {name: [] for name in ANSWER_COLUMNS}
+    columns[ORIGIN] = []
+    lengths, prompts, answers = [], [], []
+    for record in records:
+        ids = tokenize_answer(record, tokenizer)
+        prompt = ids["prompt_ids"]
+        if pref.max_prompt_length and len(prompt) > pref.max_prompt_length:
+            prompt = ids["prompt_ids"] = prompt[-pref.max_prompt_length:]
+            stats.prompts_cut += 1
+        length = len(prompt) + len(ids["completion_ids"])
+        if not _kept(record, len(prompt), length, cfg, stats):
+            continue
+        columns["prompt_ids"].append(prompt)
+        columns["completion_ids"].append(ids["completion_ids"])
+        columns["label"].append(record["label"])
+        columns[ORIGIN].append(record[ORIGIN])
+        stats.desirable += record["label"]
+        stats.tokens_total += length
+        stats.loss_tokens += len(ids["completion_ids"])
+        stats.tokens_squared += length * length
+        lengths.append(length)
+        prompts.append(len(prompt))
+        answers.append(len(ids["completion_ids"]))
+    stats.examples = stats.answers = len(lengths)
+    _lengths(stats, limit, lengths, prompts, answers)
+    return columns
+
+
+def _kept(record: dict[str, Any], prompt: int, length: int, cfg: DataConfig, stats: DataStats) -> bool:
+    """Whether an example of `prompt` tokens before its answer and `length` in all is kept: one
+    whose prompt alone reaches ``data.max_seq_length`` is left out (TRL does too: no answer token
+    would remain), one longer than it dropped under ``data.overlong: drop`` (else its answer's end
+    is cut when batched: TRL's ``keep_start``), each counted and the left-out ones named."""
+    limit = cfg.max_seq_length
+    reason = (prompt_fills_reason(limit) if prompt >= limit
+              else dropped_reason(limit) if length > limit and cfg.overlong == "drop" else None)
+    if reason is None:
+        stats.truncated += length > limit
+        return True
+    stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
+    named = stats.skipped_rows.setdefault(reason, [])
+    if len(named) < SKIPPED_ROWS_KEPT:
+        named.append(record[ORIGIN])
+    if reason == dropped_reason(limit):
+        stats.dropped_overlong += 1
+    return False
+
+
+def _lengths(stats: DataStats, limit: int, lengths: list[int], prompts: list[int], answers: list[int]) -> None:
+    stats.max_seq_length = limit
+    stats.tokens_p50 = int(statistics.median(lengths)) if lengths else 0
+    stats.tokens_p95, stats.tokens_max = _percentile(lengths, 0.95), max(lengths, default=0)
+    stats.prompt_tokens_p95, stats.prompt_tokens_max = _percentile(prompts, 0.95), max(prompts, default=0)
+    stats.answer_tokens_p95, stats.answer_tokens_max = _percentile(answers, 0.95), max(answers, default=0)
+
+
 def _percentile(values: list[int], share: float) -> int:
     return sorted(values)[min(len(values) - 1, int(len(values) * share))] if values else 0
 
@@ -87,17 +189,8 @@ def tokenize_pairs(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfi
             stats.prompts_cut += 1
         answer = max(len(ids["chosen_ids"]), len(ids["rejected_ids"]))
         length = len(prompt) + answer
-        reason = (prompt_fills_reason(limit) if len(prompt) >= limit
-                  else dropped_reason(limit) if length > limit and cfg.overlong == "drop" else None)
-        if reason is not None:
-            stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
-            named = stats.skipped_rows.setdefault(reason, [])
-            if len(named) < SKIPPED_ROWS_KEPT:
-                named.append(record[ORIGIN])
-            if reason == dropped_reason(limit):
-                stats.dropped_overlong += 1
+        if not _kept(record, len(prompt), length, cfg, stats):
             continue
-        stats.truncated += length > limit
         for name in PAIR_COLUMNS:
             columns[name].append(ids[name])
         columns[ORIGIN].append(record[ORIGIN])
@@ -109,11 +202,7 @@ def tokenize_pairs(records: list[dict[str, Any]], tokenizer: Any, cfg: DataConfi
         prompts.append(len(prompt))
         answers.append(answer)
     stats.examples = stats.pairs = len(lengths)
-    stats.max_seq_length = limit
-    stats.tokens_p50 = int(statistics.median(lengths)) if lengths else 0
-    stats.tokens_p95, stats.tokens_max = _percentile(lengths, 0.95), max(lengths, default=0)
-    stats.prompt_tokens_p95, stats.prompt_tokens_max = _percentile(prompts, 0.95), max(prompts, default=0)
-    stats.answer_tokens_p95, stats.answer_tokens_max = _percentile(answers, 0.95), max(answers, default=0)
+    _lengths(stats, limit, lengths, prompts, answers)
     return columns
 
 
@@ -143,18 +232,32 @@ def _read(cfg: DataConfig, stats: DataStats, seed: int) -> tuple[list[dict], lis
     return records, held, held_stats
 
 
-def _prepared(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int, folder: Path) -> DataBundle:
+def _prepared(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int, folder: Path,
+              objective: str = "dpo") -> DataBundle:
     import datasets
 
     stats = DataStats()
     records, held, held_stats = _read(cfg, stats, seed)
-    train = tokenize_pairs(records, tokenizer, cfg, pref, stats)
-    if not stats.pairs:
-        raise NoUsableData(f"no usable preference pair in {cfg.path}"
+    labelled = [source for source, fmt in stats.formats.items() if fmt == "unpaired"]
+    if labelled and objective != "kto":
+        raise UserError(f"{labelled[0]} holds answers labelled one by one (prompt/completion/label: KTO's unpaired "
+                        f"data), which have no pairs for finetune.objective={objective}; set finetune.objective=kto")
+    if objective == "kto":
+        train = tokenize_answers(unpaired(records, seed), tokenizer, cfg, pref, stats)
+        validation = (tokenize_answers(unpaired(held, seed), tokenizer, cfg, pref, held_stats)
+                      if held is not None else None)
+    else:
+        train = tokenize_pairs(records, tokenizer, cfg, pref, stats)
+        validation = tokenize_pairs(held, tokenizer, cfg, pref, held_stats) if held is not None else None
+    if not stats.examples:
+        raise NoUsableData(f"no usable preference {'answer' if objective == 'kto' else 'pair'} in {cfg.path}"
                            + (f": {skip_summary(stats)}" if stats.skipped else ""))
-    validation = tokenize_pairs(held, tokenizer, cfg, pref, held_stats) if held is not None else None
-    logger.info("data: %d preference pairs tokenised (prompt p95 %d tokens, longer answer p95 %d, pair p95 %d)",
-                stats.pairs, stats.prompt_tokens_p95, stats.answer_tokens_p95, stats.tokens_p95)
+    if objective == "kto":
+        logger.info("data: %d answers tokenised, %d desirable (prompt p95 %d tokens, answer p95 %d, row p95 %d)",
+                    stats.answers, stats.desirable, stats.prompt_tokens_p95, stats.answer_tokens_p95, stats.tokens_p95)
+    else:
+        logger.info("data: %d preference pairs tokenised (prompt p95 %d tokens, longer answer p95 %d, pair p95 %d)",
+                    stats.pairs, stats.prompt_tokens_p95, stats.answer_tokens_p95, stats.tokens_p95)
 
     def table(columns: dict[str, list], name: str) -> Any:
         return datasets.Dataset.from_dict(columns).flatten_indices(cache_file_name=str(folder / f"{name}.arrow"))
@@ -163,22 +266,25 @@ def _prepared(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int
                       validation=table(validation, "validation") if validation is not None else None)
 
 
-def identity(pref: PreferenceConfig) -> str:
-    """What of the preference settings decides the prepared pairs (for the cache's key)."""
-    return json.dumps({"objective": "dpo", "max_prompt_length": pref.max_prompt_length})
+def identity(pref: PreferenceConfig, objective: str = "dpo") -> str:
+    """What of the preference settings decides the prepared data (for the cache's key): pairs for
+    every objective but KTO, which takes labelled answers."""
+    return json.dumps({"objective": "kto" if objective == "kto" else "dpo", "max_prompt_length": pref.max_prompt_length})
 
 
-def build_pairs(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int = 0) -> DataBundle:
+def build_pairs(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int = 0,
+                objective: str = "dpo") -> DataBundle:
     """Read, check, tokenise and measure the preference pairs of ``data.path`` (and the held-out
-    ones), or take them from the cache when these pairs, tokenizer and settings were prepared
-    before. Bad rows are named by file and row, as for SFT data (``data.on_invalid``)."""
+    ones; for KTO, `objective`, their labelled answers), or take them from the cache when these
+    data, tokenizer and settings were prepared before. Bad rows are named by file and row, as for
+    SFT data (``data.on_invalid``)."""
     if cfg.streaming:
         raise UserError("data.streaming is not done for preference pairs yet: set data.streaming=false (the pairs "
                         "are prepared once and cached)")
     key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed,
-                          preference=identity(pref)) if cfg.cache else None
+                          preference=identity(pref, objective)) if cfg.cache else None
     if key is None:
-        bundle = _prepared(cfg, pref, tokenizer, seed, cache.scratch())
+        bundle = _prepared(cfg, pref, tokenizer, seed, cache.scratch(), objective)
     else:
         with cache.preparing(key):
             cached = cache.load(key)
@@ -187,13 +293,13 @@ def build_pairs(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: i
                 bundle = _from_cache(cached)
             else:
                 folder = cache.scratch()
-                bundle = _prepared(cfg, pref, tokenizer, seed, folder)
+                bundle = _prepared(cfg, pref, tokenizer, seed, folder, objective)
                 if cache.save(key, bundle.train, bundle.validation, bundle.stats.to_dict(),
                               bundle.validation_stats.to_dict() if bundle.validation_stats else None):
                     bundle = _from_cache(cache.load(key, verify=False))
                     cache.discard(folder)
         cache.remember_stats(cache.stats_key(cfg, getattr(tokenizer, "name_or_path", None), seed,
-                                             preference=identity(pref)),
+                                             preference=identity(pref, objective)),
                              bundle.stats.to_dict(), bundle.validation_stats.to_dict() if bundle.validation_stats else None)
     for name, stats in (("train", bundle.stats), ("validation", bundle.validation_stats)):
         summary = skip_summary(stats) if stats is not None else None
@@ -201,9 +307,10 @@ def build_pairs(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: i
             logger.warning("data (%s): %s", name, summary)
     stats = bundle.stats
     if stats.truncated or stats.dropped_overlong or stats.prompts_cut:
-        logger.warning("data: at data.max_seq_length=%d, %d pair(s) have their answers' ends cut, %d dropped%s; "
+        logger.warning("data: at data.max_seq_length=%d, %d %s have their answers' ends cut, %d dropped%s; "
                        "%d prompt(s) cut to preference.max_prompt_length", stats.max_seq_length, stats.truncated,
-                       stats.dropped_overlong, dropped_rows(stats), stats.prompts_cut)
+                       "answer(s)" if objective == "kto" else "pair(s)", stats.dropped_overlong, dropped_rows(stats),
+                       stats.prompts_cut)
     return bundle
 
 
@@ -236,13 +343,41 @@ def pairs_of(path: str, cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any)
     return [{name: columns[name][i] for name in PAIR_COLUMNS} for i in range(len(columns[PAIR_COLUMNS[0]]))]
 
 
+def labelled(cfg: DataConfig, seed: int, path: str | None = None) -> bool:
+    """Whether the held-out data of a run of `cfg` (or `path`'s) holds answers labelled one by one
+    (KTO's unpaired format) rather than pairs."""
+    if path is not None:
+        first = next(iter_records(path, cfg, DataStats(), HELD_OUT, pairs=True, limit=1), None)
+    else:
+        first = next(iter(held_out_pairs(cfg, seed, 1)), None)
+    return first is not None and "label" in first
+
+
+def answers_of(path: str | None, config: RunConfig, tokenizer: Any) -> list[dict[str, Any]]:
+    """KTO's held-out answers, tokenised as a run's are: `path`'s alone (the run's own training
+    data neither read nor prepared), or the run's held-out ones."""
+    cfg, pref = config.data, config.preference
+    if path is None:
+        bundle = build_pairs(cfg, pref, tokenizer, seed=config.train.seed, objective="kto")
+        table = bundle.validation
+        return [{name: table[i][name] for name in ANSWER_COLUMNS} for i in range(len(table))] if table else []
+    stats = DataStats()
+    columns = tokenize_answers(unpaired(list(iter_records(path, cfg, stats, HELD_OUT, pairs=True)), 0), tokenizer,
+                               cfg, pref, stats)
+    summary = skip_summary(stats)
+    if summary:
+        logger.warning("data (%s): %s", path, summary)
+    return [{name: columns[name][i] for name in ANSWER_COLUMNS} for i in range(len(columns["label"]))]
+
+
 def build_for_run(config: RunConfig, tokenizer: Any, processor: Any = None) -> DataBundle:
     """The run's data as its objective reads it: preference pairs (:func:`build_pairs`), or SFT
     examples (:func:`sft_play.data.pipeline.build`, with a vision-language model's `processor`)."""
     from sft_play.data.pipeline import build
 
     if config.finetune.objective != "sft":
-        return build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+        return build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed,
+                           objective=config.finetune.objective)
     return build(config.data, tokenizer, seed=config.train.seed, processor=processor)
 
 
@@ -256,6 +391,7 @@ def remembered_stats_for_run(config: RunConfig, tokenizer_source: str | None) ->
         from sft_play.data.pipeline import remembered_stats
 
         return remembered_stats(cfg, tokenizer_source, config.train.seed)
-    key = cache.stats_key(cfg, tokenizer_source, config.train.seed, preference=identity(config.preference))
+    key = cache.stats_key(cfg, tokenizer_source, config.train.seed,
+                          preference=identity(config.preference, config.finetune.objective))
     saved = cache.remembered_stats(key) if cfg.cache else None
     return DataStats(**_stat_fields(saved["stats"])) if saved else None

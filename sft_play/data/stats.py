@@ -54,6 +54,9 @@ class DataStats:
     answer_tokens_p95: int = 0
     answer_tokens_max: int = 0
     prompts_cut: int = 0  # prompts cut from the left to preference.max_prompt_length
+    # KTO's labelled answers (finetune.objective: kto): an example is an answer
+    answers: int = 0
+    desirable: int = 0  # the answers labelled desirable (the rest undesirable)
 
     @property
     def truncated_share(self) -> float:

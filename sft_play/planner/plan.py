@@ -232,14 +232,20 @@ def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOpti
                        octave_rows=options.octave_rows)
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
-                         train.gradient_accumulation_steps, fitting)
+                         train.gradient_accumulation_steps, fitting, run.smallest_micro_batch)
+    if split.micro_batch_size < run.smallest_micro_batch:
+        raise UserError(f"KTO estimates its KL term from the other answers of a micro-batch, so each process needs "
+                        f"at least {run.smallest_micro_batch} a micro-batch: train.global_batch_size="
+                        f"{train.global_batch_size} over {run.parallel.data_parallel} process(es) gives "
+                        f"{split.micro_batch_size}; raise train.global_batch_size, or set "
+                        "preference.loss_type=apo_zero_unpaired (no KL estimate)")
     # rows shorter than planned, for the micro-batches this split trains (rare: the cache's swing at
     # a shorter length): the largest that fits is then below them, and the split is chosen again
     rows_fitting = search.shorter_rows_fitting(min(split.micro_batch_size, fitting))
     if rows_fitting < min(split.micro_batch_size, fitting):
         fitting = rows_fitting
         split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
-                             train.gradient_accumulation_steps, fitting)
+                             train.gradient_accumulation_steps, fitting, run.smallest_micro_batch)
     notes, warnings = split_notes(config, search, split, fitting)
     if margin_note:
         notes.append(margin_note)

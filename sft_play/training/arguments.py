@@ -93,7 +93,7 @@ def fsdp_mixed_precision(run: Run, quant_storage: str | None = None) -> dict[str
 
 def trainer_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation: bool,
                       layer_classes: list[str] | None = None, batch: BatchSplit | None = None, **overrides: Any) -> Any:
-    """TRL's ``SFTConfig`` for the run (``DPOConfig`` for preference tuning); every value comes
+    """TRL's ``SFTConfig`` for the run (``DPOConfig`` or ``KTOConfig`` for preference tuning); every value comes
     from the run config or the resolved run.
     `batch` is the split to train at (default the run's, as planned; calibration and backoff
     pass theirs). `layer_classes` names the model's decoder layer classes (FSDP2's units).
@@ -170,14 +170,17 @@ def trainer_arguments(config: RunConfig, run: Run, run_dir: Path, has_validation
         parallelism_config=sequence_parallelism(run) or context_parallelism(run),
     )
     if run.preference is not None:
-        from trl import DPOConfig
+        from trl import DPOConfig, KTOConfig
 
-        from sft_play.training.preference import dpo_settings
+        from sft_play.training.preference import dpo_settings, kto_settings
 
         for sft_only in ("packing", "dataset_kwargs", "neftune_noise_alpha"):
             del settings[sft_only]
         settings["remove_unused_columns"] = True  # the pairs' ids reach TRL's collator, their file:row does not
-        arguments = DPOConfig(**{**settings, **dpo_settings(config, run, batch), **overrides})
+        if run.preference.objective == "kto":
+            arguments = KTOConfig(**{**settings, **kto_settings(config, run, batch), **overrides})
+        else:
+            arguments = DPOConfig(**{**settings, **dpo_settings(config, run, batch), **overrides})
     else:
         arguments = SFTConfig(**{**settings, **overrides})
     # With bf16 and fp16 both off, transformers takes the autocast mode from ACCELERATE_MIXED_PRECISION,

@@ -56,6 +56,7 @@ def train_with_backoff(
     split: BatchSplit,
     resume_from_checkpoint: str | None = None,
     on_backoff: Callable[[BatchSplit, BatchSplit, int], None] | None = None,
+    smallest: int = 1,
 ) -> tuple[Any, BatchSplit]:
     """Train; when a step runs out of memory, halve the micro-batch, double the accumulation and
     continue from where training was.
@@ -75,6 +76,7 @@ def train_with_backoff(
         resume_from_checkpoint: a checkpoint to start from.
         on_backoff: told (split before, split after, step continued from) at each backoff, for
             the run folder's events.
+        smallest: the smallest micro-batch the run can train at (KTO's KL estimate needs 2).
 
     Returns:
         The trainer that finished, and the batch split it trained at last.
@@ -97,10 +99,13 @@ def train_with_backoff(
         except RuntimeError as error:
             if not should_reduce_batch_size(error):
                 raise
-            if split.micro_batch_size == 1:
+            if split.micro_batch_size // 2 < smallest:
                 raise OutOfMemory(
-                    "out of memory at micro-batch 1: nothing left to halve. `make plan` lists what would fit "
-                    "(gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, more GPUs)", split
+                    f"out of memory at micro-batch {split.micro_batch_size}: nothing left to halve"
+                    + (" (KTO estimates its KL term from the other answers of a micro-batch: it needs 2)"
+                       if smallest > 1 else "")
+                    + ". `make plan` lists what would fit (gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, "
+                    "more GPUs)", split
                 ) from error
             # several processes, or a model DeepSpeed or FSDP2 has wrapped in place: restart instead
             if (trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False)

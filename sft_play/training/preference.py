@@ -1,6 +1,6 @@
-"""Preference tuning with TRL's ``DPOTrainer``, as the run decided it: its arguments beside the
-SFT ones (:func:`dpo_settings`), and the trainer class over pairs that
-:mod:`sft_play.data.preference` has tokenised already.
+"""Preference tuning with TRL's ``DPOTrainer`` (``KTOTrainer`` for KTO), as the run decided it:
+its arguments beside the SFT ones (:func:`dpo_settings`, :func:`kto_settings`), and the trainer
+class over pairs (or labelled answers) that :mod:`sft_play.data.preference` has tokenised already.
 
 ORPO and SimPO score the policy alone. TRL has them as ``ORPOTrainer`` and ``CPOTrainer``
 (``trl.experimental``), which tokenise text themselves and materialise the b x s x V logits; here
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from sft_play.config import REFERENCE_FREE, RunConfig, preference_losses
+from sft_play.config import REFERENCE_FREE, RunConfig, loss_types, preference_losses
 from sft_play.run import BatchSplit, Run
 
 
@@ -35,6 +35,22 @@ def dpo_settings(config: RunConfig, run: Run, batch: BatchSplit) -> dict[str, An
     )
 
 
+def kto_settings(config: RunConfig, run: Run, batch: BatchSplit) -> dict[str, Any]:
+    """``KTOConfig``'s own fields for the run: the loss, the weights of each side, the
+    reference's log-probs, the answers' length (TRL's collator cuts a row at ``max_length``)."""
+    pref = config.preference
+    precomputed = run.preference is not None and run.preference.reference == "precomputed"
+    return dict(
+        beta=pref.beta,
+        loss_type=loss_types(pref, "kto")[0],
+        desirable_weight=pref.desirable_weight,
+        undesirable_weight=pref.undesirable_weight,
+        precompute_ref_log_probs=precomputed,
+        precompute_ref_batch_size=(pref.precompute_batch_size or batch.micro_batch_size) if precomputed else None,
+        max_length=config.data.max_seq_length,
+    )
+
+
 def trainer_class(config: RunConfig) -> type:
     """TRL's ``DPOTrainer`` as the run uses it: it takes the pairs as tokenised, writes no model
     card into checkpoints, keeps a reference log-prob column it was given, and, on a rebuild of the
@@ -44,6 +60,8 @@ def trainer_class(config: RunConfig) -> type:
     from trl import DPOTrainer
 
     objective, pref = config.finetune.objective, config.preference
+    if objective == "kto":
+        return _kto_trainer_class()
 
     class PreferenceTrainer(DPOTrainer):
         def __init__(self, *args: Any, own_adapter: bool = False, **kwargs: Any):
@@ -76,6 +94,43 @@ def trainer_class(config: RunConfig) -> type:
             if objective in REFERENCE_FREE:
                 return reference_free_loss(self, objective, model, inputs, return_outputs)
             return super()._compute_loss(model, inputs, return_outputs)
+
+    PreferenceTrainer.__name__ = PreferenceTrainer.__qualname__ = "PreferenceTrainer"
+    return PreferenceTrainer
+
+
+def _kto_trainer_class() -> type:
+    """TRL's ``KTOTrainer`` as the run uses it (as :func:`trainer_class` does ``DPOTrainer``): it
+    takes the answers as tokenised and adds only their KL column, which pairs each answer's prompt
+    with the previous answer of its micro-batch (TRL's own rotation; an out-of-memory rebuild
+    keeps the first trainer's, which its precomputed reference log-probs were scored on)."""
+    from trl import KTOTrainer
+
+    class PreferenceTrainer(KTOTrainer):
+        def __init__(self, *args: Any, own_adapter: bool = False, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if own_adapter and "ref" in getattr(self.model, "peft_config", {}):
+                self.model.delete_adapter("ref")
+
+        def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+            if "completion_ids" not in getattr(dataset, "column_names", ()):  # not sft_play.data.preference's
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            if not self.calculate_KL or "KL_completion_ids" in dataset.column_names:
+                return dataset
+
+            def rotated(examples: dict[str, list]) -> dict[str, list]:
+                examples["KL_completion_ids"] = [examples["completion_ids"][-1]] + examples["completion_ids"][:-1]
+                return examples
+
+            return dataset.map(rotated, batched=True, batch_size=args.per_device_train_batch_size)
+
+        def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+            if "ref_logps" in getattr(dataset, "column_names", ()):  # a rebuild's: scored before training
+                return dataset
+            return super()._precompute_ref_logps(dataset, name, batch_size)
 
     PreferenceTrainer.__name__ = PreferenceTrainer.__qualname__ = "PreferenceTrainer"
     return PreferenceTrainer

@@ -103,8 +103,9 @@ def largest_fitting_micro(fits: Callable[[int], bool], upper: int, guess: int | 
     return low
 
 
-def choose_split(global_batch: int, world_size: int, fitting_micro: int) -> BatchSplit:
-    """The fastest split of `global_batch` whose micro-batch is at most `fitting_micro`.
+def choose_split(global_batch: int, world_size: int, fitting_micro: int, smallest: int = 1) -> BatchSplit:
+    """The fastest split of `global_batch` whose micro-batch is at most `fitting_micro`, and at
+    least `smallest` (the least the run can train at).
 
     Prefer an exact split (a divisor of the per-process batch) when its micro-batch is at least
     half the largest that fits; otherwise take the largest that fits and the nearest global batch
@@ -115,30 +116,31 @@ def choose_split(global_batch: int, world_size: int, fitting_micro: int) -> Batc
         return BatchSplit(1, 1, world_size, global_batch,
                           note=f"global batch {global_batch} is smaller than the world size {world_size}; "
                           f"each process takes 1, so the global batch is {world_size}")
-    capped = min(fitting_micro, per_process)
+    capped = max(min(fitting_micro, per_process), smallest)
     if remainder == 0:
-        exact = max(d for d in range(1, capped + 1) if per_process % d == 0)
-        if 2 * exact >= capped:
+        exact = max((d for d in range(smallest, capped + 1) if per_process % d == 0), default=0)
+        if exact and 2 * exact >= capped:
             return BatchSplit(exact, per_process // exact, world_size, global_batch)
     # No exact split worth taking: the nearest global batch with the largest micro-batch that fits,
     # or a larger one where the global batch changes anyway and it saves passes (global 12 on 8
     # GPUs becomes 16 as micro 2 x accum 1, not micro 1 x accum 2)
     candidates = [split_global_batch(global_batch, world_size, micro)
-                  for micro in range(max(1, capped), max(1, fitting_micro) + 1)]
+                  for micro in range(max(1, capped), max(1, capped, fitting_micro) + 1)]
     return min(candidates, key=lambda s: (abs(s.global_batch_size - global_batch), s.gradient_accumulation_steps,
                                           -s.micro_batch_size))
 
 
-def decide_split(global_batch: int, world_size: int, micro: int | str, accum: int | str, fitting: int) -> BatchSplit:
+def decide_split(global_batch: int, world_size: int, micro: int | str, accum: int | str, fitting: int,
+                 smallest: int = 1) -> BatchSplit:
     """The split a run trains with, from the ``train`` settings and the largest micro-batch that
     fits (`fitting`, from the prediction or from calibration's measurements): a fixed
     micro-batch as configured (with a fixed accumulation, or the one that makes the global
     batch); a fixed accumulation with the micro-batch that makes the global batch; otherwise the
-    fastest split whose micro-batch fits (:func:`choose_split`)."""
+    fastest split whose micro-batch fits (:func:`choose_split`), never below `smallest`."""
     fixed_accum = None if accum == "auto" else int(accum)
     if isinstance(micro, int):
         return split_global_batch(global_batch, world_size, micro, fixed_accum)
     if fixed_accum is not None:
-        implied = max(1, round(global_batch / (fixed_accum * world_size)))
+        implied = max(smallest, round(global_batch / (fixed_accum * world_size)))
         return split_global_batch(global_batch, world_size, implied, fixed_accum)
-    return choose_split(global_batch, world_size, max(1, fitting))
+    return choose_split(global_batch, world_size, max(1, fitting), smallest)

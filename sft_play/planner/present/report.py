@@ -29,6 +29,7 @@ TERM_LABELS = {
     "backward_working": "backward working set",
     "logits_loss": "loss head (chunked)",
     "reference_forward": "reference forward (preference)",
+    "kl_forward": "policy forward of KTO's mismatched rows",
     "precompute_pass": "reference pass before training (preference)",
     "optimizer_step": "optimizer step temporaries",
     "allocator_cache": "allocator cache (freed, kept)",

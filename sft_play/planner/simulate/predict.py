@@ -286,6 +286,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
         offload_hidden=run.offload_activations and run.gradient_checkpointing,
         encoder=traced_encoder(run, micro_batch > 1),
         reference_forward=run.preference is not None and run.preference.reference_forward,
+        kl_forward=run.preference is not None and run.preference.kl,
     )
     return replay(shape, trace, spec, capacity, log)
 

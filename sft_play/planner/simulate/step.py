@@ -76,6 +76,9 @@ class StepSpec:
     # preference tuning: the reference's forward without gradients, after the policy's (whose saved
     # tensors are alive), before backward (TRL's DPOTrainer._compute_loss)
     reference_forward: bool = False
+    # KTO's KL estimate: the policy's forward without gradients over the mismatched rows before its
+    # training forward, and the reference's over them beside its own (TRL's KTOTrainer._compute_loss)
+    kl_forward: bool = False
     steps: int = 2
 
 
@@ -355,6 +358,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
+    if spec.kl_forward:
+        _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
     batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
     outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings)
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
@@ -365,7 +370,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         masks = []
 
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
-    if spec.reference_forward:
+    for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
         _reference_forward(gpu, shape, trace, spec, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
         _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")

@@ -93,8 +93,10 @@ def flops_per_token(shape: ModelShape, run: Run) -> float:
     # MLP's active parameters, those of the experts a token is not routed to being all MLP
     active_mlp = shape.params_by_kind.get("mlp", 0) - (shape.total_params - n)
     tiles_again = 2.0 * active_mlp if run.kernels.tiled_mlp else 0.0
-    # preference tuning: the reference's forward over the same rows
-    reference = 2.0 * n if run.preference is not None and run.preference.reference_forward else 0.0
+    # preference tuning: the reference's forward over the same rows (KTO's KL estimate: the
+    # reference's and the policy's over as many mismatched rows besides)
+    pref = run.preference
+    reference = 2.0 * n * (pref.reference_forwards + pref.kl) if pref is not None else 0.0
     return flops + (recompute if run.gradient_checkpointing else 0.0) + tiles_again + reference
 
 
