@@ -515,7 +515,7 @@ def _dpo_factory(tmp_path: Path, callbacks: list, *overrides: str):
         f"train.output_dir={tmp_path}", "train.tensorboard=false", "train.global_batch_size=8",
         "train.mixed_precision=no", "data.num_proc=1", "train.learning_rate=3e-3", *overrides], check_paths=False)
     tokenizer = model.load_tokenizer(config)
-    bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    bundle = data.build_for_run(config, tokenizer)
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
     return training.trainer_factory(config, run, tmp_path, base, tokenizer, bundle.train, None, None, callbacks,
