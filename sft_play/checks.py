@@ -180,7 +180,12 @@ def check_data(config: RunConfig) -> list[Check]:
             continue
         pictured += images
         formats = ", ".join(sorted(set(stats.formats.values())))
-        what = "preference pairs" if config.finetune.objective != "sft" else "records"
+        what = {"sft": "records", "kto": "preference records (KTO answers, or pairs split into two)"}.get(
+            config.finetune.objective, "preference pairs")
+        if config.finetune.objective not in ("sft", "kto") and "unpaired" in stats.formats.values():
+            checks.append(Check(key, False, f"answers labelled one by one (KTO's unpaired format) have no pairs for "
+                                f"finetune.objective={config.finetune.objective}; set finetune.objective=kto"))
+            continue
         detail = f"{records} {what} ({formats})" + (f", {images} with images" if images else "")
         if stats.skipped:
             from sft_play.data import skip_summary
