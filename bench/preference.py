@@ -3,9 +3,12 @@ steps, batch, learning rate and loss through SFT-Play (`make train CONFIG=config
 as it runs, with the objective set) and through TRL's trainer for that objective, built as TRL's
 own scripts build theirs (the model loaded from the folder, the pairs by ``datasets.load_dataset``
 of data/tiny_pref, TRL's own preparation): ``DPOTrainer`` as ``trl.scripts.dpo.main``; for ORPO and
-SimPO, ``ORPOTrainer`` and ``CPOTrainer`` with ``loss_type="simpo"`` (``trl.experimental``). Writes
-pairs per second (of the trainer's own runtime), the losses at each logged step and the peak
-resident memory of each process to docs/reports/preference.md.
+SimPO, ``ORPOTrainer`` and ``CPOTrainer`` with ``loss_type="simpo"`` (``trl.experimental``); for
+KTO, ``KTOTrainer`` on the pairs split into labelled answers in SFT-Play's order (each pair's chosen
+and rejected answer, shuffled with the seed: TRL's trainer reads its rows in order, and TRL's own
+``unpair_preference_dataset`` would put a thousand desirable answers before their undesirable
+ones). Writes pairs (KTO: answers) per second of the trainer's own runtime, the losses at each
+logged step and the peak resident memory of each process to docs/reports/preference.md.
 
 Both sides: full fine-tuning, the loss alone (beta 0.1, TRL's default for each; DPO's reference a
 frozen copy; the default's SFT term off, TRL's scripts have none; SimPO's gamma 0.5, no NLL beside
@@ -17,7 +20,7 @@ With --default it also times `make train CONFIG=configs/run_tiny_dpo.yaml` as a 
 (the SFT model trained first when missing), and scores the result (make eval: held-out reward
 accuracy; greedy answers against the chosen ones).
 
-Usage: python bench/preference.py [--objectives dpo orpo simpo] [--steps 100] [--sft runs/tiny-sft/model]
+Usage: python bench/preference.py [--objectives dpo kto orpo simpo] [--steps 100] [--sft runs/tiny-sft/model]
        [--default] [--out docs/reports/preference.md]
 """
 
@@ -59,7 +62,7 @@ def starting_weights(folder: Path, sft: str | None) -> str:
     return str(folder)
 
 
-OBJECTIVES = ("dpo", "orpo", "simpo")
+OBJECTIVES = ("dpo", "kto", "orpo", "simpo")
 
 
 def ours_worker(weights: str, folder: Path, steps: int, objective: str = "dpo") -> dict:
@@ -91,7 +94,7 @@ def trl_worker(weights: str, folder: Path, steps: int, objective: str = "dpo") -
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (that trl.experimental's APIs may change)
@@ -105,14 +108,23 @@ def trl_worker(weights: str, folder: Path, steps: int, objective: str = "dpo") -
                   save_strategy="no", optim="adamw_torch")
     if objective == "dpo":
         trainer_class, args = DPOTrainer, DPOConfig(**common, activation_checkpointing=False, loss_type=["sigmoid"])
+    elif objective == "kto":
+        trainer_class, args = KTOTrainer, KTOConfig(**common, activation_checkpointing=False, loss_type="kto")
     elif objective == "orpo":
         trainer_class, args = ORPOTrainer, ORPOConfig(**common)
     else:
         trainer_class, args = CPOTrainer, CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.5)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(weights)
-    dataset = load_dataset(str(REPO / "data" / "tiny_pref"))
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset["train"], processing_class=tokenizer)
+    dataset = load_dataset(str(REPO / "data" / "tiny_pref"))["train"]
+    if objective == "kto":
+        from datasets import Dataset
+
+        from sft_play.data.preference import unpaired
+
+        dataset = Dataset.from_list([{key: answer[key] for key in ("prompt", "completion", "label")}
+                                     for answer in unpaired(list(dataset), seed=42)])
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     output = trainer.train()
     losses = [round(e["loss"], 4) for e in trainer.state.log_history if "loss" in e]
     return {"runtime_s": output.metrics["train_runtime"], "losses": losses,
@@ -157,6 +169,8 @@ def the_default(folder: Path) -> dict:
 # What each objective's sides run, as the report says it
 RUNS = {
     "dpo": ("DPO", "TRL's DPOTrainer", "sigmoid DPO with a frozen reference copy"),
+    "kto": ("KTO", "TRL's KTOTrainer", "KTO (desirable and undesirable weights 1) with a frozen reference copy, on "
+            "the pairs split into 8,000 labelled answers; the rows are answers, not pairs"),
     "orpo": ("ORPO", "TRL's ORPOTrainer (trl.experimental)", "ORPO (the chosen answers' NLL plus beta x the odds "
              "ratio), no reference"),
     "simpo": ("SimPO", "TRL's CPOTrainer with loss_type simpo (trl.experimental)", "SimPO (gamma 0.5, no NLL), no "
@@ -189,7 +203,7 @@ def report(sections: dict[str, dict], steps: int, start: str, default: dict | No
         same = ours["losses"] == theirs["losses"]
         lines += ["", f"Ratio of pairs/s, SFT-Play to TRL: **{ours['pairs_per_s'] / theirs['pairs_per_s']:.2f}**; "
                   f"losses {'identical at every logged step' if same else 'differ (see the table)'}."]
-        if objective != "dpo":
+        if objective in ("orpo", "simpo"):
             lines += ["", f"TRL's {title} trainer tokenises the pairs' text itself and ends each answer with one more "
                       "end-of-sequence token than the chat template (the DPO trainer's tokens, which SFT-Play's side "
                       "uses): its answers are a token longer, so the losses are close, not equal. The loss computed "
