@@ -15,7 +15,10 @@ The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro
 rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
 a frozen reference copy, precomputed reference log-probs and LoRA's adapters switched off, two
 pairs a step (four rows of one shape), and one whose reference pass before training takes all
-16 pairs a forward; and ORPO (full) and SimPO (LoRA) steps on them, without a reference. The report puts each term of the plan beside the profile's category at the peak. What
+16 pairs a forward; ORPO (full) and SimPO (LoRA) steps on them, without a reference; and KTO steps
+(TRL's KTOTrainer) on their answers, two a step, with the forwards of the mismatched rows, against a
+frozen copy (full) and the adapters switched off (LoRA). The report puts each term of the plan
+beside the profile's category at the peak. What
 this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
 two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
 points within the step (after forward, each layer's backward, after the optimizer step).
@@ -53,6 +56,10 @@ CELLS += [{"method": "full", "checkpointing": True, "micro": 2, "seq": 64, "refe
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": "none",
            "objective": objective} for method, objective in (("full", "orpo"), ("lora", "simpo"))
           for checkpointing in (False, True)]
+# KTO: an answer a row, two a step; the policy's and the reference's forwards of the mismatched rows
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference,
+           "objective": "kto"} for method, reference, checkpointing in (("full", "copy", False),
+                                                                       ("lora", "adapters_off", True))]
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
 TERMS = {
@@ -112,7 +119,8 @@ def dpo_trainer(folder: Path, cell: dict):
                                          and len(json.loads(line)["chosen"][0]["content"]) == 9), 16))
     objective = cell.get("objective", "dpo")
     preference = ([f"preference.reference={cell['reference']}"] if objective == "dpo" else
-                  [f"finetune.objective={objective}", "preference.sft_weight=0"])
+                  [f"finetune.objective={objective}", "preference.sft_weight=0"]
+                  + ([f"preference.reference={cell['reference']}"] if objective == "kto" else []))
     if cell.get("precompute"):
         preference.append(f"preference.precompute_batch_size={cell['precompute']}")
     config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
@@ -123,12 +131,14 @@ def dpo_trainer(folder: Path, cell: dict):
         f"model.name_or_path={REPO / 'configs' / 'tiny_model'}", "model.build_with=null",
         f"data.path={pairs}", "data.validation_path=null", "data.cache=false"])
     tokenizer = model.load_tokenizer(config)
-    bundle = data.build_pairs(config.data, config.preference, tokenizer, seed=config.train.seed)
+    bundle = data.build_for_run(config, tokenizer)
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
     from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
-    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)
+    collator = (DataCollatorForUnpairedPreference if objective == "kto" else DataCollatorForPreference)(
+        pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)
     batches: list[tuple[int, int, int]] = []
 
     def recorded(features):
@@ -207,7 +217,8 @@ def table(results: list[dict]) -> list[str]:
     lines = ["| step | method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        step = (f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
+        step = (f"KTO, reference {r['reference']}" if r.get("objective") == "kto" else
+                f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
                 f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
                 if r.get("reference") else "SFT")
         if not r.get("ok"):
@@ -254,7 +265,9 @@ def main() -> int:
         "the peak (weights: PARAMETER; optimizer_states: OPTIMIZER_STATE; inputs: INPUT; activations: ACTIVATION;",
         "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either). DPO cells: TRL's DPOTrainer on",
         "pairs of one shape, micro in pairs (twice the rows, 24 tokens), rows of the copy's weights counted as weights;",
-        "ORPO and SimPO cells: the same trainer's step without a reference, their loss from its log-probs.",
+        "ORPO and SimPO cells: the same trainer's step without a reference, their loss from its log-probs. KTO cells:",
+        "TRL's KTOTrainer on the same pairs split into labelled answers, micro in answers (one row each, and the",
+        "mismatched rows' forwards without gradients).",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",
