@@ -424,6 +424,12 @@ def _dpo_run(tmp_path: Path, name: str, *overrides: str):
     return tmp_path / name, result
 
 
+def _first_pairs(path: Path, count: int) -> str:
+    """The default's first `count` training pairs, in a file of their own."""
+    path.write_text("".join((REPO / "data" / "tiny_pref" / "train.jsonl").read_text().splitlines(True)[:count]))
+    return str(path)
+
+
 def _scalars(run_dir: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -441,8 +447,10 @@ def test_dpo_trains_and_logs_rewards(tmp_path, method, reference):
     """Six steps on the upper-case pairs from the tiny model's initial weights: the loss starts at
     log 2 (the policy is its reference), falls, and the rewards reach TensorBoard; the reference is
     what was asked for (a copy, the adapters off, a pass before training)."""
+    # (a pass before training scores every pair: 400 of them, not the default's 4,000)
+    subset = [f"data.path={_first_pairs(tmp_path / 'pairs.jsonl', 400)}"] if reference == "precomputed" else []
     run_dir, result = _dpo_run(tmp_path, f"{method}-{reference}", f"finetune.method={method}",
-                               f"preference.reference={reference}", "train.learning_rate=3e-3")
+                               f"preference.reference={reference}", "train.learning_rate=3e-3", *subset)
     scalars = _scalars(run_dir)
     losses = scalars["train/loss"]
     assert abs(losses[0] - 0.6931) < 1e-3 and losses[-1] < losses[0] - 0.05, losses
@@ -476,6 +484,25 @@ def test_orpo_and_simpo_train_without_a_reference(tmp_path, objective, method):
     run = json.loads((run_dir / "run.json").read_text())
     assert run["preference"] == {"objective": objective, "reference": "none", "precompute_batch_size": None,
                                  "kl": False}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_streamed_preference_run_trains_from_statistics_of_its_sample(tmp_path, objective):
+    """data.streaming: the pairs (KTO: the answers, shuffled in a buffer) read and tokenised as
+    training consumes them; the plan reads the statistics of the first data.sample_rows records,
+    and a bad row past them is skipped and said when the pass ends, not a stopped run."""
+    rows = (REPO / "data" / "tiny_pref" / "train.jsonl").read_text().splitlines(True)[:40]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(rows[:20]) + json.dumps({"prompt": U("q"), "chosen": A("same"), "rejected": A("same")})
+                    + "\n" + "".join(rows[20:]))
+    run_dir, result = _dpo_run(tmp_path, objective, f"finetune.objective={objective}", "finetune.method=lora",
+                               f"data.path={path}", "data.streaming=true", "data.sample_rows=10",
+                               "train.learning_rate=3e-3", "train.global_batch_size=8", "train.max_steps=12")
+    said = result.stdout + result.stderr
+    assert "the planner reads the statistics of its first 10 records" in said
+    assert f"data (streamed): skipped 1 rows: rejected: chosen equal to rejected x1 ({path}:21)" in said, said[-3000:]
+    losses = _scalars(run_dir)["train/loss"]
+    assert len(losses) == 12 and losses[-1] < losses[0], losses
 
 
 def test_make_eval_scores_held_out_pairs(tmp_path):

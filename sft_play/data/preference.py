@@ -16,7 +16,7 @@ import json
 import logging
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sft_play.config import DataConfig, PreferenceConfig, RunConfig
 from sft_play.data import cache
@@ -238,10 +238,7 @@ def _prepared(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int
 
     stats = DataStats()
     records, held, held_stats = _read(cfg, stats, seed)
-    labelled = [source for source, fmt in stats.formats.items() if fmt == "unpaired"]
-    if labelled and objective != "kto":
-        raise UserError(f"{labelled[0]} holds answers labelled one by one (prompt/completion/label: KTO's unpaired "
-                        f"data), which have no pairs for finetune.objective={objective}; set finetune.objective=kto")
+    _refuse_labelled(stats, objective)
     if objective == "kto":
         train = tokenize_answers(unpaired(records, seed), tokenizer, cfg, pref, stats)
         validation = (tokenize_answers(unpaired(held, seed), tokenizer, cfg, pref, held_stats)
@@ -266,6 +263,88 @@ def _prepared(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int
                       validation=table(validation, "validation") if validation is not None else None)
 
 
+def _refuse_labelled(stats: DataStats, objective: str) -> None:
+    """KTO's labelled answers read for an objective that takes pairs: one line naming the source."""
+    labelled = [source for source, fmt in stats.formats.items() if fmt == "unpaired"]
+    if labelled and objective != "kto":
+        raise UserError(f"{labelled[0]} holds answers labelled one by one (prompt/completion/label: KTO's unpaired "
+                        f"data), which have no pairs for finetune.objective={objective}; set finetune.objective=kto")
+
+
+def _streamed(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: int, objective: str) -> DataBundle:
+    """``data.streaming`` for preference data: the training pairs (KTO: answers) as a
+    ``datasets.IterableDataset`` read and tokenised as training consumes them (in the sources'
+    order; mixed by ``data.weights`` at random in those shares), and the statistics of the first
+    ``data.sample_rows`` records, prepared whole (bad rows among them as ``data.on_invalid`` says;
+    later ones are skipped and counted, as a stream cannot stop a run half-way for them). KTO's
+    answers are shuffled in a buffer of ``data.sample_rows`` (a stream cannot be shuffled whole;
+    :func:`unpaired` says why they must be). The held-out data (``data.validation_path``) is
+    prepared whole, uncached."""
+    import datasets
+
+    sample_cfg = cfg.model_copy(update={"streaming": False, "validation_fraction": 0.0})
+    stats = DataStats()
+    records = list(iter_records(cfg.path, sample_cfg, stats, streaming=True, limit=cfg.sample_rows, pairs=True))
+    _refuse_labelled(stats, objective)
+    if objective == "kto":
+        tokenize_answers(unpaired(records, seed), tokenizer, sample_cfg, pref, stats)
+    else:
+        tokenize_pairs(records, tokenizer, sample_cfg, pref, stats)
+    stats.sampled = len(records)
+    logger.info("data: streamed; the planner reads the statistics of its first %d records (data.sample_rows)",
+                stats.sampled)
+    if not stats.examples:
+        raise NoUsableData(f"no usable preference {'answer' if objective == 'kto' else 'pair'} in the first "
+                           f"{stats.sampled} records of {cfg.path}" + (f": {skip_summary(stats)}" if stats.skipped else ""))
+    skipping = cfg.model_copy(update={"on_invalid": "skip"})
+    ids = datasets.Sequence(datasets.Value("int32"))
+    features = datasets.Features({"prompt_ids": ids, "completion_ids": ids, "label": datasets.Value("bool")}
+                                 if objective == "kto" else {name: ids for name in PAIR_COLUMNS})
+    sources = [[entry] for entry in cfg.path] if cfg.weights else [[cfg.path] if isinstance(cfg.path, str) else cfg.path]
+    streams = [datasets.IterableDataset.from_generator(_stream_rows, features=features, gen_kwargs={
+        "paths": paths, "cfg": skipping, "pref": pref, "tokenizer": tokenizer, "objective": objective})
+        for paths in sources]
+    stream = streams[0] if len(streams) == 1 else datasets.interleave_datasets(
+        streams, probabilities=[w / sum(cfg.weights) for w in cfg.weights], seed=seed,
+        stopping_strategy="all_exhausted")
+    if objective == "kto":
+        stream = stream.shuffle(seed=seed, buffer_size=cfg.sample_rows)
+    validation = validation_stats = None
+    if cfg.validation_path:
+        validation_stats = DataStats()
+        held = list(iter_records(cfg.validation_path, sample_cfg, validation_stats, HELD_OUT, pairs=True))
+        _refuse_labelled(validation_stats, objective)
+        columns = (tokenize_answers(unpaired(held, seed), tokenizer, sample_cfg, pref, validation_stats)
+                   if objective == "kto" else tokenize_pairs(held, tokenizer, sample_cfg, pref, validation_stats))
+        validation = datasets.Dataset.from_dict({k: v for k, v in columns.items() if k != ORIGIN})
+    return DataBundle(train=stream, validation=validation, stats=stats, validation_stats=validation_stats)
+
+
+_SAID: set[str] = set()  # the streamed passes' skip summaries this process has said
+
+
+def _stream_rows(paths: list[str], cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any,
+                 objective: str) -> Iterator[dict[str, Any]]:
+    """The tokenised pairs (KTO: answers) of `paths`, for ``IterableDataset.from_generator``:
+    each record read, checked, cut and dropped as a prepared one is; what was skipped said when a
+    pass ends, once (every later pass skips the same rows)."""
+    stats, said = DataStats(), DataStats()
+    names = ANSWER_COLUMNS if objective == "kto" else PAIR_COLUMNS
+    for record in iter_records(paths, cfg, stats, streaming=True, pairs=True):
+        if objective == "kto":
+            columns = tokenize_answers(unpaired([record], 0), tokenizer, cfg, pref, said)
+        else:
+            columns = tokenize_pairs([record], tokenizer, cfg, pref, said)
+        for i in range(len(columns[ORIGIN])):
+            yield {name: columns[name][i] for name in names}
+    for name, count in said.skipped.items():
+        stats.skipped[name] = stats.skipped.get(name, 0) + count
+    summary = skip_summary(stats)
+    if summary and summary not in _SAID:
+        _SAID.add(summary)
+        logger.warning("data (streamed): %s", summary)
+
+
 def identity(pref: PreferenceConfig, objective: str = "dpo") -> str:
     """What of the preference settings decides the prepared data (for the cache's key): pairs for
     every objective but KTO, which takes labelled answers."""
@@ -279,8 +358,7 @@ def build_pairs(cfg: DataConfig, pref: PreferenceConfig, tokenizer: Any, seed: i
     data, tokenizer and settings were prepared before. Bad rows are named by file and row, as for
     SFT data (``data.on_invalid``)."""
     if cfg.streaming:
-        raise UserError("data.streaming is not done for preference pairs yet: set data.streaming=false (the pairs "
-                        "are prepared once and cached)")
+        return _streamed(cfg, pref, tokenizer, seed, objective)
     key = cache.cache_key(cfg, tokenizer, resolve_chat_template(tokenizer, cfg.chat_template), seed,
                           preference=identity(pref, objective)) if cfg.cache else None
     if key is None:
