@@ -1,8 +1,8 @@
 """Preference tuning on two CPU processes under every strategy, started by the make targets: DDP
 and ZeRO-2 (the reference copy whole in each process: TRL prepares it at ZeRO stage 0), ZeRO-3
 (the reference sharded by TRL's prepare_deepspeed, loaded under zero.Init) and FSDP2 (LoRA: the
-reference is the base with the adapter off), and ORPO under ZeRO-3 (no reference at all). The same
-pairs and reference give the same losses."""
+reference is the base with the adapter off), ORPO under ZeRO-3 (no reference at all) and KTO under
+ZeRO-3 (its labelled answers, the reference sharded). The same pairs and reference give the same losses."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ RUNS = {  # name: (make target, overrides)
     "fsdp2-lora": ("train-distributed", ("distributed.strategy=fsdp2", "finetune.method=lora")),
     # ORPO, full fine-tuning sharded: no reference loaded, none prepared for DeepSpeed
     "orpo-zero3": ("train-deepspeed", ("distributed.strategy=deepspeed_zero3", "finetune.objective=orpo")),
+    # KTO, the reference copy sharded as DPO's, four answers a process (the KL estimate needs two)
+    "kto-zero3": ("train-deepspeed", ("distributed.strategy=deepspeed_zero3", "finetune.objective=kto")),
 }
 COMMON = ("model.name_or_path=configs/tiny_model", "train.max_steps=3", "train.logging_steps=1", "train.eval_steps=0",
           "train.global_batch_size=8", "train.mixed_precision=no", "data.num_proc=1", "preference.sft_weight=0")
@@ -55,6 +57,8 @@ def test_dpo_trains_on_two_processes(runs, name):
     assert len(losses) == 3, losses
     if "orpo" in name:  # the chosen answers' NLL (about log 512 from random weights) minus beta x the odds term
         assert 5.5 < losses[0] < 7 and losses[-1] < losses[0] and "log_odds_ratio" in result.stdout + result.stderr
+    elif "kto" in name:  # the policy is its reference, the KL estimate 0: 1 - sigmoid(0) on each side, halved
+        assert losses[0] == pytest.approx(0.5, abs=1e-4) and " kl " in result.stdout + result.stderr, losses
     else:  # the policy is its reference: log 2
         assert losses[0] == pytest.approx(0.6931, abs=1e-4), losses
     if name in ("ddp", "zero2"):  # replicated weights: every rank ends with the same
