@@ -588,7 +588,11 @@ def test_an_out_of_memory_backoff_keeps_the_pairs_and_the_reference(tmp_path, ov
                                          if "rewards/margins" in e][-1], rel=1e-3)
 
 
-def test_a_stopped_dpo_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_stopped_run_resumes_to_the_uninterrupted_runs_weights(tmp_path, objective):
+    """A run stopped by SIGTERM after step 2 and resumed ends with the weights of the run never
+    stopped: DPO's pairs, and KTO's answers, which its trainer reads in order (the resumed run
+    skips exactly the answers seen, and each keeps its KL row)."""
     import os
     import signal
     import subprocess
@@ -597,7 +601,8 @@ def test_a_stopped_dpo_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
 
     common = ["--config", "configs/run_tiny_dpo.yaml", "model.name_or_path=configs/tiny_model", "train.max_steps=4",
               "train.logging_steps=1", "train.eval_steps=0", f"train.output_dir={tmp_path}",
-              "train.mixed_precision=no", "data.num_proc=1", "train.global_batch_size=8"]
+              "train.mixed_precision=no", "data.num_proc=1", "train.global_batch_size=8",
+              f"finetune.objective={objective}", *(["preference.sft_weight=0"] if objective == "kto" else [])]
     env = {**os.environ, **FORKED, "OMP_NUM_THREADS": "1"}
 
     def start(*args, faults=""):
