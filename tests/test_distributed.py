@@ -24,7 +24,7 @@ from sft_play import checkpoints, launch, training
 from sft_play.launch import rendezvous, supervise
 from sft_play import config as config_module
 from sft_play.run import resolve
-from tests.conftest import PINNED, with_forks
+from tests.conftest import FORKED, PINNED, with_forks
 
 REPO = Path(__file__).resolve().parents[1]
 # Two ranks of 4 rows: the micro-batch pinned, since the CPU plan's own choice follows the RAM free
@@ -541,7 +541,7 @@ def test_deepspeed_config_fills_from_the_run_config():
 
 def setup_accelerate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/setup_accelerate.py", *args], cwd=REPO, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=300)
+                          text=True, stdin=subprocess.DEVNULL, timeout=300, env={**os.environ, **FORKED})
 
 
 def test_setup_accelerate_auto_writes_yaml_for_multi_gpu_ddp_that_accelerate_reads(tmp_path):

@@ -258,7 +258,8 @@ def test_secrets_stay_out_of_logs_and_saved_files(tmp_path):
     process = subprocess.run([sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml",
                               "train.max_steps=2", "train.save_steps=2", f"train.output_dir={tmp_path}", *PINNED,
                               "train.run_name=secret"], cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret}, timeout=600)
+                             env={**os.environ, **FORKED, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret},
+                             timeout=600)
     assert process.returncode == 0, process.stderr[-3000:]
     assert secret not in process.stdout + process.stderr
     files = [path for path in (tmp_path / "secret").rglob("*") if path.is_file()]

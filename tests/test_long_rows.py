@@ -15,7 +15,7 @@ import torch
 
 from sft_play import config as config_module
 from sft_play import long_rows
-from tests.conftest import PINNED
+from tests.conftest import FORKED, PINNED
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_model"
@@ -93,7 +93,7 @@ def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
             [sys.executable, "scripts/train_distributed.py", "--config", "configs/run_tiny.yaml", *PINNED,
              "train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", "lora.dropout=0",
              "train.gradient_checkpointing=true", f"train.output_dir={tmp_path}", f"train.run_name={name}", *levers],
-            cwd=REPO, capture_output=True, text=True, timeout=600)
+            cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **FORKED})
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((tmp_path / name / "summary.json").read_text())["losses"]
 
