@@ -57,7 +57,7 @@ check gpu-info plan data-stats setup-accelerate train train-tb train-distributed
 .DEFAULT_GOAL := help
 
 .PHONY: help install check gpu-info plan data-stats setup-accelerate train train-tb train-distributed train-distributed-tb \
-	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge planner-check test bench-gpu bench-planner bench-tiny clean \
+	train-deepspeed train-deepspeed-tb tensorboard generate chat eval merge planner-check lint test bench-gpu bench-planner bench-tiny clean \
 	clean-cache
 
 help: ## List the targets
@@ -122,7 +122,10 @@ merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (s
 planner-check: $(STAMP) ## The planner's error on your hardware: every run's predicted vs measured peak (RUNS=runs/)
 	$(PY) scripts/planner_check.py --runs $(RUNS)
 
-test: $(STAMP) ## Run the test suite (CPU, no network)
+lint: $(STAMP) ## Check the code with ruff (the rules pyproject.toml selects); make test runs it first
+	$(PY) -m ruff check --quiet sft_play scripts bench tests
+
+test: $(STAMP) lint ## Lint, then run the test suite (CPU, no network)
 	$(PY) -m pytest $(ARGS)
 
 bench-gpu: $(STAMP) ## GPU truth in one lease: speed, memory, time; every figure kept as it comes, a second call goes on (CPU: a smoke run); writes docs/reports/gpu_lease.md

@@ -15,7 +15,7 @@ from sft_play.planner.simulate.trace import INPUT, TraceSpec, layer_trace
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "tests" / "fixtures" / "model_configs" / "tiny-llama-256")
-H, I, HEADS, KV, D = 256, 768, 4, 2, 64
+H, FFN, HEADS, KV, D = 256, 768, 4, 2, 64  # (FFN: the MLP width, I in the comments)
 S = 128
 
 
@@ -67,7 +67,7 @@ def test_the_run_precision_decides_what_adapters_keep():
 def test_dropout_keeps_a_boolean_mask_not_float_noise():
     without = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16")), 1)
     with_dropout = kept_after_forward(layer(spec(method="qlora", adapter_dtype="bfloat16", lora=LoraSpec(8, 16, 0.1, "all-linear"))), 1)
-    adapted_inputs = 3 * H + HEADS * D + 2 * H + I
+    adapted_inputs = 3 * H + HEADS * D + 2 * H + FFN
     extra = with_dropout - without
     # CUDA's dropout: a bf16 output and a 1-byte mask per adapted input; the meta device's own
     # dropout would keep 2-byte noise on top

@@ -23,7 +23,7 @@ def format_report(info: HardwareInfo) -> str:
             f"CUDA runtime (torch) {info.cuda_runtime_version or 'unknown'}, NCCL {info.nccl_version or 'unknown'}"
         )
         if info.links:
-            lines.append("  links: " + "; ".join(f"{l.a}-{l.b}: {l.kind}" for l in info.links))
+            lines.append("  links: " + "; ".join(f"{link.a}-{link.b}: {link.kind}" for link in info.links))
         if info.outside_allocator:
             lines.append("  outside PyTorch's allocator, per training process (measured here; the planner uses it): "
                          + ", ".join(f"{v / GIB:.2f} GiB " + ("(make gpu-info's probe)" if k == PROBE else
