@@ -652,8 +652,10 @@ def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, 
 def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
     h, c = shape.hidden_size, spec.run.precision.compute_bytes
     run = spec.run
+    # the head's weight as stored: LoRA's and QLoRA's frozen head in the dtype the base was loaded
+    # in, as full fine-tuning's (fp32 on a CPU without bf16: then no cast at all)
     weight_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else (
-        run.precision.weight_bytes if run.method == "full" and not run.parallel.deepspeed else 2)
+        run.precision.weight_bytes if not run.parallel.deepspeed else 2)
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
         chunk = gpu.new(rows * h * c, "logits_loss") if residual != c else None
