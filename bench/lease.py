@@ -47,7 +47,7 @@ Usage: python bench/lease.py [--minutes 8] [--phase 1|all] [--state docs/reports
                              [--output docs/reports/gpu_lease.md] [--max-tasks N] [--keep-weights]
                              [--dry-run [h100|h200]]
                              [--shape FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N][,pixels=N]
-                                      [,objective=dpo][,steps=3][,tiled][,offload][,dropout0] ...]
+                                      [,objective=dpo|kto][,steps=3][,tiled][,offload][,dropout0] ...]
 On the lent GPU machine (see docs/PLANNER.md, "Measuring on a GPU"): a second call continues
 from the rows of the first when they travel with it:
   cp docs/reports/gpu_lease.jsonl $OUT/ 2>/dev/null; python bench/lease.py --state $OUT/gpu_lease.jsonl --output $OUT/gpu_lease.md
@@ -96,8 +96,9 @@ LONG_ROWS = [Shape("llama-3.1-8b", "lora", seq, True, 1, levers=("dropout0", *le
 #    (448 x 448: 256 image tokens; 1344 x 1344: 2,304), 256 text tokens beside it
 PICTURES = [Shape("qwen2.5-vl-7b", "lora", (side // 28) ** 2 + 256, True, 2, pixels=side * side)
             for side in (448, 1344)]
-# 4. Preference tuning: Llama-3.1-8B DPO with LoRA (the reference: the adapters switched off)
-PAIRS = [Shape("llama-3.1-8b", "lora", 2048, True, 2, objective="dpo")]
+# 4. Preference tuning: Llama-3.1-8B DPO and KTO with LoRA (the reference: the adapters switched off;
+#    KTO's two answers a micro-batch with their mismatched rows)
+PAIRS = [Shape("llama-3.1-8b", "lora", 2048, True, 2, objective=objective) for objective in ("dpo", "kto")]
 
 
 def gpu_plan() -> list[dict]:
@@ -158,6 +159,7 @@ def cpu_plan() -> list[dict]:
             shape_task(Shape(tiny, "lora", 128, True, 1, levers=("dropout0", "tiled"), steps=2), 1),
             shape_task(Shape(str(CONFIGS / "tiny-qwen2.5-vl"), "lora", 16 + 64, True, 2, pixels=112 * 112, steps=2), 1),
             shape_task(Shape(tiny, "lora", 128, True, 2, objective="dpo", steps=2), 1),
+            shape_task(Shape(tiny, "lora", 128, True, 2, objective="kto", steps=2), 1),
             throughput_task("A", case, 2, 8)]
 
 

@@ -65,7 +65,7 @@ class Case:
     strategy: str = "ddp"
     levers: tuple[str, ...] = ()  # config overrides switched on besides (bench/shapes.py's ROW_LEVERS)
     pixels: int = 0  # vision-language: each row shows one square image of this many pixels
-    objective: str = "sft"  # dpo: a micro-batch of pairs, prompt and answers half the sequence each
+    objective: str = "sft"  # dpo: a micro-batch of pairs, prompt and answers half the sequence each; kto: of answers
     steps: int = 3
 
     def overrides(self, micro: int, output_dir: str) -> list[str]:
@@ -85,8 +85,8 @@ class Case:
             "lora.r=16",
             *self.levers,
             *([f"data.image_max_pixels={self.pixels}", "data.packing=false"] if self.pixels else []),
-            *(["finetune.objective=dpo", "model.build_with=null", "train.eval_steps=0"]
-              if self.objective == "dpo" else []),
+            *([f"finetune.objective={self.objective}", "model.build_with=null", "train.eval_steps=0"]
+              if self.objective != "sft" else []),
         ]
 
     @property
@@ -137,6 +137,13 @@ def _stats(case: Case, micro: int):
     from sft_play.data import DataStats
 
     rows = case.steps * micro
+    if case.objective == "kto":
+        prompt, answer = case.seq_len // 2, case.seq_len - case.seq_len // 2
+        return DataStats(examples=rows, answers=rows, desirable=rows // 2, tokens_total=rows * case.seq_len,
+                         loss_tokens=rows * answer, tokens_p50=case.seq_len, tokens_p95=case.seq_len,
+                         tokens_max=case.seq_len, tokens_squared=rows * case.seq_len ** 2,
+                         max_seq_length=case.seq_len, prompt_tokens_p95=prompt, prompt_tokens_max=prompt,
+                         answer_tokens_p95=answer, answer_tokens_max=answer)
     if case.objective == "dpo":
         prompt, answer = case.seq_len // 2, case.seq_len - case.seq_len // 2
         return DataStats(examples=rows, pairs=rows, tokens_total=2 * rows * case.seq_len, loss_tokens=2 * rows * answer,
@@ -244,6 +251,10 @@ def _rows(case: Case, micro: int, model_config, pad_token_id: int, run):
         half = case.seq_len // 2
         return datasets.Dataset.from_dict({"prompt_ids": tokens(half), "chosen_ids": tokens(case.seq_len - half),
                                            "rejected_ids": tokens(case.seq_len - half)}), None
+    if case.objective == "kto":  # (the trainer adds each answer's mismatched row)
+        half = case.seq_len // 2
+        return datasets.Dataset.from_dict({"prompt_ids": tokens(half), "completion_ids": tokens(case.seq_len - half),
+                                           "label": [i % 2 == 0 for i in range(rows)]}), None
     ids = tokens(case.seq_len)
     if not case.pixels:
         return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "seq_lengths": [[case.seq_len]] * rows}), \

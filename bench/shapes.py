@@ -29,7 +29,8 @@ class Shape:
     layers: int | None = None  # keep only the first N decoder layers (a shape a short lease can build)
     levers: tuple[str, ...] = ()  # long-row levers on (ROW_LEVERS)
     pixels: int = 0  # vision-language: each row shows one square image of this many pixels
-    objective: str = "sft"  # dpo: `micro` pairs a step, prompts and answers of half seq_len each
+    objective: str = "sft"  # dpo: `micro` pairs a step, prompts and answers of half seq_len each; kto: `micro`
+    # answers a step, labelled desirable and undesirable in turn, with their mismatched rows
     steps: int = 3
 
     def __post_init__(self):  # (a shape read back from JSON has lists)
@@ -49,7 +50,7 @@ class Shape:
 
     @classmethod
     def parse(cls, text: str) -> "Shape":
-        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N][,pixels=N][,objective=dpo]
+        """``FOLDER[,method=lora][,seq=2048][,ckpt=on][,micro=2][,layers=N][,pixels=N][,objective=dpo|kto]
         [,steps=3][,tiled][,offload]``"""
         folder, *fields = text.split(",")
         values: dict = {"model": folder}
@@ -69,8 +70,8 @@ class Shape:
         values["levers"] = tuple(levers)
         if values.get("method", "lora") not in {"full", "lora", "qlora"}:
             raise ValueError(f"--shape {text}: method must be full, lora or qlora")
-        if values.get("objective", "sft") not in {"sft", "dpo"}:
-            raise ValueError(f"--shape {text}: objective must be sft or dpo")
+        if values.get("objective", "sft") not in {"sft", "dpo", "kto"}:
+            raise ValueError(f"--shape {text}: objective must be sft, dpo or kto")
         if not (CONFIGS / folder).is_dir() and not (Path(folder) / "config.json").is_file():
             raise ValueError(f"--shape {text}: '{folder}' is neither a folder with a config.json nor a fixture of "
                              f"{CONFIGS.relative_to(REPO)}")

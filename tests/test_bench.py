@@ -117,14 +117,14 @@ def test_the_one_lease_command_keeps_every_row_and_a_second_call_goes_on(forked,
     assert ("These rows await a GPU: P llama-3.1-8b lora +dropout0 32768 ckpt on micro 1, P llama-3.1-8b lora "
             "+dropout0 +tiled 32768 ckpt on micro 1, ") in text
     assert "| tiny-lora | B |" in text and "| tiny-lora | T |" in text
-    assert "5 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
+    assert "6 task(s) left for the next call" in text and "P tiny_model" in text  # said, not lost
     assert call() == 0
     rows = [json.loads(line) for line in state.read_text().splitlines()]
     results = collections.Counter(row["task"] for row in rows if row["kind"] in {"A", "B", "T", "P"})
     assert sorted(results) == ["A tiny-lora", "B tiny-lora", "P tiny-qwen2.5-vl lora 12,544 px 80 ckpt on micro 2",
                                "P tiny_model lora +dropout0 +tiled 128 ckpt on micro 1",
                                "P tiny_model lora 128 ckpt off micro 4", "P tiny_model lora dpo 128 ckpt on micro 2",
-                               "T tiny-lora"]
+                               "P tiny_model lora kto 128 ckpt on micro 2", "T tiny-lora"]
     assert set(results.values()) == {1}, "the second call went on; it did not measure again"
     assert all(row["result"].get("ok", True) for row in rows if row["kind"] in {"A", "B", "T", "P"}), rows
     assert [row["kind"] for row in rows].count("call") == 2 and any(row["kind"] == "T-try" for row in rows)
@@ -181,8 +181,9 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
     shape = shapes.Shape.parse("llama-3.1-8b,seq=65536,micro=1,steps=2,dropout0,offload")
     assert shape.levers == ("dropout0", "offload") and shape.steps == 2
     assert shape.label == "llama-3.1-8b lora +dropout0 +offload 65536 ckpt on micro 1"
-    with pytest.raises(ValueError, match="objective must be sft or dpo"):
-        shapes.Shape.parse("llama-3.1-8b,objective=kto")
+    with pytest.raises(ValueError, match="objective must be sft, dpo or kto"):
+        shapes.Shape.parse("llama-3.1-8b,objective=orpo")
+    assert shapes.Shape.parse("llama-3.1-8b,objective=kto").label == "llama-3.1-8b lora kto 2048 ckpt on micro 2"
     plan = lease.gpu_plan()  # first the long rows' working set, then the allocator on the GPU's own order
     assert [task["kind"] for task in plan[:7]] == ["P"] * 6 + ["S"]
     snapshot = plan[6]
@@ -196,20 +197,20 @@ def test_a_task_cut_by_a_leases_end_runs_again_and_a_failed_one_does_not(tmp_pat
 
 def test_the_dry_run_plans_each_kind_of_gpu_task_as_the_lent_gpu_will_run_it():
     """The rehearsal before a lease: a long row with and without a lever, an image a row, DPO
-    pairs and SFT-Play's planned side, each planned for the lent GPU within its 3 minutes; a task
-    the planner refuses is said in its row, not met on the GPU."""
+    pairs, KTO answers and SFT-Play's planned side, each planned for the lent GPU within its 3
+    minutes; a task the planner refuses is said in its row, not met on the GPU."""
     sys.path.insert(0, str(REPO / "bench"))
     import lease
     import shapes
 
     plan = {task["key"]: task for task in lease.gpu_plan()}
     picked = [shapes.shape_task(shape, 1) for shape in (lease.LONG_ROWS[3], lease.LONG_ROWS[5], lease.PICTURES[0],
-                                                        lease.PAIRS[0])]
+                                                        *lease.PAIRS)]
     picked += [plan["B llama-3.1-8b-lora"], shapes.shape_task(shapes.Shape("llama-3.1-8b", seq_len=0), 1)]
-    assert all(task["key"] in plan for task in picked[:4])
+    assert all(task["key"] in plan for task in picked[:5])
     lines = lease.dry_run(picked, "h100", 8.0)
     rows = [line.split(" | ") for line in lines if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 6
+    assert len(rows) == 7
     *planned, refused = rows
     peaks = [float(row[3]) for row in planned]
     assert all(0 < peak < 80 for peak in peaks)  # each fits the H100 it is planned for
