@@ -14,45 +14,41 @@ from sft_play import cli
 from sft_play import config as config_module
 
 
+def _preference_lines(name: str, stats) -> list[str]:
+    """Preference data: KTO's labelled answers (an example an answer), or pairs (an example a
+    pair, its length the prompt and the longer answer: the padded length of its two rows)."""
+    from sft_play.data import dropped_rows, skip_summary
+
+    if stats.answers:
+        head = (f"{name}: {stats.answers} answers ({stats.desirable} desirable, {stats.answers - stats.desirable} "
+                f"undesirable), {stats.tokens_total} tokens")
+        answer, example, cut = "answer tokens", "a row (prompt and answer)", ""
+    else:
+        head = f"{name}: {stats.pairs} preference pairs, {stats.tokens_total} tokens in their chosen and rejected rows"
+        answer, example, cut = "the longer answer", "a pair (its prompt and longer answer, the padded length of its " \
+            "two rows)", " pair(s)"
+    lines = [
+        head,
+        f"  prompt tokens: p95 {stats.prompt_tokens_p95}, max {stats.prompt_tokens_max}; {answer}: p95 "
+        f"{stats.answer_tokens_p95}, max {stats.answer_tokens_max}",
+        f"  {example}: p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "
+        f"(data.max_seq_length {stats.max_seq_length})",
+        f"  answers cut at data.max_seq_length: {stats.truncated}{cut}; dropped as too long: "
+        f"{stats.dropped_overlong}{dropped_rows(stats)}; prompts cut to preference.max_prompt_length: "
+        f"{stats.prompts_cut}",
+        f"  tokens scored (the answers): {100 * stats.loss_token_share:.1f}%",
+    ]
+    if stats.skipped:
+        lines.append(f"  {skip_summary(stats)}")
+    return lines + [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
+
+
 def describe(name: str, stats, policy: str = "keep") -> list[str]:
     from sft_play.data import dropped_rows
     from sft_play.data.stats import special_text_note
 
-    if getattr(stats, "answers", 0):  # KTO's labelled answers
-        lines = [
-            f"{name}: {stats.answers} answers ({stats.desirable} desirable, {stats.answers - stats.desirable} "
-            f"undesirable), {stats.tokens_total} tokens",
-            f"  prompt tokens: p95 {stats.prompt_tokens_p95}, max {stats.prompt_tokens_max}; answer tokens: p95 "
-            f"{stats.answer_tokens_p95}, max {stats.answer_tokens_max}",
-            f"  a row (prompt and answer): p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "
-            f"(data.max_seq_length {stats.max_seq_length})",
-            f"  answers cut at data.max_seq_length: {stats.truncated}; dropped as too long: "
-            f"{stats.dropped_overlong}{dropped_rows(stats)}; prompts cut to preference.max_prompt_length: "
-            f"{stats.prompts_cut}",
-            f"  tokens scored (the answers): {100 * stats.loss_token_share:.1f}%",
-        ]
-        if stats.skipped:
-            from sft_play.data import skip_summary
-
-            lines.append(f"  {skip_summary(stats)}")
-        return lines + [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
-    if stats.pairs:  # preference pairs
-        lines = [
-            f"{name}: {stats.pairs} preference pairs, {stats.tokens_total} tokens in their chosen and rejected rows",
-            f"  prompt tokens: p95 {stats.prompt_tokens_p95}, max {stats.prompt_tokens_max}; the longer answer: p95 "
-            f"{stats.answer_tokens_p95}, max {stats.answer_tokens_max}",
-            f"  a pair (its prompt and longer answer, the padded length of its two rows): p50 {stats.tokens_p50}, p95 "
-            f"{stats.tokens_p95}, max {stats.tokens_max} (data.max_seq_length {stats.max_seq_length})",
-            f"  answers cut at data.max_seq_length: {stats.truncated} pair(s); dropped as too long: "
-            f"{stats.dropped_overlong}{dropped_rows(stats)}; prompts cut to preference.max_prompt_length: "
-            f"{stats.prompts_cut}",
-            f"  tokens scored (the answers): {100 * stats.loss_token_share:.1f}%",
-        ]
-        if stats.skipped:
-            from sft_play.data import skip_summary
-
-            lines.append(f"  {skip_summary(stats)}")
-        return lines + [f"  {source}: {fmt}" for source, fmt in stats.formats.items()]
+    if getattr(stats, "answers", 0) or stats.pairs:
+        return _preference_lines(name, stats)
     lines = [
         f"{name}: {stats.examples} examples, {stats.tokens_total} tokens",
         f"  tokens per example: p50 {stats.tokens_p50}, p95 {stats.tokens_p95}, max {stats.tokens_max} "

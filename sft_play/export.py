@@ -426,27 +426,16 @@ def _answer_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return output.log_probs[:, -(labels.shape[1] - 1):].double().sum(dim=1)
 
 
-def evaluate_answers(path: str | Path, model: Any, tokenizer: Any, config: RunConfig, count: int, max_new_tokens: int,
-                     batch_size: int, data_path: str | None) -> dict[str, Any]:
-    """A KTO run's evaluation on held-out answers labelled one by one (or `data_path`'s): each
-    answer's reward as KTO defines it, beta x (policy - reference) log-probability, with the
-    reference the run trained against; ``reward_accuracy`` the share of answers whose reward has
-    their label's sign (above 0 for a desirable one, below for an undesirable one; 0 before
-    training). Greedy answers to the first `count` held-out prompts, beside the answer and its label."""
-    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+def _policy_and_reference_logps(model: Any, config: RunConfig, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed answer log-probability under the trained model and under the reference
+    the run trained against (the base with the adapter off, or the model it started from), through
+    TRL's fused head as training scored them."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from sft_play.data import preference
     from sft_play.model import score_labelled_positions_only
 
-    rows = preference.answers_of(data_path, config, tokenizer)
-    if not rows:
-        raise UserError(f"no usable held-out answer in {data_path or config.data.validation_path or config.data.path}")
-    collator = DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id,
-                                                 max_length=config.data.max_seq_length)
     score_labelled_positions_only()
     add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
-    batches = [collator(rows[start:start + batch_size]) for start in range(0, len(rows), batch_size)]
     device = model.device
     with torch.no_grad():
         policy = torch.cat([_answer_logps(model, {k: v.to(device) for k, v in b.items()}) for b in batches]).cpu()
@@ -455,6 +444,27 @@ def evaluate_answers(path: str | Path, model: Any, tokenizer: Any, config: RunCo
                 add_fused_lm_head(reference_model)
             reference = torch.cat([_answer_logps(reference_model, {k: v.to(device) for k, v in b.items()})
                                    for b in batches]).cpu()
+    return policy, reference
+
+
+def evaluate_answers(path: str | Path, model: Any, tokenizer: Any, config: RunConfig, count: int, max_new_tokens: int,
+                     batch_size: int, data_path: str | None) -> dict[str, Any]:
+    """A KTO run's evaluation on held-out answers labelled one by one (or `data_path`'s): each
+    answer's reward as KTO defines it, beta x (policy - reference) log-probability, with the
+    reference the run trained against; ``reward_accuracy`` the share of answers whose reward has
+    their label's sign (above 0 for a desirable one, below for an undesirable one; 0 before
+    training). Greedy answers to the first `count` held-out prompts, beside the answer and its label."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    from sft_play.data import preference
+
+    rows = preference.answers_of(data_path, config, tokenizer)
+    if not rows:
+        raise UserError(f"no usable held-out answer in {data_path or config.data.validation_path or config.data.path}")
+    collator = DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id,
+                                                 max_length=config.data.max_seq_length)
+    batches = [collator(rows[start:start + batch_size]) for start in range(0, len(rows), batch_size)]
+    policy, reference = _policy_and_reference_logps(model, config, batches)
     labels = torch.tensor([bool(row["label"]) for row in rows])
     beta = config.preference.beta
     reward = beta * (policy - reference)
@@ -492,10 +502,8 @@ def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConf
     and for the reference ("before"). Greedy answers to the first `count` held-out prompts, with
     whether they match the chosen or the rejected answer."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
-    from trl.trainer.utils import add_fused_lm_head
 
     from sft_play.data import preference
-    from sft_play.model import score_labelled_positions_only
 
     if config.finetune.objective == "kto" and preference.labelled(config.data, config.train.seed, data_path):
         return evaluate_answers(path, model, tokenizer, config, count, max_new_tokens, batch_size, data_path)
@@ -511,19 +519,10 @@ def evaluate_pairs(path: str | Path, model: Any, tokenizer: Any, config: RunConf
     if rows is None or len(rows) == 0:
         raise UserError(f"no usable held-out pair in {data_path or config.data.validation_path}")
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=config.data.max_seq_length)
-    score_labelled_positions_only()
-    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
     columns = list(preference.PAIR_COLUMNS)
     batches = [collator([{c: rows[i][c] for c in columns} for i in range(start, min(start + batch_size, len(rows)))])
                for start in range(0, len(rows), batch_size)]
-    device = model.device
-    with torch.no_grad():
-        policy = torch.cat([_answer_logps(model, {k: v.to(device) for k, v in b.items()}) for b in batches]).cpu()
-        with base_model_of(model, config) as reference_model:
-            if reference_model is not model:
-                add_fused_lm_head(reference_model)
-            reference = torch.cat([_answer_logps(reference_model, {k: v.to(device) for k, v in b.items()})
-                                   for b in batches]).cpu()
+    policy, reference = _policy_and_reference_logps(model, config, batches)
 
     def sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # each batch is [chosen..., rejected...]
         chosen, rejected, at = [], [], 0

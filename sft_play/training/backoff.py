@@ -51,6 +51,24 @@ def calibrate(plan: Any, make_trainer: Callable[..., Any], config: RunConfig, ru
     return calibration.calibrated_plan(plan, measured, predicted, config.train, config.planner)
 
 
+def _no_backoff(trainer: Any, split: BatchSplit, smallest: int) -> str | None:
+    """Why an out-of-memory step cannot continue at half the micro-batch, or None where it can:
+    nothing left to halve, or several processes (or a model DeepSpeed or FSDP2 has wrapped in
+    place), where one rank cannot change its batch alone and the run restarts instead."""
+    if split.micro_batch_size // 2 < smallest:
+        return (f"out of memory at micro-batch {split.micro_batch_size}: nothing left to halve"
+                + (" (KTO estimates its KL term from the other answers of a micro-batch: it needs 2)"
+                   if smallest > 1 else "")
+                + ". `make plan` lists what would fit (gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, "
+                "more GPUs)")
+    if (trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False)
+            or getattr(trainer, "is_fsdp_enabled", False)):
+        return (f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
+                f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
+                "(and RESUME=auto to continue)")
+    return None
+
+
 def train_with_backoff(
     make_trainer: Callable[..., Any],
     split: BatchSplit,
@@ -99,22 +117,9 @@ def train_with_backoff(
         except RuntimeError as error:
             if not should_reduce_batch_size(error):
                 raise
-            if split.micro_batch_size // 2 < smallest:
-                raise OutOfMemory(
-                    f"out of memory at micro-batch {split.micro_batch_size}: nothing left to halve"
-                    + (" (KTO estimates its KL term from the other answers of a micro-batch: it needs 2)"
-                       if smallest > 1 else "")
-                    + ". `make plan` lists what would fit (gradient checkpointing, QLoRA, ZeRO-2, shorter sequences, "
-                    "more GPUs)", split
-                ) from error
-            # several processes, or a model DeepSpeed or FSDP2 has wrapped in place: restart instead
-            if (trainer.args.world_size > 1 or getattr(trainer, "is_deepspeed_enabled", False)
-                    or getattr(trainer, "is_fsdp_enabled", False)):
-                raise OutOfMemory(
-                    f"out of memory at micro-batch {split.micro_batch_size} on one of {trainer.args.world_size} "
-                    f"processes; restart with train.micro_batch_size={split.micro_batch_size // 2} "
-                    f"(and RESUME=auto to continue)", split
-                ) from error
+            refused = _no_backoff(trainer, split, smallest)
+            if refused:
+                raise OutOfMemory(refused, split) from error
             step = trainer.state.global_step
             trainer.optimizer.zero_grad(set_to_none=True)
             # the state before the failed step, as the trainer writes it at a save step (it has no
