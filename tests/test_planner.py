@@ -488,6 +488,40 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     assert [e["result_text"] for e in entries if e["fits"]] == ["the same training", "changes what is trained"]
 
 
+def test_where_only_the_long_row_levers_together_fit_the_remedies_stack_them_as_longest_does():
+    """Issue 61: make plan LONGEST=1 carried 6,291,456 tokens of Llama-3.1-8B LoRA on 8 x 80 GiB
+    with its levers stacked, while a plain plan at 3,000,000 said nothing fits: its combinations
+    let ZeRO-3 take ZeRO-2's place with sequence parallelism, so no combination split rows under
+    ZeRO-3, and tiling never applied under DDP. The stand-in plan fits only with ZeRO-3, tiling,
+    activation offload and rows split across all eight GPUs."""
+    from types import SimpleNamespace
+
+    from sft_play.planner.choose import remedies as catalogue
+
+    config = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.modules_to_save=[]", "data.max_seq_length=3000000",
+                         "train.gradient_checkpointing=true", "train.global_batch_size=8")
+    target = Target(8, 80 * GIB, "8 x H100", gpu_model="H100")
+
+    def plan_for(changed, changed_target, as_run):
+        needed = (changed.distributed.strategy == "deepspeed_zero3", changed.train.tiled_mlp,
+                  changed.train.offload_activations, changed.distributed.sequence_parallel == 8,
+                  changed_target.world_size == 8)
+        peak = 100 - 20 * sum(needed[:4])
+        return SimpleNamespace(fits=all(needed), peak_bytes_per_gpu=peak, budget_bytes_per_gpu=30, time=None,
+                               micro_batch_size=1, host_bytes_per_node=0)
+
+    entries = catalogue.plan_remedies(config, target, plan_for, split=8)
+    fitting = [e for e in entries if e["fits"]]
+    assert len(fitting) == 1 and fitting[0] is entries[0]
+    # stacked in LONGEST's order, then trimmed of what the later levers made unnecessary
+    assert fitting[0]["remedies"] == ["ZeRO-3", "tiled MLP", "activation offload", "sequence parallelism"]
+    assert {"distributed.sequence_parallel=8", "distributed.strategy=deepspeed_zero3", "train.tiled_mlp=true",
+            "train.offload_activations=true"} <= set(fitting[0]["change"])
+    assert fitting[0]["command"].startswith("make train-deepspeed NUM_GPUS=8 ")
+    # rows split across four: not even the whole stack fits, and nothing is offered as fitting
+    assert not any(e["fits"] for e in catalogue.plan_remedies(config, target, plan_for, split=4))
+
+
 def test_remedies_that_fit_are_ranked_by_hardware_then_result_then_room_then_speed():
     """Issue 46: Qwen2.5-7B full on 8 x 80 GiB offered checkpointing with bf16 weights (76.99 of
     77.6 GiB, updates rounding away) before ZeRO-2 at 61.3 GiB."""
@@ -1184,6 +1218,7 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     per GPU as the run plans it, the next length of the ladder does not, and more levers never
     answer shorter."""
     from sft_play.planner.choose import longest
+    from sft_play.planner.choose import remedies as catalogue
 
     # checkpointing and a mask-free kernel already on; of the levers left, Liger's kernels, tiling
     # and offload (parameter offload, sequence parallelism: below, without planning)
@@ -1192,16 +1227,16 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     target = Target(1, 2.5 * GIB, "1 x 2.5 GiB", gpu_model="L4")  # answers of 2k-8k tokens: fewer lengths traced
     # on one GPU ZeRO-3 alone before parameter offload: DeepSpeed computes in bf16 adapters where peft
     # keeps fp32 ones, which is most of what parameter offload was credited with
-    assert [r.name for r in longest._levers(config, target)] == ["Liger kernels", "tiled MLP", "activation offload",
+    assert [r.name for r in catalogue.long_row_levers(config, target)] == ["Liger kernels", "tiled MLP", "activation offload",
                                                                 "ZeRO-3", "parameter offload"]
     eight = Target(8, 80 * GIB, "8 x H100", gpu_model="H100")
-    assert "sequence parallelism" not in [r.name for r in longest._levers(config, eight, split=2)]  # flex attention
+    assert "sequence parallelism" not in [r.name for r in catalogue.long_row_levers(config, eight, split=2)]  # flex attention
     sdpa = plan_config("qwen2.5-0.5b", "finetune.method=lora", "lora.modules_to_save=[]")
-    levers = longest._levers(sdpa, eight, split=2)
+    levers = catalogue.long_row_levers(sdpa, eight, split=2)
     assert [r.name for r in levers] == ["ZeRO-3", "gradient checkpointing", "FlashAttention-2", "Liger kernels",
                                         "tiled MLP", "activation offload", "sequence parallelism", "parameter offload"]
     assert levers[6].overrides == ("distributed.sequence_parallel=2",)
-    monkeypatch.setattr(longest, "LEVERS", ("tiled MLP", "activation offload"))  # planned: two of them
+    monkeypatch.setattr(catalogue, "LEVERS", ("tiled MLP", "activation offload"))  # planned: two of them
 
     def plan_for(changed, on):
         return make_plan(changed, on, None, options=PlanOptions(remedies=False, octave_rows=True))
@@ -1228,6 +1263,10 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     assert len(runs) == len(plans) == len(answers) == 3
     changes = " ".join([*answers[-1]["change"], f"data.max_seq_length={answers[-1]['tokens']}"])
     assert plans[-1] == f'make plan CONFIG=c.yaml NUM_GPUS=1 VRAM_GIB=2.5 ARGS="{changes}"'
+    # and a plain plan at the longest length, without the levers, finds a remedy that fits
+    plain = make_plan(longest._with(config, (), answers[-1]["tokens"], 1), target)
+    assert not plain.fits
+    assert any(r["fits"] and r["result"] != catalogue.CHANGED for r in plain.remedies), [r["name"] for r in plain.remedies]
 
 
 def test_the_ladder_has_four_lengths_an_octave():

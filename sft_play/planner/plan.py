@@ -418,7 +418,8 @@ def remedies_for(config: RunConfig, target: Target, data_stats: Any | None) -> _
     when none fits either, the smallest hardware that would, with the note that says so. What does
     not fit is planned without covering shorter rows (three to five times fewer replays); what
     fits and is offered is planned again as the run will plan it, covering them (the combination
-    search decides on the quicker plans: remedies.plan_remedies)."""
+    search decides on the quicker plans: remedies.plan_remedies; the long-row levers split rows
+    across as many processes as make plan LONGEST=1 does)."""
     def plan_without_remedies(changed: RunConfig, changed_target: Target, as_run: bool = True) -> Any:
         """A Plan, or where the weights and states alone exceed the budget, a plan of that bound
         (:func:`lower_bound_plan`, no replay); with `as_run` False, a quick Plan (no shorter rows)."""
@@ -431,7 +432,8 @@ def remedies_for(config: RunConfig, target: Target, data_stats: Any | None) -> _
         # what fits is planned as the run will plan it, so that what is offered is what runs
         return _planned(changed, changed_target, data_stats, WITHOUT_REMEDIES)
 
-    offered = remedy_catalogue.plan_remedies(config, target, plan_without_remedies)
+    offered = remedy_catalogue.plan_remedies(config, target, plan_without_remedies,
+                                             largest_split(config, target, model_shape(config)))
     if any(r["fits"] for r in offered):
         return _Remedies(offered)
     smallest = remedy_catalogue.smallest_hardware(

@@ -1,7 +1,7 @@
 """The longest rows a config trains on the given hardware, and with which settings
 (``make plan LONGEST=1``).
 
-The remedies that make long rows fit (:data:`LEVERS`, from :mod:`.remedies`; on several GPUs,
+The remedies that make long rows fit (:data:`.remedies.LEVERS`; on several GPUs,
 ZeRO first) are added one at a time, cheapest first, each on top of the ones before. For each
 set, the longest length of the ladder (:func:`ladder`, four lengths an octave, 1,024 to 16M
 tokens) at which one row per GPU fits: found an octave at a time, then by bisection within the
@@ -11,7 +11,6 @@ rows' envelope). Lengths past the model's trained positions are flagged, not ref
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ from sft_play.config.schema import consistency_problems
 from sft_play.parallelism import Strategy
 from sft_play.planner import progress
 from sft_play.planner.choose import search
-from sft_play.planner.choose.remedies import REMEDIES, Remedy, command, plan_command, with_overrides
+from sft_play.planner.choose.remedies import Remedy, command, long_row_levers, plan_command, with_overrides
 
 SHORTEST, LONGEST = 1024, 16 << 20
 # Plans a config on a target without remedies (make_plan, partially applied)
@@ -32,45 +31,6 @@ def ladder(shortest: int = SHORTEST, longest: int = LONGEST) -> list[int]:
     (:func:`sft_play.planner.choose.search.ladder`), whose shorter lengths each plan covers, so
     that a length fits only where every shorter one does and the bisection is sound."""
     return search.ladder(longest, shortest)
-
-
-# The remedies that carry rows further, cheapest first (on several GPUs ZeRO-3 before them)
-LEVERS = ("gradient checkpointing", "FlashAttention-2", "Liger kernels", "tiled MLP", "activation offload",
-          "sequence parallelism", "parameter offload")
-_LONG = 1 << 20  # a length every long-row remedy applies to
-
-
-def _levers(config: RunConfig, target: Any, split: int = 1) -> list[Remedy]:
-    """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply, each on top of those
-    before it. Sequence parallelism splits each row across `split` processes, the most the model
-    allows on the target (:func:`sft_play.planner.plan.split_sizes`): the longest row needs them all."""
-    catalogue = {remedy.name: remedy for remedy in REMEDIES}
-    names = list(LEVERS)
-    if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
-        names.insert(0, "ZeRO-3")
-    elif ("parameter offload" in names and config.finetune.method != "full"
-          and not Strategy(config.distributed.strategy).deepspeed):
-        # On one GPU, parameter offload brings DeepSpeed, which computes in bf16 adapters (fp32
-        # masters in its optimizer) where peft keeps fp32 ones and casts every adapted linear's
-        # input to fp32 (two fp32 copies of a hidden state in the backward's working set): ZeRO-3
-        # alone first, so that each is credited with what it changes
-        names.insert(names.index("parameter offload"), "ZeRO-3")
-    levers: list[Remedy] = []
-    so_far = config
-    for name in names:
-        remedy = catalogue[name]
-        if name == "ZeRO-3" and target.world_size == 1:  # (a remedy on several GPUs; a lever on one)
-            remedy = dataclasses.replace(remedy, applies=lambda c, t: not Strategy(c.distributed.strategy).zero3)
-        if name == "sequence parallelism":
-            if split <= 1:
-                continue
-            remedy = dataclasses.replace(remedy, overrides=(f"distributed.sequence_parallel={split}",))
-        long = with_overrides(so_far, [f"data.max_seq_length={_LONG}"])
-        if remedy.applies(long, target):
-            # as applied to the levers before it (QLoRA sharded: its packed weights' storage)
-            levers.append(dataclasses.replace(remedy, overrides=remedy.overrides_for(so_far)))
-            so_far = remedy.config_for(so_far)
-    return levers
 
 
 def _with(config: RunConfig, overrides: tuple[str, ...], tokens: int, world: int) -> RunConfig:
@@ -92,7 +52,7 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
     trains it."""
     lengths = ladder()
     answers, applied = [], ()
-    for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in _levers(config, target, split))]:
+    for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in long_row_levers(config, target, split))]:
         applied = applied + overrides
         if consistency_problems(_with(config, applied, SHORTEST, target.world_size)):
             applied = applied[:len(applied) - len(overrides)]

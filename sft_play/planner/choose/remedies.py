@@ -10,6 +10,7 @@ its predicted peak and whether it fits; those that fit are ranked as a careful e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -356,11 +357,14 @@ def _make_line(make_target: str, config_path: str | None, hardware: str, argumen
     return " ".join(parts)
 
 
-def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dict[str, Any]]:
+def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int = 1) -> list[dict[str, Any]]:
     """Each applicable remedy planned on its own, then, when none before the first that fits alone
     does (in :func:`search_order`: on this hardware, keeping the result, cheapest), the first
     combination of those before it that fits: added in that order until the plan fits, then any
-    that are not needed taken out again. Ranked by :func:`rank`. `plan_for(config, target, as_run)`
+    that are not needed taken out again; and when nothing fits on this hardware with the training
+    kept, the long-row levers stacked as ``make plan LONGEST=1`` stacks them (:func:`long_row_levers`,
+    rows split across `split` processes, each lever taken where LONGEST takes it), so that a length
+    LONGEST carries is never one of which this search finds nothing. Ranked by :func:`rank`. `plan_for(config, target, as_run)`
     plans without remedies: with `as_run` False it only answers whether something fits (its `fits`
     is all that is read), and may leave out what only narrows a plan that fits (the shorter rows'
     coverage) or, where the weights alone do not fit, the plan itself; what is offered is planned
@@ -378,8 +382,52 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor) -> list[dic
         if combination is not None:
             chosen, plan = combination
             entries.append(_entry(chosen, config, target, plan))
+    if not any(e["fits"] and not e["more_gpus"] and e["result"] != CHANGED for e in entries):
+        stacked = _stacked_levers(config, target, long_row_levers(config, target, split), plan_for)
+        if stacked is not None and all(e["remedies"] != [r.name for r in stacked[0]] for e in entries):
+            entries.append(_entry(*stacked[:1], config, target, stacked[1]))
     entries.sort(key=rank)
     return entries
+
+
+# The remedies that carry rows further, cheapest first (on several GPUs ZeRO-3 before them):
+# make plan LONGEST=1 adds them one at a time, and the remedy search stacks them the same way
+LEVERS = ("gradient checkpointing", "FlashAttention-2", "Liger kernels", "tiled MLP", "activation offload",
+          "sequence parallelism", "parameter offload")
+LONG_ROWS = 1 << 20  # a length every long-row remedy applies to
+
+
+def long_row_levers(config: RunConfig, target: Any, split: int = 1, tokens: int = LONG_ROWS) -> list[Remedy]:
+    """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply to rows of `tokens`,
+    each on top of those before it. Sequence parallelism splits each row across `split` processes,
+    the most the model allows on the target (:func:`sft_play.planner.plan.largest_split`): the
+    longest row needs them all."""
+    catalogue = {remedy.name: remedy for remedy in REMEDIES}
+    names = list(LEVERS)
+    if target.world_size > 1 and config.distributed.strategy in ("ddp", "deepspeed_zero2"):
+        names.insert(0, "ZeRO-3")
+    elif ("parameter offload" in names and config.finetune.method != "full"
+          and not Strategy(config.distributed.strategy).deepspeed):
+        # On one GPU, parameter offload brings DeepSpeed, which computes in bf16 adapters (fp32
+        # masters in its optimizer) where peft keeps fp32 ones and casts every adapted linear's
+        # input to fp32 (two fp32 copies of a hidden state in the backward's working set): ZeRO-3
+        # alone first, so that each is credited with what it changes
+        names.insert(names.index("parameter offload"), "ZeRO-3")
+    levers: list[Remedy] = []
+    so_far = config
+    for name in names:
+        remedy = catalogue[name]
+        if name == "ZeRO-3" and target.world_size == 1:  # (a remedy on several GPUs; a lever on one)
+            remedy = dataclasses.replace(remedy, applies=lambda c, t: not Strategy(c.distributed.strategy).zero3)
+        if name == "sequence parallelism":
+            if split <= 1:
+                continue
+            remedy = dataclasses.replace(remedy, overrides=(f"distributed.sequence_parallel={split}",))
+        if remedy.applies(with_overrides(so_far, [f"data.max_seq_length={tokens}"]), target):
+            # as applied to the levers before it (QLoRA sharded: its packed weights' storage)
+            levers.append(dataclasses.replace(remedy, overrides=remedy.overrides_for(so_far)))
+            so_far = remedy.config_for(so_far)
+    return levers
 
 
 def search_order(remedies: list[Remedy]) -> list[Remedy]:
@@ -409,10 +457,8 @@ def _apply(config: RunConfig, target: Any, remedies: list[Remedy]) -> tuple[RunC
 def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy], plan_for: PlanFor):
     """The cheapest combination of two or more of `applicable` that fits, and its plan as the run
     plans it; None when none does. Remedies are added in cost order until a quick plan
-    (``as_run`` False) fits, then each that a later one made unnecessary is taken out; the
-    combination left is planned as the run will plan it, and should that plan not fit (the
-    shorter rows it also covers), the combination before the last removal, and so on; when none
-    of them fits, the next remedy is added and the search goes on. Only combinations whose
+    (``as_run`` False) fits, then trimmed (:func:`_trimmed`); when nothing trimmed fits as the run
+    plans it, the next remedy is added and the search goes on. Only combinations whose
     settings are consistent (:func:`sft_play.config.schema.consistency_problems`: optimizer
     offload under FSDP2 is not) are taken for fitting: a remedy whose settings contradict those
     of some already added takes their place (it costs more, and does more)."""
@@ -427,17 +473,44 @@ def _fitting_combination(config: RunConfig, target: Any, applicable: list[Remedy
         with progress.doing("remedies combined: " + " + ".join(r.name for r in chosen)):
             if not _fits(config, target, chosen, plan_for):
                 continue
-        found = [list(chosen)]
-        for dropped in reversed(chosen[:-1]):  # drop what the later, bigger changes made unnecessary
-            trial = [r for r in found[-1] if r is not dropped]
-            if _fits(config, target, trial, plan_for):
-                found.append(trial)
-        for remedies in reversed(found):
-            if len(remedies) < 2:  # alone, each was planned as the run plans it and did not fit
+        found = _trimmed(config, target, chosen, plan_for)
+        if found is not None:
+            return found
+    return None
+
+
+def _stacked_levers(config: RunConfig, target: Any, levers: list[Remedy], plan_for: PlanFor):
+    """The long-row levers each on top of those before (as ``make plan LONGEST=1`` stacks them,
+    leaving out one whose settings contradict those before it), until a quick plan fits, then
+    trimmed (:func:`_trimmed`); None when not even all of them fit."""
+    stack: list[Remedy] = []
+    for lever in levers:
+        if not _consistent(config, target, stack + [lever]):
+            continue
+        stack.append(lever)
+        with progress.doing("long-row levers stacked: " + " + ".join(r.name for r in stack)):
+            if not _fits(config, target, stack, plan_for):
                 continue
-            plan = plan_for(*_apply(config, target, remedies), True)
-            if plan.fits:
-                return remedies, plan
+        return _trimmed(config, target, stack, plan_for, least=1)
+    return None
+
+
+def _trimmed(config: RunConfig, target: Any, chosen: list[Remedy], plan_for: PlanFor, least: int = 2):
+    """`chosen` (which fits as a quick plan) less each remedy that a later, bigger change made
+    unnecessary, and its plan as the run plans it: should that plan not fit (the shorter rows it
+    also covers), the combination before the last removal, and so on; None when none of `least`
+    or more remedies does (a combination's remedies were each planned alone as the run plans them)."""
+    found = [list(chosen)]
+    for dropped in reversed(chosen[:-1]):
+        trial = [r for r in found[-1] if r is not dropped]
+        if _fits(config, target, trial, plan_for):
+            found.append(trial)
+    for remedies in reversed(found):
+        if len(remedies) < least:
+            continue
+        plan = plan_for(*_apply(config, target, remedies), True)
+        if plan.fits:
+            return remedies, plan
     return None
 
 
