@@ -23,7 +23,7 @@ from _common import CONFIGS, REPORTS, versions  # bench/ is the script's folder
 from tiny_default import hardware_line
 
 from sft_play import config as config_module
-from sft_play.planner import WITHOUT_REMEDIES, PlanOptions, Target, make_plan, model_shape
+from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan, model_shape
 from sft_play.planner.choose import longest
 from sft_play.planner.plan import largest_split
 from sft_play.units import GIB
@@ -75,7 +75,7 @@ def main() -> int:
     answers = {}
     for target in (H100, EIGHT):
         answers[target.world_size] = longest.longest_rows(
-            config(), target, lambda c, t: make_plan(c, t, None, options=PlanOptions(remedies=False, octave_rows=True)), 131072,
+            config(), target, lambda c, t: make_plan(c, t, None, options=WITHOUT_REMEDIES), 131072,
             split=largest_split(config(), target, model_shape(config())))
     minutes = (time.monotonic() - started) / 60
     lines = [

@@ -131,7 +131,7 @@ def longest(config, target, args) -> int:
     import dataclasses
     import json
 
-    from sft_play.planner import PlanOptions, make_plan, model_shape, progress
+    from sft_play.planner import WITHOUT_REMEDIES, make_plan, model_shape, progress
     from sft_play.planner.choose import longest as question
     from sft_play.planner.plan import largest_split
 
@@ -140,7 +140,7 @@ def longest(config, target, args) -> int:
     report = []
     for each in targets:
         answers = question.longest_rows(config, each,
-                                        lambda c, t: make_plan(c, t, None, options=PlanOptions(remedies=False, octave_rows=True)),
+                                        lambda c, t: make_plan(c, t, None, options=WITHOUT_REMEDIES),
                                         shape.max_positions, args.config, tuple(args.overrides),
                                         split=largest_split(config, each, shape))
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})

@@ -93,7 +93,7 @@ def snapshot(case: Case) -> dict:
     ``LONGEST=1`` case its answers on each target."""
     import dataclasses
 
-    from sft_play.planner import PlanOptions, make_plan, model_shape
+    from sft_play.planner import WITHOUT_REMEDIES, make_plan, model_shape
 
     config, target = case.load(), case.target()
     if case.longest:
@@ -103,7 +103,7 @@ def snapshot(case: Case) -> dict:
         shape = model_shape(config)
         targets = [target] if target.world_size == 1 else [dataclasses.replace(target, world_size=1), target]
         return {"longest": [question.longest_rows(config, each,
-                                                  lambda c, t: make_plan(c, t, None, options=PlanOptions(remedies=False, octave_rows=True)),
+                                                  lambda c, t: make_plan(c, t, None, options=WITHOUT_REMEDIES),
                                                   shape.max_positions, case.config, case.overrides,
                                                   split=largest_split(config, each, shape)) for each in targets]}
     document = make_plan(config, target).to_dict()

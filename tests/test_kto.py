@@ -151,7 +151,9 @@ def test_the_plan_counts_one_row_an_answer_and_the_mismatched_rows_forwards():
     _, alone = _planned_dpo("finetune.objective=kto", "preference.sft_weight=0", "preference.loss_type=apo_zero_unpaired")
     assert kto.rows_per_example == 1 and kto.preference.kl and kto.smallest_micro_batch == 2
     assert not alone.preference.kl and alone.smallest_micro_batch == 1
-    assert kto.preference.reference == "copy" and memory.reference_bytes(shape, kto) == shape.total_params * 4
+    # (loaded in the compute dtype: bf16 where this CPU computes it natively, else fp32)
+    assert kto.preference.reference == "copy"
+    assert memory.reference_bytes(shape, kto) == shape.total_params * kto.precision.compute_bytes > 0
     sft = kto.with_changes(preference=None)
     for micro in (2, 4):
         with_kl, without = predict.predict(shape, kto, micro).peak_bytes, predict.predict(shape, alone, micro).peak_bytes

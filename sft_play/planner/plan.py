@@ -124,15 +124,13 @@ class PlanOptions:
 
     Attributes:
         remedies: when nothing fits, plan the remedies and the smallest hardware.
-        shorter_rows: cover rows of the ladder's shorter lengths (:mod:`sft_play.planner.choose.search`);
-            the remedy search's quick plans do without (each remedy is a plan of its own once it runs).
-        octave_rows: cover the lengths of the planned length's octave at micro-batch 1 too
-            (:func:`sft_play.planner.choose.search.octave_lengths`; ``make plan LONGEST=1``).
+        shorter_rows: report the envelope over shorter rows and smaller batches
+            (:meth:`sft_play.planner.choose.search.FitSearch.envelope`); the remedy search's quick
+            plans do without (each remedy is a plan of its own once it runs).
     """
 
     remedies: bool = True
     shorter_rows: bool = True
-    octave_rows: bool = False
 
 
 WITHOUT_REMEDIES = PlanOptions(remedies=False)
@@ -228,8 +226,7 @@ def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOpti
     search = FitSearch(shape, run, budget,
                        per_process=max(1, -(-train.global_batch_size // run.parallel.data_parallel)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
-                       else train.gradient_accumulation_steps, shorter_rows=options.shorter_rows,
-                       octave_rows=options.octave_rows)
+                       else train.gradient_accumulation_steps, shorter_rows=options.shorter_rows)
     fitting = search.largest_fitting()
     split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting, run.smallest_micro_batch)
@@ -239,18 +236,11 @@ def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOpti
                         f"{train.global_batch_size} over {run.parallel.data_parallel} process(es) gives "
                         f"{split.micro_batch_size}; raise train.global_batch_size, or set "
                         "preference.loss_type=apo_zero_unpaired (no KL estimate)")
-    # rows shorter than planned, for the micro-batches this split trains (rare: the cache's swing at
-    # a shorter length): the largest that fits is then below them, and the split is chosen again
-    rows_fitting = search.shorter_rows_fitting(min(split.micro_batch_size, fitting))
-    if rows_fitting < min(split.micro_batch_size, fitting):
-        fitting = rows_fitting
-        split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
-                             train.gradient_accumulation_steps, fitting, run.smallest_micro_batch)
     notes, warnings = split_notes(config, search, split, fitting)
     if margin_note:
         notes.append(margin_note)
-    chosen, peak, breakdown = search.reported(split)
-    return _Fit(run, search, split, chosen, peak, breakdown, bool(chosen.fits) and peak <= search.budget, notes,
+    reported = search.reported(split)
+    return _Fit(run, search, split, reported.chosen, reported.peak_bytes, reported.breakdown, reported.fits, notes,
                 warnings)
 
 

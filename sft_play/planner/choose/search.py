@@ -4,23 +4,27 @@ reports for the one it chooses.
 Predicted peaks swing a few per cent from one batch shape to the next, up or down: what the
 allocator's cache keeps at the peak depends on how the sizes freed earlier in the step (the
 activations, the logits) pack the sizes allocated later (the optimizer's states), which is the
-caching allocator's own rule, replayed (PLANNER.md section 4). A batch the run will also see must
-not be predicted to fail where the planned one fits, so fitting and the reported peak are made
-monotone here, over both dimensions of a batch:
+caching allocator's own rule, replayed (PLANNER.md section 4). A batch the run also trains must
+not be predicted to fail where the planned one fits (an unpacked batch is padded to its longest
+row, packing leaves rows short, the out-of-memory backoff and an accumulation's last micro-batch
+run smaller ones), so a plan reports an envelope (:meth:`FitSearch.envelope`):
 
-- **micro-batch**: a micro-batch fits only when every smaller one does, and the peak reported for
-  micro m is the largest predicted for any micro <= m (the out-of-memory backoff and an
-  accumulation's last micro-batch run smaller ones);
-- **sequence length**: rows shorter than the planned length are trained too (an unpacked batch is
-  padded to its longest row; packing leaves rows short), so the same holds over the lengths of a
-  fixed ladder below it (:func:`shorter_lengths`: 256, 512, 1,024 ... tokens). The ladder is the
-  same for every plan, so a plan at any length reports at least what a plan at each ladder
-  length below it reports: between ladder lengths, and from a ladder length to any longer one,
-  reported peaks and fit decisions never fall. ``make plan LONGEST=1`` also covers the ladder's
-  four lengths an octave within the planned length's octave (:func:`octave_lengths`) at
-  micro-batch 1, where a length fits or not: there 3,072 cannot fail where 4,096 fits. Not
-  covered: a length off the ladder (3,500 covers 3,072, not 3,000: that would take a replay per
-  token count).
+- the largest peak of any batch it covers: the micro-batches up to the planned one, at the
+  planned length and at each shorter power of two of the ladder (:func:`shorter_lengths`: 256,
+  512, 1,024 ... tokens), and at micro-batch 1 the ladder's lengths of the planned length's
+  octave (:func:`octave_lengths`);
+- between two powers of two, at least the straight line between their envelopes.
+
+At the ladder's lengths the envelope only grows with the length and the micro-batch (it covers
+more batches: one row of 4,096 tokens fits only where rows of 3,584, 3,072 and 2,560 do, which
+``make plan LONGEST=1``'s bisection rests on). Between powers of two the line carries it from one
+to the next wherever the planned length's own replay lies below the line: where live bytes grow
+at least as fast as a line (attention's s x s terms) and the cache's swing stays within the room
+that leaves. There a longer row never reports a smaller peak nor fits where a shorter one does
+not, at every length. Where a replay lies above the line (a masked row off SDPA's 16-token grid
+holds a padded copy of its mask; a cache swing larger than the line's room), the plan keeps the
+replay, never less than what the step holds, and may swing with it between lengths a few tokens
+apart.
 
 What the search predicted at the planned length stays in :attr:`FitSearch.tried`, for the plan's
 table and picture (no further replays).
@@ -58,15 +62,20 @@ def shorter_lengths(tokens: int) -> list[int]:
 
 
 def octave_lengths(tokens: int) -> list[int]:
-    """The ladder's other lengths below `tokens` within its octave (4,096: 2,560, 3,072 and
-    3,584), which ``make plan LONGEST=1``'s plans cover at micro-batch 1, where a length fits or
-    not: a length of the octave cannot fail there where a longer one fits, and the bisection
-    within the octave is sound. Other plans leave them out: their replays and traces made the
-    planner's tests half as long again (measured), for lengths a plan is rarely compared with.
-    Covering them at every micro-batch, and every octave's, would make every reported peak
-    monotone over the whole ladder: twice the tests' time."""
+    """The ladder's other lengths below `tokens` within its octave (4,096: 2,560, 3,072 and 3,584),
+    which a plan covers at micro-batch 1 (:meth:`FitSearch.envelope`): a length of the octave then
+    cannot fail where a longer one fits, and ``make plan LONGEST=1``'s bisection within an octave
+    is sound."""
     octave = 1 << (max(tokens - 1, 1).bit_length() - 1)
     return [rung for rung in ladder(tokens) if octave < rung < tokens and rung & (rung - 1)]
+
+
+def power_above(tokens: int) -> int | None:
+    """The power of two above `tokens` (at least the ladder's first rung), whose allocator cache a
+    plan at `tokens` is charged, scaled (:meth:`FitSearch.envelope`); None where `tokens` is one."""
+    if tokens & (tokens - 1) == 0:
+        return None
+    return max(SHORTEST_RUNG, 1 << tokens.bit_length())
 
 
 @dataclass
@@ -84,17 +93,14 @@ class FitSearch:
     budget: int
     per_process: int
     fixed_accum: int | None
-    shorter_rows: bool = True  # cover the ladder's shorter lengths (the remedy search does not)
-    octave_rows: bool = False  # cover the lengths of the planned length's octave at micro-batch 1 (LONGEST)
+    # the envelope over shorter rows and smaller batches (the remedy search's quick plans do
+    # without: they report the planned batch's own prediction)
+    shorter_rows: bool = True
     tried: dict[int, Prediction] = field(default_factory=dict)
 
     def rungs(self) -> list[int]:
         """The shorter lengths this search covers."""
         return shorter_lengths(self.run.sequence.tokens) if self.shorter_rows else []
-
-    def octave_rungs(self) -> list[int]:
-        """The lengths of the planned length's octave this search covers at micro-batch 1."""
-        return octave_lengths(self.run.sequence.tokens) if self.octave_rows else []
 
     def predicted(self, micro: int, accumulating: bool | None = None, tokens: int | None = None) -> Prediction:
         """The prediction at `micro` (rows of `tokens`, the planned length unless said) against
@@ -128,54 +134,94 @@ class FitSearch:
             predictions.append(prediction)
         return predictions
 
-    def covered(self, split: BatchSplit) -> list[Prediction]:
-        """The predictions a plan of `split` answers for: its micro-batch and every smaller one
-        (accumulating, as the backoff runs them), at the planned length and at each shorter
-        length of the ladder."""
-        micro, accumulating = split.micro_batch_size, split.gradient_accumulation_steps > 1
-        # the split's own accumulation, and the search's (they differ when rounding the global
-        # batch gave accumulation 1 to a micro-batch below the per-process share)
-        smaller = [(m, None, tokens) for tokens in [None, *self.rungs()] for m in range(1, micro + 1)]
-        octave = [(1, None, tokens) for tokens in self.octave_rungs()]
-        return self.predicted_all([(micro, accumulating, None), *smaller, *octave])
+    def envelope(self, micro: int, accumulating: bool | None = None) -> Envelope:
+        """What a plan of `micro` reports (the module's docstring says why), accumulating as the
+        split would (`micro` itself as `accumulating` says too): :meth:`_covering` at the planned
+        length, and between two powers of two, the line between theirs where it is higher (its
+        terms the line between theirs). Without :attr:`shorter_rows`, the planned batch's own
+        prediction and the smaller ones at its length."""
+        tokens = self.run.sequence.tokens
+        own = self.predicted_all([(micro, accumulating, None)] + [(m, None, None) for m in range(1, micro + 1)])
+        if not self.shorter_rows:
+            peak = max(p.peak_bytes for p in own)
+            return Envelope(own[0], peak, _with_term(own[0].breakdown, "smaller_batch", peak - own[0].peak_bytes),
+                            bool(own[0].fits) and peak <= self.budget)
+        peak, breakdown = self._covering(micro, accumulating, tokens, octave_lengths(tokens))
+        above = power_above(tokens)
+        if above is not None and tokens > SHORTEST_RUNG:
+            below = above // 2
+            (low, low_terms), (high, high_terms) = (self._covering(micro, accumulating, below),
+                                                    self._covering(micro, accumulating, above))
+            line = low + (high - low) * (tokens - below) // (above - below)
+            if line > peak:
+                peak = line
+                breakdown = {term: low_terms.get(term, 0) + (high_terms.get(term, 0) - low_terms.get(term, 0))
+                             * (tokens - below) // (above - below) for term in dict.fromkeys([*high_terms, *low_terms])}
+                breakdown = _with_term(breakdown, max(breakdown, key=breakdown.get), peak - sum(breakdown.values()))
+        return Envelope(own[0], peak, breakdown, peak <= self.budget)
 
-    def shorter_rows_fitting(self, micro: int) -> int:
-        """The largest micro-batch up to `micro` that fits, with every smaller one, with rows of
-        every shorter length of the ladder (`micro` itself when it does; 0 when micro-batch 1 does
-        not). Only the micro-batches a run of `micro` trains are replayed: the plan covers them
-        anyway (:meth:`covered`), so this costs no replay of its own."""
-        shorter = self.predicted_all([(m, None, tokens) for tokens in self.rungs() for m in range(1, micro + 1)]
-                                     + [(1, None, tokens) for tokens in self.octave_rungs()])
-        return min((p.micro_batch - 1 for p in shorter if not p.fits), default=micro)
+    def _covering(self, micro: int, accumulating: bool | None, tokens: int,
+                  octave: list[int] = ()) -> tuple[int, dict[str, int]]:
+        """The largest peak of a micro-batch up to `micro` at `tokens` and at each shorter power of
+        two of the ladder (and at micro-batch 1, at each length of `octave`); its terms those of
+        `micro` at `tokens`, the difference a term of its own (``smaller_batch``)."""
+        at = None if tokens == self.run.sequence.tokens else tokens
+        predictions = self.predicted_all([(micro, accumulating, at)] + [
+            (m, None, length) for length in [at, *shorter_lengths(tokens)] for m in range(1, micro + 1)]
+            + [(1, None, length) for length in octave])
+        chosen, peak = predictions[0], max(p.peak_bytes for p in predictions)
+        return peak, _with_term(chosen.breakdown, "smaller_batch", peak - chosen.peak_bytes)
 
     def largest_fitting(self) -> int:
-        """The largest micro-batch up to the per-process share that fits, with every smaller one
-        fitting too, at the planned length (0 when micro-batch 1 does not). Rows of the ladder's
-        shorter lengths are checked for the micro-batch the run chooses (:meth:`shorter_rows_fitting`),
-        not for larger ones it never trains: those would cost a replay per micro-batch and rung."""
-        if not self.predicted(1).fits:
+        """The largest micro-batch up to the per-process share whose envelope fits (with it, every
+        smaller one's: the envelope grows with the micro-batch); 0 when micro-batch 1's does not.
+        The planned length's own predictions guess it (:func:`largest_fitting_micro`), and the
+        envelope steps down from the guess (at a power of two it covers the guess's own
+        prediction, so it fits no larger one), or between powers of two, up from it."""
+        if not self.envelope(1).fits:
             return 0
-        fitting = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
-                                        _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
-        below = self.predicted_all([(m, None, None) for m in range(1, fitting + 1)])
-        return next((p.micro_batch - 1 for p in below if not p.fits), fitting)
+        guess = largest_fitting_micro(lambda m: bool(self.predicted(m).fits), self.per_process,
+                                      _crossing(self.predicted(1), self.predicted(self.per_process), self.budget))
+        fitting = max(guess, 1)
+        while fitting > 1 and not self.envelope(fitting).fits:
+            fitting -= 1
+        if power_above(self.run.sequence.tokens) is not None and self.shorter_rows:
+            while fitting < self.per_process and self.envelope(fitting + 1).fits:
+                fitting += 1
+        return fitting
 
-    def reported(self, split: BatchSplit) -> tuple[Prediction, int, dict[str, int]]:
-        """The prediction for the split's micro-batch, and the peak and breakdown the plan reports
-        for it: the largest peak of any batch it covers (:meth:`covered`), the difference from its
-        own shown as a term of its own ("smaller_batch")."""
-        chosen = self.predicted(split.micro_batch_size, split.gradient_accumulation_steps > 1)
-        peak, breakdown = chosen.peak_bytes, dict(chosen.breakdown)
-        covered = max(p.peak_bytes for p in self.covered(split))
-        if covered > peak:
-            breakdown["smaller_batch"] = covered - peak
-            peak = covered
-        return chosen, peak, breakdown
+    def reported(self, split: BatchSplit) -> Envelope:
+        """The envelope of the split's micro-batch, accumulating as the split does."""
+        return self.envelope(split.micro_batch_size, split.gradient_accumulation_steps > 1)
 
     def candidates(self) -> list[dict]:
         """Every micro-batch the search predicted, in order: the plan's table and picture."""
         return [{"micro_batch_size": m, "peak_bytes": p.peak_bytes, "fits": bool(p.fits), "breakdown": p.breakdown}
                 for m, p in sorted(self.tried.items())]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a plan reports for a micro-batch (:meth:`FitSearch.envelope`): the micro-batch's own
+    prediction, the peak reported and its terms (they add up to it), and whether it fits."""
+
+    chosen: Prediction
+    peak_bytes: int
+    breakdown: dict[str, int]
+    fits: bool
+
+
+def _with_term(terms: dict[str, int], term: str, extra: int) -> dict[str, int]:
+    """`terms` with `extra` bytes added to `term` (taken from the largest other term where that
+    would leave it below zero); a term of nothing is left out."""
+    breakdown = dict(terms)
+    value = breakdown.get(term, 0) + extra
+    if value < 0:
+        largest = max((k for k in breakdown if k != term), key=breakdown.get)
+        breakdown[largest] += value
+        value = 0
+    breakdown[term] = value
+    return {k: v for k, v in breakdown.items() if v}
 
 
 def _crossing(first: Prediction, last: Prediction, budget: int) -> int | None:
