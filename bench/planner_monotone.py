@@ -10,6 +10,12 @@ checkpointing on and off, plans one 80 GiB GPU at micro-batches 1-4 and rows of 
   that fit form a prefix of it;
 - the breakdown's terms add up to the peak.
 
+And at every length, not only the ladder's: for three models (LoRA and QLoRA, checkpointing, one
+row), rows of 1,024 to 59,392 tokens 512 apart (117 lengths), how often the replay of the planned
+batch alone falls as the rows grow, and how often the plan's reported peak does (never, where the
+envelope holds: sft_play/planner/choose/search.py), and how far above its own replay the plan
+reports.
+
 Planning is CPU work: the result does not depend on a GPU. `tests/test_planner_monotone.py`
 asserts the same on the cases that broke before the envelope; this sweeps them all (minutes on 2
 cores; the report gives the time). Each combination's result is kept in
@@ -42,6 +48,8 @@ METHODS = ["full", "lora", "qlora"]
 MICROS = [1, 2, 3, 4]
 LENGTHS = [512, 1024, 2048, 4096]
 FREE = 80 * GIB
+EVERY = [("qwen2.5-0.5b", "lora"), ("llama-3.1-8b", "lora"), ("gemma-2-9b", "qlora")]
+EVERY_LENGTHS = list(range(1024, 59393, 512))
 
 
 def plan(model: str, method: str, checkpointing: bool, seq: int, micro: int, free: int = FREE):
@@ -72,6 +80,18 @@ def check(model: str, method: str, checkpointing: bool) -> list[str]:
         if fits != sorted(fits, reverse=True):
             problems.append(f"fit decisions are not a prefix along {what} {at}: {fits}")
     return problems
+
+
+def every_length(model: str, method: str) -> dict:
+    """One row of each of :data:`EVERY_LENGTHS` with checkpointing, on a GPU with room for all:
+    the replay of the planned batch (the search's own prediction) and the peak the plan reports."""
+    plans = [plan(model, method, True, seq, 1, 1000 * GIB) for seq in EVERY_LENGTHS]
+    replays = [p.candidates[0]["peak_bytes"] for p in plans]
+    reported = [p.peak_bytes_per_gpu for p in plans]
+    return {"replay_falls": [seq for seq, before, after in zip(EVERY_LENGTHS[1:], replays, replays[1:]) if after < before],
+            "plan_falls": [seq for seq, before, after in zip(EVERY_LENGTHS[1:], reported, reported[1:]) if after < before],
+            "below_replay": sum(r < own for r, own in zip(reported, replays)),
+            "above_replay_pct": max(100 * (r - own) / own for r, own in zip(reported, replays))}
 
 
 def planner_code() -> str:
@@ -105,7 +125,17 @@ def main(argv: list[str] | None = None) -> int:
                 problems = kept["rows"][name]
                 rows.append((model, method, checkpointing, problems))
                 print(f"{name}: {'; '.join(problems) or 'monotone'}", flush=True)
-    failed = [row for row in rows if row[3]]
+    every = {}
+    for model, method in EVERY:
+        name = f"{model} {method} every length"
+        if name not in kept["rows"]:
+            started = time.perf_counter()
+            kept["rows"][name] = every_length(model, method)
+            kept["seconds"] += time.perf_counter() - started
+            kept_path.write_text(json.dumps(kept, indent=1) + "\n")
+        every[(model, method)] = kept["rows"][name]
+        print(f"{name}: the plan falls at {len(every[(model, method)]['plan_falls'])} lengths", flush=True)
+    failed = [row for row in rows if row[3]] + [key for key, row in every.items() if row["plan_falls"]]
     lines = [
         "# Planner: fit decisions and reported peaks, monotone?",
         "",
@@ -118,14 +148,32 @@ def main(argv: list[str] | None = None) -> int:
         f"- wall time: {kept['seconds'] / 60:.0f} min, over the calls that made the rows",
         f"- grid: {len(PUBLIC)} public model configs x {', '.join(METHODS)} x checkpointing on/off; "
         f"micro-batches {MICROS[0]}-{MICROS[-1]} x rows of {', '.join(map(str, LENGTHS))} tokens on one 80 GiB GPU",
-        f"- result: **{len(rows) - len(failed)} of {len(rows)} monotone** in both the micro-batch and the "
-        "sequence length",
+        f"- result: **{len(rows) - len([r for r in rows if r[3]])} of {len(rows)} monotone** in both the micro-batch "
+        "and the sequence length; at every length (below), the plan falls "
+        + ("nowhere" if not any(row["plan_falls"] for row in every.values()) else "**somewhere**"),
         "",
         "| model | method | checkpointing | result |",
         "|---|---|---|---|",
     ]
     lines += [f"| {model} | {method} | {'on' if ck else 'off'} | {'; '.join(problems) or 'monotone'} |"
               for model, method, ck, problems in rows]
+    lines += [
+        "",
+        f"## Every length: rows of {EVERY_LENGTHS[0]:,} to {EVERY_LENGTHS[-1]:,} tokens, "
+        f"{EVERY_LENGTHS[1] - EVERY_LENGTHS[0]} apart ({len(EVERY_LENGTHS)} lengths)",
+        "",
+        "One row a step, checkpointing, on a GPU with room for all (the peaks, not the budget). *Replay*: the",
+        "planned batch's own prediction, which the plan reported before the envelope covered lengths between the",
+        "ladder's; *plan*: the peak it reports now.",
+        "",
+        "| model | method | replay falls at | plan falls at | plan below its replay | plan above its replay, at most |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (model, method), row in every.items():
+        falls = ", ".join(f"{seq:,}" for seq in row["replay_falls"]) or "none"
+        lines.append(f"| {model} | {method} | {len(row['replay_falls'])}: {falls} | "
+                     f"{len(row['plan_falls']) or 'none'} | {row['below_replay']} lengths | "
+                     f"{row['above_replay_pct']:.1f} % |")
     args.output.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.output}")
     return 1 if failed else 0

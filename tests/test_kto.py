@@ -256,3 +256,24 @@ def test_kto_trains_on_labelled_answers_and_make_eval_scores_them(tmp_path):
     assert 0.5 < written["reward_accuracy"] <= 1.0
     assert [g["label"] for g in written["generations"]] in ([True, False], [False, True], [True, True], [False, False])
     assert "reward accuracy" in result.stdout and "answers, 20 desirable" in result.stdout
+
+
+def test_the_plan_says_why_its_micro_batch_exceeds_each_processs_share_and_why_dropout_is_off():
+    """One answer a process (global batch 4 on 4 GPUs): the plan's micro-batch is 2, and it said
+    "micro-batch 1 is the whole per-process share ... and it fits"; LoRA's dropout, which TRL's
+    preference trainers switch off, was blamed on a mixture-of-experts model that Llama is not."""
+    from sft_play import planner
+    from tests.conftest import FIXTURES
+
+    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+        f"model.name_or_path={FIXTURES / 'model_configs' / 'llama-3.1-8b'}", "finetune.method=lora",
+        "finetune.objective=kto", "preference.sft_weight=0", "train.global_batch_size=4", "data.max_seq_length=2048",
+        "lora.dropout=0.05"], check_paths=False)
+    plan = planner.make_plan(config, planner.Target(4, 80 * 1024**3, "4 x H100", gpu_model="H100"),
+                             options=planner.WITHOUT_REMEDIES)
+    assert plan.fits and plan.micro_batch_size == 2 and plan.global_batch_size == 8
+    assert ("micro-batch 2: KTO estimates its KL term from the other answers of a micro-batch, so it takes at "
+            "least 2, more than the 1 each process takes of the global batch") in plan.notes
+    assert not any("whole per-process share" in note for note in plan.notes)
+    assert any(note.startswith("lora.dropout=0.05 is off: TRL's preference trainers") for note in plan.notes)
+    assert not any("mixture-of-experts" in warning for warning in plan.warnings)

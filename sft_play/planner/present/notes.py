@@ -37,6 +37,10 @@ def split_notes(config: RunConfig, search: FitSearch, split: BatchSplit, fitting
         if fitting and split.micro_batch_size > fitting:
             warnings.append(f"train.gradient_accumulation_steps={search.fixed_accum} implies micro-batch "
                             f"{split.micro_batch_size}, predicted not to fit; the largest that fits is {fitting}")
+    elif fitting and split.micro_batch_size > search.per_process:  # (KTO's KL estimate: two answers at least)
+        notes.append(f"micro-batch {split.micro_batch_size}: KTO estimates its KL term from the other answers of a "
+                     f"micro-batch, so it takes at least {search.run.smallest_micro_batch}, more than the "
+                     f"{search.per_process} each process takes of the global batch")
     elif fitting and fitting >= search.per_process:
         notes.append(f"micro-batch {fitting} is the whole per-process share of the global batch, and it fits: "
                      "memory is not what limits it")
@@ -119,7 +123,10 @@ def run_notes(config: RunConfig, run: Run, target: Target, shape: ModelShape, ma
                         f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''} (peft gives this family's gate/up/"
                         "down_proj names to the routed experts' fused weights, so the dense and shared-expert "
                         "projections of those names stay frozen); the rest, the experts included, train")
-    if run.lora is not None and run.lora.dropout != config.lora.dropout:
+    if run.lora is not None and run.lora.dropout != config.lora.dropout and run.preference is not None:
+        notes.append(f"lora.dropout={config.lora.dropout:g} is off: TRL's preference trainers switch dropout off "
+                     "(disable_dropout), so that the log-probs a loss compares are not drawn from different masks")
+    elif run.lora is not None and run.lora.dropout != config.lora.dropout:
         warnings.append(f"lora.dropout={config.lora.dropout:g} is off for this mixture-of-experts model: peft cannot "
                         "apply dropout to LoRA on fused expert weights")
     if run.lora is not None:
