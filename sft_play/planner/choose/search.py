@@ -7,24 +7,22 @@ activations, the logits) pack the sizes allocated later (the optimizer's states)
 caching allocator's own rule, replayed (PLANNER.md section 4). A batch the run also trains must
 not be predicted to fail where the planned one fits (an unpacked batch is padded to its longest
 row, packing leaves rows short, the out-of-memory backoff and an accumulation's last micro-batch
-run smaller ones), so a plan reports an envelope (:meth:`FitSearch.envelope`):
+run smaller ones), and a longer row must not be predicted to fit where a shorter one does not, so
+a plan reports an envelope (:meth:`FitSearch.envelope`), the same function of the length and the
+micro-batch for every plan:
 
-- the largest peak of any batch it covers: the micro-batches up to the planned one, at the
-  planned length and at each shorter power of two of the ladder (:func:`shorter_lengths`: 256,
-  512, 1,024 ... tokens), and at micro-batch 1 the ladder's lengths of the planned length's
-  octave (:func:`octave_lengths`);
-- between two powers of two, at least the straight line between their envelopes.
+- at a power of two (256, 512, 1,024 ... tokens, or any length up to the first): the largest
+  peak of any batch it covers, the micro-batches up to the planned one at this length and at each
+  shorter power of two (:func:`shorter_lengths`);
+- between two powers of two: the straight line between their envelopes, term by term.
 
-At the ladder's lengths the envelope only grows with the length and the micro-batch (it covers
-more batches: one row of 4,096 tokens fits only where rows of 3,584, 3,072 and 2,560 do, which
-``make plan LONGEST=1``'s bisection rests on). Between powers of two the line carries it from one
-to the next wherever the planned length's own replay lies below the line: where live bytes grow
-at least as fast as a line (attention's s x s terms) and the cache's swing stays within the room
-that leaves. There a longer row never reports a smaller peak nor fits where a shorter one does
-not, at every length. Where a replay lies above the line (a masked row off SDPA's 16-token grid
-holds a padded copy of its mask; a cache swing larger than the line's room), the plan keeps the
-replay, never less than what the step holds, and may swing with it between lengths a few tokens
-apart.
+Both only grow with the micro-batch and the length, at every length, so a longer row never
+reports a smaller peak nor fits where a shorter one does not, and a micro-batch fits only when
+every smaller one does (``make plan LONGEST=1``'s bisection rests on it). Where the memory grows
+faster than a line (attention's s x s terms) the line lies above the replays between the two
+powers of two; where a length's own replay swings above it (the cache's packing, a few per cent;
+a masked row off SDPA's 16-token grid, which holds a padded copy of its mask), the plan reports
+the line: a length a few tokens longer would not repeat the swing.
 
 What the search predicted at the planned length stays in :attr:`FitSearch.tried`, for the plan's
 table and picture (no further replays).
@@ -59,15 +57,6 @@ def ladder(longest: int, shortest: int = SHORTEST_RUNG) -> list[int]:
 def shorter_lengths(tokens: int) -> list[int]:
     """The ladder's octaves below `tokens`: 256, 512, 1,024 ... (the same for every plan)."""
     return [rung for rung in ladder(tokens) if rung < tokens and rung & (rung - 1) == 0]
-
-
-def octave_lengths(tokens: int) -> list[int]:
-    """The ladder's other lengths below `tokens` within its octave (4,096: 2,560, 3,072 and 3,584),
-    which a plan covers at micro-batch 1 (:meth:`FitSearch.envelope`): a length of the octave then
-    cannot fail where a longer one fits, and ``make plan LONGEST=1``'s bisection within an octave
-    is sound."""
-    octave = 1 << (max(tokens - 1, 1).bit_length() - 1)
-    return [rung for rung in ladder(tokens) if octave < rung < tokens and rung & (rung - 1)]
 
 
 def power_above(tokens: int) -> int | None:
@@ -136,39 +125,36 @@ class FitSearch:
 
     def envelope(self, micro: int, accumulating: bool | None = None) -> Envelope:
         """What a plan of `micro` reports (the module's docstring says why), accumulating as the
-        split would (`micro` itself as `accumulating` says too): :meth:`_covering` at the planned
-        length, and between two powers of two, the line between theirs where it is higher (its
-        terms the line between theirs). Without :attr:`shorter_rows`, the planned batch's own
-        prediction and the smaller ones at its length."""
+        split would (`micro` itself as `accumulating` says too): at a power of two (or at most the
+        ladder's first rung) :meth:`_covering`; between two, the line between theirs, term by term.
+        Without :attr:`shorter_rows`, the planned batch's own prediction and the smaller ones at
+        its length."""
         tokens = self.run.sequence.tokens
         own = self.predicted_all([(micro, accumulating, None)] + [(m, None, None) for m in range(1, micro + 1)])
         if not self.shorter_rows:
             peak = max(p.peak_bytes for p in own)
             return Envelope(own[0], peak, _with_term(own[0].breakdown, "smaller_batch", peak - own[0].peak_bytes),
                             bool(own[0].fits) and peak <= self.budget)
-        peak, breakdown = self._covering(micro, accumulating, tokens, octave_lengths(tokens))
         above = power_above(tokens)
-        if above is not None and tokens > SHORTEST_RUNG:
-            below = above // 2
-            (low, low_terms), (high, high_terms) = (self._covering(micro, accumulating, below),
-                                                    self._covering(micro, accumulating, above))
-            line = low + (high - low) * (tokens - below) // (above - below)
-            if line > peak:
-                peak = line
-                breakdown = {term: low_terms.get(term, 0) + (high_terms.get(term, 0) - low_terms.get(term, 0))
-                             * (tokens - below) // (above - below) for term in dict.fromkeys([*high_terms, *low_terms])}
-                breakdown = _with_term(breakdown, max(breakdown, key=breakdown.get), peak - sum(breakdown.values()))
+        if above is None or tokens <= SHORTEST_RUNG:
+            peak, breakdown = self._covering(micro, accumulating, tokens)
+            return Envelope(own[0], peak, breakdown, peak <= self.budget)
+        below = above // 2
+        (low, low_terms), (high, high_terms) = (self._covering(micro, accumulating, below),
+                                                self._covering(micro, accumulating, above))
+        peak = low + (high - low) * (tokens - below) // (above - below)
+        breakdown = {term: low_terms.get(term, 0) + (high_terms.get(term, 0) - low_terms.get(term, 0))
+                     * (tokens - below) // (above - below) for term in dict.fromkeys([*high_terms, *low_terms])}
+        breakdown = _with_term(breakdown, max(breakdown, key=breakdown.get), peak - sum(breakdown.values()))
         return Envelope(own[0], peak, breakdown, peak <= self.budget)
 
-    def _covering(self, micro: int, accumulating: bool | None, tokens: int,
-                  octave: list[int] = ()) -> tuple[int, dict[str, int]]:
+    def _covering(self, micro: int, accumulating: bool | None, tokens: int) -> tuple[int, dict[str, int]]:
         """The largest peak of a micro-batch up to `micro` at `tokens` and at each shorter power of
-        two of the ladder (and at micro-batch 1, at each length of `octave`); its terms those of
-        `micro` at `tokens`, the difference a term of its own (``smaller_batch``)."""
+        two of the ladder; its terms those of `micro` at `tokens`, the difference a term of its own
+        (``smaller_batch``)."""
         at = None if tokens == self.run.sequence.tokens else tokens
         predictions = self.predicted_all([(micro, accumulating, at)] + [
-            (m, None, length) for length in [at, *shorter_lengths(tokens)] for m in range(1, micro + 1)]
-            + [(1, None, length) for length in octave])
+            (m, None, length) for length in [at, *shorter_lengths(tokens)] for m in range(1, micro + 1)])
         chosen, peak = predictions[0], max(p.peak_bytes for p in predictions)
         return peak, _with_term(chosen.breakdown, "smaller_batch", peak - chosen.peak_bytes)
 
