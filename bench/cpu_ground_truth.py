@@ -17,11 +17,12 @@ a frozen reference copy, precomputed reference log-probs and LoRA's adapters swi
 pairs a step (four rows of one shape), and one whose reference pass before training takes all
 16 pairs a forward; ORPO (full) and SimPO (LoRA) steps on them, without a reference; and KTO steps
 (TRL's KTOTrainer) on their answers, two a step, with the forwards of the mismatched rows, against a
-frozen copy (full) and the adapters switched off (LoRA). The report puts each term of the plan
-beside the profile's category at the peak. What
-this does not yet cover (issue 61's matrix): DDP, ZeRO-2/3 and FSDP2 on
-two gloo processes, sequence parallelism, tiled MLPs, offloaded activations, other families, the
-points within the step (after forward, each layer's backward, after the optimizer step).
+frozen copy (full) and the adapters switched off (LoRA); and SFT steps with tiled MLPs (full and LoRA,
+without checkpointing, where the MLPs' intermediates are most of the activations). The report puts each
+term of the plan beside the profile's category at the peak. What this does not yet cover (issue 61's
+matrix): DDP, ZeRO-2/3 and FSDP2 on two gloo processes, sequence parallelism, offloaded activations,
+other families, the points within the step (after forward, each layer's backward, after the optimizer
+step).
 
 Usage:
   python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]
@@ -60,6 +61,9 @@ CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference,
            "objective": "kto"} for method, reference, checkpointing in (("full", "copy", False),
                                                                        ("lora", "adapters_off", True))]
+# Tiled MLPs (DeepSpeed's TiledMLP, as sft_play.long_rows binds it): each MLP's intermediates one tile
+# at a time in backward's recompute, where without checkpointing they are the activations' most
+CELLS += [{"method": method, "checkpointing": False, "micro": 2, "seq": 256, "tiled": True} for method in ("full", "lora")]
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
 TERMS = {
@@ -86,7 +90,8 @@ def tiny_trainer(folder: Path, cell: dict):
         "train.mixed_precision=no", "data.num_proc=1", f"train.global_batch_size={cell['micro']}",
         f"train.output_dir={folder}", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
         f"data.path={REPO / 'data' / 'tiny' / 'train.jsonl'}",
-        f"data.validation_path={REPO / 'data' / 'tiny' / 'validation.jsonl'}"])
+        f"data.validation_path={REPO / 'data' / 'tiny' / 'validation.jsonl'}",
+        *(["train.tiled_mlp=true", "lora.dropout=0"] if cell.get("tiled") else [])])
     tokenizer = model.load_tokenizer(config)
     bundle = data.build(config.data, tokenizer, seed=config.train.seed)
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
@@ -220,7 +225,7 @@ def table(results: list[dict]) -> list[str]:
         step = (f"KTO, reference {r['reference']}" if r.get("objective") == "kto" else
                 f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
                 f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
-                if r.get("reference") else "SFT")
+                if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else "SFT")
         if not r.get("ok"):
             lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
                          "| | | |")

@@ -49,9 +49,16 @@ def test_what_no_measurement_covered_is_named():
     said = found("qwen2.5-7b", "finetune.method=full", "distributed.strategy=deepspeed_zero3", "data.max_seq_length=16384",
                  "train.gradient_checkpointing=true", "train.tiled_mlp=true", "model.attn_implementation=sdpa", gpus=8)
     assert said["gpu"] == [] and not said["cpu"]
-    assert said["extrapolated"] == ["tiled MLPs", "deepspeed_zero3 across processes (measured: one process)",
+    assert said["extrapolated"] == ["deepspeed_zero3 across processes (measured: one process)",
                                     "rows of 16,384 tokens (measured up to 4,096)"]
     assert module.lines(said)[0] == "measured on a GPU: no run of this kind"
+    # tiled MLPs ran in the CPU steps (the same PyTorch code on a GPU); offloaded activations did not
+    tiled = found("llama-3.1-8b", "finetune.method=lora", "lora.dropout=0", "train.tiled_mlp=true",
+                  "train.gradient_checkpointing=true", "data.max_seq_length=16384")
+    assert tiled["gpu"] == [] and tiled["cpu"] and "tiled MLPs" not in tiled["extrapolated"]
+    offloaded = found("llama-3.1-8b", "finetune.method=lora", "train.offload_activations=true",
+                      "train.gradient_checkpointing=true", "data.max_seq_length=16384")
+    assert not offloaded["cpu"] and offloaded["extrapolated"][0] == "offloaded activations"
     # the CPU steps check which tensors live and when at any length, but not another family's layers
     gemma = found("gemma-2-9b", "finetune.method=lora", "data.max_seq_length=8192")
     assert not gemma["cpu"] and gemma["gpu"] == []

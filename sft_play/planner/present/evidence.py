@@ -29,14 +29,16 @@ def evidence(run: Run, shape: ModelShape) -> dict[str, Any]:
     kind = _kind(run, shape)
     beyond = _levers(run)
     gpu = [g for g in facts["gpu"] if not _differences(kind, g)] if not beyond else []
-    # (the CPU steps check which tensors live and when, at any length: a row's length is not their gap)
+    # (the CPU steps check which tensors live and when, at any length: a row's length is not their gap;
+    # a lever they ran, tiled MLPs, is the same PyTorch code on a GPU)
     cpu_gap = _differences({**kind, "tokens": 0}, facts["cpu"], attention=False)
-    extrapolated = list(beyond)
+    unchecked = [lever for lever in beyond if lever not in facts["cpu"].get("levers", [])]
+    extrapolated = list(unchecked)
     if not gpu:
         nearest = min(facts["gpu"], key=lambda g: len(_differences(kind, g)))
         extrapolated += [d for d in _differences(kind, nearest) if d not in extrapolated]
     return {"gpu": [{k: g[k] for k in ("device", "date", "rows", "median_error_pct", "max_error_pct")} for g in gpu],
-            "cpu": not cpu_gap and not beyond, "cpu_cells": facts["cpu"]["cells"],
+            "cpu": not cpu_gap and not unchecked, "cpu_cells": facts["cpu"]["cells"],
             "cpu_max_error_pct": facts["cpu"]["max_error_pct"], "extrapolated": extrapolated}
 
 
