@@ -98,6 +98,22 @@ def test_at_every_length_a_longer_row_never_reports_less_nor_fits_where_a_shorte
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits), fits
 
 
+@pytest.mark.parametrize("model, method, checkpointing", SEQUENCE_CASES)
+def test_reported_peaks_and_fit_decisions_are_monotone_in_the_sequence_length(model, method, checkpointing):
+    plans = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, 80 * GIB, "1 x H100"),
+                       options=WITHOUT_REMEDIES) for seq in LENGTHS]
+    peaks = [p.peak_bytes_per_gpu for p in plans]
+    assert peaks == sorted(peaks), [round(p / GIB, 2) for p in peaks]
+    for plan in plans:
+        assert sum(plan.breakdown.values()) == plan.peak_bytes_per_gpu
+    # under a budget that the longest rows exceed and the shortest fit, the fitting lengths form a prefix
+    free = int((peaks[0] + peaks[-1]) // 2 / (1 - 0.03)) + 1
+    fits = [make_plan(_config(model, method, checkpointing, seq, 4), Target(1, free, "1 x GPU"),
+                      options=WITHOUT_REMEDIES).fits for seq in LENGTHS]
+    assert fits == sorted(fits, reverse=True), fits
+
+
+
 def test_the_chosen_micro_batch_has_no_smaller_one_that_does_not_fit():
     config = config_module.load(None, [
         f"model.name_or_path={FIXTURES / 'model_configs' / 'llama-3.2-3b'}", "finetune.method=full",
