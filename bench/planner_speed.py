@@ -120,7 +120,9 @@ def report(cases: list[Case], new: dict, old: dict | None, old_commit: str, load
     lines += ["", "Cold is an empty planner cache: the model's shape built on the meta device (with transformers'",
               "modeling code imported), its layers traced, every step replayed. numba's compiled replay is code, kept",
               "beside the source as Python's bytecode is, so it is compiled once per installed copy (about 5 s here),",
-              "not per cold plan. The answers are compared as JSON documents, remedies and notes included."]
+              "not per cold plan. The answers are compared as JSON documents, remedies and notes included: they",
+              "differ wherever a commit after the earlier one changed what a plan says (each such commit names what",
+              "changed, and tests/fixtures/plan_snapshots.json holds the answers as they are now)."]
     if left:
         lines += ["", f"Not timed in this run: {', '.join(left)}."]
     return "\n".join(lines) + "\n"
