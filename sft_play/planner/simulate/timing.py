@@ -275,44 +275,13 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
     # attention at 2,048 keys would otherwise outweigh its weights and the time turn negative
     flops = weights + attention - min(measured, attention + SHORTER_ROWS_CREDIT * weights)
     compute = tokens_per_step * flops / (run.parallel.world_size * peak * mfu)
-    link = "network" if run.parallel.world_size > gpus_per_node else interconnect
-    traffic = gradient_traffic_bytes(shape, run, micro_batches)
-    # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
-    communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
-    # Offloaded hidden states cross PCIe twice per row (out in forward, back in backward), counted unhidden
-    offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.local_tokens)
-    offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
-    # Offloaded parameters and optimizer states cross it too, counted unhidden (a lower bound: the
-    # optimizer's step on the CPU is not counted)
-    states_moved = offload_transfer_bytes(shape, run, micro_batches)
-    offload_seconds += states_moved / HOST_LINK
-    # A split sequence's all-to-alls sit between a layer's projections and its attention: not hidden
-    split = split_sequence_traffic_bytes(shape, run, tokens_per_step)
-    split_link = "network" if run.parallel.row_shards > gpus_per_node else interconnect
-    split_seconds = split / BANDWIDTH[split_link]
-    communication += split_seconds
+    communication, offload_seconds, transfers = _transfer_seconds(shape, run, tokens_per_step, interconnect,
+                                                                  gpus_per_node, micro_batches)
     seconds = compute + communication + offload_seconds
     sources = [f"efficiency: {source}", f"peak: {peak / 1e12:.0f} TFLOP/s dense bf16 ({device_name})",
                f"attention: {keys:,.0f} keys per token ({'a mask: the whole row' if masked else 'causal, within its example'})"
                f", {attention / 1e9:.1f} GFLOP per token against {measured / 1e9:.1f} in the measured rows; the "
-               f"weights' {flops_per_token(shape, run) / 1e9:.1f}"]
-    if traffic:
-        parts = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in gradient_traffic(shape, run, micro_batches).items())
-        when = ("once a step" if not run.parallel.strategy.shards_states
-                else f"in each of the step's {max(1, micro_batches)} micro-batch(es)")
-        sources.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU ({parts}; {when}) over {link} at "
-                       f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
-    if split_seconds:
-        exchange = "all-to-alls" if run.parallel.splits_sequence else "key and value all-gathers"
-        sources.append(f"rows split across {run.parallel.row_shards} processes: {split / 1e9:.1f} GB per step per GPU "
-                       f"in attention's {exchange} over {split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
-    if offloaded:
-        sources.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
-                       f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")
-    if states_moved:
-        sources.append(f"parameter/optimizer offload: {states_moved / 1e9:.1f} GB per step per GPU to host memory and "
-                       f"back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden; not counted: the optimizer's step "
-                       "on the CPU (not yet measured), so expect longer")
+               f"weights' {flops_per_token(shape, run) / 1e9:.1f}", *transfers]
     if shape.num_experts:
         sources.append("mixture of experts: timed at the efficiency measured on dense models (a routed model's "
                        "has not been measured)")
@@ -329,6 +298,48 @@ def predict_time(shape: ModelShape, run: Run, tokens_per_step: int, device_name:
         gpu_hours=wall * run.parallel.world_size / 3600 if wall else None,
         sources=sources,
     )
+
+
+def _transfer_seconds(shape: ModelShape, run: Run, tokens_per_step: int, interconnect: str, gpus_per_node: int,
+                      micro_batches: int) -> tuple[float, float, list[str]]:
+    """What a step spends moving data that its compute does not hide: (communication seconds, the
+    gradients' reduction and a split row's exchanges; offload seconds, hidden states, parameters and
+    optimizer states to host memory and back; the plan's lines saying so)."""
+    link = "network" if run.parallel.world_size > gpus_per_node else interconnect
+    traffic = gradient_traffic_bytes(shape, run, micro_batches)
+    # Gradient buckets are reduced while backward goes on; only the last bucket's share waits
+    communication = traffic / BANDWIDTH[link] * (0.25 if run.parallel.world_size > 1 else 0.0)
+    # Offloaded hidden states cross PCIe twice per row (out in forward, back in backward), counted unhidden
+    offloaded = 2.0 * memory.offloaded_hidden_bytes(shape, run, 1) * tokens_per_step / max(1, run.local_tokens)
+    offload_seconds = offloaded / run.parallel.world_size / HOST_LINK
+    # Offloaded parameters and optimizer states cross it too, counted unhidden (a lower bound: the
+    # optimizer's step on the CPU is not counted)
+    states_moved = offload_transfer_bytes(shape, run, micro_batches)
+    offload_seconds += states_moved / HOST_LINK
+    # A split sequence's all-to-alls sit between a layer's projections and its attention: not hidden
+    split = split_sequence_traffic_bytes(shape, run, tokens_per_step)
+    split_link = "network" if run.parallel.row_shards > gpus_per_node else interconnect
+    split_seconds = split / BANDWIDTH[split_link]
+    communication += split_seconds
+    lines = []
+    if traffic:
+        parts = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in gradient_traffic(shape, run, micro_batches).items())
+        when = ("once a step" if not run.parallel.strategy.shards_states
+                else f"in each of the step's {max(1, micro_batches)} micro-batch(es)")
+        lines.append(f"communication: {traffic / 1e9:.2f} GB per step per GPU ({parts}; {when}) over {link} at "
+                     f"{BANDWIDTH[link] / 1e9:.0f} GB/s, three quarters hidden behind backward")
+    if split_seconds:
+        exchange = "all-to-alls" if run.parallel.splits_sequence else "key and value all-gathers"
+        lines.append(f"rows split across {run.parallel.row_shards} processes: {split / 1e9:.1f} GB per step per GPU "
+                     f"in attention's {exchange} over {split_link} at {BANDWIDTH[split_link] / 1e9:.0f} GB/s, not hidden")
+    if offloaded:
+        lines.append(f"activation offload: {offloaded / run.parallel.world_size / 1e9:.1f} GB per step per GPU "
+                     f"to host memory and back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden behind compute")
+    if states_moved:
+        lines.append(f"parameter/optimizer offload: {states_moved / 1e9:.1f} GB per step per GPU to host memory and "
+                     f"back at {HOST_LINK / 1e9:.0f} GB/s, counted as not hidden; not counted: the optimizer's step "
+                     "on the CPU (not yet measured), so expect longer")
+    return communication, offload_seconds, lines
 
 
 def total_steps(max_steps: int, num_epochs: float, rows: int | None, global_batch: int) -> int | None:
