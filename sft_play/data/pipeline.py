@@ -251,17 +251,7 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
     columns = list(batch)
     records = [{c: _from_cell(c, batch[c][i]) for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
     records, markers, refused = _special_text(records, tokenizer, special_text, skip_unreadable)
-    if not tools_rendered:
-        with_tools = next((r for r in records if uses_tools(r)), None)
-        if with_tools is not None:
-            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
-                            "render (it would drop them in silence): set data.chat_template to one that does (a "
-                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
-    shown = next((r for r in records if r.get("images")), None) if processor is None else None
-    if shown is not None:
-        raise UserError(f"{shown.get(ORIGIN) or 'a record'} shows images, and the model is a text model: train a "
-                        "vision-language model (one whose config has a vision_config: Qwen2.5-VL, Gemma-3, "
-                        "SmolVLM, LLaVA...), or leave the images out of the data")
+    _refuse_unrendered(records, tools_rendered, text_model=processor is None)
     if processor is not None:
         from sft_play.data import vision
 
@@ -311,13 +301,34 @@ def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_o
                             "not there. Give the row its image (an images column), or take the token out of its text")
         encoded.append(row)
     records = [pictured.get(i, record) for i, record in enumerate(records)]
+    return _columns(encoded, records, markers, vision_model=processor is not None)
+
+
+def _refuse_unrendered(records: list[dict], tools_rendered: bool, text_model: bool) -> None:
+    """One line for a batch's first record whose content would be dropped in silence: tool calls
+    the chat template does not render, images shown to a text model."""
+    if not tools_rendered:
+        with_tools = next((r for r in records if uses_tools(r)), None)
+        if with_tools is not None:
+            raise UserError(f"{with_tools.get(ORIGIN) or 'a record'} calls tools, which the chat template does not "
+                            "render (it would drop them in silence): set data.chat_template to one that does (a "
+                            "model's own, e.g. qwen2_5, llama3_1, qwen3; or plain)")
+    shown = next((r for r in records if r.get("images")), None) if text_model else None
+    if shown is not None:
+        raise UserError(f"{shown.get(ORIGIN) or 'a record'} shows images, and the model is a text model: train a "
+                        "vision-language model (one whose config has a vision_config: Qwen2.5-VL, Gemma-3, "
+                        "SmolVLM, LLaVA...), or leave the images out of the data")
+
+
+def _columns(encoded: list[dict], records: list[dict], markers: list[int], vision_model: bool) -> dict[str, list]:
+    """The encoded rows as the dataset's columns, with the counts the statistics read (counted here,
+    so that they never read every row's tokens back into Python lists)."""
     out = {**{key: [row[key] for row in encoded] for key in ("input_ids", "labels", "status")},
            "origin": [record.get(ORIGIN) for record in records],
-           # counted here, so that the statistics never read every row's tokens back into Python lists
            "n_tokens": [len(row["input_ids"]) for row in encoded],
            "n_loss": [sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in encoded],
            "n_markers": markers}
-    if processor is not None:
+    if vision_model:
         out["images"] = [_to_cell("images", record.get("images")) for record in records]
         out["token_types"] = [row.get("token_types") or [0] * len(row["input_ids"]) for row in encoded]
         out["n_images"] = [len(record.get("images") or ()) for record in records]
