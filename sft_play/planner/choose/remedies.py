@@ -364,8 +364,8 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int 
     that are not needed taken out again; and when nothing fits on this hardware with the training
     kept, the long-row levers stacked as ``make plan LONGEST=1`` stacks them (:func:`long_row_levers`,
     rows split across `split` processes, each lever taken where LONGEST takes it), so that a length
-    LONGEST carries is never one of which this search finds nothing. Ranked by :func:`rank`. `plan_for(config, target, as_run)`
-    plans without remedies: with `as_run` False it only answers whether something fits (its `fits`
+    LONGEST carries is never one of which this search finds nothing. Ranked by :func:`rank`.
+    `plan_for(config, target, as_run)` plans without remedies: with `as_run` False it only answers whether something fits (its `fits`
     is all that is read), and may leave out what only narrows a plan that fits (the shorter rows'
     coverage) or, where the weights alone do not fit, the plan itself; what is offered is planned
     with `as_run` True."""
@@ -384,8 +384,10 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int 
             entries.append(_entry(chosen, config, target, plan))
     if not any(e["fits"] and not e["more_gpus"] and e["result"] != CHANGED for e in entries):
         stacked = _stacked_levers(config, target, long_row_levers(config, target, split), plan_for)
-        if stacked is not None and all(e["remedies"] != [r.name for r in stacked[0]] for e in entries):
-            entries.append(_entry(*stacked[:1], config, target, stacked[1]))
+        if stacked is not None:
+            levers, plan = stacked
+            if all(e["remedies"] != [r.name for r in levers] for e in entries):
+                entries.append(_entry(levers, config, target, plan))
     entries.sort(key=rank)
     return entries
 
@@ -397,9 +399,9 @@ LEVERS = ("gradient checkpointing", "FlashAttention-2", "Liger kernels", "tiled 
 LONG_ROWS = 1 << 20  # a length every long-row remedy applies to
 
 
-def long_row_levers(config: RunConfig, target: Any, split: int = 1, tokens: int = LONG_ROWS) -> list[Remedy]:
-    """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply to rows of `tokens`,
-    each on top of those before it. Sequence parallelism splits each row across `split` processes,
+def long_row_levers(config: RunConfig, target: Any, split: int = 1) -> list[Remedy]:
+    """The remedies of :data:`LEVERS` (and ZeRO on several GPUs) that apply to long rows, each on
+    top of those before it. Sequence parallelism splits each row across `split` processes,
     the most the model allows on the target (:func:`sft_play.planner.plan.largest_split`): the
     longest row needs them all."""
     catalogue = {remedy.name: remedy for remedy in REMEDIES}
@@ -423,7 +425,7 @@ def long_row_levers(config: RunConfig, target: Any, split: int = 1, tokens: int 
             if split <= 1:
                 continue
             remedy = dataclasses.replace(remedy, overrides=(f"distributed.sequence_parallel={split}",))
-        if remedy.applies(with_overrides(so_far, [f"data.max_seq_length={tokens}"]), target):
+        if remedy.applies(with_overrides(so_far, [f"data.max_seq_length={LONG_ROWS}"]), target):
             # as applied to the levers before it (QLoRA sharded: its packed weights' storage)
             levers.append(dataclasses.replace(remedy, overrides=remedy.overrides_for(so_far)))
             so_far = remedy.config_for(so_far)
