@@ -1,4 +1,4 @@
-"""Pre-flight check: the config, Python and packages, CUDA/NCCL, the data, the output folder and
+"""Pre-flight check: the config, Python and packages (and the libraries' patches), CUDA/NCCL, the data, the output folder and
 the disk, as a pass/fail list. Exits 1 when anything fails.
 
 Usage: python scripts/check.py [--config PATH] [key=value ...]
@@ -17,7 +17,7 @@ def main() -> int:
         from sft_play import checks, hardware
 
     config, config_check = checks.check_config(args.config, args.overrides)
-    results = [config_check, checks.check_python(), *checks.check_packages(config)]
+    results = [config_check, checks.check_python(), *checks.check_packages(config), *checks.check_patches()]
     facts = hardware.detect()
     results.append(checks.check_accelerator(facts))
     if config is not None:

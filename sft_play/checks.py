@@ -74,6 +74,16 @@ def check_packages(config: RunConfig | None) -> list[Check]:
     return checks
 
 
+def check_patches() -> list[Check]:
+    """Each change the package makes to a library (:mod:`sft_play.patches`), with the versions it
+    was written for: a warning where the installed library is outside them."""
+    from sft_play import patches
+
+    return [Check(f"patch {patch.target}", True, problem or f"{patch.library} {version or 'not installed'} "
+                  f"(written for {patch.written_for}): {patch.why}", problem is not None)
+            for patch, version, problem in patches.listed()]
+
+
 def _needs(config: RunConfig, package: str) -> bool:
     if package == "bitsandbytes":
         return config.finetune.method == "qlora" or "8bit" in config.train.optimizer

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sft_play import architecture, data, hardware, hub, model_card
+from sft_play import architecture, data, hardware, hub, model_card, patches
 from sft_play import config as config_module
 from sft_play.config import RunConfig
 from sft_play.data.collate import make_collator
@@ -393,9 +393,7 @@ def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_s
     # TRL's chunked head, as in training: log-probabilities of the labels without b x s x V logits
     from trl.trainer.utils import add_fused_lm_head
 
-    from sft_play.model import score_labelled_positions_only
-
-    score_labelled_positions_only()
+    patches.labelled_positions_on_cpu()
     add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
@@ -432,9 +430,7 @@ def _policy_and_reference_logps(model: Any, config: RunConfig, batches: list[dic
     TRL's fused head as training scored them."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from sft_play.model import score_labelled_positions_only
-
-    score_labelled_positions_only()
+    patches.labelled_positions_on_cpu()
     add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
     device = model.device
     with torch.no_grad():

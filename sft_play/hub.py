@@ -19,9 +19,10 @@ import functools
 import logging
 import os
 import socket
-import sys
 from pathlib import Path
 from urllib.parse import urlparse
+
+from sft_play import patches
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,8 @@ def prepare(name_or_path: str) -> None:
 
 def go_offline() -> None:
     """Put the hub client of this process, and of the processes it starts, in offline mode."""
-    import huggingface_hub.constants
-
     os.environ["HF_HUB_OFFLINE"] = "1"
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
-    datasets_config = sys.modules.get("datasets.config")
-    if datasets_config is not None:  # datasets copies the setting when it is imported
-        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
+    patches.hub_offline()
     logger.info("the hub cannot be reached: reading hub models and datasets from the local cache only "
                 "(HF_HUB_OFFLINE=1)")
 

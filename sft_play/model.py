@@ -432,34 +432,6 @@ def keep_cpu_4bit_inference_general(model: Any) -> None:
                 module.support_avx512bf16_for_cpu = False
 
 
-def score_labelled_positions_only() -> None:
-    """Make TRL's fused loss head (``trl.trainer.utils.add_fused_lm_head``, which training and
-    ``make eval`` use) project only the positions that have a label on a CPU too.
-
-    TRL does so on devices with Triton and projects every position elsewhere, so that a compiler
-    (Neuron) sees one tile shape per batch; on a CPU nothing is compiled, and the loss is the same
-    either way (a position without a label contributes zero). The tiny default's answers are a
-    small share of its tokens, so its CPU steps are faster with the same loss (measured in
-    docs/reports/quick_start.md). Other devices are decided by TRL as before. Once per process;
-    the planner counts the head this way (sft_play.planner.simulate.step).
-
-    This replaces one private function of TRL (pinned at 1.16.0), against STYLE.md's rule of using
-    libraries unpatched: TRL has no setting for it, and the CPU is where the default trains.
-    tests/test_kernels.py fails if an upgrade moves it; the lasting fix is upstream."""
-    import trl.trainer.utils as trl_utils
-
-    decide = trl_utils._use_triton  # TRL 1.16: whether _fused_forward selects the labelled positions
-    if getattr(decide, "labelled_only_on_cpu", False):
-        return
-
-    def labelled_only(device: torch.device) -> bool:
-        return device.type == "cpu" or decide(device)
-
-    labelled_only.labelled_only_on_cpu = True
-    labelled_only.trl_decision = decide
-    trl_utils._use_triton = labelled_only
-
-
 def compile_decoder_layers(model: Any) -> int:
     """``torch.compile`` every decoder layer in place (``train.torch_compile``), as torchtune does:
     the layers are identical, so one compiled graph serves them all, and the loss head, the

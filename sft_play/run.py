@@ -297,7 +297,7 @@ class Run:
         one, unless FlashAttention-2 runs them as variable-length sequences. Eager attention always
         gets one: transformers' ``eager_mask`` never skips the causal mask (``allow_is_causal_skip=False``),
         where SDPA runs uniform rows with ``is_causal`` instead. A split sequence gets none: Ulysses
-        drops masks, and the run builds none (:func:`sft_play.training.trainer.attend_by_example_under_ulysses`);
+        drops masks, and the run builds none (:func:`sft_play.patches.sdpa_by_example`);
         torch's ring attention runs SDPA causally in its place."""
         if self.kernels.attention in MASK_FREE_ATTENTION or self.parallel.row_shards > 1:
             return False

@@ -27,7 +27,7 @@ from typing import Any
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, planner,
+from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, patches, planner,
                       run_folder, training)
 from sft_play.config import RunConfig, context_parallel_problem, sequence_parallel_problem, tiling_problem
 from sft_play.data import collate
@@ -309,7 +309,7 @@ def start_processes(config: RunConfig, where: Placement) -> PartialState:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
             part for part in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), settings) if part)
     if where.deepspeed_on_cpu:
-        training.skip_deepspeed_inference_comm()
+        patches.skip_deepspeed_shm_build()
     return PartialState(cpu=where.cpu_processes, backend=where.backend,
                         timeout=timedelta(minutes=config.distributed.timeout_minutes))
 

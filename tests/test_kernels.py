@@ -14,6 +14,7 @@ import torch
 
 from sft_play import config as config_module
 from sft_play import model as model_module
+from sft_play import patches
 from sft_play.planner import WITHOUT_REMEDIES, Target, make_plan
 from sft_play.planner.simulate.predict import predict
 from sft_play.planner.simulate.timing import efficiency
@@ -110,7 +111,7 @@ def test_flex_attention_keeps_packed_examples_apart_like_sdpa():
 
 def test_the_loss_head_projects_only_labelled_positions_on_a_cpu_to_the_same_loss(monkeypatch):
     """TRL's fused head projects every position where there is no Triton; on a CPU training and
-    make eval take the labelled ones only (model.score_labelled_positions_only): the same loss,
+    make eval take the labelled ones only (patches.labelled_positions_on_cpu): the same loss,
     a fraction of the projections."""
     import trl.trainer.utils as trl_utils
 
@@ -128,8 +129,8 @@ def test_the_loss_head_projects_only_labelled_positions_on_a_cpu_to_the_same_los
     trl_own = getattr(trl_utils._use_triton, "trl_decision", trl_utils._use_triton)
     monkeypatch.setattr(trl_utils, "_use_triton", trl_own)  # as TRL decides (a test before may have switched)
     every = model(input_ids=ids, labels=labels, fused_lm_head=True)
-    model_module.score_labelled_positions_only()
-    model_module.score_labelled_positions_only()  # once is enough; twice changes nothing
+    patches.labelled_positions_on_cpu()
+    patches.labelled_positions_on_cpu()  # once is enough; twice changes nothing
     labelled = model(input_ids=ids, labels=labels, fused_lm_head=True)
     assert projected == [2 * 31, int((labels[:, 1:] != -100).sum())] == [62, 24]
     torch.testing.assert_close(labelled.loss, every.loss, rtol=1e-6, atol=1e-6)

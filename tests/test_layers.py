@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 # Lowest first: a module may import only modules above it in this list
 ORDER = [
-    "units", "parallelism", "tiny_puzzles", "paths", "cache_usage", "errors", "hub", "stopping", "adapters", "model_card", "chat_templates",
+    "units", "patches", "parallelism", "tiny_puzzles", "paths", "cache_usage", "errors", "hub", "stopping", "adapters", "model_card", "chat_templates",
     "config.schema", "config.messages", "config.overrides", "config.environment", "config.reference",
     "config.loading", "config", "lean_imports",
     "architecture", "long_rows", "hardware.gpu_models", "hardware.runtime", "hardware.machine", "hardware.report", "hardware",

@@ -87,6 +87,9 @@ def test_make_check_passes_on_the_embedded_default():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[PASS] config" in result.stdout and "[PASS] data.path: 24000 records (messages)" in result.stdout
     assert "0 failed" in result.stdout
+    from sft_play.patches import PATCHES  # each of the package's changes to a library, listed
+
+    assert all(f"[PASS] patch {patch.target}: " in result.stdout for patch in PATCHES.values())
 
 
 def test_make_check_fails_with_a_list_on_a_bad_config():

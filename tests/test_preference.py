@@ -367,7 +367,8 @@ def test_the_reference_free_losses_are_trls_own_from_the_full_logits(objective):
     from trl.trainer.utils import add_fused_lm_head
 
     from sft_play.data import preference
-    from sft_play.model import load_tokenizer, score_labelled_positions_only
+    from sft_play import patches
+    from sft_play.model import load_tokenizer
     from sft_play.training.preference import reference_free_loss
 
     with warnings.catch_warnings():
@@ -392,7 +393,7 @@ def test_the_reference_free_losses_are_trls_own_from_the_full_logits(objective):
         loss_type="simpo", simpo_gamma=pref.simpo_gamma, alpha=0.0, cpo_alpha=pref.sft_weight,
         aux_loss_enabled=False, _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
         _total_train_tokens=0, _tp_size=1)
-    score_labelled_positions_only()
+    patches.labelled_positions_on_cpu()
     add_fused_lm_head(model)
     ours = reference_free_loss(trainer, objective, model, dict(batch), False)
 

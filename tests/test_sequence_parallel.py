@@ -302,7 +302,8 @@ def test_under_a_split_sdpa_gets_no_mask_and_attends_by_example(monkeypatch):
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from sft_play.training.trainer import attend_by_example_under_ulysses
+    from sft_play import patches
+    from sft_play.long_rows import attend_by_example
 
     # the process-wide registries, restored after the test
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
@@ -316,7 +317,7 @@ def test_under_a_split_sdpa_gets_no_mask_and_attends_by_example(monkeypatch):
     with torch.no_grad():
         # (without a cache, as in training: transformers then builds the block-diagonal mask)
         masked = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        attend_by_example_under_ulysses("sdpa")
+        patches.sdpa_by_example(attend_by_example)
         masks = []
         inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa",

@@ -10,8 +10,7 @@
 """
 
 from sft_play.training.arguments import (accelerator_settings, deepspeed_config, fsdp_mixed_precision, fsdp_settings,
-                                         trainer_arguments, shard_on_cpu,
-                                         skip_deepspeed_inference_comm)
+                                         shard_on_cpu, trainer_arguments)
 from sft_play.training.backoff import calibrate, measure_peaks, train_with_backoff
 from sft_play.training.saving import (loss_history, save_final_model, summary_of, weights_fingerprint,
                                       write_failure)
@@ -20,6 +19,6 @@ from sft_play.training.trainer import LoraPlus, trainer_factory
 __all__ = [
     "LoraPlus", "accelerator_settings", "calibrate", "deepspeed_config", "fsdp_mixed_precision", "fsdp_settings",
     "loss_history", "measure_peaks", "save_final_model", "trainer_arguments", "shard_on_cpu",
-    "skip_deepspeed_inference_comm", "summary_of", "train_with_backoff", "trainer_factory", "weights_fingerprint",
+    "summary_of", "train_with_backoff", "trainer_factory", "weights_fingerprint",
     "write_failure",
 ]

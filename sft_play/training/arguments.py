@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sft_play import patches
 from sft_play.config import RunConfig
 from sft_play.errors import UserError
 from sft_play.run import BatchSplit, Run
@@ -41,16 +42,6 @@ def deepspeed_config(config: RunConfig, run: Run) -> dict | None:
                         f"here ({'optimizer offload' if run.parallel.offload_optimizer else 'the optimizer block of ' + config.distributed.deepspeed_config}): "
                         "leave LoRA+ out, or train without optimizer offload (and without an optimizer block)")
     return ds
-
-
-def skip_deepspeed_inference_comm() -> None:
-    """DeepSpeed on the CPU compiles a shared-memory all-reduce op when its communication backend
-    starts (``deepspeed.comm.torch.build_shm_op``: ~40 s of C++ build on 2 cores, on the first
-    run in each TORCH_EXTENSIONS_DIR). Only ``inference_all_reduce`` uses it; training's
-    collectives go through torch.distributed (gloo). Marking it incompatible skips the build."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def fsdp_settings(run: Run, layer_classes: list[str]) -> dict[str, Any] | None:
@@ -244,13 +235,12 @@ def shard_on_cpu(arguments: Any, run: Run) -> None:
     (``use_configured_state``). Nothing is done on GPUs."""
     if not run.placement.fsdp_on_cpu:
         return
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(**arguments.fsdp_plugin_args)
     if run.precision.mixed != "no":
         plugin.set_mixed_precision(run.precision.mixed)
     state = Accelerator(cpu=True, mixed_precision=run.precision.mixed).state
     state.fsdp_plugin = plugin
-    # accelerate has no public setter for the shared state's type, which both states read
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    patches.fsdp_on_cpu()

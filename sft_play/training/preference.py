@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from sft_play import patches
 from sft_play.config import REFERENCE_FREE, RunConfig, loss_types, preference_losses
 from sft_play.run import BatchSplit, Run
 
@@ -65,7 +66,7 @@ def trainer_class(config: RunConfig) -> type:
 
     class PreferenceTrainer(DPOTrainer):
         def __init__(self, *args: Any, own_adapter: bool = False, **kwargs: Any):
-            with _without_reference() if objective in REFERENCE_FREE else contextlib.nullcontext():
+            with patches.no_reference_loading() if objective in REFERENCE_FREE else contextlib.nullcontext():
                 super().__init__(*args, **kwargs)
             # TRL copies an adapter it is given into a frozen "ref" one (to continue a trained
             # adapter); this one is the run's own, whose reference is the base
@@ -134,20 +135,6 @@ def _kto_trainer_class() -> type:
 
     PreferenceTrainer.__name__ = PreferenceTrainer.__qualname__ = "PreferenceTrainer"
     return PreferenceTrainer
-
-
-@contextlib.contextmanager
-def _without_reference():
-    """DPOTrainer loads a reference from the model's name for full fine-tuning when given none
-    (its only way to learn there is no need): ORPO and SimPO have none."""
-    from trl.trainer import dpo_trainer
-
-    load = dpo_trainer.create_model_from_path
-    dpo_trainer.create_model_from_path = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        dpo_trainer.create_model_from_path = load
 
 
 def reference_free_loss(trainer: Any, objective: str, model: Any, inputs: dict, return_outputs: bool) -> Any:

@@ -9,10 +9,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from sft_play import architecture
+from sft_play import architecture, patches
 from sft_play.callbacks import LogLines, PrintedLogLines
 from sft_play.config import RunConfig
-from sft_play.model import lora_config, score_labelled_positions_only
+from sft_play.model import lora_config
 from sft_play.run import BatchSplit, Run
 from sft_play.training.arguments import trainer_arguments, shard_on_cpu
 
@@ -44,7 +44,7 @@ def trainer_factory(
     from transformers.integrations import TensorBoardCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    score_labelled_positions_only()  # TRL's loss head, on a CPU too
+    patches.labelled_positions_on_cpu()  # TRL's loss head, on a CPU too
     if run.preference is not None:
         from sft_play.training import preference
 
@@ -59,8 +59,11 @@ def trainer_factory(
 
     def make(split: BatchSplit | None = None, **overrides: Any) -> Any:
         if run.parallel.splits_sequence:
-            attend_by_example_under_ulysses(run.kernels.attention)
-            resume_split_loaders()
+            if run.kernels.attention == "sdpa":  # (FlashAttention finds the examples itself, with no mask)
+                from sft_play.long_rows import attend_by_example
+
+                patches.sdpa_by_example(attend_by_example)
+            patches.skip_split_loaders()
         args = trainer_arguments(config, run, run_dir, has_validation=eval_dataset is not None,
                                  layer_classes=layer_classes, batch=split, **overrides)
         shard_on_cpu(args, run)
@@ -93,65 +96,6 @@ def trainer_factory(
         return trainer
 
     return make
-
-
-def attend_by_example_under_ulysses(attention: str) -> None:
-    """Before accelerate wraps the model's attention function in DeepSpeed's Ulysses (when the
-    trainer prepares the model for a split sequence): SDPA, which then gets no mask, runs each
-    packed example on its own (:func:`sft_play.long_rows.attend_by_example`), and the model
-    builds no mask for it either (transformers would build one for each process's share of a
-    packed row, [tokens / split]^2 per row, which Ulysses drops unread). FlashAttention finds
-    the examples itself and gets no mask anyway."""
-    if attention != "sdpa":
-        return
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from sft_play.long_rows import attend_by_example
-
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attend_by_example(sdpa_attention_forward)
-    AttentionMaskInterface.register("sdpa", _no_mask)
-
-
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """A mask function (transformers' ``AttentionMaskInterface``) that builds none: SDPA then runs
-    causally, by example (:func:`attend_by_example_under_ulysses`)."""
-    return None
-
-
-def resume_split_loaders() -> None:
-    """Let the trainer resume a split-sequence run mid-epoch. It skips the micro-batches already
-    trained with accelerate's ``skip_first_batches``, which rebuilds a ``DataLoader`` and cannot
-    take DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (it has no dataset: "'UlyssesSPDataLoaderAdapter'
-    object has no attribute 'dataset'"). The function the trainer calls is replaced by one that
-    skips the adapter's loader by whole batches, then the adapter by the rest (each batch is
-    `sequence_parallel` of its micro-batches), and hands every other loader to accelerate's.
-
-    A patch of ``transformers.trainer.skip_first_batches`` (the trainer has no setting for it), kept
-    until accelerate or DeepSpeed skips the adapter itself; tests/test_sequence_parallel.py resumes
-    a stopped run to the uninterrupted run's weights, and fails if this stops being called."""
-    import transformers.trainer as trainer_module
-
-    if getattr(trainer_module.skip_first_batches, "skips_split_loaders", False):
-        return
-    skip = trainer_module.skip_first_batches
-
-    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-
-        if not isinstance(dataloader, UlyssesSPDataLoaderAdapter):
-            return skip(dataloader, num_batches)
-        whole, part = divmod(num_batches, dataloader.sp_world_size)
-        adapter = UlyssesSPDataLoaderAdapter(skip(dataloader.dl, whole), sp_rank=dataloader.sp_rank,
-                                             sp_group=dataloader.sp_group, sp_world_size=dataloader.sp_world_size,
-                                             device=dataloader.device)
-        for _ in range(part):
-            next(adapter)
-        return adapter
-
-    skip_first_batches.skips_split_loaders = True
-    trainer_module.skip_first_batches = skip_first_batches
 
 
 def _trainer_class(offload_hidden_size: int | None = None, sequence_parallel: int = 1) -> type:

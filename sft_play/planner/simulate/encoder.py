@@ -44,10 +44,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from sft_play import patches
 from sft_play.architecture import config_identity, frozen_parts, in_parts, keep_out_of_backward, vision_parts
 from sft_play.planner.simulate import cache
 from sft_play.planner.simulate.trace import (_FLASH_TRACE, DTYPES, ModuleEvents, TraceSpec, _Autocast,
-                                             _meta_compatible, _module_events, _one_layer_model, _Recorder,
+                                             _module_events, _one_layer_model, _Recorder,
                                              _register_flash_trace, _Seed, with_method)
 from sft_play.run import MASK_FREE_ATTENTION
 
@@ -115,7 +116,7 @@ _ONE_EXAMPLE: dict[tuple, dict[str, Any]] = {}  # the raw events at micro-batch 
 def _traced(spec: TraceSpec, inputs: dict[str, Any], train_tower: bool, train_projector: bool,
             batched: bool = True, key: tuple | None = None) -> EncoderTrace:
     _register_flash_trace()
-    with warnings.catch_warnings(), _meta_compatible():
+    with warnings.catch_warnings(), patches.meta_compatible():
         warnings.simplefilter("ignore")
         model = _prepared_encoder(spec, train_tower, train_projector)
         # (kept for a whole trace of the same encoder: a plan asks for micro-batch 1 first)

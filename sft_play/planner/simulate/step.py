@@ -615,7 +615,7 @@ def _template(module: ModuleEvents, events, micro: int, gradients: frozenset) ->
 
 # ---------------------------------------------------------------------------------------------
 # TRL's chunked loss head (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction): the labelled
-# positions only, on CUDA by TRL's choice and on a CPU by sft_play.model.score_labelled_positions_only
+# positions only, on CUDA by TRL's choice and on a CPU by sft_play.patches.labelled_positions_on_cpu
 
 
 def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:

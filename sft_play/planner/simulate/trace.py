@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from sft_play import long_rows
+from sft_play import long_rows, patches
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    in_parts, is_sliding, layer_kinds, load_model_config, quantized_linears,
@@ -794,7 +794,7 @@ def _traced(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     kinds = [] if spec.stand_in else layer_kinds(model_config, windows=windowed)
     names = tuple(dict.fromkeys(kinds)) if kinds else (None,)
     traced, norm = [], (None, None)
-    with warnings.catch_warnings(), _meta_compatible():
+    with warnings.catch_warnings(), patches.meta_compatible():
         warnings.simplefilter("ignore")
         for position, kind in enumerate(names):
             prepared = _prepared_layer(spec, kind)
@@ -823,31 +823,6 @@ def _traced(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     pattern = tuple(names.index(kind) for kind in kinds) if len(names) > 1 else ()
     return LayerTrace((traced[0][0], norm[0]), (traced[0][1], norm[1]), tuple(traced), pattern,
                       tuple(name for name in names if name))
-
-
-@contextlib.contextmanager
-def _meta_compatible():
-    """What the libraries do on real devices, made to run on the meta device for the trace:
-    ``torch.autocast("meta")`` (peft opens one, disabled, around its fused-expert LoRA fold)
-    becomes the CPU's, which changes nothing on meta tensors; transformers' grouped experts take
-    their fallback op, which has a meta implementation."""
-    from transformers.integrations import moe
-
-    original_init = torch.autocast.__init__
-
-    def init(self, device_type, *args, **kwargs):
-        original_init(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
-
-    grouped = getattr(moe, "_can_use_grouped_mm", None)
-    torch.autocast.__init__ = init
-    if grouped is not None:
-        moe._can_use_grouped_mm = lambda *args, **kwargs: False
-    try:
-        yield
-    finally:
-        torch.autocast.__init__ = original_init
-        if grouped is not None:
-            moe._can_use_grouped_mm = grouped
 
 
 def _is_attention_layer(layer: Any) -> bool:
@@ -965,18 +940,18 @@ def _ring(core: Any, shards: int) -> Any:
 
 def _register_split(core_name: str, split: Any, shards: int) -> str:
     """Registers `core_name`'s attention as a split row runs it (`split`: :func:`_ulysses` or
-    :func:`_ring`, across `shards` processes) for traces; its name."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    :func:`_ring`, across `shards` processes) for traces (in transformers' public registry); its name."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     _register_flash_trace()
     name = f"sft_play{split.__name__}_{shards}_{core_name}"
     if name not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS[name] = split(ALL_ATTENTION_FUNCTIONS[core_name], shards)
+        AttentionInterface.register(name, split(ALL_ATTENTION_FUNCTIONS[core_name], shards))
     return name
 
 
 @functools.cache
 def _register_flash_trace() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import AttentionInterface
 
-    ALL_ATTENTION_FUNCTIONS[_FLASH_TRACE] = _flash_attention_2
+    AttentionInterface.register(_FLASH_TRACE, _flash_attention_2)

@@ -1,0 +1,147 @@
+"""The package's changes to other libraries (sft_play/patches.py): each still finds what it
+replaces in the installed library, each was written for the installed version, one outside its
+range is a warning naming the library and version, ``make check`` lists them, and no other module
+assigns into a library."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import logging
+
+import pytest
+
+from sft_play import checks, patches
+from tests.conftest import REPO
+
+LIBRARIES = {"torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "huggingface_hub", "datasets",
+             "bitsandbytes", "tokenizers", "safetensors"}
+
+
+def _resolved(target: str):
+    """The object `target` names (``a.b.C.d``, a mapping's key as ``['key']``), importing the
+    longest importable module prefix."""
+    path, _, key = target.partition("[")
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    for attribute in parts[cut:]:
+        found = getattr(found, attribute)
+    return found, key.strip("]'") or None
+
+
+@pytest.mark.parametrize("name", list(patches.PATCHES))
+def test_every_patch_finds_what_it_replaces_in_the_installed_library(name):
+    patch = patches.PATCHES[name]
+    if patch.library == "deepspeed":
+        pytest.importorskip("deepspeed")
+    found, key = _resolved(patch.target)
+    if key is None:
+        assert callable(found) or isinstance(found, bool), patch.target
+    elif name == "fsdp_on_cpu":  # the shared state's dict, which accelerate fills when a state is made
+        assert isinstance(found, dict)
+    else:
+        assert key in found, patch.target
+
+
+@pytest.mark.parametrize("name", list(patches.PATCHES))
+def test_every_patch_was_written_for_the_installed_version(name):
+    """requirements.txt's pins inside every range: raising a pin means reading the patches again."""
+    patch = patches.PATCHES[name]
+    assert patches.installed(patch.library) is not None or patch.library == "deepspeed"
+    assert patches.outside_range(patch) is None
+
+
+def test_a_library_outside_a_patchs_range_is_one_warning_naming_it(monkeypatch, caplog):
+    torch_version = patches.installed("torch")
+    monkeypatch.setitem(patches.PATCHES, "autocast_on_meta",
+                        dataclasses.replace(patches.PATCHES["autocast_on_meta"], written_for="<2"))
+    patches._checked.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sft_play.patches"):
+            for _ in range(2):  # once a process
+                with patches.meta_compatible():
+                    pass
+    finally:
+        patches._checked.cache_clear()
+    warned = [r.getMessage() for r in caplog.records if "torch.autocast.__init__" in r.getMessage()]
+    assert len(warned) == 1
+    assert f"torch {torch_version} is installed" in warned[0] and "written for torch<2" in warned[0]
+    listed = {c.name: c for c in checks.check_patches()}
+    assert listed["patch torch.autocast.__init__"].warning and "written for torch<2" in listed[
+        "patch torch.autocast.__init__"].detail
+
+
+def test_make_check_lists_every_patch_with_its_library_and_range():
+    listed = checks.check_patches()
+    assert [c.name for c in listed] == [f"patch {p.target}" for p in patches.PATCHES.values()]
+    for check, patch in zip(listed, patches.PATCHES.values()):
+        assert check.ok and not check.warning
+        assert f"(written for {patch.written_for}): {patch.why}" in check.detail
+
+
+def test_the_meta_patches_are_undone_when_the_trace_ends():
+    import torch
+    from transformers.integrations import moe
+
+    before = torch.autocast.__init__, moe._can_use_grouped_mm
+    with patches.meta_compatible():
+        assert torch.autocast.__init__ is not before[0]
+        with torch.autocast("meta", enabled=False):  # what peft opens around its fused-expert fold
+            pass
+    assert (torch.autocast.__init__, moe._can_use_grouped_mm) == before
+
+
+def _library_names(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in LIBRARIES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _assignments_into_libraries(source: str) -> list[str]:
+    """Each attribute or item of an imported library (module, class or object it exports) that
+    `source` sets, with its line."""
+    tree = ast.parse(source)
+    names = _library_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target) if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(part, (ast.Attribute, ast.Subscript)) and _root(part) in names:
+                    found.append(f"{node.lineno} {ast.unparse(part)}")
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args
+                and _root(node.args[0]) in names):
+            found.append(f"{node.lineno} setattr({ast.unparse(node.args[0])})")
+    return found
+
+
+def test_no_other_module_assigns_into_a_library():
+    """Registering through a library's own API (``AttentionInterface.register``) is not one."""
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted((REPO / "sft_play").rglob("*.py"))
+             if path.name != "patches.py" for line in _assignments_into_libraries(path.read_text())]
+    assert found == [], "move them into sft_play/patches.py, with the versions they were written for"
+
+
+def test_the_scan_sees_each_kind_of_patch():
+    source = ("import torch\nfrom trl.trainer import utils as u\nfrom accelerate import PartialState\n"
+              "torch.autocast.__init__ = f\nu._use_triton = g\nPartialState._shared_state['k'] = 1\n"
+              "setattr(torch, 'x', 1)\nmodel.config.use_cache = False\n")
+    assert _assignments_into_libraries(source) == [
+        "4 torch.autocast.__init__", "5 u._use_triton", "6 PartialState._shared_state['k']", "7 setattr(torch)"]
