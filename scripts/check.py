@@ -25,7 +25,7 @@ def main() -> int:
         results += checks.check_model(config)
         results += checks.check_data(config)
         results.append(checks.check_output_dir(config))
-        results.append(checks.disk_check_for(config, facts))
+        results += checks.run_checks(config, facts)
     for result in results:
         print(result.line())
     failed = [r for r in results if not r.ok]

@@ -74,11 +74,9 @@ def main() -> int:
             )
         except launch.LaunchError as exc:
             raise cli.UserError(str(exc)) from None
-        for problem in (config_module.tiling_problem(config, topology.world_size),  # before any rank starts (each
-                        config_module.sequence_parallel_problem(config, topology.world_size),  # would say it)
-                        config_module.context_parallel_problem(config, topology.world_size, on_cpu=args.cpu)):
-            if problem:
-                raise cli.UserError(problem)
+        problems = config_module.consistency_problems(config, topology.world_size, args.cpu)  # before any rank
+        if problems:  # starts (each would say it)
+            raise cli.UserError("\n".join(problems))
         for message in messages:
             print(message, flush=True)
         if args.launcher == "accelerate":

@@ -333,15 +333,21 @@ def ensure_disk_room(config: RunConfig, run_dir: Path, shape, run) -> None:
         raise UserError(f"not enough disk for this run: {check.detail}")
 
 
-def disk_check_for(config: RunConfig, facts: HardwareInfo) -> Check:
-    """``make check``'s disk line: the exact model shape when its config can be read (a hub id
-    while offline cannot), else free space alone."""
+def run_checks(config: RunConfig, facts: HardwareInfo) -> list[Check]:
+    """``make check``'s lines of the run as training would resolve it here (the planner's target for
+    this machine): what it refuses on these processes and devices with this model
+    (:func:`sft_play.config.consistency_problems`), and the disk, with the exact model shape when
+    its config can be read (a hub id while offline cannot; then free space alone)."""
     from sft_play import planner  # deferred: the planner imports torch
 
     try:
         shape = planner.model_shape(config)
     except OSError:
-        return check_disk(config, None)
-    # The run as training would resolve it here: the planner's target for this machine
-    run = planner.resolve_for(config, planner.target_for(facts, allow_cpu=True), None, shape)
-    return check_disk(config, needed_disk_bytes(config, shape, run))
+        return [check_disk(config, None)]
+    target = planner.target_for(facts, allow_cpu=True)
+    try:
+        run = planner.resolve_for(config, target, None, shape)
+    except UserError as exc:
+        return [Check("run here", False, str(exc).replace("\n", "; ")), check_disk(config, None)]
+    here = Check("run here", True, f"{target.device_name}: nothing refused")
+    return [here, check_disk(config, needed_disk_bytes(config, shape, run))]

@@ -450,7 +450,9 @@ def resolve(
     cuda_capability: tuple[int, int] | None = None,
     sequence_parallel: int | None = None,
 ) -> Run:
-    """Every decision about the run, from the config, the hardware and (when read) the data.
+    """Every decision about the run, from the config, the hardware and (when read) the data. It
+    decides and never refuses: what cannot train is :func:`sft_play.config.consistency_problems`'s
+    to say (the planner asks it of every run it resolves).
 
     Args:
         config: the run config.
@@ -467,29 +469,12 @@ def resolve(
         sequence_parallel: the processes each row is split across, where the planner decides it
             (``distributed.sequence_parallel: auto``); None: the config's number (auto: 1).
     """
-    if Strategy(config.distributed.strategy).fsdp and config.distributed.offload_parameters and not on_cuda:
-        from sft_play.errors import UserError
-
-        raise UserError("distributed.offload_parameters under FSDP2 moves the shards between CPU and GPU memory "
-                        "(pinned), which CPU processes do not have: leave it out with CPU=1, or train on GPUs")
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
-    facts = model_facts if model_facts is not None else _model_facts(config, adapters=config.finetune.method != "full")
+    facts = model_facts if model_facts is not None else facts_of(config)
     attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
     configured = config.distributed.sequence_parallel
     split = sequence_parallel or (configured if isinstance(configured, int) else 1)
-    ring = config.distributed.context_parallel
-    problem = (sequence_split_problem(facts, split, attention, world_size) if split > 1 else
-               f"distributed.context_parallel={ring} splits each row across {ring} processes, and {world_size} "
-               f"process(es) cannot be grouped so: use a number of processes divisible by {ring}"
-               if ring > 1 and world_size % ring else None)
     images = bool(getattr(data_stats, "images", 0))
-    if images and (split > 1 or ring > 1):
-        problem = ("the data shows images, and a row split across processes would part an image's tokens from its "
-                   "pixels: leave distributed.sequence_parallel and context_parallel at 1 for vision-language data")
-    if problem:
-        from sft_play.errors import UserError
-
-        raise UserError(problem)
     method = config.finetune.method
     if method == "full":
         adapter = precision.weights_dtype
@@ -556,39 +541,8 @@ def _encoder_inputs(config: RunConfig, data_stats: Any | None) -> str:
     return json.dumps(described, sort_keys=True) if described else ""
 
 
-def sequence_split_problem(facts: ModelFacts, size: int, attention: str, world_size: int) -> str | None:
-    """Why the model cannot train with each row split across `size` processes (DeepSpeed Ulysses,
-    ``deepspeed.runtime.sequence_parallel.ulysses_sp``), or None. Each process attends with
-    1/size of the heads over the whole row, so the query heads must divide among them (the
-    key/value heads too, or be copied to them); the mask is dropped, so a sliding window needs a
-    kernel that takes it itself."""
-    key = f"distributed.sequence_parallel={size}"
-    if world_size % size:
-        return (f"{key} splits each row across {size} processes, and {world_size} process(es) cannot be grouped so: "
-                f"use a number of processes divisible by {size}")
-    if facts.sequential_mixers:
-        return (f"{key}: this model's {', '.join(facts.sequential_mixers)} layers carry a state along the sequence, "
-                "which a split sequence would restart on every process (wrong gradients, no error); train it "
-                "without sequence parallelism")
-    if attention not in ("sdpa", "flash_attention_2", "flash_attention_3"):
-        why = "this model needs eager attention" if facts.attention_eager_only else f"attention is {attention}"
-        return (f"{key}: {why}, and a split sequence runs on SDPA or FlashAttention only (Ulysses drops the "
-                "mask eager attention builds); train it without sequence parallelism")
-    heads, kv = facts.attention_heads, facts.kv_heads or facts.attention_heads
-    if heads and heads % size:
-        return (f"{key}: each process attends with 1/{size} of the {heads} attention heads, which do not divide by "
-                f"{size}; use a divisor of {heads}")
-    if heads and kv % size and size % kv:
-        return (f"{key}: the {kv} key/value heads neither divide among {size} processes nor copy evenly to them; "
-                f"use a divisor or a multiple of {kv}")
-    if facts.sliding_window and attention == "sdpa":
-        return (f"{key}: this model's layers attend through a {facts.sliding_window:,}-token window, which SDPA "
-                "takes only as a mask, and a split sequence drops masks; use model.attn_implementation="
-                "flash_attention_2 (GPUs), or train without sequence parallelism")
-    return None
-
-
-def _model_facts(config: RunConfig, adapters: bool) -> ModelFacts:
+def facts_of(config: RunConfig) -> ModelFacts:
+    """What the run needs to know of `config`'s model (adapters counted where the method trains them)."""
     model_config = architecture.load_model_config(config.model.name_or_path, config.model.revision,
                                                   config.model.trust_remote_code)
-    return architecture.model_facts(model_config, config.model.trust_remote_code, adapters)
+    return architecture.model_facts(model_config, config.model.trust_remote_code, config.finetune.method != "full")

@@ -29,7 +29,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from sft_play import (callbacks, checkpoints, checks, data, hardware, memory_check, model, model_card, patches, planner,
                       run_folder, training)
-from sft_play.config import RunConfig, context_parallel_problem, sequence_parallel_problem, tiling_problem
+from sft_play.config import RunConfig, consistency_problems
 from sft_play.data import collate
 from sft_play.errors import OutOfMemory, UserError
 from sft_play.parallelism import Strategy
@@ -47,11 +47,9 @@ def train(config: RunConfig, config_path: str) -> int:
     if strategy.shards_states and "RANK" not in os.environ:  # DeepSpeed and FSDP2 shard over a process group
         raise UserError(f"distributed.strategy={strategy} runs under a launcher: use make {strategy.make_target} "
                         f"CONFIG={config_path} (NUM_GPUS=N; CPU=1 without GPUs), not make train")
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    for problem in (tiling_problem(config, processes), sequence_parallel_problem(config, processes),
-                    context_parallel_problem(config, processes, on_cpu=not placement(config).on_cuda)):
-        if problem:
-            raise UserError(problem)
+    problems = consistency_problems(config, int(os.environ.get("WORLD_SIZE", "1")), not placement(config).on_cuda)
+    if problems:
+        raise UserError("\n".join(problems))
     # accelerate reads the strategy only from these (`accelerate launch` exports them from its config
     # file): "true" brings the process group up through DeepSpeed, or turns FSDP on; "false" keeps a
     # config file's DeepSpeed or FSDP from overruling the run's strategy (or importing DeepSpeed)

@@ -29,37 +29,7 @@ def load(*overrides: str):
     return config_module.load(REPO / "configs" / "run_tiny.yaml", [*LORA, *overrides], check_paths=False)
 
 
-def problems(*overrides: str) -> str:
-    with pytest.raises(config_module.ConfigError) as raised:
-        load(*overrides)
-    return str(raised.value)
-
-
 # --- the config says what FSDP2 cannot do ------------------------------------------------------
-
-
-def test_fsdp2_settings_that_cannot_work_are_refused_with_the_way_out():
-    text = problems("distributed.strategy=fsdp2", "distributed.offload_optimizer=true")
-    assert "offloads parameters, gradients and optimizer states together" in text
-    assert "distributed.offload_parameters=true" in text
-    # on CPU processes FSDP2's offload crashed in pin_memory on every rank
-    from sft_play.errors import UserError
-    from sft_play.run import resolve
-
-    offloaded = load("distributed.strategy=fsdp2", "distributed.offload_parameters=true", "lora.modules_to_save=[]")
-    with pytest.raises(UserError, match="which CPU processes do not have: leave it out with CPU=1"):
-        resolve(offloaded, on_cuda=False, bf16_supported=False, world_size=2)
-    # under DDP the flag was ignored, unsaid (the plan and the run both kept the states on the GPU)
-    assert "DDP keeps the optimizer on the GPU" in problems("distributed.strategy=ddp", "distributed.offload_optimizer=true")
-    # run_tiny trains copies of embed_tokens and lm_head: TRL's head reads lm_head outside its forward
-    text = problems("distributed.strategy=fsdp2")
-    assert "lora.modules_to_save" in text and "remove lm_head" in text
-    text = problems("distributed.strategy=fsdp2", "finetune.method=qlora", "lora.modules_to_save=[]")
-    assert "QLoRA under FSDP2" in text and "quant_storage=bfloat16" in text
-    assert "offloaded by ZeRO-3 or FSDP2" in problems("distributed.offload_parameters=true")
-    # what does work
-    load("distributed.strategy=fsdp2", "lora.modules_to_save=[embed_tokens]", "distributed.offload_parameters=true")
-    load("distributed.strategy=fsdp2", "finetune.method=full", "distributed.reshard_after_forward=false")
 
 
 def test_make_train_without_a_launcher_says_which_target_runs_fsdp2(monkeypatch):

@@ -37,24 +37,6 @@ def unpaired_file(path: Path, pairs: int, source: str = "train.jsonl") -> str:
 # The config
 
 
-@pytest.mark.parametrize("objective, overrides, says", [
-    ("kto", ["preference.loss_type=sigmoid"], "TRL's KTO losses are kto, apo_zero_unpaired"),
-    ("kto", ['preference.loss_type=["kto","kto"]'], "TRL's KTO losses are"),
-    ("kto", ["preference.loss_weights=[1.0]"], "DPO's loss weights"),
-    ("kto", ["preference.sft_weight=1"], "an sft term beside DPO's loss"),
-    ("kto", ["train.micro_batch_size=1"], "it needs at least 2"),
-    ("kto", ["finetune.method=full", "preference.reference=adapters_off"], "no adapters to switch off"),
-    ("kto", ["data.format=alpaca"], "is an SFT format"),
-    ("dpo", ["preference.loss_type=kto"], "kto and apo_zero_unpaired are KTO's: set finetune.objective=kto"),
-    ("dpo", ["preference.desirable_weight=1.33"], "weighs KTO's labelled answers"),
-    ("dpo", ["data.format=unpaired"], "use finetune.objective=kto"),
-])
-def test_each_impossible_kto_combination_is_one_line(objective, overrides, says):
-    with pytest.raises(config_module.ConfigError) as caught:
-        config_module.load(None, [f"finetune.objective={objective}", *overrides], check_paths=False)
-    assert len([p for p in caught.value.problems if says in p]) == 1, caught.value.problems
-
-
 def test_what_kto_takes():
     config = kto_config("preference.desirable_weight=1.33", "preference.reference=precomputed")
     assert schema_losses(config) == ["kto"] and schema_kl(config)

@@ -29,7 +29,7 @@ ORDER = [
     "model", "training.preference", "training.arguments", "training.trainer", "training.backoff", "training.saving", "training",
     "export", "memory_check", "checks", "cli",
     "launch.tensorboard", "launch.rendezvous", "launch.commands", "launch.supervise", "launch",
-    "train",
+    "train", "console",
 ]
 PACKAGE = REPO / "sft_play"
 

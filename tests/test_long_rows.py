@@ -76,16 +76,6 @@ def test_checkpointed_hidden_states_are_kept_off_the_device_and_change_nothing()
     assert unpack is offload.unpack_hook
 
 
-@pytest.mark.parametrize("overrides, problem", [
-    (["train.offload_activations=true"], "set train.gradient_checkpointing=true too"),
-    (["train.tiled_mlp=true", "distributed.strategy=fsdp2"], "train.tiled_mlp: FSDP2 reduces a weight's gradient"),
-    (["train.tiled_mlp=true", "lora.dropout=0.1"], "set lora.dropout=0"),
-])
-def test_levers_that_cannot_work_together_are_refused_in_one_line(overrides, problem):
-    with pytest.raises(config_module.ConfigError, match=problem):
-        config_module.load(None, ["finetune.method=lora", *overrides], check_paths=False)
-
-
 @pytest.mark.slow
 def test_a_run_with_both_levers_trains_to_the_plain_runs_losses(tmp_path):
     def run(name: str, *levers: str) -> list:

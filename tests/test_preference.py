@@ -41,53 +41,6 @@ def _pairs(path: str, cfg, stats: DataStats | None = None) -> list[dict]:
 # The config
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["finetune.method=full", "preference.reference=adapters_off"], "no adapters to switch off"),
-    (["finetune.method=qlora", "preference.reference=copy"], "use adapters_off"),
-    (["preference.reference=precomputed", "data.streaming=true", "train.max_steps=5"], "a stream cannot be scored"),
-    (["data.train_on=all"], "scores the answers"),
-    (["data.format=alpaca"], "is an SFT format"),
-    (["preference.loss_type=sigmod"], "'sigmod'"),
-    (["preference.loss_type=exo_pair"], "label_smoothing above 0"),
-    (["preference.loss_type=robust", "preference.label_smoothing=0.6"], "below 0.5"),
-    (['preference.loss_type=["sigmoid","sft"]', "preference.loss_weights=[1.0]"], "1 weight(s) for 2 loss type(s)"),
-    (["train.tiled_mlp=true"], "train.tiled_mlp: an SFT lever"),
-    (["distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2"], "rows are not split"),
-    (['preference.loss_type=["sigmoid","sft"]', "preference.sft_weight=0.5"], "give it once"),
-    (["finetune.method=full", "preference.reference=precomputed", "distributed.strategy=fsdp2"],
-     "TRL then loads a reference of its own"),
-    (["data.special_tokens_in_text=escape"], "leave it at keep"),
-])
-def test_each_impossible_combination_is_one_line(overrides, says):
-    with pytest.raises(config_module.ConfigError) as caught:
-        dpo_config(*overrides)
-    problems = caught.value.problems
-    assert len([p for p in problems if says in p]) == 1, problems
-
-
-@pytest.mark.parametrize("objective, overrides, says", [
-    ("orpo", ["preference.reference=copy"], "preference.reference: copy; finetune.objective=orpo scores the policy"),
-    ("simpo", ["preference.reference=precomputed"], "finetune.objective=simpo scores the policy alone"),
-    ("orpo", ["preference.loss_type=ipo"], "preference.loss_type: a reference loss"),
-    ("simpo", ["preference.desirable_weight=2"], "weighs KTO's labelled answers"),
-    ("simpo", ["preference.precompute_batch_size=4"], "preference.precompute_batch_size"),
-    ("orpo", ["preference.sft_weight=1"], "the NLL is part of ORPO already"),
-    ("orpo", ["preference.label_smoothing=0.1"], "TRL's ORPO has none"),
-    ("orpo", ["preference.simpo_gamma=1"], "SimPO's margin"),
-    ("dpo", ["preference.simpo_gamma=1"], "set finetune.objective=simpo"),
-    ("simpo", ["train.tiled_mlp=true"], "train.tiled_mlp: an SFT lever"),
-    ("orpo", ["data.train_on=all"], "scores the answers"),
-])
-def test_the_reference_free_objectives_refuse_a_reference_and_dpos_settings(objective, overrides, says):
-    with pytest.raises(config_module.ConfigError) as caught:
-        config_module.load(None, [f"finetune.objective={objective}", *overrides], check_paths=False)
-    problems = caught.value.problems
-    assert len([p for p in problems if says in p]) == 1, problems
-    # what each takes: SimPO's margin and the NLL beside it (CPO-SimPO), label smoothing
-    config_module.load(None, ["finetune.objective=simpo", "preference.simpo_gamma=1", "preference.sft_weight=0.5",
-                              "preference.label_smoothing=0.1", "preference.beta=2"], check_paths=False)
-
-
 def test_sft_configs_are_unchanged_and_a_stray_preference_section_is_named():
     assert schema.consistency_problems(config_module.load(REPO / "configs" / "run_tiny.yaml", [])) == []
     with pytest.raises(config_module.ConfigError) as caught:

@@ -20,9 +20,7 @@ import torch.nn.functional as F
 
 from sft_play import config as config_module
 from sft_play import long_rows
-from sft_play.architecture import ModelFacts
 from sft_play.data import collate
-from sft_play.run import sequence_split_problem
 from tests.conftest import LORA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,37 +172,6 @@ def test_split_batches_are_padded_to_the_split_and_to_one_length():
     assert padded["position_ids"].tolist() == [[0, 1, 2, 3]]
 
 
-def _config(*overrides: str):
-    return config_module.load(str(REPO / "configs" / "run_tiny.yaml"), list(overrides))
-
-
-def test_what_a_split_sequence_cannot_run_is_one_line_each():
-    with pytest.raises(config_module.ConfigError, match="Ulysses runs under ZeRO; set distributed.strategy"):
-        _config("distributed.sequence_parallel=2")
-    with pytest.raises(config_module.ConfigError, match="cannot run on a split sequence"):
-        _config(*SPLIT, "model.attn_implementation=eager")
-    with pytest.raises(config_module.ConfigError, match="use a positive number"):
-        _config("distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=0")
-    config = _config(*SPLIT)
-    assert config_module.sequence_parallel_problem(config, 2) is None
-    assert "3 process(es) cannot be grouped" in config_module.sequence_parallel_problem(config, 3)
-    llama = ModelFacts(hidden_size=4096, num_experts=0, attention_eager_only=False, attention_heads=32, kv_heads=8)
-    assert sequence_split_problem(llama, 8, "sdpa", 8) is None
-    assert sequence_split_problem(llama, 16, "flash_attention_2", 16) is None  # the 8 key/value heads copied twice
-    assert "do not divide by 3" in sequence_split_problem(llama, 3, "sdpa", 3)
-    assert "runs on SDPA or FlashAttention only" in sequence_split_problem(llama, 2, "flex_attention", 2)
-    gemma2 = ModelFacts(hidden_size=3584, num_experts=0, attention_eager_only=True, attention_heads=16, kv_heads=8,
-                        sliding_window=4096)
-    assert "needs eager attention" in sequence_split_problem(gemma2, 2, "eager", 2)
-    mistral = ModelFacts(hidden_size=4096, num_experts=0, attention_eager_only=False, attention_heads=32, kv_heads=8,
-                         sliding_window=4096)
-    assert "flash_attention_2" in sequence_split_problem(mistral, 2, "sdpa", 2)
-    assert sequence_split_problem(mistral, 2, "flash_attention_2", 2) is None
-    hybrid = ModelFacts(hidden_size=2048, num_experts=0, attention_eager_only=False, attention_heads=16, kv_heads=2,
-                        sequential_mixers=("linear_attention",))
-    assert "carry a state along the sequence" in sequence_split_problem(hybrid, 2, "sdpa", 2)
-
-
 def test_the_launcher_refuses_a_split_the_processes_cannot_form_before_any_rank_starts():
     # (the embedded default says ddp: make train-deepspeed switches it to ZeRO-2, which splits rows;
     # OVERSUBSCRIBE=1: three CPU processes on two cores would be refused first, and none starts here)
@@ -332,24 +299,8 @@ def test_under_a_split_sdpa_gets_no_mask_and_attends_by_example(monkeypatch):
 RING = ("distributed.strategy=fsdp2", "distributed.context_parallel=2", "data.packing=false")
 
 
-def test_context_parallelism_is_refused_where_it_cannot_run_one_line_each():
-    for overrides, words in [
-        (("distributed.context_parallel=2",), "runs under FSDP2"),
-        (("distributed.strategy=fsdp2", "distributed.context_parallel=2"), "packed examples would attend to each other"),
-        ((*RING, "model.attn_implementation=eager"), "shards SDPA only"),
-        ((*RING, "distributed.sequence_parallel=2"), "use one of the two"),
-    ]:
-        with pytest.raises(config_module.ConfigError, match=words):
-            _config(*overrides)
-    config = _config(*RING)
-    assert config_module.context_parallel_problem(config, 4) is None
-    from sft_play.errors import UserError
-    from sft_play.run import resolve
-
-    with pytest.raises(UserError, match="3 process\\(es\\) cannot be grouped so"):  # planning 3 GPUs, say
-        resolve(config, on_cuda=True, bf16_supported=True, world_size=3)
-    assert "3 process(es) cannot be grouped" in config_module.context_parallel_problem(config, 3)
-    assert "runs on CUDA GPUs only" in config_module.context_parallel_problem(config, 2, on_cpu=True)
+def test_make_refuses_context_parallelism_on_cpu_processes_before_launching():
+    # (what context parallelism cannot run, and the words: tests/test_refusals.py)
     result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
                              f"ARGS={' '.join(RING)}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr

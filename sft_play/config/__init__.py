@@ -18,11 +18,11 @@ from sft_play.config.overrides import parse_override
 from sft_play.config.reference import reference_markdown
 from sft_play.config.schema import (SECTIONS, ConfigError, DataConfig, DistributedConfig, FinetuneConfig, LoraConfig,
                                     REFERENCE_FREE, ModelConfig, PlannerConfig, PreferenceConfig, QuantizationConfig,
-                                    RunConfig, TrainConfig, context_parallel_problem, kto_estimates_kl, loss_types,
-                                    preference_losses, sequence_parallel_problem, tiling_problem, valid_keys)
+                                    RunConfig, TrainConfig, consistency_problems, kto_estimates_kl, loss_types,
+                                    preference_losses, sequence_split_problem, valid_keys)
 
 __all__ = [
     "SECTIONS", "ConfigError", "as_built", "DataConfig", "DistributedConfig", "FinetuneConfig", "LoraConfig", "ModelConfig",
     "PlannerConfig", "PreferenceConfig", "QuantizationConfig", "REFERENCE_FREE", "RunConfig", "kto_estimates_kl", "loss_types", "TrainConfig", "load", "parse_override",
-    "reference_markdown",    "context_parallel_problem", "preference_losses", "sequence_parallel_problem", "tiling_problem", "valid_keys",
+    "reference_markdown", "consistency_problems", "preference_losses", "sequence_split_problem", "valid_keys",
 ]

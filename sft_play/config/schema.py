@@ -423,7 +423,7 @@ def valid_keys() -> list[str]:
     return [f"{section}.{key}" for section, cls in SECTIONS.items() for key in cls.model_fields]
 
 
-def tiling_problem(config: RunConfig, processes: int = 1) -> str | None:
+def _tiling_problem(config: RunConfig, processes: int = 1) -> str | None:
     """Why ``train.tiled_mlp`` cannot train under the strategy on `processes` processes: DeepSpeed's
     TiledMLP produces a weight's gradient tile by tile, which ZeRO waits for and DDP (on several
     processes) and FSDP2 reduce at the first tile."""
@@ -439,10 +439,9 @@ def tiling_problem(config: RunConfig, processes: int = 1) -> str | None:
     return None
 
 
-def sequence_parallel_problem(config: RunConfig, processes: int | None = None) -> str | None:
+def _sequence_parallel_problem(config: RunConfig, processes: int | None = None) -> str | None:
     """Why ``distributed.sequence_parallel`` cannot train as configured on `processes` processes
-    (None: not known yet). What depends on the model (its heads, its attention) is checked when
-    the run is resolved (:func:`sft_play.run.resolve`)."""
+    (None: not known yet). What depends on the model (its heads, its attention): :func:`sequence_split_problem`."""
     size = config.distributed.sequence_parallel
     if size == 1 or size == "auto":  # auto: the planner's choice, 1 where rows cannot be split
         return None
@@ -461,7 +460,7 @@ def sequence_parallel_problem(config: RunConfig, processes: int | None = None) -
     return None
 
 
-def context_parallel_problem(config: RunConfig, processes: int | None = None, on_cpu: bool = False) -> str | None:
+def _context_parallel_problem(config: RunConfig, processes: int | None = None, on_cpu: bool = False) -> str | None:
     """Why ``distributed.context_parallel`` cannot train as configured on `processes` processes
     (None: not known yet), in CPU processes where `on_cpu`."""
     size = config.distributed.context_parallel
@@ -652,11 +651,73 @@ def _pair_problems(config: RunConfig) -> list[str]:
     return problems
 
 
-def consistency_problems(config: RunConfig) -> list[str]:
-    """Values that are each valid but not together (or not in range), one message each: the
-    preference objective's, then the data's, the training's and the processes'."""
-    return (preference_problems(config) + _column_problems(config) + _schedule_problems(config)
-            + _precision_and_lever_problems(config) + _distributed_problems(config) + _batch_and_data_problems(config))
+def consistency_problems(config: RunConfig, processes: int | None = None, on_cpu: bool | None = None,
+                         facts: Any = None, attention: str | None = None, images: bool = False) -> list[str]:
+    """Every reason `config` cannot train as given, one message each: the one place a run is refused.
+
+    The values alone (each valid, not together or not in range: the preference objective's, the
+    data's, the training's, the strategy's); with `processes` (how many train; None: not known
+    yet) and `on_cpu` (whether they are CPU processes) known, what those rule out; with the model's
+    `facts` (:class:`sft_play.architecture.ModelFacts`), the `attention` kernel the run resolved and
+    whether the data shows `images`, the model's limits on a split row. Loading a config asks it of
+    the values alone, the launcher and the training process with their processes and devices, the
+    planner (``make plan``, ``make check``, a run's own plan) with the model too, and the remedy
+    search and LONGEST to leave out what a run would refuse."""
+    found = (preference_problems(config) + _column_problems(config) + _schedule_problems(config)
+             + _precision_and_lever_problems(config, processes, on_cpu)
+             + _distributed_problems(config, on_cpu) + _batch_and_data_problems(config))
+    if facts is not None:
+        found += _model_problems(config, facts, attention or "sdpa", images)
+    return found
+
+
+def _model_problems(config: RunConfig, facts: Any, attention: str, images: bool) -> list[str]:
+    """What the model cannot do as configured: split its rows (its heads, its mixers, its attention),
+    or split rows that hold images."""
+    split = config.distributed.sequence_parallel if isinstance(config.distributed.sequence_parallel, int) else 1
+    if images and (split > 1 or config.distributed.context_parallel > 1):
+        return ["the data shows images, and a row split across processes would part an image's tokens from its "
+                "pixels: leave distributed.sequence_parallel and context_parallel at 1 for vision-language data"]
+    problem = _split_model_problem(facts, split, attention) if split > 1 else None
+    return [problem] if problem else []
+
+
+def sequence_split_problem(facts: Any, size: int, attention: str, world_size: int) -> str | None:
+    """Why the model (`facts`: :class:`sft_play.architecture.ModelFacts`) cannot train with each row
+    split across `size` of `world_size` processes (DeepSpeed Ulysses,
+    ``deepspeed.runtime.sequence_parallel.ulysses_sp``), or None; the planner asks it of each size
+    it may choose (``distributed.sequence_parallel: auto``)."""
+    if world_size % size:
+        return (f"distributed.sequence_parallel={size} splits each row across {size} processes, and {world_size} "
+                f"process(es) cannot be grouped so: use a number of processes divisible by {size}")
+    return _split_model_problem(facts, size, attention)
+
+
+def _split_model_problem(facts: Any, size: int, attention: str) -> str | None:
+    """Each process attends with 1/size of the heads over the whole row, so the query heads must
+    divide among them (the key/value heads too, or be copied to them); the mask is dropped, so a
+    sliding window needs a kernel that takes it itself."""
+    key = f"distributed.sequence_parallel={size}"
+    if facts.sequential_mixers:
+        return (f"{key}: this model's {', '.join(facts.sequential_mixers)} layers carry a state along the sequence, "
+                "which a split sequence would restart on every process (wrong gradients, no error); train it "
+                "without sequence parallelism")
+    if attention not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        why = "this model needs eager attention" if facts.attention_eager_only else f"attention is {attention}"
+        return (f"{key}: {why}, and a split sequence runs on SDPA or FlashAttention only (Ulysses drops the "
+                "mask eager attention builds); train it without sequence parallelism")
+    heads, kv = facts.attention_heads, facts.kv_heads or facts.attention_heads
+    if heads and heads % size:
+        return (f"{key}: each process attends with 1/{size} of the {heads} attention heads, which do not divide by "
+                f"{size}; use a divisor of {heads}")
+    if heads and kv % size and size % kv:
+        return (f"{key}: the {kv} key/value heads neither divide among {size} processes nor copy evenly to them; "
+                f"use a divisor or a multiple of {kv}")
+    if facts.sliding_window and attention == "sdpa":
+        return (f"{key}: this model's layers attend through a {facts.sliding_window:,}-token window, which SDPA "
+                "takes only as a mask, and a split sequence drops masks; use model.attn_implementation="
+                "flash_attention_2 (GPUs), or train without sequence parallelism")
+    return None
 
 
 def _column_problems(config: RunConfig) -> list[str]:
@@ -695,7 +756,7 @@ def _schedule_problems(config: RunConfig) -> list[str]:
     return problems
 
 
-def _precision_and_lever_problems(config: RunConfig) -> list[str]:
+def _precision_and_lever_problems(config: RunConfig, processes: int | None, on_cpu: bool | None) -> list[str]:
     """The weights' dtype against the precision, and the long-row levers' preconditions."""
     train, method = config.train, config.finetune.method
     problems = []
@@ -707,22 +768,23 @@ def _precision_and_lever_problems(config: RunConfig) -> list[str]:
     if train.offload_activations and not train.gradient_checkpointing:
         problems.append("train.offload_activations keeps the hidden states gradient checkpointing saves in host memory: "
                         "set train.gradient_checkpointing=true too")
-    # (the processes and the devices: the launcher and the training process ask again)
-    problems += [p for p in (sequence_parallel_problem(config), context_parallel_problem(config)) if p]
-    tiling = tiling_problem(config)  # (several DDP processes: the launcher and the training process ask again)
-    if tiling:
-        problems.append(tiling)
+    problems += [p for p in (_sequence_parallel_problem(config, processes),
+                             _context_parallel_problem(config, processes, on_cpu=bool(on_cpu)),
+                             _tiling_problem(config, processes or 1)) if p]
     if train.tiled_mlp and method != "full" and config.lora.dropout > 0:
         problems.append(f"train.tiled_mlp recomputes each tile in backward without replaying its random numbers: LoRA "
                         f"dropout ({config.lora.dropout}) would differ between the passes; set lora.dropout=0")
     return problems
 
 
-def _distributed_problems(config: RunConfig) -> list[str]:
-    """What a strategy cannot shard, offload or average as asked."""
+def _distributed_problems(config: RunConfig, on_cpu: bool | None) -> list[str]:
+    """What a strategy cannot shard, offload or average as asked (in CPU processes where `on_cpu`)."""
     train, method, distributed = config.train, config.finetune.method, config.distributed
     strategy = Strategy(distributed.strategy)
     problems = []
+    if strategy.fsdp and distributed.offload_parameters and on_cpu:
+        problems.append("distributed.offload_parameters under FSDP2 moves the shards between CPU and GPU memory "
+                        "(pinned), which CPU processes do not have: leave it out with CPU=1, or train on GPUs")
     if method == "qlora" and strategy.shards_parameters and config.quantization.quant_storage == "uint8":
         problems.append(
             f"quantization.quant_storage: QLoRA under {strategy.label} needs "

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from sft_play.config import RunConfig
+from sft_play.config import RunConfig, consistency_problems, sequence_split_problem
 from sft_play.errors import UserError
 from sft_play.parallelism import Strategy
 from sft_play.planner.choose import remedies as remedy_catalogue
@@ -29,7 +29,7 @@ from sft_play.planner.simulate.predict import REPLAYS, predict, static_lower_bou
 from sft_play.planner.simulate.shapes import ModelShape, model_shape
 from sft_play.planner.simulate.timing import PEAK_BF16, predict_time, total_steps
 from sft_play.planner.target import Target
-from sft_play.run import BatchSplit, Run, resolve, sequence_split_problem
+from sft_play.run import BatchSplit, Run, facts_of, resolve
 from sft_play.units import GIB
 
 
@@ -102,13 +102,24 @@ class Plan:
 
 def resolve_for(config: RunConfig, target: Target, data_stats: Any | None = None,
                 shape: ModelShape | None = None) -> Run:
-    """The run `config` makes on `target` (see :func:`sft_play.run.resolve`)."""
-    return resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
-                   world_size=target.world_size, data_stats=data_stats,
-                   model_facts=shape.facts if shape is not None else None,
-                   local=target.source in ("detected", "host memory"),
-                   outside_allocator_measured=target.outside_allocator_measured,
-                   cuda_capability=target.compute_capability)
+    """The run `config` makes on `target` (see :func:`sft_play.run.resolve`); a UserError listing
+    why, where it cannot train there (:func:`sft_play.config.consistency_problems`, asked with the
+    target's processes and devices, the model and the attention kernel the run resolved)."""
+    # the processes and devices first: the run groups the processes as the config says
+    problems = consistency_problems(config, target.world_size, not target.on_cuda)
+    if problems:
+        raise UserError("\n".join(problems))
+    facts = shape.facts if shape is not None else facts_of(config)
+    run = resolve(config, on_cuda=target.on_cuda, bf16_supported=target.bf16_supported,
+                  world_size=target.world_size, data_stats=data_stats, model_facts=facts,
+                  local=target.source in ("detected", "host memory"),
+                  outside_allocator_measured=target.outside_allocator_measured,
+                  cuda_capability=target.compute_capability)
+    problems = consistency_problems(config, target.world_size, not target.on_cuda, facts, run.kernels.attention,
+                                    run.images)
+    if problems:
+        raise UserError("\n".join(problems))
+    return run
 
 
 def plan_budget(config: RunConfig, target: Target, run: Run) -> tuple[int, float, str | None]:
@@ -362,7 +373,7 @@ def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: 
 def split_sizes(shape: ModelShape, run: Run) -> list[int]:
     """The sequence-parallel sizes `run` can take on its processes, fewest first: 1, and under
     DeepSpeed each divisor of the processes that the model's heads and attention allow
-    (:func:`sft_play.run.sequence_split_problem`)."""
+    (:func:`sft_play.config.sequence_split_problem`)."""
     world = run.parallel.world_size
     if not run.parallel.deepspeed:
         return [1]

@@ -54,7 +54,8 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
     answers, applied = [], ()
     for name, overrides in [("as configured", ()), *((r.name, r.overrides) for r in long_row_levers(config, target, split))]:
         applied = applied + overrides
-        if consistency_problems(_with(config, applied, SHORTEST, target.world_size)):
+        if consistency_problems(_with(config, applied, SHORTEST, target.world_size), target.world_size,
+                                not target.on_cuda):
             applied = applied[:len(applied) - len(overrides)]
             continue
         plans: dict[int, Any] = {}

@@ -150,7 +150,7 @@ def _strategy(config: RunConfig) -> Strategy:
 
 def _splittable(config: RunConfig, target: Any) -> bool:
     """Long rows, several GPUs, not split yet, and an attention kernel a split sequence runs on
-    (the model's own limits are the plan's: sft_play.run.sequence_split_problem)."""
+    (the model's own limits are the plan's: sft_play.config.sequence_split_problem)."""
     return (_multi_gpu(target) and _sft(config) and config.distributed.sequence_parallel == 1
             and config.data.max_seq_length >= 8192
             and config.model.attn_implementation not in ("eager", "flex_attention") and not _strategy(config).fsdp
@@ -369,7 +369,8 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int 
     is all that is read), and may leave out what only narrows a plan that fits (the shorter rows'
     coverage) or, where the weights alone do not fit, the plan itself; what is offered is planned
     with `as_run` True."""
-    applicable = search_order([r for r in REMEDIES if r.applies(config, target)])
+    # (a remedy whose settings the run would refuse on the target it makes is none)
+    applicable = search_order([r for r in REMEDIES if r.applies(config, target) and _consistent(config, target, [r])])
     entries = []
     for number, remedy in enumerate(applicable, 1):
         with progress.doing(f"remedy {number} of {len(applicable)}: {remedy.name}"):
@@ -517,13 +518,15 @@ def _trimmed(config: RunConfig, target: Any, chosen: list[Remedy], plan_for: Pla
 
 
 def _consistent(config: RunConfig, target: Any, remedies: list[Remedy]) -> bool:
-    return not consistency_problems(_apply(config, target, remedies)[0])
+    """Whether a run would take `remedies` together on the target they make (none it refuses)."""
+    changed, changed_target = _apply(config, target, remedies)
+    return not consistency_problems(changed, changed_target.world_size, not changed_target.on_cuda)
 
 
 def _fits(config: RunConfig, target: Any, remedies: list[Remedy], plan_for: PlanFor) -> bool:
     """Whether `remedies` together make consistent settings whose quick plan fits."""
     changed, changed_target = _apply(config, target, remedies)
-    return not consistency_problems(changed) and bool(plan_for(changed, changed_target, False).fits)
+    return _consistent(config, target, remedies) and bool(plan_for(changed, changed_target, False).fits)
 
 
 def _entry(remedies: list[Remedy], config: RunConfig, target: Any, plan: Any) -> dict[str, Any]:
