@@ -319,8 +319,13 @@ def test_public_vlms_are_counted_exactly_and_planned_without_a_traceback(name):
         if method == "full":
             assert shape.trainable_params == total - vision - projector
         for gpus in (1, 8):
-            strategy = "deepspeed_zero3" if gpus > 1 else "ddp"
-            planned = config.model_copy(update={"distributed": config.distributed.model_copy(update={"strategy": strategy})})
+            planned = load_config(None, [f"model.name_or_path={path}", f"finetune.method={method}",
+                                         "data.max_seq_length=2048", "train.gradient_checkpointing=true",
+                                         "train.global_batch_size=8", "train.micro_batch_size=1",
+                                         "distributed.strategy=" + ("deepspeed_zero3" if gpus > 1 else "ddp"),
+                                         # (QLoRA sharded: its packed weights stored in the compute dtype)
+                                         *(["quantization.quant_storage=bfloat16"] if gpus > 1 else [])],
+                                  check_paths=False)
             plan = make_plan(planned, Target(gpus, 80 * GIB, f"{gpus} x H100"), options=QUICK)
             peaks[method, gpus] = plan.peak_bytes_per_gpu
     for gpus in (1, 8):
