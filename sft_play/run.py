@@ -474,18 +474,11 @@ def resolve(
     attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
     configured = config.distributed.sequence_parallel
     split = sequence_parallel or (configured if isinstance(configured, int) else 1)
-    images = bool(getattr(data_stats, "images", 0))
     method = config.finetune.method
-    if method == "full":
-        adapter = precision.weights_dtype
-    elif method == "qlora":
-        adapter = "bfloat16"  # TRL casts QLoRA adapters to bf16 (QLoRA paper, section 3)
-    else:
-        adapter = "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
     return Run(
         method=method,
         precision=precision,
-        adapter_dtype=adapter,
+        adapter_dtype=_adapter_dtype(method, precision),
         optimizer=resolve_optimizer(config, on_cuda),
         kernels=Kernels(
             attention=attention,
@@ -505,12 +498,7 @@ def resolve(
         model=config.model.name_or_path,
         revision=config.model.revision,
         trust_remote_code=config.model.trust_remote_code,
-        # (TRL's DPOTrainer switches dropout off, LoRA's too: the adapter is made without it)
-        lora=(LoraSpec.from_config(config.lora if config.finetune.objective == "sft"
-                                   else config.lora.model_copy(update={"dropout": 0.0}),
-                                   facts.expert_parameters, facts.lora_exclude, adapter_parts(
-                                       facts.vision_towers, facts.projectors, config.finetune.train_vision_tower,
-                                       config.finetune.train_projector)) if method != "full" else None),
+        lora=_lora(config, facts) if method != "full" else None,
         double_quant=config.quantization.double_quant,
         outside_allocator_measured=tuple(sorted((outside_allocator_measured or {}).items())) if on_cuda else (),
         # train.deterministic: transformers' enable_full_determinism sets CUBLAS_WORKSPACE_CONFIG=:16:8
@@ -519,13 +507,31 @@ def resolve(
         neftune=bool(config.train.neftune_noise_alpha),
         loraplus_lr_ratio=config.lora.loraplus_lr_ratio if method != "full" else None,
         offload_activations=config.train.offload_activations,
-        images=images,
+        images=bool(getattr(data_stats, "images", 0)),
         vision=bool(facts.vision_towers),
         encoder_inputs=_encoder_inputs(config, data_stats) if facts.vision_towers else "",
         train_vision_tower=config.finetune.train_vision_tower and bool(facts.vision_towers),
         train_projector=config.finetune.train_projector and bool(facts.vision_towers),
         preference=preference_of(config),
     )
+
+
+def _adapter_dtype(method: str, precision: Precision) -> str:
+    """The dtype the trained weights are kept in: the weights' own for full fine-tuning."""
+    if method == "full":
+        return precision.weights_dtype
+    if method == "qlora":
+        return "bfloat16"  # TRL casts QLoRA adapters to bf16 (QLoRA paper, section 3)
+    return "float32"  # peft's autocast_adapter_dtype upcasts adapters of a 16-bit base
+
+
+def _lora(config: RunConfig, facts: ModelFacts) -> LoraSpec:
+    """The adapters the run trains: the config's, on what peft can wrap in this model (its experts,
+    what it leaves out, the vision parts as the config trains them). TRL's DPOTrainer switches
+    dropout off, LoRA's too: a preference run's adapter is made without it."""
+    lora = config.lora if config.finetune.objective == "sft" else config.lora.model_copy(update={"dropout": 0.0})
+    return LoraSpec.from_config(lora, facts.expert_parameters, facts.lora_exclude, adapter_parts(
+        facts.vision_towers, facts.projectors, config.finetune.train_vision_tower, config.finetune.train_projector))
 
 
 def _encoder_inputs(config: RunConfig, data_stats: Any | None) -> str:
