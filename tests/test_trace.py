@@ -152,3 +152,52 @@ def test_a_tiled_mlps_later_tiles_are_recorded_as_copies_of_the_second_with_the_
             tracing._REPEAT_TILES[0] = True
         assert copied == every
         assert (made == 0) == (changes.get("weights_dtype") == "float32"), made
+
+
+@pytest.mark.parametrize("changes", [dict(masked=True), dict(attention="flash_attention_2", checkpointing=True),
+                                     dict(attention="eager", method="full", lora=None)])
+def test_a_trace_derived_from_four_lengths_is_the_trace_at_that_length(changes):
+    """Sizes linear (activations) and quadratic (an s x s mask, eager attention's scores) in the
+    length: a trace derived from four real ones is the real one, to the byte, between them and
+    beyond; batched and at one row."""
+    from sft_play.planner.simulate import lengths
+
+    trace_spec = spec(**changes)
+    for batched in (True, False):
+        known = {s: tracing._traced(trace_spec, s, batched) for s in (1024, 2048, 4096, 8192)}
+        for s in (3072, 16384, 40960):
+            assert lengths.derived(known, s) == tracing._traced(trace_spec, s, batched), (changes, batched, s)
+
+
+def test_a_trace_is_derived_only_where_every_trace_at_hand_agrees():
+    import dataclasses
+
+    from sft_play.planner.simulate import lengths
+
+    known = {s: tracing._traced(spec(masked=True), s) for s in (1024, 2048, 4096, 8192)}
+    assert lengths.derived(dict(list(known.items())[:3]), 16384) is None  # three: nothing checks the fit
+    assert lengths.derived(known, 16384 + 512) is None  # off the grid the kernels' rounding may bend
+    first = known[1024].single[0]
+    bent = dataclasses.replace(first, forward=((first.forward[0][0], first.forward[0][1], first.forward[0][2] + 64,
+                                                first.forward[0][3]), *first.forward[1:]))
+    known[1024] = dataclasses.replace(known[1024], single=(bent, known[1024].single[1]))
+    assert lengths.derived(known, 16384) is None  # one size off its polynomial by 64 bytes
+    other = tracing._traced(spec(masked=False, attention="eager"), 16384)
+    assert lengths.derived({**known, 16384: other}, 32768) is None  # other operations at one length: none
+
+
+def test_a_plan_derives_the_lengths_it_can_and_traces_the_rest(monkeypatch):
+    traced = []
+    real = tracing._traced
+    monkeypatch.setattr(tracing, "_traced", lambda s, n, b=True: traced.append(n) or real(s, n, b))
+    monkeypatch.setattr(tracing, "_TRACES", {})
+    monkeypatch.setattr(tracing, "_AT_LENGTHS", {})
+    monkeypatch.setattr(tracing.cache, "remembered", lambda kind, key, make, keep=None: make())
+    trace_spec = spec(checkpointing=True)
+    for s in (1024, 2048, 4096, 8192, 16384, 32768, 12288, 1536):
+        layer_trace(trace_spec, s)
+    assert traced == [1024, 2048, 4096, 8192, 1536]  # (1536: off the grid)
+    tiled = spec(checkpointing=True, tiled_mlp=True)
+    for s in (1024, 2048, 4096, 8192, 16384):
+        layer_trace(tiled, s)
+    assert traced[5:] == [1024, 2048, 4096, 8192, 16384]  # the tiles' count moves with the length

@@ -11,8 +11,10 @@ is released: the layer's allocations in order (:class:`ModuleEvents`), which
 
 Traces at micro-batch 1 and 2 (and 3 where a single row takes fewer copies) give every
 allocation's size as a function of the micro-batch at the run's sequence length, so the planner
-never traces per micro-batch. Traces are cached per (model, method, precision, kernel, mask,
-checkpointing, sequence length); three take about 0.1-0.3 s.
+never traces per micro-batch; four traces at lengths that are multiples of 1024 give it at every
+other such length, where the operations stay the same (:mod:`sft_play.planner.simulate.lengths`).
+Traces are cached per (model, method, precision, kernel, mask, checkpointing, sequence length);
+three take about 0.1-0.3 s.
 
 What a trace on the meta device cannot see is put in explicitly, each with its source:
 
@@ -60,7 +62,7 @@ from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    in_parts, is_sliding, layer_kinds, load_model_config, quantized_linears,
                                    sliding_window, with_layers)
-from sft_play.planner.simulate import cache
+from sft_play.planner.simulate import cache, lengths
 from sft_play.run import MASK_FREE_ATTENTION, sliding_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -767,22 +769,50 @@ def _trace_module(spec: TraceSpec, prepared: tuple, micro_batch: int, seq_len: i
 def layer_trace(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     """The allocations of the decoder layers (each kind once) and of the final norm for `spec` at
     `seq_len` tokens per row, with sizes as functions of the micro-batch (cached in this process,
-    and on disk: :mod:`sft_play.planner.simulate.cache`). Without `batched`, at micro-batch 1 only
-    (``batched`` None): half the tracing, for plans of one row per GPU (``make plan LONGEST=1``),
-    unless the whole trace was made already."""
+    and on disk: :mod:`sft_play.planner.simulate.cache`), derived from the traces of the same
+    layer at other lengths where they fix it (:mod:`sft_play.planner.simulate.lengths`). Without
+    `batched`, at micro-batch 1 only: half the tracing, for plans of one row per GPU (``make plan
+    LONGEST=1``), unless the whole trace was made already."""
     if not batched and (spec, seq_len, True) in _TRACES:
         return _TRACES[spec, seq_len, True]
     if (spec, seq_len, batched) not in _TRACES:
         if len(_TRACES) >= 64:
             _TRACES.clear()
-        _TRACES[spec, seq_len, batched] = cache.remembered(
+        found = cache.remembered(
             "trace" if batched else "trace-single",
             (spec, seq_len, config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)),
-            lambda: _traced(spec, seq_len, batched), keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+            lambda: _derived(spec, seq_len, batched) or _traced(spec, seq_len, batched),
+            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+        if not spec.tiled_mlp and seq_len % lengths.STEP == 0:
+            if len(_AT_LENGTHS) >= 32:
+                _AT_LENGTHS.clear()
+            _AT_LENGTHS.setdefault((spec, batched), {})[seq_len] = found
+        _TRACES[spec, seq_len, batched] = found
     return _TRACES[spec, seq_len, batched]
 
 
 _TRACES: dict[tuple[TraceSpec, int, bool], LayerTrace] = {}
+_AT_LENGTHS: dict[tuple[TraceSpec, bool], dict[int, LayerTrace]] = {}  # this process's traces, by length
+
+
+def _derived(spec: TraceSpec, seq_len: int, batched: bool) -> LayerTrace | None:
+    """The trace at `seq_len` from this process's traces of the same layer at other lengths
+    (:func:`sft_play.planner.simulate.lengths.derived`) where they fix it: of the same regime
+    (tiled MLPs never: the tiles' count and size move with the length; a window's mask from the
+    window's length on)."""
+    if spec.tiled_mlp:
+        return None
+    regime = _windowed(spec, seq_len)
+    known = {s: t for s, t in _AT_LENGTHS.get((spec, batched), {}).items() if _windowed(spec, s) == regime}
+    return lengths.derived(known, seq_len)
+
+
+def _windowed(spec: TraceSpec, seq_len: int) -> bool:
+    """Whether the sliding-window layers take a mask of their own at `seq_len` (:func:`_traced`)."""
+    if spec.stand_in:
+        return False
+    window = sliding_window(load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code))
+    return sliding_mask(spec.attention, spec.masked, window, seq_len)
 _ONE_ROW: dict[tuple, dict[str, Any]] = {}  # the raw events of a module at micro-batch 1, for the whole trace
 
 
