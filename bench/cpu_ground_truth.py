@@ -64,6 +64,12 @@ CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 
 # Tiled MLPs (DeepSpeed's TiledMLP, as sft_play.long_rows binds it): each MLP's intermediates one tile
 # at a time in backward's recompute, where without checkpointing they are the activations' most
 CELLS += [{"method": method, "checkpointing": False, "micro": 2, "seq": 256, "tiled": True} for method in ("full", "lora")]
+# Other families' layers (tests/fixtures/model_configs: their shape rules at tiny widths): mixtures of
+# experts (Qwen3-MoE's fused experts, Mixtral's), hybrids (LFM2's convolutions, Bamba's Mamba-2,
+# Qwen3-Next's linear attention), full with checkpointing and LoRA without
+FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-lfm2", "tiny-bamba", "tiny-qwen3-next")
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "model": family}
+          for family in FAMILIES for method, checkpointing in (("full", True), ("lora", False))]
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
 TERMS = {
@@ -74,6 +80,13 @@ TERMS = {
     "gradients": ("GRADIENT",),
     "logits_loss": ("TEMPORARY",),
 }
+
+
+def _model_folder(cell: dict) -> Path:
+    """The cell's model: the embedded tiny Llama, or a tiny model of another family's shape rules
+    (tests/fixtures/model_configs/tiny-*, the embedded tokenizer's vocabulary)."""
+    family = cell.get("model")
+    return REPO / "tests" / "fixtures" / "model_configs" / family if family else REPO / "configs" / "tiny_model"
 
 
 def tiny_trainer(folder: Path, cell: dict):
@@ -88,7 +101,8 @@ def tiny_trainer(folder: Path, cell: dict):
         f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
         f"data.max_seq_length={cell['seq']}", "train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false",
         "train.mixed_precision=no", "data.num_proc=1", f"train.global_batch_size={cell['micro']}",
-        f"train.output_dir={folder}", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
+        f"train.output_dir={folder}", f"model.name_or_path={_model_folder(cell)}",
+        f"model.tokenizer_name_or_path={REPO / 'configs' / 'tiny_model'}",
         f"data.path={REPO / 'data' / 'tiny' / 'train.jsonl'}",
         f"data.validation_path={REPO / 'data' / 'tiny' / 'validation.jsonl'}",
         *(["train.tiled_mlp=true", "lora.dropout=0"] if cell.get("tiled") else [])])
@@ -225,7 +239,8 @@ def table(results: list[dict]) -> list[str]:
         step = (f"KTO, reference {r['reference']}" if r.get("objective") == "kto" else
                 f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
                 f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
-                if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else "SFT")
+                if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
+                f"SFT, {r['model']}" if r.get("model") else "SFT")
         if not r.get("ok"):
             lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
                          "| | | |")
@@ -272,7 +287,9 @@ def main() -> int:
         "pairs of one shape, micro in pairs (twice the rows, 24 tokens), rows of the copy's weights counted as weights;",
         "ORPO and SimPO cells: the same trainer's step without a reference, their loss from its log-probs. KTO cells:",
         "TRL's KTOTrainer on the same pairs split into labelled answers, micro in answers (one row each, and the",
-        "mismatched rows' forwards without gradients).",
+        "mismatched rows' forwards without gradients). Cells that name a model: a tiny model of that family's",
+        "configuration (tests/fixtures/model_configs), the embedded tokenizer; not yet in the plans' evidence",
+        "(sft_play/planner/present/evidence.json keeps the Llama cells).",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",
