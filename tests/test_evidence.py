@@ -66,9 +66,19 @@ def test_what_no_measurement_covered_is_named():
 
 
 def test_the_cpu_facts_are_the_ground_truth_reports():
-    """evidence.json's CPU line against the report bench/cpu_ground_truth.py writes: as many cells,
-    and none beyond the error it states."""
+    """evidence.json's CPU line against the report bench/cpu_ground_truth.py writes: as many cells
+    of the kinds it covers (the embedded Llama's), and none beyond the error it states; the cells of
+    other families (a row naming its tiny model) are of model types it does not claim."""
+    import json
+
     report = (REPO / "docs" / "reports" / "cpu_ground_truth.md").read_text()
-    errors = [abs(float(e)) for e in re.findall(r"\| ([+-][\d.]+) % \|", report)]
+    rows = re.findall(r"^\| ([^|]+) \|.*\| ([+-][\d.]+) % \|", report, flags=re.M)
+    errors = [abs(float(e)) for step, e in rows if "tiny-" not in step]
     facts = module.measured()["cpu"]
     assert len(errors) == facts["cells"] and max(errors) <= facts["max_error_pct"]
+    families = {step.split(", ")[1] for step, _ in rows if "tiny-" in step}
+    assert families, "the report's other families"
+    claimed = {model_type for model_type, _ in facts["kinds"]}
+    for family in families:
+        config = json.loads((REPO / "tests" / "fixtures" / "model_configs" / family / "config.json").read_text())
+        assert config["model_type"] not in claimed, family
