@@ -347,7 +347,9 @@ def run_checks(config: RunConfig, facts: HardwareInfo) -> list[Check]:
     target = planner.target_for(facts, allow_cpu=True)
     try:
         run = planner.resolve_for(config, target, None, shape)
-    except UserError as exc:
-        return [Check("run here", False, str(exc).replace("\n", "; ")), check_disk(config, None)]
+    except UserError as exc:  # (a warning: a launch of fewer processes, or elsewhere, may take it)
+        refused = str(exc).replace("\n", "; ")
+        return [Check("run here", True, f"{target.device_name}, every device training, would refuse it: {refused}",
+                      warning=True), check_disk(config, None)]
     here = Check("run here", True, f"{target.device_name}: nothing refused")
     return [here, check_disk(config, needed_disk_bytes(config, shape, run))]

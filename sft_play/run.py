@@ -448,7 +448,6 @@ def resolve(
     local: bool = True,
     outside_allocator_measured: dict[str, int] | None = None,
     cuda_capability: tuple[int, int] | None = None,
-    sequence_parallel: int | None = None,
 ) -> Run:
     """Every decision about the run, from the config, the hardware and (when read) the data. It
     decides and never refuses: what cannot train is :func:`sft_play.config.consistency_problems`'s
@@ -466,14 +465,15 @@ def resolve(
         outside_allocator_measured: what processes were measured to hold on these GPUs outside
             PyTorch's allocator (``hardware.HardwareInfo.outside_allocator``; None: nothing).
         cuda_capability: the training GPUs' compute capability (None: unknown, taken as Hopper's).
-        sequence_parallel: the processes each row is split across, where the planner decides it
-            (``distributed.sequence_parallel: auto``); None: the config's number (auto: 1).
+
+    Rows are split across the config's ``distributed.sequence_parallel`` processes (auto: 1 here;
+    the planner decides it and replaces the run's parallelism).
     """
     precision = resolve_precision(config, has_gpu=on_cuda, bf16_supported=bf16_supported)
     facts = model_facts if model_facts is not None else facts_of(config)
     attention = attention_kernel(config, precision, on_cuda, facts.attention_eager_only, local)
     configured = config.distributed.sequence_parallel
-    split = sequence_parallel or (configured if isinstance(configured, int) else 1)
+    split = configured if isinstance(configured, int) else 1
     method = config.finetune.method
     return Run(
         method=method,

@@ -193,3 +193,23 @@ def test_host_memory_counts_the_bytes_asked_and_its_peak_by_category():
     limited.malloc("a", 600)
     with pytest.raises(OutOfMemory):
         limited.malloc("b", 600)
+
+
+def test_the_compiled_replay_numbers_handles_as_sorting_them_would():
+    """Each distinct handle one number, the same handle the same number: read off the step's
+    layout (a layer's events, the replay's own tensors from 1 << 62), or sorted where the layout
+    is sparse or another."""
+    import numpy as np
+
+    from sft_play.planner.simulate import compiled
+
+    rng = np.random.default_rng(0)
+    laid_out = np.concatenate([(rng.integers(2, 40, 5000) << 24) + rng.integers(0, 300, 5000),
+                               (1 << 62) + rng.integers(0, 800, 2000), rng.integers(0, 50, 100)])
+    sparse = np.array([7, (1 << 40) + 3, 7, 5, (1 << 62) + 9, 5], np.int64)
+    for handles in (rng.permutation(laid_out), sparse, np.array([(1 << 62) + 1, 1 << 62], np.int64)):
+        numbered, count = compiled._numbered(handles)
+        _, inverse = np.unique(handles, return_inverse=True)
+        assert numbered.min() >= 0 and numbered.max() < count
+        pairs = set(zip(numbered.tolist(), inverse.reshape(-1).tolist()))
+        assert len(pairs) == len({n for n, _ in pairs}) == len({i for _, i in pairs})  # one to one

@@ -653,7 +653,8 @@ def _pair_problems(config: RunConfig) -> list[str]:
 
 def consistency_problems(config: RunConfig, processes: int | None = None, on_cpu: bool | None = None,
                          facts: Any = None, attention: str | None = None, images: bool = False) -> list[str]:
-    """Every reason `config` cannot train as given, one message each: the one place a run is refused.
+    """Every reason `config` cannot train as given, one message each: the one place a combination of
+    settings is refused (what does not fit in memory, KTO's micro-batch among it, is the plan's to say).
 
     The values alone (each valid, not together or not in range: the preference objective's, the
     data's, the training's, the strategy's); with `processes` (how many train; None: not known

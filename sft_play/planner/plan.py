@@ -387,7 +387,8 @@ def largest_split(config: RunConfig, target: Target, shape: ModelShape) -> int:
     if target.world_size == 1 or config.model.attn_implementation in ("eager", "flex_attention"):
         return 1
     zero = [] if Strategy(config.distributed.strategy).deepspeed else ["distributed.strategy=deepspeed_zero2"]
-    deepspeed = remedy_catalogue.with_overrides(config, [*zero, "distributed.sequence_parallel=1"])
+    deepspeed = remedy_catalogue.with_overrides(config, [*zero, "distributed.sequence_parallel=1",
+                                                         "distributed.context_parallel=1"])
     return max(split_sizes(shape, resolve_for(deepspeed, target, None, shape)))
 
 

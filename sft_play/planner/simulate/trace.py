@@ -778,32 +778,35 @@ def layer_trace(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTra
     if (spec, seq_len, batched) not in _TRACES:
         if len(_TRACES) >= 64:
             _TRACES.clear()
-        found = cache.remembered(
-            "trace" if batched else "trace-single",
-            (spec, seq_len, config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)),
-            lambda: _derived(spec, seq_len, batched) or _traced(spec, seq_len, batched),
-            keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
+        identity = config_identity(spec.name_or_path, spec.revision, spec.trust_remote_code)
+        layer = (spec, batched, identity)
+        found = cache.remembered("trace" if batched else "trace-single", (spec, seq_len, identity),
+                                 lambda: _derived(layer, seq_len) or _traced(spec, seq_len, batched),
+                                 keep=cache.keeps(spec.name_or_path, spec.trust_remote_code))
         if not spec.tiled_mlp and seq_len % lengths.STEP == 0:
             if len(_AT_LENGTHS) >= 32:
                 _AT_LENGTHS.clear()
-            _AT_LENGTHS.setdefault((spec, batched), {})[seq_len] = found
+            _AT_LENGTHS.setdefault(layer, {})[seq_len] = found
         _TRACES[spec, seq_len, batched] = found
     return _TRACES[spec, seq_len, batched]
 
 
 _TRACES: dict[tuple[TraceSpec, int, bool], LayerTrace] = {}
-_AT_LENGTHS: dict[tuple[TraceSpec, bool], dict[int, LayerTrace]] = {}  # this process's traces, by length
+# This process's traces by length, per (spec, batched, the model config's identity)
+_AT_LENGTHS: dict[tuple[TraceSpec, bool, Any], dict[int, LayerTrace]] = {}
+_ONE_ROW: dict[tuple, dict[str, Any]] = {}  # the raw events of a module at micro-batch 1, for the whole trace
 
 
-def _derived(spec: TraceSpec, seq_len: int, batched: bool) -> LayerTrace | None:
+def _derived(layer: tuple[TraceSpec, bool, Any], seq_len: int) -> LayerTrace | None:
     """The trace at `seq_len` from this process's traces of the same layer at other lengths
     (:func:`sft_play.planner.simulate.lengths.derived`) where they fix it: of the same regime
     (tiled MLPs never: the tiles' count and size move with the length; a window's mask from the
     window's length on)."""
+    spec = layer[0]
     if spec.tiled_mlp:
         return None
     regime = _windowed(spec, seq_len)
-    known = {s: t for s, t in _AT_LENGTHS.get((spec, batched), {}).items() if _windowed(spec, s) == regime}
+    known = {s: t for s, t in _AT_LENGTHS.get(layer, {}).items() if _windowed(spec, s) == regime}
     return lengths.derived(known, seq_len)
 
 
@@ -813,7 +816,6 @@ def _windowed(spec: TraceSpec, seq_len: int) -> bool:
         return False
     window = sliding_window(load_model_config(spec.name_or_path, spec.revision, spec.trust_remote_code))
     return sliding_mask(spec.attention, spec.masked, window, seq_len)
-_ONE_ROW: dict[tuple, dict[str, Any]] = {}  # the raw events of a module at micro-batch 1, for the whole trace
 
 
 def _traced(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
