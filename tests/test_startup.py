@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from sft_play import cli
-from tests.conftest import REPO, ZYGOTE_WANTED
+from tests.conftest import _BASE_ENV, REPO, ZYGOTE_WANTED
 
 
 def frozen(objects) -> list[bool]:
@@ -94,7 +94,9 @@ def test_a_script_forked_by_the_zygote_runs_as_a_fresh_interpreter_would(tmp_pat
     script.write_text(PROBE)
     zygote = _zygote()
     assert zygote is not None, "the test zygote did not start"
-    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"}
+    # (from the environment every test starts with: an earlier test of this worker may have left a variable
+    # a library sets on import, with which a script starts fresh: the test after this one)
+    env = {**_BASE_ENV, "ACCELERATE_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
         forked = start_script([sys.executable, str(script), "0", "two"], env, out, err)
         assert not isinstance(forked, subprocess.Popen)  # served by the zygote
@@ -152,7 +154,7 @@ def test_a_launchers_rank_is_forked_and_its_stand_in_passes_signals_and_endings_
 
     def started(argument: str, **env: str) -> tuple[subprocess.Popen, dict]:
         process = subprocess.Popen([sys.executable, "-u", str(script), argument], stdout=subprocess.PIPE, text=True,
-                                   env={**os.environ, "LOCAL_RANK": "0", "RANK": "0", **env})
+                                   env={**_BASE_ENV, "LOCAL_RANK": "0", "RANK": "0", **env})
         return process, json.loads(process.stdout.readline())
 
     stood_in, said = started("stop")
