@@ -11,8 +11,8 @@ What cannot be the script's own is what those libraries read from the environmen
 were imported (``HF_HUB_OFFLINE``, ``HF_HOME``, ``ATEN_CPU_CAPABILITY``...): a request whose
 environment differs from this process's in anything but :data:`READ_AT_RUN_TIME` is started
 as a fresh interpreter instead (conftest decides). Nothing is imported here that a script
-decides about or configures first (:data:`PRELOADED`): datasets, bitsandbytes and DeepSpeed,
-peft, trl and sft_play itself are imported by the script, as in a fresh process.
+decides about or configures first (:data:`PRELOADED`): bitsandbytes and DeepSpeed, peft, trl
+and sft_play itself are imported by the script, as in a fresh process.
 
 Protocol, one JSON document per line: on stdout ``{"ready": true}`` once imported; then, for
 each request on stdin ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
@@ -47,8 +47,8 @@ READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELER
                               "SFT_PLAY_CACHE"})
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
 # import: the Makefile's variables and make's own (exported to the commands below it), the
-# rendezvous, accelerate's and the training's settings, and what DeepSpeed and datasets read (not
-# imported here). CUDA_VISIBLE_DEVICES is read at torch's first CUDA call, which the imports here
+# rendezvous, accelerate's and the training's settings, what DeepSpeed reads (not imported here) and
+# datasets' progress bars (imported here as every command sets them). CUDA_VISIBLE_DEVICES is read at torch's first CUDA call, which the imports here
 # do not make (main checks it).
 RANK_READS_AT_RUN_TIME = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
@@ -61,12 +61,16 @@ RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL
                                   "SFT_PLAY_")
 # The socket a rank's stand-in (tests/shim/sitecustomize.py) asks this process to fork it on
 SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
-# Only libraries that read nothing a script sets in its environment before importing them: not
-# datasets (HF_DATASETS_DISABLE_PROGRESS_BARS, set by sft_play.cli.quiet_libraries), DeepSpeed
-# (DS_ACCELERATOR, TORCH_CUDA_ARCH_LIST), bitsandbytes, peft or trl (sft_play.lean_imports)
+# Only libraries that read nothing a script sets in its environment before importing them, or read
+# it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR,
+# TORCH_CUDA_ARCH_LIST), bitsandbytes, peft or trl (sft_play.lean_imports)
 PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
              "transformers.masking_utils", "transformers.models.auto.modeling_auto",
-             "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba")
+             "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba", "datasets")
+# What every command sets before it imports the libraries (sft_play.cli.quiet_libraries, with
+# setdefault): set here only while they import, so that a request's environment without it is this
+# process's, and one that sets it otherwise differs (and starts fresh)
+SET_BY_EVERY_SCRIPT = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
 # This process's own streams, kept referenced in a child: were they collected there, they would
@@ -181,8 +185,12 @@ def main() -> None:
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
 
+    added = {key: value for key, value in SET_BY_EVERY_SCRIPT.items() if key not in os.environ}
+    os.environ.update(added)
     for name in PRELOADED:
         importlib.import_module(name)
+    for key in added:
+        del os.environ[key]
     gc.freeze()
     gc.enable()
     assert not sys.modules["torch"].cuda.is_initialized()  # (see RANK_READS_AT_RUN_TIME)

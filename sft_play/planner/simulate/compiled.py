@@ -270,6 +270,12 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the compiled replay already (then a replay of any size costs
+    less compiled than through the reference allocator)."""
+    return _kernel.cache_info().currsize > 0 and _kernel() is not None
+
+
 def replay(kinds: np.ndarray, handles: np.ndarray, sizes: np.ndarray, categories: list[str],
            category_ids: np.ndarray, capacity: int | None) -> dict:
     """Replay events (`kinds` 1 allocate / 0 free, `handles` any int64 names, `sizes` in bytes,

@@ -185,7 +185,8 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     ``out_of_memory``. `log`, a list, receives every allocation and free in order (through the
     reference allocator); without one the step is replayed compiled where it can be
     (:mod:`sft_play.planner.simulate.compiled`), with the same result."""
-    if spec.on_cuda and log is None and _events_per_step(shape, trace, spec) >= COMPILED_FROM and compiled.available():
+    if spec.on_cuda and log is None and (compiled.loaded() or _events_per_step(shape, trace, spec) >= COMPILED_FROM
+                                         and compiled.available()):
         events = _Events()
         _replay(_Replay(events), shape, trace, spec)
         kinds, handles, sizes, categories, category_ids = events.arrays()
@@ -222,9 +223,9 @@ def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, 
                       allocator.releases, dict(allocator.at_peak_allocated))
 
 
-# Replays of fewer events than this run through the reference allocator: a tiny model's step
-# (hundreds of events) takes milliseconds there, less than loading the compiled code (about half
-# a second, and numba's import) would cost the process
+# Replays of fewer events than this run through the reference allocator until the process has loaded
+# the compiled code: a tiny model's step (hundreds of events) takes milliseconds there, less than
+# loading it (about half a second, and numba's import) would cost the process
 COMPILED_FROM = 20_000
 
 
