@@ -134,15 +134,19 @@ def longest(config, target, args) -> int:
     from sft_play.planner import WITHOUT_REMEDIES, make_plan, model_shape, progress
     from sft_play.planner.choose import longest as question
     from sft_play.planner.plan import largest_split
+    from sft_play.planner.simulate.predict import side_by_side
 
     shape = model_shape(config)
     targets = [target] if target.world_size == 1 else [dataclasses.replace(target, world_size=1), target]
+
+    def answered(each):
+        return question.longest_rows(config, each, lambda c, t: make_plan(c, t, None, options=WITHOUT_REMEDIES),
+                                     shape.max_positions, args.config, tuple(args.overrides),
+                                     split=largest_split(config, each, shape))
+
     report = []
-    for each in targets:
-        answers = question.longest_rows(config, each,
-                                        lambda c, t: make_plan(c, t, None, options=WITHOUT_REMEDIES),
-                                        shape.max_positions, args.config, tuple(args.overrides),
-                                        split=largest_split(config, each, shape))
+    # (the targets planned side by side on a machine with the cores: the same answers)
+    for each, answers in zip(targets, side_by_side([lambda each=each: answered(each) for each in targets])):
         report.append({"gpus": each.world_size, "device": each.device_name, "answers": answers})
         if not args.json:
             progress.clear()  # the progress line, written in place on a terminal

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache
 from tests.conftest import FIXTURES, REPO
@@ -180,6 +182,34 @@ def test_the_ranks_of_a_node_share_its_cores_for_replays(monkeypatch):
     assert prediction._cores_per_process() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert prediction._cores_per_process() == 1  # replays one after another
+
+
+def test_side_by_side_answers_in_order_from_forked_processes_or_here(monkeypatch):
+    """make plan LONGEST=1's targets: planned in a process beside this one where a core is spare,
+    here one after another where not, or where the pool cannot start; the answers the same, in
+    order, and what a forked call raises raised here."""
+    from sft_play.planner.simulate import predict as prediction
+
+    calls = [lambda: ("first", os.getpid()), lambda: ("second", os.getpid()), lambda: ("third", os.getpid())]
+    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 3)
+    answers = prediction.side_by_side(calls)
+    assert [a[0] for a in answers] == ["first", "second", "third"]
+    assert answers[0][1] == os.getpid() and os.getpid() not in {answers[1][1], answers[2][1]}
+    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 1)
+    assert prediction.side_by_side(calls) == [(name, os.getpid()) for name in ("first", "second", "third")]
+
+    def failing():
+        raise ValueError("a config the forked process refused")
+
+    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 2)
+    with pytest.raises(ValueError, match="refused"):
+        prediction.side_by_side([calls[0], failing])
+
+    def no_pool(*args, **kwargs):
+        raise OSError("fork: resource temporarily unavailable")
+
+    monkeypatch.setattr(prediction, "ProcessPoolExecutor", no_pool)
+    assert prediction.side_by_side(calls) == [(name, os.getpid()) for name in ("first", "second", "third")]
 
 
 def test_a_second_make_plan_imports_no_transformers_and_says_the_same(tmp_path):

@@ -85,6 +85,12 @@ def doing(label: str) -> Iterator[None]:
         reporter.labels.pop()
 
 
+def silenced() -> None:
+    """Say nothing from here on in this process (a process planning beside the one that reports)."""
+    global _REPORTER
+    _REPORTER = None
+
+
 def clear() -> None:
     """Clear the progress line before printing something else (within :func:`reporting`)."""
     if _REPORTER is not None:

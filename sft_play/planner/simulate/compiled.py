@@ -43,9 +43,10 @@ def _kernel():
         logger.debug("numba unavailable (%s): replays run through the Python allocator", error)
         return None
     jit = numba.njit(cache=True, nogil=True)
-    global _position, _remove, _insert, _release, _take, _give_back
+    global _position, _remove, _insert, _release, _new_block, _retire, _take, _give_back
     # the helpers compiled first: _replay calls them compiled
     _position, _remove, _insert, _release = jit(_position), jit(_remove), jit(_insert), jit(_release)
+    _new_block, _retire = jit(_new_block), jit(_retire)
     _take, _give_back = jit(_take), jit(_give_back)
     return jit(_replay)
 
@@ -84,7 +85,7 @@ def _insert(free, counts, pool, size, address, block):
     counts[pool] += 1
 
 
-def _release(free, counts, previous, following, segment_of, segment_sizes):
+def _release(free, counts, previous, following, segment_of, segment_sizes, state, dead):
     """``release_cached_blocks``: every completely free segment goes back; the bytes released."""
     released = 0
     for pool in range(2):
@@ -94,20 +95,38 @@ def _release(free, counts, previous, following, segment_of, segment_sizes):
             if previous[block] == -1 and following[block] == -1:
                 released += segment_sizes[segment_of[block]]
                 _remove(free, counts, pool, i)
+                _retire(block, state, dead)
             else:
                 i += 1
     return released
 
 
-# The replay's counters: state[RESERVED | RELEASES | BLOCKS | SEGMENTS]
-RESERVED, RELEASES, BLOCKS, SEGMENTS = 0, 1, 2, 3
+# The replay's counters: state[RESERVED | RELEASES | BLOCKS | SEGMENTS | DEAD]
+RESERVED, RELEASES, BLOCKS, SEGMENTS, DEAD = 0, 1, 2, 3, 4
 
 
-def _take(size, capacity, rules, blocks, free, counts, segment_sizes, state):
+def _new_block(state, dead):
+    """A block number for a new block: one a merge or a release retired, else the next. Reused,
+    the blocks' arrays stay as long as the most blocks alive at once, not one entry per split of
+    the step (millions for a long row's tiled MLPs), and stay in the processor's caches."""
+    if state[DEAD] > 0:
+        state[DEAD] -= 1
+        return dead[state[DEAD]]
+    block = state[BLOCKS]
+    state[BLOCKS] += 1
+    return block
+
+
+def _retire(block, state, dead):
+    dead[state[DEAD]] = block
+    state[DEAD] += 1
+
+
+def _take(size, capacity, rules, blocks, free, counts, segment_sizes, state, dead):
     """The block serving an allocation of `size` rounded bytes: the best fit, else a new segment
     (after releasing the cache at `capacity`), split when the rest is large enough; (block, grew),
     block -1 where the allocation fails."""
-    segment_of, address, size_of, small_pool, _, _, previous, following = blocks
+    segment_of, address, size_of, small_pool, taken, _, previous, following = blocks
     min_block, small_size, small_segment, large_segment, min_large_alloc, round_large = rules
     small = size <= small_size
     pool = 0 if small else 1
@@ -122,26 +141,25 @@ def _take(size, capacity, rules, blocks, free, counts, segment_sizes, state):
             allocation = ((size + round_large - 1) // round_large) * round_large
         if capacity >= 0 and state[RESERVED] + allocation > capacity:
             state[RELEASES] += 1
-            state[RESERVED] -= _release(free, counts, previous, following, segment_of, segment_sizes)
+            state[RESERVED] -= _release(free, counts, previous, following, segment_of, segment_sizes, state, dead)
             if state[RESERVED] + allocation > capacity:
                 return -1, grew
         segment = state[SEGMENTS]
         segment_sizes[segment] = allocation
         state[RESERVED] += allocation
-        block = state[BLOCKS]
-        state[BLOCKS] += 1
+        block = _new_block(state, dead)
         segment_of[block], address[block], size_of[block] = segment, segment << 48, allocation
         small_pool[block] = small
+        previous[block], following[block] = -1, -1
         state[SEGMENTS] += 1
     else:
         block = free[pool, BLOCK, index]
         _remove(free, counts, pool, index)
     remaining = size_of[block] - size
     if (remaining >= min_block) if small else (remaining > small_size):
-        rest = state[BLOCKS]
-        state[BLOCKS] += 1
+        rest = _new_block(state, dead)
         segment_of[rest], address[rest], size_of[rest] = segment_of[block], address[block] + size, remaining
-        small_pool[rest] = small
+        small_pool[rest], taken[rest] = small, False
         previous[rest], following[rest] = block, following[block]
         if following[block] != -1:
             previous[following[block]] = rest
@@ -151,7 +169,7 @@ def _take(size, capacity, rules, blocks, free, counts, segment_sizes, state):
     return block, grew
 
 
-def _give_back(block, blocks, free, counts):
+def _give_back(block, blocks, free, counts, state, dead):
     """A freed block merged with the free blocks beside it in its segment, and cached."""
     _, address, size_of, small_pool, taken, _, previous, following = blocks
     taken[block] = False
@@ -163,6 +181,7 @@ def _give_back(block, blocks, free, counts):
         following[before] = after
         if after != -1:
             previous[after] = before
+        _retire(block, state, dead)
         block = before
     if after != -1 and not taken[after]:  # and the free block after it into it
         _remove(free, counts, pool, _position(free, counts, pool, size_of[after], address[after]))
@@ -170,6 +189,7 @@ def _give_back(block, blocks, free, counts):
         following[block] = following[after]
         if following[after] != -1:
             previous[following[after]] = block
+        _retire(after, state, dead)
     _insert(free, counts, pool, size_of[block], address[block], block)
 
 
@@ -184,15 +204,16 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
     for event in range(events):
         allocations += kinds[event]
     most = 2 * allocations + 2  # an allocation makes at most two blocks: a segment and a split's rest
-    # per block: segment, address, size, small pool, allocated, category, previous and next (-1: none)
-    blocks = (np.zeros(most, np.int64), np.zeros(most, np.int64), np.zeros(most, np.int64), np.zeros(most, np.bool_),
-              np.zeros(most, np.bool_), np.zeros(most, np.int64), np.full(most, -1, np.int64),
-              np.full(most, -1, np.int64))
+    # per block: segment, address, size, small pool, allocated, category, previous and next (-1: none);
+    # each written as a block is made (empty, not zeroed: only the blocks alive at once are touched)
+    blocks = (np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.bool_),
+              np.empty(most, np.bool_), np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.int64))
     size_of, taken, category_of = blocks[2], blocks[4], blocks[5]
-    segment_sizes = np.zeros(allocations + 1, np.int64)
-    free = np.zeros((2, 3, most), np.int64)
+    segment_sizes = np.empty(allocations + 1, np.int64)
+    free = np.empty((2, 3, most), np.int64)
+    dead = np.empty(most, np.int64)  # retired block numbers, reused first
     counts = np.zeros(2, np.int64)
-    state = np.zeros(4, np.int64)
+    state = np.zeros(5, np.int64)
     live = np.full(handle_count, -1, np.int64)
     by_category = np.zeros(category_count, np.int64)
     at_peak = np.zeros(category_count + 1, np.int64)
@@ -205,7 +226,7 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
         if kinds[event] == 1:
             size = sizes[event]
             size = min_block if size < min_block else ((size + min_block - 1) // min_block) * min_block
-            block, grew = _take(size, capacity, rules, blocks, free, counts, segment_sizes, state)
+            block, grew = _take(size, capacity, rules, blocks, free, counts, segment_sizes, state, dead)
             if block == -1:
                 out_of_memory = True
                 break
@@ -232,7 +253,7 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 pending = False
             allocated -= size_of[block]
             by_category[category_of[block]] -= size_of[block]
-            _give_back(block, blocks, free, counts)
+            _give_back(block, blocks, free, counts, state, dead)
     if pending:
         at_peak_allocated[:] = by_category
     return peak_reserved, peak_allocated, state[RELEASES], out_of_memory, at_peak, at_peak_allocated

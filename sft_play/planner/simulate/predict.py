@@ -16,9 +16,11 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Any
 
 from sft_play import hardware
 from sft_play.architecture import config_identity
@@ -138,6 +140,43 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
                 _remember(_key(shape, *request), prediction)
                 REPLAYS[0] += replays
     return [predict(shape, *request) for request in requests]
+
+
+def side_by_side(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, in order: the first made here while the others are made in forked
+    processes beside it (as :func:`predict_many`'s replays), where this process has a core for
+    each and can fork; else one after another. Calls that plan (``make plan LONGEST=1``'s
+    targets) give the same answers either way; what a forked one predicts reaches this process
+    through the disk's cache only."""
+    workers = min(len(calls) - 1, _cores_per_process() - 1)
+    if workers < 1 or "fork" not in multiprocessing.get_all_start_methods() or sys.platform == "darwin":
+        return [call() for call in calls]
+    _SIDE_CALLS[:] = calls
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_side_worker_started, initargs=(os.getpid(),)) as pool:
+            others = [pool.submit(_side_call, index) for index in range(1, len(calls))]
+            first = calls[0]()
+            return [first, *(other.result() for other in others)]
+    except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: here then
+        logger.debug("planned one after another: %s", error)
+        return [call() for call in calls]
+    finally:
+        _SIDE_CALLS.clear()
+
+
+_SIDE_CALLS: list[Callable[[], Any]] = []  # what side_by_side's forked processes call, inherited by the fork
+
+
+def _side_worker_started(parent: int) -> None:
+    from sft_play.planner import progress
+
+    _replay_worker_started(parent)
+    progress.silenced()  # the planning process says what it is on
+
+
+def _side_call(index: int) -> Any:
+    return _SIDE_CALLS[index]()
 
 
 def _replay_worker_started(parent: int) -> None:
