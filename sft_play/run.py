@@ -353,10 +353,12 @@ def attention_kernel(config: RunConfig, precision: Precision, on_cuda: bool, eag
 
 
 def experts_kernel(on_cuda: bool, precision: Precision) -> str:
-    """How a mixture-of-experts model runs its experts: torch's grouped GEMM on CUDA with bf16
-    weights (transformers casts the tokens to the weights' dtype, and the kernel takes bf16),
-    otherwise transformers' per-expert loop (fp32 masters of a full fine-tune, the CPU)."""
-    return "grouped_mm" if on_cuda and precision.weights_dtype == "bfloat16" else "eager"
+    """How a mixture-of-experts model runs its experts: torch's grouped GEMM (transformers casts
+    the tokens to the weights' dtype) on the CPU, in any dtype, and on CUDA with bf16 weights,
+    where its kernel takes bf16 only; transformers' per-expert loop for the fp32 masters of a full
+    fine-tune on CUDA. The grouped GEMM is what the planner traces: the loop keeps the same rows
+    for backward, but with LoRA on the experts each expert's turn reads the adapted weights again."""
+    return "grouped_mm" if not on_cuda or precision.weights_dtype == "bfloat16" else "eager"
 
 
 def collator_kind(packing: bool, attention: str) -> Collator:

@@ -1,6 +1,6 @@
 """The planner's memory simulation against PyTorch's own count, on a real training step on the CPU
 (issue 61's ground truth): bench/cpu_ground_truth.py measures every cell and writes
-docs/reports/cpu_ground_truth.md; this pins the cell that meets the target."""
+docs/reports/cpu_ground_truth.md; this pins cells of each kind that meet the target."""
 
 from __future__ import annotations
 
@@ -55,3 +55,4 @@ def test_a_tiled_mlp_step_peaks_where_the_plan_says(tmp_path):
     config, run, _, _ = ground_truth.tiny_trainer(tmp_path / "plain", cell)
     untiled = run.with_changes(kernels=dataclasses.replace(run.kernels, tiled_mlp=False))
     assert run.kernels.tiled_mlp and predict(model_shape(config), untiled, 2).peak_bytes > 1.25 * result["predicted_bytes"]
+

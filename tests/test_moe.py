@@ -50,7 +50,7 @@ def test_moe_plans_report_active_parameters_and_the_experts_kernel():
     assert gpu.experts == "8 routed, 2 per token, grouped_mm kernel"
     config = load("tiny-qwen3-moe", "finetune.method=full")
     cpu = resolve_for(config, Target(1, 8 * GIB, "CPU", bf16_supported=False, on_cuda=False))
-    assert cpu.kernels.experts == "eager"  # fp32 on the CPU: the per-expert loop
+    assert cpu.kernels.experts == "grouped_mm"  # torch's CPU kernel takes fp32: the path the planner traces
     full_gpu = resolve_for(config, Target(1, 80 * GIB, "1 x H100"))
     assert full_gpu.kernels.experts == "eager"  # fp32 masters: torch's grouped GEMM takes bf16 only
     assert make_plan(config, Target(1, 80 * GIB, "1 x H100")).experts == "8 routed, 2 per token, per-expert loop (eager)"
@@ -161,7 +161,7 @@ def _loss_falls(run_dir) -> dict:
 def test_a_tiny_qwen3_moe_trains_with_lora_on_attention_and_experts(moe_lora_run):
     summary = _loss_falls(moe_lora_run)
     recorded = json.loads((moe_lora_run / "run.json").read_text())
-    assert recorded["kernels"]["experts"] == "eager" and recorded["lora"]["dropout"] == 0.0
+    assert recorded["kernels"]["experts"] == "grouped_mm" and recorded["lora"]["dropout"] == 0.0
     adapter = json.loads((moe_lora_run / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights"
     assert summary["losses"] and summary["global_step"] == 6
@@ -193,7 +193,7 @@ def test_an_moe_model_trains_under_ddp_on_two_processes_like_a_dense_one(moe_run
     assert "2 process(es) on 1 node(s), DistributedType.MULTI_CPU" in output
     check_two_rank_run(run_dir, output)  # identical weights, disjoint rows, checkpoints, one report
     recorded = json.loads((run_dir / "run.json").read_text())
-    assert recorded["kernels"]["experts"] == "eager" and recorded["parallel"]["world_size"] == 2
+    assert recorded["kernels"]["experts"] == "grouped_mm" and recorded["parallel"]["world_size"] == 2
     adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
     assert adapter.get("target_parameters"), "LoRA reaches the fused expert weights on every rank"
 
