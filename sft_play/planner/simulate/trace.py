@@ -582,11 +582,13 @@ def with_method(model: Any, spec: TraceSpec, unquantised: tuple[str, ...] = ()) 
 
 
 def _final_norm(model: Any, layer: Any) -> Any | None:
-    """The norm applied to the last hidden state: the last module of the backbone outside the
-    decoder layers whose name ends in 'norm'."""
+    """The norm applied to the last hidden state: the last module outside the decoder layers
+    named as transformers names final norms, else the last whose name ends in 'norm' (LFM2's
+    ``embedding_norm``, applied after its layers; GPT-NeoX's ``final_layer_norm``)."""
     inside = {id(m) for m in layer.modules()}
-    norms = [m for name, m in model.named_modules()
-             if id(m) not in inside and name.split(".")[-1] in ("norm", "final_layernorm", "ln_f", "norm_f")]
+    outside = [(name.split(".")[-1], m) for name, m in model.named_modules() if id(m) not in inside]
+    norms = ([m for name, m in outside if name in ("norm", "final_layernorm", "ln_f", "norm_f")]
+             or [m for name, m in outside if name.endswith("norm") and not any(True for _ in m.children())])
     return norms[-1] if norms else None
 
 
