@@ -287,3 +287,22 @@ def test_the_data_keeps_the_encoder_inputs_of_its_heaviest_example(tmp_path, fam
     assert stats.image_max_pixels == 0  # (Idefics3 sizes images by their longest edge, not by area)
     lengths = [len(row["input_ids"]) for row in bundle.train]
     assert 0 < stats.text_tokens_max < min(lengths)  # every example's image tokens left out
+
+
+def test_sequence_parallel_auto_never_splits_rows_that_hold_images():
+    """``distributed.sequence_parallel: auto`` chooses among the splits the run may take: with
+    images in the data, none (a split would part an image's tokens, which the run refuses)."""
+    from sft_play.config import load as load_config
+    from sft_play.data import DataStats
+    from sft_play.planner import model_shape
+    from sft_play.planner.plan import split_sizes
+    from sft_play.run import resolve
+
+    config = load_config(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'qwen2.5-vl-7b'}",
+                                "distributed.strategy=deepspeed_zero3", "distributed.sequence_parallel=auto"],
+                         check_paths=False)
+    shape = model_shape(config)
+    text = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, data_stats=DataStats(examples=10))
+    pictured = resolve(config, on_cuda=True, bf16_supported=True, world_size=8,
+                       data_stats=DataStats(examples=10, images=8, pictured=8))
+    assert split_sizes(shape, text)[:2] == [1, 2] and split_sizes(shape, pictured) == [1]

@@ -373,9 +373,10 @@ def _finished(config: RunConfig, target: Target, data_stats: Any | None, shape: 
 def split_sizes(shape: ModelShape, run: Run) -> list[int]:
     """The sequence-parallel sizes `run` can take on its processes, fewest first: 1, and under
     DeepSpeed each divisor of the processes that the model's heads and attention allow
-    (:func:`sft_play.config.sequence_split_problem`)."""
+    (:func:`sft_play.config.sequence_split_problem`); 1 only where rows hold images, whose tokens
+    a split would part from each other (as :func:`sft_play.config.consistency_problems` refuses)."""
     world = run.parallel.world_size
-    if not run.parallel.deepspeed:
+    if not run.parallel.deepspeed or run.images:
         return [1]
     return [n for n in range(1, world + 1) if world % n == 0
             and (n == 1 or sequence_split_problem(shape.facts, n, run.kernels.attention, world) is None)]
