@@ -76,7 +76,8 @@ def _differences(kind: dict[str, Any], covered: dict[str, Any], attention: bool 
         differences.append(f"{kind['method']} of the {kind['model_type']} family (measured: "
                            f"{', '.join(families[kind['model_type']])})")
     if kind["strategy"] not in covered["strategies"]:
-        differences.append(f"{kind['strategy']} across processes (measured: one process)")
+        measured = ", ".join("one process" if s == "none" else s for s in covered["strategies"])
+        differences.append(f"{kind['strategy']} across processes (measured: {measured})")
     if kind["objective"] not in covered["objectives"]:
         differences.append(f"{kind['objective'].upper()} steps (measured: {', '.join(covered['objectives']).upper()})")
     if attention and kind["attention"] not in covered["attention"]:
