@@ -128,8 +128,6 @@ def tiny_trainer(folder: Path, cell: dict):
         # (FSDP2 refuses a trainable copy of the head: each rank's shard would keep its own gradient)
         *(["lora.modules_to_save=[]"] if cell.get("strategy") == "fsdp2" and cell["method"] == "lora" else [])])
     if _processes(cell) > 1:  # the process group and the strategy's accelerator state, as the entry script starts them
-        import os
-
         from sft_play.parallelism import Strategy
         from sft_play.train import placement, start_processes
 
