@@ -86,6 +86,26 @@ def pytest_collection(session):
     return result
 
 
+# Modules of few, long tests (real training steps, processes behind one module-wide fixture), which
+# pytest-xdist's order (the modules of most tests first) hands out last, where one worker ran them alone
+# while the other had finished: first instead (pyproject's --no-loadscope-reorder keeps this order)
+LONG_MODULES_FIRST = ("test_cpu_ground_truth.py", "test_preference_distributed.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """:data:`LONG_MODULES_FIRST` first, then the modules of most tests (pytest-xdist's own order)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def module_rank(item) -> tuple:
+        name = item.path.name
+        return (LONG_MODULES_FIRST.index(name) if name in LONG_MODULES_FIRST else len(LONG_MODULES_FIRST),
+                -counts[name], name)
+
+    items.sort(key=module_rank)  # (stable: a module's tests keep their order)
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """What a test sets in this process's environment (a script run in-process: cli.run sets

@@ -7,8 +7,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import cpu_ground_truth as ground_truth  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real training steps under the profiler
 
 
 def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_path):

@@ -751,7 +751,9 @@ PLAN_COMMANDS = {
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     image = tmp_path_factory.mktemp("plot") / "plan.png"
-    commands = {**PLAN_COMMANDS, "70b": (*PLAN_COMMANDS["70b"], str(image))}
+    # (the 70B plan counts its replays: a cache of its own, not one another test's plan of it filled)
+    commands = {**PLAN_COMMANDS, "70b": (*PLAN_COMMANDS["70b"], str(image),
+                                         {"SFT_PLAY_CACHE": str(tmp_path_factory.mktemp("cache"))})}
     return {"image": image, **dict(zip(commands, run_scripts_together(*commands.values())))}
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # two-process trainings started by the make targets
+
 RUNS = {  # name: (make target, overrides)
     "ddp": ("train-distributed", ()),
     "zero2": ("train-deepspeed", ("distributed.strategy=deepspeed_zero2",)),
