@@ -15,7 +15,7 @@ from sft_play.planner.simulate import memory
 from sft_play.planner.choose.split import BatchSplit, budget_bytes, choose_split, largest_fitting_micro, split_global_batch
 from sft_play.planner.choose.search import shorter_lengths
 from sft_play.planner.simulate.shapes import ModelShape
-from tests.conftest import bare_run, run_scripts_together, with_parallel
+from tests.conftest import REPO, bare_run, run_scripts_together, with_parallel
 
 GIB = 1024**3
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "model_configs"
@@ -191,16 +191,42 @@ def test_gradients_and_optimizer_states():
     assert memory.optimizer_step_bytes(SHAPE, dataclasses.replace(FULL, optimizer="adamw_torch_fused")) == 0
 
 
+def test_zero2s_gradient_partition_and_buckets_live_from_backward_to_the_step():
+    """As measured on two gloo processes (bench/cpu_ground_truth.py): at ZeRO-2's peak in the
+    loss's backward neither the gradient partition nor the reduction buckets exist yet (DeepSpeed
+    makes them as the first gradients are reduced, and drops the partition at zero_grad);
+    accumulating, the partition the earlier micro-batches filled is held through the forward."""
+    from sft_play.planner.simulate.predict import predict, static_lower_bound
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        "finetune.method=full", "train.gradient_checkpointing=true", "train.mixed_precision=no",
+        "distributed.strategy=deepspeed_zero2"], check_paths=False)
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=2).with_changes(batch=BatchSplit(2, 1, 2, 4))
+    peak = predict(shape, run, 2)
+    assert "gradients" not in peak.breakdown and "zero_buffers" not in peak.breakdown, peak.breakdown
+    assert peak.peak_bytes >= static_lower_bound(shape, run)
+    accumulating = predict(shape, run, 2, accumulating=True)
+    assert accumulating.breakdown["gradients"] == memory.gradient_bytes(shape, run)
+    assert accumulating.peak_bytes == peak.peak_bytes + memory.gradient_bytes(shape, run)
+
+
 def test_zero_shards_gradients_states_masters_and_parameters():
     zero2 = with_parallel(FULL, world_size=4, strategy="deepspeed_zero2")
     assert memory.weights_bytes(SHAPE, zero2) == 2_000_000  # DeepSpeed holds the 16-bit copy
     assert memory.gradient_bytes(SHAPE, zero2) == 2_000_000 // 4
     assert memory.optimizer_state_bytes(SHAPE, zero2) == 8_000_000 // 4
     assert memory.master_weights_bytes(SHAPE, zero2) == 4_000_000 // 4
-    # reduce bucket (h^2 by default, double-buffered) and all-gather bucket, both in 16 bits
-    assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64 + 2 * 64 * 64
-    sized = with_parallel(zero2, reduce_bucket_elements=10_000, allgather_bucket_elements=5 * 10**8)
-    assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 10_000 + 2 * 1_000_000  # capped at the parameters
+    # the reduce bucket (h^2 by default) double-buffered in 16 bits, during backward only; the
+    # updated parameters are gathered into their flat groups, through no bucket
+    assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64
+    assert memory.zero_backward_buffers(zero2) and not memory.zero_backward_buffers(
+        with_parallel(zero2, strategy="deepspeed_zero3"))
+    sized = with_parallel(zero2, reduce_bucket_elements=5 * 10**8, allgather_bucket_elements=5 * 10**8)
+    assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 1_000_000  # capped at the parameters
+    # ZeRO-3: one bucket for the whole run
+    assert memory.zero_buffer_bytes(SHAPE, with_parallel(sized, strategy="deepspeed_zero3")) == 2 * 1_000_000
     offload = with_parallel(zero2, offload_optimizer=True)
     assert memory.optimizer_state_bytes(SHAPE, offload) == memory.master_weights_bytes(SHAPE, offload) == 0
     # the gradient partition lives in CPU memory too: ZeRO-2 stages through one GPU buffer of the

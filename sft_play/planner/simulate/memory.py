@@ -398,16 +398,28 @@ def fsdp_buffer_bytes(shape: ModelShape, run: Run) -> int:
 
 
 def zero_buffer_bytes(shape: ModelShape, run: Run) -> int:
-    """DeepSpeed ZeRO bucket buffers: the gradient-reduction bucket, double-buffered
-    (``reduce_bucket_size``, as the run resolves it: transformers fills 'auto' with h^2) and the
-    all-gather bucket for the updated parameters (``allgather_bucket_size``), in the 16-bit dtype
-    (deepspeed/runtime/zero/stage_1_and_2.py), neither larger than the trainable parameters."""
+    """DeepSpeed ZeRO's gradient-reduction bucket (``reduce_bucket_size`` elements as the run
+    resolves it: transformers fills 'auto' with h^2; never more than the trainable parameters) in
+    the gradients' dtype. ZeRO-1/2 double-buffer it (``overlap_comm``, as
+    configs/deepspeed_z2.json sets) while backward runs only (``setup_buckets`` at the first
+    gradient, ``_release_ipg_buffers`` after the last: :func:`zero_backward_buffers`); ZeRO-3
+    allocates one for the whole run (``stage3.py``). The updated parameters are gathered straight
+    into the flat 16-bit groups (``all_gather_into_tensor_dp_groups``): ``allgather_bucket_size``
+    allocates nothing (deepspeed/runtime/utils.py)."""
     if not run.parallel.deepspeed:
         return 0
     squared = shape.hidden_size * shape.hidden_size
     reduce_bucket = min(run.parallel.reduce_bucket_elements or squared, shape.trainable_params)
-    allgather_bucket = min(run.parallel.allgather_bucket_elements or squared, shape.trainable_params)
-    return 2 * (2 * reduce_bucket) + 2 * allgather_bucket
+    return (1 if run.parallel.strategy.zero3 else 2) * reduce_bucket * trainable_bytes(run)
+
+
+def zero_backward_buffers(run: Run) -> bool:
+    """Whether ZeRO's gradient partition and reduction buckets exist only from backward's first
+    gradient to the optimizer step (ZeRO-1/2 on the GPU: ``grads_in_partition`` and the buckets
+    made as the first gradients are reduced, the partition dropped by ``zero_grad``), rather than
+    for the whole run (ZeRO-3's ``grad_partitions_flat_buffer``; the staging buffer of optimizer
+    offload, counted whole-run as measured by no step yet)."""
+    return run.parallel.deepspeed and not run.parallel.strategy.zero3 and not run.parallel.offload_optimizer
 
 
 def outside_allocator_bytes(run: Run, on_cuda: bool = True, measured: tuple | dict = ()) -> int:

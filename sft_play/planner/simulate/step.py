@@ -285,8 +285,9 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
         _chunked(gpu, memory.fsdp_buffer_bytes(shape, run), "fsdp_buffers")
     if run.parallel.deepspeed:
         _chunked(gpu, memory.master_weights_bytes(shape, run), "master_weights")
-        _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
-        _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
+        if not memory.zero_backward_buffers(run):  # (ZeRO-1/2's: _zero_gradients, in each backward)
+            _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
+            _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
     _chunked(gpu, memory.ddp_bucket_bytes(shape, run), "ddp_buckets", DDP_BUCKET_BYTES)
     _chunked(gpu, memory.reference_bytes(shape, run), "reference")  # (a copy's; summed: loaded tensor by tensor)
 
@@ -315,8 +316,10 @@ def _optimizer_states(gpu: _Replay, shape: ModelShape, run: Run) -> None:
 
 
 def _held_gradients(gpu: _Replay, shape: ModelShape, run: Run) -> list:
-    """The gradients earlier micro-batches of the step left (ZeRO and FSDP2 keep only their
-    shard, already counted)."""
+    """The gradients earlier micro-batches of the step left: ZeRO-1/2's partition they were
+    accumulated into (ZeRO-3 and FSDP2 keep only their shard, already counted)."""
+    if memory.zero_backward_buffers(run):
+        return [gpu.new(memory.gradient_bytes(shape, run), "gradients")]
     if run.parallel.strategy.shards_states:
         return []
     return [gpu.new(numel * memory.trainable_bytes(run), "gradients") for numel in memory.trainable_tensors(shape, run)]
@@ -380,6 +383,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
 
     # Backward: the head, the final norm, then the layers from the top
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
+    buckets = _zero_gradients(gpu, shape, run, grads, keep_grads)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
         if spec.offload_hidden and norm.input_kept:
@@ -401,7 +405,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
         _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
-    gpu.free(incoming)
+    gpu.free(incoming, *buckets)
     if _trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
     gpu.free(*rotary, *masks, *batch)
@@ -481,6 +485,17 @@ def _keep_or_free(gpu: _Replay, run: Run, keep_grads: bool, grads: list, paramet
         gpu.free(*parameter_grads)
     else:
         grads += parameter_grads
+
+
+def _zero_gradients(gpu: _Replay, shape: ModelShape, run: Run, grads: list, keep_grads: bool) -> list:
+    """ZeRO-1/2 as the head's gradients arrive (the first of backward): the reduction buckets,
+    returned to be freed as backward ends, and this rank's gradient partition, kept to the
+    optimizer step (in `grads`; a later micro-batch adds into the one held). Nothing otherwise."""
+    if not memory.zero_backward_buffers(run):
+        return []
+    if keep_grads:
+        grads.append(gpu.new(memory.gradient_bytes(shape, run), "gradients"))
+    return [gpu.new(size, "zero_buffers") for size in [memory.zero_buffer_bytes(shape, run) // 2] * 2 if size]
 
 
 def _embedding_gradient(gpu: _Replay, shape: ModelShape, run: Run, grads: list) -> None:
