@@ -402,7 +402,7 @@ def zero_buffer_bytes(shape: ModelShape, run: Run) -> int:
     resolves it: transformers fills 'auto' with h^2; never more than the trainable parameters) in
     the gradients' dtype. ZeRO-1/2 double-buffer it (``overlap_comm``, as
     configs/deepspeed_z2.json sets) while backward runs only (``setup_buckets`` at the first
-    gradient, ``_release_ipg_buffers`` after the last: :func:`zero_backward_buffers`); ZeRO-3
+    gradient, ``_release_ipg_buffers`` after the last: :func:`sharded_gradients_in_backward`); ZeRO-3
     allocates one for the whole run (``stage3.py``). The updated parameters are gathered straight
     into the flat 16-bit groups (``all_gather_into_tensor_dp_groups``): ``allgather_bucket_size``
     allocates nothing (deepspeed/runtime/utils.py)."""
@@ -413,12 +413,17 @@ def zero_buffer_bytes(shape: ModelShape, run: Run) -> int:
     return (1 if run.parallel.strategy.zero3 else 2) * reduce_bucket * trainable_bytes(run)
 
 
-def zero_backward_buffers(run: Run) -> bool:
-    """Whether ZeRO's gradient partition and reduction buckets exist only from backward's first
-    gradient to the optimizer step (ZeRO-1/2 on the GPU: ``grads_in_partition`` and the buckets
-    made as the first gradients are reduced, the partition dropped by ``zero_grad``), rather than
-    for the whole run (ZeRO-3's ``grad_partitions_flat_buffer``; the staging buffer of optimizer
-    offload, counted whole-run as measured by no step yet)."""
+def sharded_gradients_in_backward(run: Run) -> bool:
+    """Whether this rank's gradient shard and the buckets that reduce into it exist only from
+    backward's first gradient to the optimizer step, as measured on two gloo processes
+    (bench/cpu_ground_truth.py): ZeRO-1/2's ``grads_in_partition`` and reduction buckets (made as
+    the first gradients are reduced, the buckets released as backward ends, the partition dropped
+    by ``zero_grad``), FSDP2's sharded gradients and reduce-scatter buffers (made by each unit's
+    post-backward, freed by ``zero_grad``). Not ZeRO-3's ``grad_partitions_flat_buffer``, made with
+    its optimizer for the whole run, nor the staging buffer of DeepSpeed's optimizer offload (no
+    step measured yet: counted for the whole run)."""
+    if run.parallel.fsdp:
+        return True
     return run.parallel.deepspeed and not run.parallel.strategy.zero3 and not run.parallel.offload_optimizer
 
 

@@ -280,14 +280,11 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
         if run.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
             for numel in memory.fsdp_step_gathered_tensors(shape):
                 gpu.new(numel * memory.gathered_bytes(run), "weights")
-    if run.parallel.fsdp:
-        _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's shard
-        _chunked(gpu, memory.fsdp_buffer_bytes(shape, run), "fsdp_buffers")
     if run.parallel.deepspeed:
         _chunked(gpu, memory.master_weights_bytes(shape, run), "master_weights")
-        if not memory.zero_backward_buffers(run):  # (ZeRO-1/2's: _zero_gradients, in each backward)
-            _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
-            _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
+    if run.parallel.strategy.shards_states and not memory.sharded_gradients_in_backward(run):  # (else _sharded_gradients)
+        _chunked(gpu, memory.gradient_bytes(shape, run), "gradients")  # this rank's averaged partition
+        _chunked(gpu, memory.zero_buffer_bytes(shape, run), "zero_buffers")
     _chunked(gpu, memory.ddp_bucket_bytes(shape, run), "ddp_buckets", DDP_BUCKET_BYTES)
     _chunked(gpu, memory.reference_bytes(shape, run), "reference")  # (a copy's; summed: loaded tensor by tensor)
 
@@ -316,10 +313,10 @@ def _optimizer_states(gpu: _Replay, shape: ModelShape, run: Run) -> None:
 
 
 def _held_gradients(gpu: _Replay, shape: ModelShape, run: Run) -> list:
-    """The gradients earlier micro-batches of the step left: ZeRO-1/2's partition they were
-    accumulated into (ZeRO-3 and FSDP2 keep only their shard, already counted)."""
-    if memory.zero_backward_buffers(run):
-        return [gpu.new(memory.gradient_bytes(shape, run), "gradients")]
+    """The gradients earlier micro-batches of the step left: the shard they were accumulated into
+    (ZeRO-3's, made for the whole run, already counted)."""
+    if memory.sharded_gradients_in_backward(run):
+        return [gpu.new(size, "gradients") for size in [memory.gradient_bytes(shape, run)] if size]
     if run.parallel.strategy.shards_states:
         return []
     return [gpu.new(numel * memory.trainable_bytes(run), "gradients") for numel in memory.trainable_tensors(shape, run)]
@@ -383,7 +380,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
 
     # Backward: the head, the final norm, then the layers from the top
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
-    buckets = _zero_gradients(gpu, shape, run, grads, keep_grads)
+    buckets, shard = _sharded_gradients(gpu, shape, run, keep_grads)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
         if spec.offload_hidden and norm.input_kept:
@@ -415,8 +412,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(embeddings)
     if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
         gpu.free(*grads)
-        return []
-    return grads
+        grads = []
+    return grads + shard
 
 
 def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> tuple:
@@ -487,15 +484,21 @@ def _keep_or_free(gpu: _Replay, run: Run, keep_grads: bool, grads: list, paramet
         grads += parameter_grads
 
 
-def _zero_gradients(gpu: _Replay, shape: ModelShape, run: Run, grads: list, keep_grads: bool) -> list:
-    """ZeRO-1/2 as the head's gradients arrive (the first of backward): the reduction buckets,
-    returned to be freed as backward ends, and this rank's gradient partition, kept to the
-    optimizer step (in `grads`; a later micro-batch adds into the one held). Nothing otherwise."""
-    if not memory.zero_backward_buffers(run):
-        return []
-    if keep_grads:
-        grads.append(gpu.new(memory.gradient_bytes(shape, run), "gradients"))
-    return [gpu.new(size, "zero_buffers") for size in [memory.zero_buffer_bytes(shape, run) // 2] * 2 if size]
+def _sharded_gradients(gpu: _Replay, shape: ModelShape, run: Run, keep_grads: bool) -> tuple[list, list]:
+    """As the head's gradients arrive (the first of backward), where this rank's gradient shard
+    lives from there to the step (:func:`memory.sharded_gradients_in_backward`): the buckets that
+    reduce into it (ZeRO-1/2's two reduction buckets, FSDP2's reduce-scatter buffers), returned
+    first to be freed as backward ends, and the shard, returned second to be kept to the optimizer
+    step (unless a later micro-batch adds into the one held)."""
+    if not memory.sharded_gradients_in_backward(run):
+        return [], []
+    size = memory.gradient_bytes(shape, run)  # (none on the GPU under FSDP2's offload)
+    shard = [gpu.new(size, "gradients")] if keep_grads and size else []
+    if run.parallel.fsdp:
+        buckets = [memory.fsdp_buffer_bytes(shape, run)]
+    else:
+        buckets = [memory.zero_buffer_bytes(shape, run) // 2] * 2
+    return [gpu.new(size, "fsdp_buffers" if run.parallel.fsdp else "zero_buffers") for size in buckets if size], shard
 
 
 def _embedding_gradient(gpu: _Replay, shape: ModelShape, run: Run, grads: list) -> None:
