@@ -212,10 +212,16 @@ def measure(cell: dict, folder: Path) -> dict:
     from sft_play.run import BatchSplit
 
     config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
+    shape = model_shape(config)
     world = _processes(cell)
     split = BatchSplit(cell["micro"], 1, world, cell["micro"] * world)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         trainer, _ = training.train_with_backoff(make, split)
+    # (the trainer's ZeRO-3 config would have transformers build the planner's meta-device layers
+    # under zero.Init, which cannot initialise them)
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
     # The base weights were made before the steps (the adapters and the copies LoRA trains, inside)
     # (and a preference run's frozen reference copy, loaded before them too)
     reference = getattr(trainer, "ref_model", None)
@@ -235,7 +241,6 @@ def measure(cell: dict, folder: Path) -> dict:
     # rules compared, not the data's statistics (a plan assumes full rows and the data's share); of
     # the steps after the first, which hold the optimizer's states from the start as a plan's step does
     # (a rank's first batch may be its longest: two steps after it across processes)
-    shape = model_shape(config)
     predictions = []
     # (not a reference pass's batch, nor the one the loader had ready after the last step)
     steps = [b for b in batches if b[0] == cell["micro"] * run.rows_per_example][:trainer.state.global_step]

@@ -72,7 +72,9 @@ class Parallelism:
     offload_parameters: bool = False  # ZeRO-3 / FSDP2: parameters in CPU memory (FSDP2: gradients, states too)
     reshard_after_forward: bool = True  # FSDP2: layers gathered again for backward (full shard)
     reduce_bucket_elements: int | None = None  # ZeRO's reduce_bucket_size, as the trainer fills it
-    allgather_bucket_elements: int | None = None  # ZeRO's allgather_bucket_size
+    # ZeRO-3's stage3_max_reuse_distance: a gathered parameter used again within this many
+    # parameters of the step's trace is kept gathered
+    reuse_distance_elements: int | None = None
     # Processes that split each row's tokens between them (DeepSpeed Ulysses): world_size of them
     # form world_size / sequence_parallel data-parallel groups
     sequence_parallel: int = 1
@@ -96,7 +98,7 @@ class Parallelism:
             offload_parameters=distributed.offload_parameters,
             reshard_after_forward=distributed.reshard_after_forward,
             reduce_bucket_elements=buckets[0],
-            allgather_bucket_elements=buckets[1],
+            reuse_distance_elements=buckets[1],
             sequence_parallel=sequence_parallel,
             context_parallel=distributed.context_parallel,
         )

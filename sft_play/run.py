@@ -421,9 +421,10 @@ def _model_config(config: RunConfig) -> Any:
 
 
 def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:
-    """ZeRO's reduce and all-gather bucket sizes in elements, as the trainer will fill them:
-    transformers replaces ``reduce_bucket_size: "auto"`` by hidden_size^2; the all-gather bucket
-    is read from the JSON (DeepSpeed's default 5e8 when absent)."""
+    """ZeRO's reduce bucket size and ZeRO-3's reuse distance, in elements, as the trainer will
+    fill them: transformers replaces ``reduce_bucket_size: "auto"`` by hidden_size^2;
+    ``stage3_max_reuse_distance`` is read from the JSON (DeepSpeed's defaults, 5e8 and 1e9, when
+    absent)."""
     if not Strategy(config.distributed.strategy).deepspeed:
         return None, None
     try:
@@ -436,7 +437,7 @@ def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, 
         return auto if value == "auto" else int(float(value))
 
     squared = hidden_size * hidden_size
-    return elements("reduce_bucket_size", squared, 5 * 10**8), elements("allgather_bucket_size", squared, 5 * 10**8)
+    return elements("reduce_bucket_size", squared, 5 * 10**8), elements("stage3_max_reuse_distance", 10**9, 10**9)
 
 
 def resolve(

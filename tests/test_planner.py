@@ -215,6 +215,36 @@ def test_a_gradient_shard_and_its_buckets_live_from_backward_to_the_step(strateg
     assert accumulating.breakdown["gradients"] >= shard and accumulating.peak_bytes > peak.peak_bytes
 
 
+def test_zero3_keeps_gathered_the_layers_its_reuse_distance_covers_from_forward_to_backward():
+    """As measured on two gloo processes (bench/cpu_ground_truth.py): after the first step ZeRO-3
+    releases a gathered parameter only when the step's trace does not use it again within
+    stage3_max_reuse_distance parameters, so the top layers, whose backward follows their forward
+    by what the layers above pass (three times under checkpointing), stay gathered in between; a
+    model this small keeps every layer and its trained embedding, and TRL's fused head gathers the
+    head's weight around the loss."""
+    from sft_play.planner.simulate.predict import predict
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        "finetune.method=full", "train.gradient_checkpointing=true", "train.mixed_precision=no",
+        "distributed.strategy=deepspeed_zero3"], check_paths=False)
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=2).with_changes(batch=BatchSplit(2, 1, 2, 4))
+    assert run.parallel.reuse_distance_elements == 10**9  # DeepSpeed's default, as the JSON leaves it
+    layer = memory.largest_layer_params(shape)
+    assert memory.zero3_kept_layers(shape, run, True) == shape.num_layers == 4
+    assert memory.zero3_kept_embedding(shape, run, True)
+    near = with_parallel(run, reuse_distance_elements=4 * layer + 1)
+    assert memory.zero3_kept_layers(shape, near, True) == 2 and memory.zero3_kept_layers(shape, near, False) == 3
+    assert not memory.zero3_kept_embedding(shape, near, True)
+    # the two below the two in flight, and the embedding, more at the peak (in the loss's backward)
+    extra = predict(shape, run, 2).breakdown["weights"] - predict(shape, near, 2).breakdown["weights"]
+    assert extra == 2 * memory.gathered_layer_bytes(shape, run) + shape.params_by_kind["embeddings"] * 4
+    # an 8B model's layers: the top two (a third would follow its forward by 1.3e9 parameters)
+    llama = model_shape(config_module.load(None, [f"model.name_or_path={CONFIGS / 'llama-3.1-8b'}"], check_paths=False))
+    assert memory.zero3_kept_layers(llama, run, True) == 2
+
+
 def test_zero_shards_gradients_states_masters_and_parameters():
     zero2 = with_parallel(FULL, world_size=4, strategy="deepspeed_zero2")
     assert memory.weights_bytes(SHAPE, zero2) == 2_000_000  # DeepSpeed holds the 16-bit copy
@@ -226,7 +256,7 @@ def test_zero_shards_gradients_states_masters_and_parameters():
     assert memory.zero_buffer_bytes(SHAPE, zero2) == 2 * 2 * 64 * 64
     assert memory.sharded_gradients_in_backward(zero2) and not memory.sharded_gradients_in_backward(
         with_parallel(zero2, strategy="deepspeed_zero3"))
-    sized = with_parallel(zero2, reduce_bucket_elements=5 * 10**8, allgather_bucket_elements=5 * 10**8)
+    sized = with_parallel(zero2, reduce_bucket_elements=5 * 10**8)
     assert memory.zero_buffer_bytes(SHAPE, sized) == 2 * 2 * 1_000_000  # capped at the parameters
     # ZeRO-3: one bucket for the whole run
     assert memory.zero_buffer_bytes(SHAPE, with_parallel(sized, strategy="deepspeed_zero3")) == 2 * 1_000_000
@@ -1324,23 +1354,31 @@ def test_offload_is_checked_against_the_nodes_host_memory():
     assert "the node needs 34.0 GiB of host memory for this run and has 16.0 GiB available" in small.warnings
 
 
-def test_one_process_and_zero3_plan_the_same_row_alike_but_for_the_adapters_dtype(monkeypatch):
+def test_one_process_and_zero3_plan_the_same_row_alike_but_for_the_adapters_dtype(monkeypatch, tmp_path):
     """The same 131k-token LoRA row planned 16.1 hidden states a token of backward working set
     under one process and 12.6 under ZeRO-3, which moves weights, not activations. The whole
     difference is the adapters' dtype: peft keeps them in fp32 under one process and casts each
     adapted linear's input to fp32; DeepSpeed computes in bf16 adapters (fp32 masters in its
-    optimizer). With the adapters' dtype the same, the activations are the same."""
+    optimizer). With the adapters' dtype the same, the activations are the same. (ZeRO-3 here
+    releases each layer after its pass, stage3_max_reuse_distance 0, and the rows are long enough
+    that the step peaks in the layers' backward: a model this small would otherwise stay gathered,
+    and with short rows peak where the fused loss gathers the head.)"""
     import sft_play.planner.plan as planning
 
+    zero = json.loads((REPO / "configs" / "deepspeed_z2.json").read_text())
+    zero["zero_optimization"]["stage3_max_reuse_distance"] = 0
+    (tmp_path / "zero3.json").write_text(json.dumps(zero))
+
     overrides = ("finetune.method=lora", "lora.dropout=0", "train.gradient_checkpointing=true",
-                 "data.max_seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=1")
+                 "data.max_seq_length=16384", "train.micro_batch_size=1", "train.global_batch_size=1")
     target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
 
     def working(*more: str) -> int:
         plan = make_plan(plan_config("qwen2.5-0.5b", *overrides, *more), target, options=WITHOUT_REMEDIES)
         return plan.breakdown["backward_working"] + plan.breakdown["activations"]
 
-    alone, zero3 = working(), working("distributed.strategy=deepspeed_zero3")
+    alone, zero3 = working(), working("distributed.strategy=deepspeed_zero3",
+                                      f"distributed.deepspeed_config={tmp_path / 'zero3.json'}")
     assert alone > zero3  # fp32 adapters: the inputs' fp32 copies
     resolved = planning.resolve
     monkeypatch.setattr(planning, "resolve", lambda *a, **k: dataclasses.replace(resolved(*a, **k),

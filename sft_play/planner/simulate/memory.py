@@ -133,6 +133,32 @@ def layers_gathered(shape: ModelShape, run: Run) -> int:
     return LAYERS_IN_FLIGHT
 
 
+def zero3_kept_layers(shape: ModelShape, run: Run, checkpointing: bool) -> int:
+    """How many of the top decoder layers ZeRO-3 keeps gathered from their forward to their
+    backward. Once the first step has recorded the trace, a module's parameters are released
+    after its pass only when they are not used again within ``stage3_max_reuse_distance``
+    parameters of the trace (``PartitionedParameterCoordinator.__params_to_release``; 1e9 by
+    default); a layer's next use is its backward, after the layers above it have passed forward
+    and back (and forward again under checkpointing). TRL's fused head gathers its weight outside
+    the trace (``GatheredParameters``)."""
+    if not run.parallel.strategy.zero3:
+        return 0
+    distance = run.parallel.reuse_distance_elements or 10**9
+    between = (3 if checkpointing else 2) * largest_layer_params(shape)  # what each layer above passes
+    return min(shape.num_layers, -(-distance // max(1, between)))
+
+
+def zero3_kept_embedding(shape: ModelShape, run: Run, checkpointing: bool) -> bool:
+    """Whether ZeRO-3 keeps a trained input embedding gathered from the forward's start to the
+    backward's end: when the whole backbone's passes between them are within the reuse distance
+    (:func:`zero3_kept_layers`)."""
+    trained = run.method == "full" or (run.lora is not None and "embed_tokens" in run.lora.modules_to_save)
+    return (run.parallel.strategy.zero3 and trained
+            and zero3_kept_layers(shape, run, checkpointing) == shape.num_layers
+            and (3 if checkpointing else 2) * largest_layer_params(shape) * shape.num_layers
+            < (run.parallel.reuse_distance_elements or 10**9))
+
+
 def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
     """What FSDP2 keeps gathered for the whole step besides the layers (accelerate's units,
     ``fsdp2_prepare_model``): the final norm and the head, one unit not resharded after the
@@ -155,12 +181,14 @@ def sharded_gathered_bytes(params: int, quantized: int, run: Run) -> int:
 
 def gathered_layer_bytes(shape: ModelShape, run: Run) -> int:
     """The largest decoder layer as it is gathered: ZeRO-3's 16-bit copies, FSDP2's all-gather in
-    its ``param_dtype``, QLoRA's packed weights as stored (:func:`sharded_gathered_bytes`)."""
+    its ``param_dtype``, QLoRA's packed weights as stored (:func:`sharded_gathered_bytes`); with
+    the layer's adapters, sharded and gathered with it (measured on two gloo processes)."""
+    adapters = sum(shape.lora_layer_tensors) * gathered_bytes(run) if run.method != "full" else 0
     if run.method == "qlora" and shape.layer_tensors:
-        return max(sharded_gathered_bytes(sum(n for n, _ in tensors), sum(n for n, quantized in tensors if quantized),
-                                          run)
-                   for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
-    return largest_layer_params(shape) * gathered_bytes(run)
+        return adapters + max(sharded_gathered_bytes(sum(n for n, _ in tensors),
+                                                     sum(n for n, quantized in tensors if quantized), run)
+                              for tensors in (shape.tensors_of_layer(i) for i in range(shape.num_layers)))
+    return adapters + largest_layer_params(shape) * gathered_bytes(run)
 
 
 def largest_layer_params(shape: ModelShape) -> int:

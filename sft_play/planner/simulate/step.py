@@ -362,7 +362,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     if spec.kl_forward:
         _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
     batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
-    outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings)
+    kept = _zero3_kept(gpu, shape, spec)
+    outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings, kept)
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
         gpu.free(embeddings)
@@ -370,6 +371,10 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*masks)
         masks = []
 
+    # ZeRO-3: TRL's fused head gathers its weight around the loss (trl.trainer.utils._maybe_gather_params),
+    # unless a tied embedding kept gathered holds it already
+    gathered_head = gpu.new(shape.vocab_size * shape.hidden_size * memory.gathered_bytes(run), "weights") \
+        if run.parallel.strategy.zero3 and not (shape.tie_word_embeddings and "embedding" in kept) else None
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
     for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
         _reference_forward(gpu, shape, trace, spec, residual)
@@ -380,6 +385,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
 
     # Backward: the head, the final norm, then the layers from the top
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
+    gpu.free(gathered_head)
     buckets, shard = _sharded_gradients(gpu, shape, run, keep_grads)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
@@ -393,6 +399,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         if spec.offload_hidden and layer.input_kept:
             gpu.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
+        gpu.free(kept.pop(i, None))
         incoming = _name(names, layer.input_grad, i)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
     if encoded is not None and spec.encoder.trains:
@@ -402,7 +409,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
         _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
-    gpu.free(incoming, *buckets)
+    gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
     if _trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
     gpu.free(*rotary, *masks, *batch)
@@ -448,15 +455,35 @@ def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> t
     return batch, embeddings, encoded, rotary, masks
 
 
-def _backbone_forward(gpu: _Replay, spec: StepSpec, layers: list, norm: ModuleEvents | None, embeddings: int) -> tuple:
+def _zero3_kept(gpu: _Replay, shape: ModelShape, spec: StepSpec) -> dict:
+    """What ZeRO-3 keeps gathered beyond the layers in flight (:func:`memory.layers_gathered`)
+    from its forward to its backward, where the reuse distance covers the turnaround
+    (:func:`memory.zero3_kept_layers`): a trained embedding, gathered here, and the layers below the
+    top :data:`memory.LAYERS_IN_FLIGHT` of those kept, each gathered as its forward ends
+    (:func:`_backbone_forward`). Returns the embedding's handle by "embedding" and the layers'
+    gathered bytes by index (their handles once gathered)."""
+    run = spec.run
+    count = memory.zero3_kept_layers(shape, run, spec.checkpointing)
+    kept: dict = {i: memory.gathered_layer_bytes(shape, run)
+                  for i in range(shape.num_layers - count, shape.num_layers - memory.LAYERS_IN_FLIGHT)}
+    if memory.zero3_kept_embedding(shape, run, spec.checkpointing):
+        kept["embedding"] = gpu.new(shape.params_by_kind.get("embeddings", 0) * memory.gathered_bytes(run), "weights")
+    return kept
+
+
+def _backbone_forward(gpu: _Replay, spec: StepSpec, layers: list, norm: ModuleEvents | None, embeddings: int,
+                      kept: dict) -> tuple:
     """The layers forward, each one's input the previous one's output, then the final norm: each
-    layer's tensor names (what backward reads), the norm's, and the backbone's output."""
+    layer's tensor names (what backward reads), the norm's, and the backbone's output. A layer
+    ZeRO-3 keeps gathered to its backward (`kept`: its bytes) is gathered as its forward ends."""
     b = spec.micro_batch
     previous = embeddings
     outputs = []
     for i, layer in enumerate(layers):
         names = {INPUT: previous}
         _play(gpu, layer, layer.forward, i, names, b, "activations")
+        if i in kept:
+            kept[i] = gpu.new(kept[i], "weights")
         if i > 0:
             _play(gpu, layer, layer.after_forward, i, names, b, "activations")
         if spec.offload_hidden and layer.input_kept:  # copied to host memory; back for the layer's backward
