@@ -135,17 +135,22 @@ def layers_gathered(shape: ModelShape, run: Run) -> int:
 
 def zero3_kept_layers(shape: ModelShape, run: Run, checkpointing: bool) -> int:
     """How many of the top decoder layers ZeRO-3 keeps gathered from their forward to their
-    backward. Once the first step has recorded the trace, a module's parameters are released
-    after its pass only when they are not used again within ``stage3_max_reuse_distance``
-    parameters of the trace (``PartitionedParameterCoordinator.__params_to_release``; 1e9 by
-    default); a layer's next use is its backward, after the layers above it have passed forward
-    and back (and forward again under checkpointing). TRL's fused head gathers its weight outside
-    the trace (``GatheredParameters``)."""
-    if not run.parallel.strategy.zero3:
+    backward, where it gathers layers at all (:func:`layers_gathered`). Once the first step has
+    recorded the trace, a module's parameters are released after its pass only when they are not
+    used again within ``stage3_max_reuse_distance`` parameters of the trace
+    (``PartitionedParameterCoordinator.__params_to_release``; 1e9 by default; 0 releases each at
+    once). A layer's next use is its backward: between them the rest of the layer passes (again
+    in backward without checkpointing) and each layer above passes forward and back (and forward
+    again under checkpointing). TRL's fused head gathers its weight outside the trace
+    (``GatheredParameters``)."""
+    if not run.parallel.strategy.zero3 or not layers_gathered(shape, run):
         return 0
-    distance = run.parallel.reuse_distance_elements or 10**9
-    between = (3 if checkpointing else 2) * largest_layer_params(shape)  # what each layer above passes
-    return min(shape.num_layers, -(-distance // max(1, between)))
+    distance = _reuse_distance(run)
+    layer = largest_layer_params(shape)
+    own, between = (layer, 3 * layer) if checkpointing else (2 * layer, 2 * layer)
+    if distance <= own:
+        return 0
+    return min(shape.num_layers, -(-(distance - own) // max(1, between)))
 
 
 def zero3_kept_embedding(shape: ModelShape, run: Run, checkpointing: bool) -> bool:
@@ -153,10 +158,13 @@ def zero3_kept_embedding(shape: ModelShape, run: Run, checkpointing: bool) -> bo
     backward's end: when the whole backbone's passes between them are within the reuse distance
     (:func:`zero3_kept_layers`)."""
     trained = run.method == "full" or (run.lora is not None and "embed_tokens" in run.lora.modules_to_save)
-    return (run.parallel.strategy.zero3 and trained
-            and zero3_kept_layers(shape, run, checkpointing) == shape.num_layers
-            and (3 if checkpointing else 2) * largest_layer_params(shape) * shape.num_layers
-            < (run.parallel.reuse_distance_elements or 10**9))
+    return (trained and zero3_kept_layers(shape, run, checkpointing) == shape.num_layers
+            and (3 if checkpointing else 2) * largest_layer_params(shape) * shape.num_layers < _reuse_distance(run))
+
+
+def _reuse_distance(run: Run) -> int:
+    distance = run.parallel.reuse_distance_elements
+    return 10**9 if distance is None else distance  # (DeepSpeed's default)
 
 
 def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:

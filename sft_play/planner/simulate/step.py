@@ -374,7 +374,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     # ZeRO-3: TRL's fused head gathers its weight around the loss (trl.trainer.utils._maybe_gather_params),
     # unless a tied embedding kept gathered holds it already
     gathered_head = gpu.new(shape.vocab_size * shape.hidden_size * memory.gathered_bytes(run), "weights") \
-        if run.parallel.strategy.zero3 and not (shape.tie_word_embeddings and "embedding" in kept) else None
+        if run.parallel.strategy.zero3 and memory.layers_gathered(shape, run) \
+        and not (shape.tie_word_embeddings and "embedding" in kept) else None
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
     for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
         _reference_forward(gpu, shape, trace, spec, residual)
@@ -465,7 +466,7 @@ def _zero3_kept(gpu: _Replay, shape: ModelShape, spec: StepSpec) -> dict:
     run = spec.run
     count = memory.zero3_kept_layers(shape, run, spec.checkpointing)
     kept: dict = {i: memory.gathered_layer_bytes(shape, run)
-                  for i in range(shape.num_layers - count, shape.num_layers - memory.LAYERS_IN_FLIGHT)}
+                  for i in range(shape.num_layers - count, shape.num_layers - memory.layers_gathered(shape, run))}
     if memory.zero3_kept_embedding(shape, run, spec.checkpointing):
         kept["embedding"] = gpu.new(shape.params_by_kind.get("embeddings", 0) * memory.gathered_bytes(run), "weights")
     return kept
@@ -516,16 +517,18 @@ def _sharded_gradients(gpu: _Replay, shape: ModelShape, run: Run, keep_grads: bo
     lives from there to the step (:func:`memory.sharded_gradients_in_backward`): the buckets that
     reduce into it (ZeRO-1/2's two reduction buckets, FSDP2's reduce-scatter buffers), returned
     first to be freed as backward ends, and the shard, returned second to be kept to the optimizer
-    step (unless a later micro-batch adds into the one held)."""
+    step. A later micro-batch adds into the shard held: FSDP2 in place; ZeRO-1/2 reduce into a new
+    partition (``copy_grads_in_partition``, the held one kept in ``all_grad_tensors``) that the
+    backward's epilogue adds into it and drops, freed here with the buckets."""
     if not memory.sharded_gradients_in_backward(run):
         return [], []
     size = memory.gradient_bytes(shape, run)  # (none on the GPU under FSDP2's offload)
-    shard = [gpu.new(size, "gradients")] if keep_grads and size else []
+    shard = [gpu.new(size, "gradients")] if size and (keep_grads or not run.parallel.fsdp) else []
     if run.parallel.fsdp:
-        buckets = [memory.fsdp_buffer_bytes(shape, run)]
+        buckets = [gpu.new(memory.fsdp_buffer_bytes(shape, run), "fsdp_buffers")]
     else:
-        buckets = [memory.zero_buffer_bytes(shape, run) // 2] * 2
-    return [gpu.new(size, "fsdp_buffers" if run.parallel.fsdp else "zero_buffers") for size in buckets if size], shard
+        buckets = [gpu.new(memory.zero_buffer_bytes(shape, run) // 2, "zero_buffers") for _ in range(2)]
+    return (buckets, shard) if keep_grads else (buckets + shard, [])
 
 
 def _embedding_gradient(gpu: _Replay, shape: ModelShape, run: Run, grads: list) -> None:
