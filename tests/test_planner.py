@@ -215,6 +215,32 @@ def test_a_gradient_shard_and_its_buckets_live_from_backward_to_the_step(strateg
     assert accumulating.breakdown["gradients"] >= shard and accumulating.peak_bytes > peak.peak_bytes
 
 
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "fsdp2"])
+def test_a_gradient_shard_is_made_after_the_loss_and_kept_to_the_step_its_buckets_freed_before(strategy):
+    """The order of the replay's own events: the shard and its buckets are made after the loss
+    head's backward (its last tensors freed), the buckets freed before the optimizer step, the
+    shard only at zero_grad after it."""
+    from sft_play.planner.simulate.predict import replay_step
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        "finetune.method=full", "train.gradient_checkpointing=true", "train.mixed_precision=no",
+        f"distributed.strategy={strategy}"], check_paths=False)
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=2).with_changes(batch=BatchSplit(2, 1, 2, 4))
+    log: list = []
+    replay_step(shape, run, 2, False, None, log)
+    made = {event[1]: (i, event[2], event[3]) for i, event in enumerate(log) if event[0] == "a"}
+    freed = {event[1]: i for i, event in enumerate(log) if event[0] == "f"}
+    step = min(i for i, size, category in made.values() if category == "optimizer_step")  # the first step's
+    loss_ends = max(freed[h] for h, (i, _, category) in made.items() if category == "logits_loss" and i < step)
+    buckets = [h for h, (i, _, category) in made.items() if category in ("zero_buffers", "fsdp_buffers") and i < step]
+    shard = [h for h, (i, size, category) in made.items()
+             if category == "gradients" and size == memory.gradient_bytes(shape, run) and i < step]
+    assert buckets and all(loss_ends < made[h][0] < freed[h] < step for h in buckets)
+    assert len(shard) == 1 and loss_ends < made[shard[0]][0] and freed[shard[0]] > step
+
+
 def test_zero3_keeps_gathered_the_layers_its_reuse_distance_covers_from_forward_to_backward():
     """As measured on two gloo processes (bench/cpu_ground_truth.py): after the first step ZeRO-3
     releases a gathered parameter only when the step's trace does not use it again within
