@@ -459,8 +459,8 @@ def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> t
 def _zero3_kept(gpu: _Replay, shape: ModelShape, spec: StepSpec) -> dict:
     """What ZeRO-3 keeps gathered beyond the layers in flight (:func:`memory.layers_gathered`)
     from its forward to its backward, where the reuse distance covers the turnaround
-    (:func:`memory.zero3_kept_layers`): a trained embedding, gathered here, and the layers below the
-    top :data:`memory.LAYERS_IN_FLIGHT` of those kept, each gathered as its forward ends
+    (:func:`memory.zero3_kept_layers`): a trained embedding, gathered here, and the kept layers below
+    the top ones in flight, each gathered as its forward ends
     (:func:`_backbone_forward`). Returns the embedding's handle by "embedding" and the layers'
     gathered bytes by index (their handles once gathered)."""
     run = spec.run
