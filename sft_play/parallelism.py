@@ -63,8 +63,8 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """The run's share of the work: the strategy, the processes, what is offloaded and how
-    ZeRO buckets its communication."""
+    """The run's share of the work: the strategy, the processes, what is offloaded, how
+    ZeRO buckets its communication and how long ZeRO-3 keeps parameters gathered."""
 
     strategy: Strategy = Strategy()
     world_size: int = 1
@@ -88,17 +88,18 @@ class Parallelism:
 
     @classmethod
     def from_config(cls, distributed: Any, world_size: int = 1,
-                    buckets: tuple[int | None, int | None] = (None, None), sequence_parallel: int = 1) -> Parallelism:
+                    zero: tuple[int | None, int | None] = (None, None), sequence_parallel: int = 1) -> Parallelism:
         """From the config's ``distributed`` section (:class:`sft_play.config.schema.DistributedConfig`),
-        with its ``sequence_parallel`` as resolved (``auto`` is the planner's)."""
+        with ZeRO's sizes from its JSON (:func:`sft_play.run.zero_sizes`) and its ``sequence_parallel``
+        as resolved (``auto`` is the planner's)."""
         return cls(
             strategy=Strategy(distributed.strategy),
             world_size=world_size,
             offload_optimizer=distributed.offload_optimizer or distributed.offload_parameters,
             offload_parameters=distributed.offload_parameters,
             reshard_after_forward=distributed.reshard_after_forward,
-            reduce_bucket_elements=buckets[0],
-            reuse_distance_elements=buckets[1],
+            reduce_bucket_elements=zero[0],
+            reuse_distance_elements=zero[1],
             sequence_parallel=sequence_parallel,
             context_parallel=distributed.context_parallel,
         )

@@ -11,7 +11,7 @@ describe a different run from the one that trains:
 | optimizer | trainer arguments, planner, disk check |
 | kernels (:class:`Kernels`: attention, its collator, the experts' kernel, compiled layers, Liger, expandable segments) | loader, collator, trainer arguments, planner |
 | batch layout and whether attention gets a mask | collator, planner |
-| parallelism (:class:`sft_play.parallelism.Parallelism`: strategy, world size, offload, ZeRO buckets, FSDP2 resharding) | trainer arguments, planner |
+| parallelism (:class:`sft_play.parallelism.Parallelism`: strategy, world size, offload, ZeRO buckets and reuse distance, FSDP2 resharding) | trainer arguments, planner |
 | sequence length the memory is planned for | planner |
 | gradient checkpointing | trainer arguments, planner |
 | the LoRA adapter (:class:`sft_play.adapters.LoraSpec`) | loader, planner counts and trace |
@@ -420,7 +420,7 @@ def _model_config(config: RunConfig) -> Any:
                                           config.model.trust_remote_code)
 
 
-def deepspeed_buckets(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:
+def zero_sizes(config: RunConfig, hidden_size: int) -> tuple[int | None, int | None]:
     """ZeRO's reduce bucket size and ZeRO-3's reuse distance, in elements, as the trainer will
     fill them: transformers replaces ``reduce_bucket_size: "auto"`` by hidden_size^2;
     ``stage3_max_reuse_distance`` is read from the JSON (DeepSpeed's defaults, 5e8 and 1e9, when
@@ -493,7 +493,7 @@ def resolve(
             tiled_mlp=config.train.tiled_mlp,
         ),
         uniform_rows=bool(data_stats is not None and getattr(data_stats, "uniform_rows", False)),
-        parallel=Parallelism.from_config(config.distributed, world_size, deepspeed_buckets(config, facts.hidden_size),
+        parallel=Parallelism.from_config(config.distributed, world_size, zero_sizes(config, facts.hidden_size),
                                          split),
         on_cuda=on_cuda,
         gradient_checkpointing=config.train.gradient_checkpointing,

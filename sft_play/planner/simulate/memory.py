@@ -157,9 +157,14 @@ def zero3_kept_embedding(shape: ModelShape, run: Run, checkpointing: bool) -> bo
     """Whether ZeRO-3 keeps a trained input embedding gathered from the forward's start to the
     backward's end: when the whole backbone's passes between them are within the reuse distance
     (:func:`zero3_kept_layers`)."""
-    trained = run.method == "full" or (run.lora is not None and "embed_tokens" in run.lora.modules_to_save)
-    return (trained and zero3_kept_layers(shape, run, checkpointing) == shape.num_layers
+    return (trains(run, "embed_tokens") and zero3_kept_layers(shape, run, checkpointing) == shape.num_layers
             and (3 if checkpointing else 2) * largest_layer_params(shape) * shape.num_layers < _reuse_distance(run))
+
+
+def trains(run: Run, module: str) -> bool:
+    """Whether the model's `module` (``lm_head``, ``embed_tokens``) trains: every weight does under
+    full fine-tuning; under LoRA the trainable copy ``lora.modules_to_save`` names."""
+    return run.method == "full" or (run.lora is not None and module in run.lora.modules_to_save)
 
 
 def _reuse_distance(run: Run) -> int:

@@ -411,7 +411,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
     gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
-    if _trains(run, "embed_tokens") and not run.parallel.deepspeed:
+    if memory.trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
     gpu.free(*rotary, *masks, *batch)
     if encoded is not None:
@@ -716,12 +716,6 @@ def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, 
             break
 
 
-def _trains(run: Run, module: str) -> bool:
-    """Whether the model's `module` (``lm_head``, ``embed_tokens``) trains: every weight does under
-    full fine-tuning; under LoRA the trainable copy ``lora.modules_to_save`` names."""
-    return run.method == "full" or (run.lora is not None and module in run.lora.modules_to_save)
-
-
 def _backward_fold(gpu: _Replay, rows: int, columns: int, compute_bytes: int) -> None:
     """``_backward_tile``, the fold torch runs where there is no Triton (a CPU), on a tile's used
     columns, each tensor [rows, columns] in fp32 unless said: the tile in fp32 and scaled (its fp32
@@ -760,7 +754,7 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     n = head["n"]
     grad_states = gpu.new(4 * n * h, "logits_loss")
-    if _trains(run, "lm_head"):
+    if memory.trains(run, "lm_head"):
         head_grad = gpu.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
         # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
         # FSDP2 the weight is the gathered copy, in its param_dtype)
