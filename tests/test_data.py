@@ -1001,8 +1001,9 @@ def test_a_killed_preparation_leaves_nothing_a_later_run_reads(tmp_path, tiny_to
     only its scratch folder; the next build prepares the data whole and removes what the dead
     process left (its folder names its host and process id)."""
     import socket
-    import subprocess
     import time
+
+    from tests.conftest import start_script
 
     cache = tmp_path / "cache"
     data_file = _chat_rows(tmp_path / "chats.jsonl", 4000)
@@ -1010,17 +1011,20 @@ def test_a_killed_preparation_leaves_nothing_a_later_run_reads(tmp_path, tiny_to
             "from sft_play.data import build; "
             f"build(data_config(path='{data_file}', max_seq_length=128, num_proc=1), "
             f"AutoTokenizer.from_pretrained('{REPO / 'configs' / 'tiny_model'}'))")
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "SFT_PLAY_CACHE": str(cache)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:  # killed while datasets writes the tokens (its temporary file, beside the records' table)
-        while not list(cache.glob("data/.work-*/*/tmp*")):
-            assert process.poll() is None, process.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "the preparation never began tokenising"
-            time.sleep(0.02)
-    finally:
-        process.kill()
-        process.wait()
+    script = tmp_path / "prepare.py"
+    script.write_text(code)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w+") as err:
+        # forked from the zygote where it can be (conftest.start_script): its pid is the one preparing
+        process = start_script([sys.executable, str(script)], {**os.environ, "SFT_PLAY_CACHE": str(cache)}, out, err)
+        deadline = time.monotonic() + 120
+        try:  # killed while datasets writes the tokens (its temporary file, beside the records' table)
+            while not list(cache.glob("data/.work-*/*/tmp*")):
+                assert process.poll() is None, (tmp_path / "err").read_text()[-2000:]
+                assert time.monotonic() < deadline, "the preparation never began tokenising"
+                time.sleep(0.02)
+        finally:
+            process.kill()
+            process.wait()
     left = list((cache / "data").iterdir())
     assert [p.name for p in left if not p.name.startswith(".")] == [], "a killed preparation left a cache entry"
     assert [p.name for p in left] == [f".work-{socket.gethostname()}-{process.pid}-" + p.name.rsplit("-", 1)[1]
@@ -1065,7 +1069,7 @@ def test_two_ranks_prepare_the_data_once(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), str(script), str(data_file), str(REPO / "configs" / "tiny_model")],
-        cwd=REPO, env={**os.environ, "SFT_PLAY_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)},
+        cwd=REPO, env={**os.environ, "SFT_PLAY_CACHE": str(tmp_path / "cache")},  # (the ranks forked: conftest)
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("examples tokenised") == 1, result.stderr[-3000:]

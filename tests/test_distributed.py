@@ -226,7 +226,7 @@ def test_a_node_that_never_comes_is_waited_for_then_ends_with_one_error():
             [sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--num-gpus", "1", "--nnodes", "2",
              "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
              "--config", "configs/run_tiny.yaml", "distributed.rendezvous_timeout_minutes=0.05"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **FORKED})
 
     alone0, alone1 = free_ports(2)
     launches = {"alone0": node(0, alone0), "alone1": node(1, alone1)}
@@ -287,7 +287,7 @@ def test_sigterm_under_every_strategy_saves_every_rank_and_resumes_to_the_same_l
         resume = re.search(r"^  resume: (.+)$", output, re.M).group(1)
         assert shlex.split(resume) == run.command + ["RESUME=auto"], "the command that ran, plus RESUME=auto"
         resumes[name] = subprocess.Popen(shlex.split(resume), cwd=REPO, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True)
+                                         stderr=subprocess.STDOUT, text=True, env={**os.environ, **FORKED})
     for name, process in resumes.items():
         reference = references[name][0]
         output = process.communicate(timeout=600)[0]
@@ -388,7 +388,8 @@ def test_a_cpu_launch_of_more_processes_than_cores_is_refused_unless_asked(monke
 
 def test_make_refuses_a_thousand_cpu_processes_in_one_line_before_starting_any():
     done = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=1000",
-                           "ARGS=train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "ARGS=train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **FORKED})
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "OVERSUBSCRIBE=1" in errors[0] and "Traceback" not in done.stderr
@@ -400,7 +401,7 @@ def test_train_deepspeed_refuses_a_config_that_says_fsdp2():
     under DeepSpeed, unsaid."""
     done = subprocess.run([sys.executable, "scripts/launch.py", "--launcher", "torchrun", "--cpu", "--deepspeed",
                            "--config", "configs/run_tiny.yaml", "distributed.strategy=fsdp2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **FORKED})
     assert done.returncode == 2 and "distributed.strategy=fsdp2: use make train-distributed" in done.stderr
     assert "Traceback" not in done.stderr
 

@@ -525,6 +525,8 @@ def test_an_out_of_memory_backoff_keeps_the_pairs_and_the_reference(tmp_path, ov
                 InjectOutOfMemory.raised += 1
                 raise __import__("torch").OutOfMemoryError("CUDA out of memory. (injected)")
 
+    if "preference.reference=precomputed" in overrides:  # (scored before training: 400 pairs, not 4,000)
+        overrides = (*overrides, f"data.path={_first_pairs(tmp_path / 'pairs.jsonl', 400)}")
     trainer, trained = training.train_with_backoff(_dpo_factory(tmp_path / "backoff", [InjectOutOfMemory()], *overrides),
                                                    BatchSplit(8, 1, 1, 8))
     assert InjectOutOfMemory.raised == 1 and trained == BatchSplit(4, 2, 1, 8)

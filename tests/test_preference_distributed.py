@@ -7,12 +7,13 @@ ZeRO-3 (its labelled answers, the reference sharded). The same pairs and referen
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import FORKED, REPO
 
 pytestmark = pytest.mark.slow  # two-process trainings started by the make targets
 
@@ -38,7 +39,7 @@ def runs(tmp_path_factory):
         done[name] = subprocess.run(
             ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2", "CONFIG=configs/run_tiny_dpo.yaml",
              f"ARGS={' '.join([*COMMON, *overrides])} train.output_dir={root} train.run_name={name}"],
-            cwd=REPO, capture_output=True, text=True, timeout=600)
+            cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **FORKED})  # (launchers forked)
     return root, done
 
 

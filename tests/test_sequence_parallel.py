@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from sft_play import config as config_module
 from sft_play import long_rows
 from sft_play.data import collate
-from tests.conftest import LORA
+from tests.conftest import FORKED, LORA
 
 REPO = Path(__file__).resolve().parents[1]
 # Packed rows of the embedded default (256 tokens, several examples each), two rows a step without
@@ -72,13 +72,16 @@ def runs(tmp_path_factory):
 
     reader = threading.Thread(target=stop_in_step_3, daemon=True)
     reader.start()
+    # (the runs no signal reaches: their training process, or launcher, forked from the suite's zygote)
+    forked = {**os.environ, **FORKED}
     started = {name: subprocess.Popen(_command(root, name, split, extra), cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
+                                      stderr=subprocess.STDOUT, text=True, env=forked)
                for name, (split, extra) in plan.items()}
     done = {name: (process.communicate(timeout=600)[0], process.returncode) for name, process in started.items()}
     reader.join(600)
     stopped.wait(60)
-    resumed = subprocess.run(stopped_command + ["RESUME=auto"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(stopped_command + ["RESUME=auto"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env=forked)
     done["stopped"] = ("".join(lines), stopped.returncode)
     done["resumed"] = (resumed.stdout + resumed.stderr, resumed.returncode)
     return root, done

@@ -43,8 +43,9 @@ import sys
 from pathlib import Path
 
 # What the scripts read when they run, not when the libraries import: a request may differ in these
+# (huggingface_hub reads a token from the environment each time it needs one)
 READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELERATE_MIXED_PRECISION",
-                              "SFT_PLAY_CACHE"})
+                              "SFT_PLAY_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
 # import: the Makefile's variables and make's own (exported to the commands below it), the
 # rendezvous, accelerate's and the training's settings, what DeepSpeed reads (not imported here) and
