@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -429,8 +428,7 @@ def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_th
     result = memory_snapshot.replay(trace)
     assert result["first_parting"] is None and result["simulated_peak_reserved"] == 152 * mib
     assert result["gpu_segments"] == result["simulated_segments"] == 2
-    replayed = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", str(path)],
-                              capture_output=True, text=True, cwd=REPO / "bench")
+    replayed = run_script("bench/memory_snapshot.py", "--replay", str(path))
     assert replayed.returncode == 0 and "the allocator's rules hold" in replayed.stdout, replayed.stderr
     # a GPU that made a new segment where the simulation reuses a cached block: the parting is named
     parted = [*agree[:4], {"action": "segment_alloc", "addr": 1 << 40, "size": 100 * mib},
@@ -461,8 +459,7 @@ def test_the_memory_snapshot_replay_says_whether_the_simulation_reserves_what_th
     sim.free("low")
     sim.malloc("next", 100 * mib)
     assert sim._live["next"].address == 1 << 30
-    missing = subprocess.run([sys.executable, str(REPO / "bench" / "memory_snapshot.py"), "--replay", "nope.json.gz"],
-                             capture_output=True, text=True, cwd=REPO / "bench")
+    missing = run_script("bench/memory_snapshot.py", "--replay", "nope.json.gz")
     assert missing.returncode == 2 and missing.stderr.startswith("error: no trace at")
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from sft_play.console import COMMANDS
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 ENTRY = Path(sys.executable).parent / "sft-play"  # what make install puts beside the interpreter
 
@@ -40,8 +40,7 @@ def test_help_lists_every_command_and_a_wrong_one_is_one_line():
 
 def test_a_command_says_what_its_script_says_and_its_errors_are_one_line():
     by_entry = _run("gpu-info", "--json")
-    by_script = subprocess.run([sys.executable, "scripts/gpu_info.py", "--json"], cwd=REPO, capture_output=True,
-                               text=True, timeout=120)
+    by_script = run_script("gpu_info.py", "--json")
     assert by_entry.returncode == by_script.returncode == 0
     entry, script = json.loads(by_entry.stdout), json.loads(by_script.stdout)
     assert entry.pop("ram_available_bytes") > 0 and script.pop("ram_available_bytes") > 0  # (moves meanwhile)

@@ -7,6 +7,7 @@ test_distributed.py, beside DDP's and ZeRO-2's."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -20,7 +21,7 @@ from sft_play.planner.simulate.shapes import model_shape
 from sft_play.planner.simulate.timing import gradient_traffic_bytes
 from sft_play.run import BatchSplit, resolve
 from sft_play.units import GIB
-from tests.conftest import LORA, PINNED, REPO, TINY_FULL, with_parallel
+from tests.conftest import FORKED, LORA, PINNED, REPO, TINY_FULL, with_parallel
 
 CONFIGS = REPO / "tests" / "fixtures" / "model_configs"
 
@@ -215,7 +216,8 @@ def fsdp2_full_run(tmp_path_factory):
     arguments = " ".join([*PINNED, *TINY_FULL, "train.micro_batch_size=4", "distributed.strategy=fsdp2",
                           f"train.output_dir={root}", "train.run_name=full"])
     result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
-                             f"ARGS={arguments}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             f"ARGS={arguments}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **FORKED})
     return root / "full", result.stdout + result.stderr, result.returncode
 
 

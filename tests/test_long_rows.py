@@ -172,7 +172,7 @@ def test_ranks_agree_on_the_most_tiles_any_of_them_needs():
 def test_tiled_mlps_under_ddp_on_several_processes_are_refused_before_anything_starts():
     done = subprocess.run([sys.executable, "scripts/launch.py", "--launcher", "accelerate", "--cpu", "--num-gpus", "2",
                            "--config", "configs/run_tiny.yaml", "train.tiled_mlp=true"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **FORKED})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "error: train.tiled_mlp: DDP reduces a weight's gradient at the first tile's backward; several processes "

@@ -209,7 +209,7 @@ def test_make_tensorboard_stops_tensorboard_on_sigterm(tmp_path):
 def test_tensorboard_for_a_folder_that_is_no_run_is_refused(tmp_path):
     """RUN=<a folder that is no run> served an empty board in silence."""
     done = subprocess.run([sys.executable, "scripts/serve_tensorboard.py", "--run", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **FORKED})
     assert done.returncode == 2, done.stdout + done.stderr
     assert "is not a run folder" in done.stderr and "Traceback" not in done.stderr
     assert "TensorBoard: http" not in done.stdout

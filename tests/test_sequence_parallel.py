@@ -180,7 +180,7 @@ def test_the_launcher_refuses_a_split_the_processes_cannot_form_before_any_rank_
     # OVERSUBSCRIBE=1: three CPU processes on two cores would be refused first, and none starts here)
     result = subprocess.run(["make", "--no-print-directory", "train-deepspeed", "CPU=1", "NUM_GPUS=3", "OVERSUBSCRIBE=1",
                              "ARGS=distributed.sequence_parallel=2"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env={**os.environ, **FORKED})
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "distributed.strategy ddp -> deepspeed_zero2" in output
@@ -305,7 +305,8 @@ RING = ("distributed.strategy=fsdp2", "distributed.context_parallel=2", "data.pa
 def test_make_refuses_context_parallelism_on_cpu_processes_before_launching():
     # (what context parallelism cannot run, and the words: tests/test_refusals.py)
     result = subprocess.run(["make", "--no-print-directory", "train-distributed", "CPU=1", "NUM_GPUS=2",
-                             f"ARGS={' '.join(RING)}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                             f"ARGS={' '.join(RING)}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **FORKED})
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "runs on CUDA GPUs only" in output and "Traceback" not in output
     assert "launching" not in output
