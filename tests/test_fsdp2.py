@@ -186,7 +186,7 @@ def test_zero_communicates_every_micro_batch_and_zero3_gathers_the_parameters():
 
 
 def test_a_14b_full_fine_tune_on_8_gpus_is_offered_fsdp2_and_zero3_with_their_commands():
-    plan = make_plan(full_14b(), Target(8, 80 * GIB, "8 x H100"))
+    plan = make_plan(full_14b("train.global_batch_size=8"), Target(8, 80 * GIB, "8 x H100"))
     assert not plan.fits  # DDP replicates 14.8 B fp32 parameters with their states
     remedies = {r["name"]: r for r in plan.remedies}
     fsdp, zero3 = remedies["FSDP2"], remedies["ZeRO-3"]

@@ -85,7 +85,7 @@ def test_public_moe_shapes_plan_or_say_what_would_fit(model, method, gpus):
     total, routed, per_token = PUBLISHED[model]
     config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / model}",
                                        f"finetune.method={method}", "data.max_seq_length=2048",
-                                       "train.global_batch_size=64"], check_paths=False)
+                                       "train.global_batch_size=8"], check_paths=False)
     plan = make_plan(config, Target(gpus, 80 * GIB, f"{gpus} x H100"))
     assert plan.total_params == total
     assert plan.experts.startswith(f"{routed} routed, {per_token} per token")

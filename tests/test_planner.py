@@ -91,14 +91,14 @@ def test_target_names_peft_maps_onto_fused_experts_are_not_refused():
 
 def test_dora_adds_a_magnitude_per_output_feature_and_the_memory_of_its_full_weights():
     lora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "train.micro_batch_size=1",
-                       "train.global_batch_size=8", "data.max_seq_length=1024")
+                       "train.global_batch_size=2", "data.max_seq_length=1024")
     dora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "lora.use_dora=true",
-                       "train.micro_batch_size=1", "train.global_batch_size=8", "data.max_seq_length=1024")
+                       "train.micro_batch_size=1", "train.global_batch_size=2", "data.max_seq_length=1024")
     outputs = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # q, k, v, o, gate, up, down
     assert model_shape(dora).trainable_params == model_shape(lora).trainable_params + outputs == 41_943_040 + outputs
     # rsLoRA changes the scale, not the memory
     rslora = plan_config("llama-3.1-8b", "finetune.method=lora", "lora.r=16", "lora.use_rslora=true",
-                         "train.micro_batch_size=1", "train.global_batch_size=8", "data.max_seq_length=1024")
+                         "train.micro_batch_size=1", "train.global_batch_size=2", "data.max_seq_length=1024")
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
     planned = {name: make_plan(c, gpu, options=WITHOUT_REMEDIES) for name, c in (("lora", lora), ("dora", dora),
                                                                              ("rslora", rslora))}
@@ -347,7 +347,7 @@ def test_a_plan_says_the_host_memory_a_node_needs():
     config = plan_config("llama-3-70b", "finetune.method=full", "distributed.strategy=deepspeed_zero3",
                          "train.gradient_checkpointing=true", "train.global_batch_size=16", "data.max_seq_length=2048",
                          "distributed.offload_optimizer=true")
-    plan = make_plan(config, Target(16, 80 * GIB, "16 x H100"), options=WITHOUT_REMEDIES)
+    plan = make_plan(config, Target(16, 80 * GIB, "16 x H100"), options=QUICK)
     # 8 processes a node, each gathering one 855,654,400-parameter layer in fp32 while it loads (q, o
     # 8192^2; k, v 8192 x 1024; MLP 3 x 8192 x 28672; two norms);
     # then half of the optimizer's 18 bytes per parameter (the other node holds the rest)
@@ -452,7 +452,7 @@ def test_a_micro_batch_below_the_largest_that_fits_says_why():
 def test_explicit_micro_is_respected_with_a_warning():
     config = plan_config("llama-3.1-8b", "finetune.method=full", "train.micro_batch_size=16",
                          "train.global_batch_size=64", "data.max_seq_length=4096")
-    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"), options=WITHOUT_REMEDIES)
+    plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"), options=QUICK)
     assert plan.micro_batch_size == 16 and not plan.fits
     assert any("train.micro_batch_size=16 is predicted not to fit" in w for w in plan.warnings)
 
@@ -482,7 +482,7 @@ def test_when_nothing_fits_remedies_are_ranked_with_their_peaks_and_commands():
 
 
 def test_a_single_remedy_that_fits_is_offered_alone():
-    config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=64",
+    config = plan_config("llama-3-70b", "finetune.method=qlora", "train.global_batch_size=8",
                          "data.max_seq_length=4096")
     plan = make_plan(config, Target(8, 80 * GIB, "8 x H100"))
     first = plan.remedies[0]
@@ -685,7 +685,7 @@ def test_the_time_says_what_it_does_not_count():
     """Offload printed the same time as none, and a mixture of experts the dense model's efficiency, unsaid."""
     offloaded = plan_config("llama-3.1-8b", "finetune.method=full", "distributed.strategy=deepspeed_zero2",
                             "distributed.offload_optimizer=true", "train.global_batch_size=8")
-    plan = make_plan(offloaded, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES)
+    plan = make_plan(offloaded, Target(8, 80 * GIB, "8 x H100", gpu_model="H100"), options=QUICK)
     # ZeRO-2's offload: the one micro-batch's 16-bit gradient partition out, the updated 16-bit
     # parameters back (8,030,261,248 parameters over 8 GPUs), at 25 GB/s; the CPU's step uncounted
     assert plan.split.gradient_accumulation_steps == 1
@@ -693,7 +693,7 @@ def test_the_time_says_what_it_does_not_count():
     assert any(s.startswith(f"parameter/optimizer offload: {moved / 1e9:.1f} GB per step per GPU to host memory")
                and "not counted: the optimizer's step on the CPU" in s for s in plan.time["sources"]), plan.time["sources"]
     moe = plan_config("qwen3-30b-a3b", "finetune.method=lora", "train.global_batch_size=8")
-    plan = make_plan(moe, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES)
+    plan = make_plan(moe, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=QUICK)
     assert any(s.startswith("mixture of experts: timed at the efficiency measured on dense") for s in plan.time["sources"])
 
 
@@ -826,8 +826,8 @@ PLAN_COMMANDS = {
             "train.global_batch_size=64", "train.gradient_checkpointing=true", "data.max_seq_length=4096", "--gpus", "8",
             "--vram-gib", "80", "--json", "--plot"),  # the picture's path is added
     "no gpu": ("plan.py", "--config", "configs/run_tiny.yaml", "--no-data"),
-    "real data": ("plan.py", "--config", "configs/run_tiny.yaml", "data.packing=false", "--gpus", "1", "--vram-gib", "24",
-                  "--json"),
+    "real data": ("plan.py", "--config", "configs/run_tiny.yaml", "data.packing=false", "data.num_proc=1", "--gpus", "1",
+                  "--vram-gib", "24", "--json"),
     "does not fit": ("plan.py", "--config", "configs/run_tiny.yaml", f"model.name_or_path={CONFIGS / 'llama-3-70b'}",
                      "finetune.method=full", "--gpus", "1", "--vram-gib", "80", "--no-data"),
     "flash described": ("plan.py", "--config", "configs/run_tiny.yaml", "model.attn_implementation=flash_attention_2",
@@ -942,7 +942,7 @@ def test_calibration_fits_two_measurements_and_replans():
     config = plan_config("llama-3.1-8b", "finetune.method=qlora", "train.global_batch_size=64",
                          "data.max_seq_length=2048", "train.gradient_checkpointing=true")
     target = Target(1, 80 * GIB, "1 x H100")
-    plan = make_plan(config, target)
+    plan = make_plan(config, target, options=QUICK)  # (what calibration reads of it: the budget, the split asked)
     shape = model_shape(config)
     predicted = {m: peak_at(shape, resolve_for(config, target, None, shape), m) for m in (1, 2)}
     assert predicted[1] < predicted[2]
@@ -1001,7 +1001,7 @@ def test_the_step_time_grows_with_the_length_as_attentions_flops_do():
     def timed(seq: int, *extra: str) -> dict:
         config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=1", "lora.dropout=0",
                              f"data.max_seq_length={seq}", "train.gradient_checkpointing=true", *extra)
-        return make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=WITHOUT_REMEDIES).time
+        return make_plan(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), options=QUICK).time
 
     flash = "model.attn_implementation=flex_attention"  # mask-free, as FlashAttention-2 (needs no package)
     shape = model_shape(plan_config("llama-3.1-8b", "finetune.method=lora"))
@@ -1072,15 +1072,15 @@ def test_eager_attention_plans_keep_its_measured_shortfall_free_and_count_a_mask
     assert model_shape(plan_config("qwen2.5-0.5b")).attention_masks == 1
     assert model_shape(plan_config("llama-3.1-8b")).attention_masks == 1  # no layer_types: one mask
     gpu = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    plan = make_plan(gemma, gpu, options=WITHOUT_REMEDIES)
+    plan = make_plan(gemma, gpu, options=QUICK)
     assert plan.attention == "eager" and plan.attention_mask
     assert plan.budget_bytes_per_gpu == int(80 * GIB * (1 - 0.11))
     assert any("11 % of free memory kept free, not planner.safety_fraction's 3 %" in n for n in plan.notes)
     # SDPA plans keep planner.safety_fraction; so does a CPU plan of the same model (CUDA's allocator only)
     sdpa = make_plan(plan_config("qwen2.5-0.5b", "finetune.method=lora", "train.global_batch_size=8"), gpu,
-                     options=WITHOUT_REMEDIES)
+                     options=QUICK)
     assert sdpa.budget_bytes_per_gpu == int(80 * GIB * 0.97)
-    cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), options=WITHOUT_REMEDIES)
+    cpu = make_plan(gemma, Target(1, 80 * GIB, "CPU (host memory)", on_cuda=False), options=QUICK)
     assert not any("kept free, not planner.safety_fraction" in n for n in cpu.notes)
 
 
@@ -1182,13 +1182,13 @@ def test_the_cublas_workspace_follows_the_gpu_planned_for():
     # 32 MiB on Hopper, 8.125 MiB on Ampere and Blackwell; under train.deterministic, 128 KiB
     config = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8")
     runtime = {model: make_plan(config, target_for(None, gpus=1, vram_gib=80, gpu_model=model),
-                                options=WITHOUT_REMEDIES).breakdown["cuda_runtime"] for model in ("H100", "A100", "B200")}
+                                options=QUICK).breakdown["cuda_runtime"] for model in ("H100", "A100", "B200")}
     assert runtime["H100"] - runtime["A100"] == runtime["H100"] - runtime["B200"] == 32 * 2**20 - (8 * 2**20 + 128 * 2**10)
     deterministic = plan_config("llama-3.1-8b", "finetune.method=lora", "train.global_batch_size=8",
                                 "train.deterministic=true")
     h100 = target_for(None, gpus=1, vram_gib=80)
     assert h100.compute_capability == (9, 0)
-    assert runtime["H100"] - make_plan(deterministic, h100, options=WITHOUT_REMEDIES).breakdown["cuda_runtime"] \
+    assert runtime["H100"] - make_plan(deterministic, h100, options=QUICK).breakdown["cuda_runtime"] \
         == 32 * 2**20 - 128 * 2**10
 
 
@@ -1279,9 +1279,9 @@ def test_offloaded_hidden_states_leave_the_gpu_and_are_counted_in_host_memory():
 def test_tiled_mlps_are_traced_as_they_run_and_shrink_the_backward_working_set():
     seq = 65536
     target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
-    plain = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}"), target, options=WITHOUT_REMEDIES)
+    plain = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}"), target, options=QUICK)
     tiled = make_plan(plan_config("llama-3.1-8b", *LONG, f"data.max_seq_length={seq}", "train.tiled_mlp=true"),
-                      target, options=WITHOUT_REMEDIES)
+                      target, options=QUICK)
     # the MLP's intermediates, [seq, 14336] several times over, now exist for 16 tiles of 4096 tokens at a time
     saved = plain.peak_bytes_per_gpu - tiled.peak_bytes_per_gpu
     assert saved > 3 * seq * 14336 * 2, saved / GIB
@@ -1395,7 +1395,7 @@ def test_one_process_and_zero3_plan_the_same_row_alike_but_for_the_adapters_dtyp
     target = Target(1, 80 * GIB, "1 x H100", gpu_model="H100")
 
     def working(*more: str) -> int:
-        plan = make_plan(plan_config("qwen2.5-0.5b", *overrides, *more), target, options=WITHOUT_REMEDIES)
+        plan = make_plan(plan_config("qwen2.5-0.5b", *overrides, *more), target, options=QUICK)
         return plan.breakdown["backward_working"] + plan.breakdown["activations"]
 
     alone, zero3 = working(), working("distributed.strategy=deepspeed_zero3")

@@ -321,7 +321,7 @@ def test_public_vlms_are_counted_exactly_and_planned_without_a_traceback(name):
         for gpus in (1, 8):
             planned = load_config(None, [f"model.name_or_path={path}", f"finetune.method={method}",
                                          "data.max_seq_length=2048", "train.gradient_checkpointing=true",
-                                         "train.global_batch_size=8", "train.micro_batch_size=1",
+                                         f"train.global_batch_size={2 * gpus}", "train.micro_batch_size=1",
                                          "distributed.strategy=" + ("deepspeed_zero3" if gpus > 1 else "ddp"),
                                          # (QLoRA sharded: its packed weights stored in the compute dtype)
                                          *(["quantization.quant_storage=bfloat16"] if gpus > 1 else [])],
