@@ -262,7 +262,7 @@ REPLAYS = [0]  # allocator replays so far in this process: what planning costs, 
 
 def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, accumulating: bool) -> Prediction:
     outside = memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured)
-    unlimited = replay_step(shape, run, micro_batch, accumulating, None)
+    unlimited = _unlimited_replay(shape, run, micro_batch, accumulating)
     fits = None
     result = unlimited
     if budget is not None:
@@ -300,6 +300,16 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits,
                       stand_in=_UNTRACEABLE.get((spec.name_or_path, spec.method), ""),
                       encoder_untraced=encoder_untraced(run) or "")
+
+
+def _unlimited_replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool):
+    """:func:`replay_step` without a limit, which no budget changes: once per process for the
+    budgets a plan's questions try (kept beside the predictions, and cleared with them)."""
+    key = ("unlimited", shape.key(), run, micro_batch, accumulating)
+    found = _CACHE.get(key)
+    if found is None:
+        found = _CACHE[key] = replay_step(shape, run, micro_batch, accumulating, None)
+    return found
 
 
 def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool, capacity: int | None,
