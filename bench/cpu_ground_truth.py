@@ -200,9 +200,11 @@ def dpo_trainer(folder: Path, cell: dict):
     return config, run, make, batches
 
 
-def measure(cell: dict, folder: Path) -> dict:
+def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     """Train the cell's two steps under the profiler; the live bytes at their peak by category,
-    and the planner's prediction of the same run by term."""
+    and the planner's prediction of the same run by term. Without `categories`, the peak's bytes
+    alone, by the allocator's count (:func:`allocator_count`): the profiler then records neither
+    shapes nor stacks, which the memory profile's analysis needs (a step several times faster)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -215,7 +217,8 @@ def measure(cell: dict, folder: Path) -> dict:
     shape = model_shape(config)
     world = _processes(cell)
     split = BatchSplit(cell["micro"], 1, world, cell["micro"] * world)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=categories,
+                 with_stack=categories) as prof:
         trainer, _ = training.train_with_backoff(make, split)
     # (the trainer's ZeRO-3 config would have transformers build the planner's meta-device layers
     # under zero.Init, which cannot initialise them)
@@ -233,7 +236,7 @@ def measure(cell: dict, folder: Path) -> dict:
     storages = [(p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in parameters.values()]
     before = sum(s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in made)
     counted = {"allocator_bytes": allocated + before, "rank": int(os.environ.get("RANK", "0")), "torch": torch.__version__}
-    if world > 1:  # (the memory profile's analysis fails on DDP's and gloo's operations: the allocator's count)
+    if world > 1 or not categories:  # (the memory profile's analysis fails on DDP's and gloo's operations)
         measured_bytes, measured = allocated + before, {}
     else:
         measured_bytes, measured = _profiled(prof, parameters)

@@ -49,14 +49,15 @@ def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):
 def test_a_tiled_mlp_step_peaks_where_the_plan_says(tmp_path):
     """Tiled MLPs (DeepSpeed's TiledMLP): without checkpointing the MLPs' intermediates are most of
     the activations; tiled, backward recomputes them a tile at a time. The plan of the untiled step
-    keeps a quarter more; the tiled one is within issue 61's 1 % of PyTorch's count."""
+    keeps a quarter more; the tiled one is within issue 61's 1 % of PyTorch's count (the allocator's,
+    which the first test holds to the memory profile's)."""
     import dataclasses
 
     from sft_play.planner import model_shape
     from sft_play.planner.simulate.predict import predict
 
     cell = {"method": "lora", "checkpointing": False, "micro": 2, "seq": 256, "tiled": True}
-    result = ground_truth.measure(cell, tmp_path / "tiled")
+    result = ground_truth.measure(cell, tmp_path / "tiled", categories=False)
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
     config, run, _, _ = ground_truth.tiny_trainer(tmp_path / "plain", cell)
     untiled = run.with_changes(kernels=dataclasses.replace(run.kernels, tiled_mlp=False))
