@@ -20,7 +20,7 @@ import pytest
 
 from sft_play import callbacks, checkpoints, run_folder
 from sft_play import config as config_module
-from tests.conftest import FORKED, PINNED
+from tests.conftest import FORKED, PINNED, with_forks
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["train.max_steps=2", "train.logging_steps=1", "train.tensorboard=false", *PINNED]
@@ -167,18 +167,21 @@ def test_resume_auto_is_refused_while_another_make_trains_the_run(tmp_path):
     name advises) trained into the same folder at the same time."""
     run = tmp_path / "r"
     args = f"ARGS=train.run_name=r train.output_dir={tmp_path} train.max_steps=3 train.save_steps=1 {' '.join(PINNED)}"
+    # (each training process forked from the suite's zygote: the first's lock is held by its fork)
     first = subprocess.Popen(["make", "--no-print-directory", "train", args], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "SFT_PLAY_FAULTS": "hold_step=1"})
+                             stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, **FORKED, "SFT_PLAY_FAULTS": "hold_step=1"})
     try:
         seen = []
         for line in first.stdout:  # step 1 waits for a stop signal, holding the run
             seen.append(line)
             if "fault injection (hold_step)" in line:
                 break
-        trainer = next(p for p in psutil.Process(first.pid).children(recursive=True)
-                       if "train_distributed.py" in " ".join(p.cmdline()))
+        stand_in = next(p for p in psutil.Process(first.pid).children(recursive=True)
+                        if "train_distributed.py" in " ".join(p.cmdline()))
+        trainer = with_forks([stand_in])[-1]
         second = subprocess.run(["make", "--no-print-directory", "train", "RESUME=auto", args], cwd=REPO,
-                                capture_output=True, text=True, timeout=600)
+                                capture_output=True, text=True, timeout=600, env={**os.environ, **FORKED})
         trainer.send_signal(signal.SIGTERM)
         rest = first.communicate(timeout=600)[0]
     finally:
