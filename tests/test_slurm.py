@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FORKED
 from tests.test_distributed import TINY, check_two_rank_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +29,9 @@ while [[ $1 == --* ]]; do shift; done
 [[ -n ${STUB_SRUN_STATUS:-} ]] && exit "$STUB_SRUN_STATUS"
 pids=()
 for ((node = 0; node < SLURM_NNODES; node++)); do
-  SLURM_NODEID=$node SLURM_PROCID=$node SLURM_GPUS_ON_NODE=1 "$@" &
+  # (the task sees the job's environment, not the stubs')
+  env -u STUB_LOG -u STUB_TIME_LEFT -u REAL_PATH PATH="$REAL_PATH" \
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_GPUS_ON_NODE=1 "$@" &
   pids+=($!)
 done
 status=0
@@ -106,7 +109,7 @@ def test_the_job_trains_on_two_nodes(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     result, calls = sbatch(tmp_path, 7, MASTER_PORT=str(port), STUB_TIME_LEFT="10:00:00",
-                           ARGS=f"{' '.join(TINY)} train.output_dir={tmp_path / 'runs'}")
+                           ARGS=f"{' '.join(TINY)} train.output_dir={tmp_path / 'runs'}", **FORKED)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert "2 process(es) on 2 node(s)" in output

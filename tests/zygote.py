@@ -49,17 +49,18 @@ READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELER
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
 # import: the Makefile's variables and make's own (exported to the commands below it), the
 # rendezvous, accelerate's and the training's settings, what DeepSpeed reads (not imported here) and
-# datasets' progress bars (imported here as every command sets them). CUDA_VISIBLE_DEVICES is read at torch's first CUDA call, which the imports here
-# do not make (main checks it).
+# datasets' progress bars (imported here as every command sets them); a shell's own (SHLVL, _) and a
+# SLURM job's, which the launcher reads. CUDA_VISIBLE_DEVICES is read at torch's first CUDA call,
+# which the imports here do not make (main checks it).
 RANK_READS_AT_RUN_TIME = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                                     "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
                                     "HF_DATASETS_DISABLE_PROGRESS_BARS", "COLUMNS", "LINES", "MAKEFLAGS", "MFLAGS",
-                                    "MAKEOVERRIDES", "MAKELEVEL",
+                                    "MAKEOVERRIDES", "MAKELEVEL", "SHLVL", "_",
                                     *re.findall(r"^([A-Z_]+) \?=", (Path(__file__).resolve().parents[1] / "Makefile")
                                                 .read_text(), flags=re.MULTILINE)})
 RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_", "ACCELERATE_", "FSDP_", "NCCL_",
-                                  "SFT_PLAY_")
+                                  "SFT_PLAY_", "SLURM_")
 # The socket a rank's stand-in (tests/shim/sitecustomize.py) asks this process to fork it on
 SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # Only libraries that read nothing a script sets in its environment before importing them, or read
