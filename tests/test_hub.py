@@ -22,7 +22,8 @@ EXAMPLES = ["configs/run_distributed.yaml", "configs/run_gemma27b_distributed.ya
 def offline_plans():
     """make plan with the hub unreachable: each example config, and a hub id nothing caches
     (the processes start together: conftest.run_scripts_together)."""
-    commands = [("plan.py", "--config", config, "--gpus", "4", "--vram-gib", "80", "--json", UNREACHABLE)
+    # (on 64 GPUs a process's share of the global batch is one row: one micro-batch to plan)
+    commands = [("plan.py", "--config", config, "--gpus", "64", "--vram-gib", "80", "--json", UNREACHABLE)
                 for config in EXAMPLES]
     commands.append(("plan.py", "--config", "configs/run_tiny.yaml", "model.name_or_path=nobody/not-cached",
                      "--gpus", "1", "--vram-gib", "80", UNREACHABLE))
