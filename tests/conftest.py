@@ -299,16 +299,24 @@ FORKED = {"SFT_PLAY_TESTS_FORK": "1"}
 
 
 def with_forks(processes: list) -> list:
-    """`processes` (``psutil.Process``) and, for each rank's stand-in among them, the rank itself,
-    forked from the zygote (tests/shim/sitecustomize.py): the process tree a launch would have."""
+    """`processes` (``psutil.Process``) and, for each stand-in among them, its fork from the zygote
+    (tests/shim/sitecustomize.py) with the fork's own descendants, and theirs in turn (a forked
+    launcher's ranks are stand-ins too): the process tree a launch would have, each fork after its
+    stand-in's place in the list."""
     import psutil
 
-    found = list(processes)
-    for process in processes:
+    found, seen, waiting = list(processes), {p.pid for p in processes}, list(processes)
+    while waiting:
+        process = waiting.pop(0)
         try:
-            found.append(psutil.Process(int((_SESSION_DIR / "stand-ins" / str(process.pid)).read_text())))
+            fork = psutil.Process(int((_SESSION_DIR / "stand-ins" / str(process.pid)).read_text()))
+            more = [fork, *fork.children(recursive=True)]
         except (OSError, ValueError, psutil.Error):
             continue
+        more = [p for p in more if p.pid not in seen]
+        seen.update(p.pid for p in more)
+        found += more
+        waiting += more
     return found
 
 

@@ -120,7 +120,7 @@ def _uninterrupted(tmp_path_factory, target: str, name: str, extra: tuple[str, .
     process = subprocess.Popen(
         ["make", "--no-print-directory", target, "CPU=1", "NUM_GPUS=2",
          f"ARGS={' '.join([*TINY, *extra])} train.output_dir={root} train.run_name={name}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **FORKED})
     LISTENED[name] = listening_while(process)
     return root / name, process.stdout.read(), process.wait(timeout=900)
 
@@ -252,7 +252,8 @@ def test_two_nodes_on_one_machine_meet_at_node_zeros_store_and_train(tmp_path):
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
          "--config", "configs/run_tiny.yaml", *PINNED, "train.max_steps=2", "train.micro_batch_size=2",
          f"train.output_dir={tmp_path}", "train.run_name=two_nodes"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **FORKED})
+        for rank in (0, 1)]
     listened = listening_while(nodes[0])
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     for node, output in zip(nodes, outputs):

@@ -179,7 +179,7 @@ def test_resume_auto_is_refused_while_another_make_trains_the_run(tmp_path):
                 break
         stand_in = next(p for p in psutil.Process(first.pid).children(recursive=True)
                         if "train_distributed.py" in " ".join(p.cmdline()))
-        trainer = with_forks([stand_in])[-1]
+        trainer = with_forks([stand_in])[1]  # (its fork)
         second = subprocess.run(["make", "--no-print-directory", "train", "RESUME=auto", args], cwd=REPO,
                                 capture_output=True, text=True, timeout=600, env={**os.environ, **FORKED})
         trainer.send_signal(signal.SIGTERM)
