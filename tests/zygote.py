@@ -11,8 +11,8 @@ What cannot be the script's own is what those libraries read from the environmen
 were imported (``HF_HUB_OFFLINE``, ``HF_HOME``, ``ATEN_CPU_CAPABILITY``...): a request whose
 environment differs from this process's in anything but :data:`READ_AT_RUN_TIME` is started
 as a fresh interpreter instead (conftest decides). Nothing is imported here that a script
-decides about or configures first (:data:`PRELOADED`): bitsandbytes and DeepSpeed, peft, trl
-and sft_play itself are imported by the script, as in a fresh process.
+decides about or configures first (:data:`PRELOADED`): bitsandbytes and DeepSpeed are imported
+by the script that uses them, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`).
 
 Protocol, one JSON document per line: on stdout ``{"ready": true}`` once imported; then, for
 each request on stdin ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
@@ -69,6 +69,11 @@ SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
              "transformers.masking_utils", "transformers.models.auto.modeling_auto",
              "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba", "datasets")
+# Then the stack every training script imports (about half a CPU-second of each fork's start): read
+# nothing from the environment on import, and import neither DeepSpeed nor, hidden while they import
+# here, bitsandbytes (peft imports it where it can; sft_play.lean_imports hides it from a script
+# that does not use it, and one that does imports it itself: nothing here kept what it found)
+PRELOADED_WITHOUT_BITSANDBYTES = ("peft", "trl", "sft_play.cli", "sft_play.train")
 # What every command sets before it imports the libraries (sft_play.cli.quiet_libraries, with
 # setdefault): set here only while they import, so that a request's environment without it is this
 # process's, and one that sets it otherwise differs (and starts fresh)
@@ -191,6 +196,11 @@ def main() -> None:
     os.environ.update(added)
     for name in PRELOADED:
         importlib.import_module(name)
+    sys.modules["bitsandbytes"] = None
+    for name in PRELOADED_WITHOUT_BITSANDBYTES:
+        importlib.import_module(name)
+    del sys.modules["bitsandbytes"]
+    assert "deepspeed" not in sys.modules
     for key in added:
         del os.environ[key]
     gc.freeze()
