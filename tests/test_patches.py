@@ -11,13 +11,11 @@ import importlib
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
 from sft_play import checks, patches
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 LIBRARIES = {"torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "huggingface_hub", "datasets",
              "bitsandbytes", "tokenizers", "safetensors"}
@@ -49,8 +47,9 @@ def _environment():
     os.environ.update(saved)
 
 
-def test_every_patch_finds_what_it_replaces_in_the_installed_library():
-    """In a fresh interpreter, before anything patched it: each target the library itself defines."""
+def test_every_patch_finds_what_it_replaces_in_the_installed_library(tmp_path):
+    """In a process nothing patched (a fresh interpreter, or the suite's zygote's fork of one, which
+    imports the libraries and patches nothing): each target the library itself defines."""
     probe = f"""
 import importlib, json, sys
 sys.path.insert(0, {str(REPO)!r})
@@ -65,7 +64,9 @@ for name, patch in patches.PATCHES.items():
         isinstance(target, dict) if name == "fsdp_on_cpu" else key in target)
 print(json.dumps(found))
 """
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    done = run_script(str(script), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     # (accelerate fills the shared state's dict when a state is made: the dict itself is the target)

@@ -73,7 +73,7 @@ PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.
 # nothing from the environment on import, and import neither DeepSpeed nor, hidden while they import
 # here, bitsandbytes (peft imports it where it can; sft_play.lean_imports hides it from a script
 # that does not use it, and one that does imports it itself: nothing here kept what it found)
-PRELOADED_WITHOUT_BITSANDBYTES = ("peft", "trl", "sft_play.cli", "sft_play.train")
+PRELOADED_WITHOUT_BITSANDBYTES = ("peft", "trl", "sft_play.cli", "sft_play.train", "torch.utils.tensorboard")
 # What every command sets before it imports the libraries (sft_play.cli.quiet_libraries, with
 # setdefault): set here only while they import, so that a request's environment without it is this
 # process's, and one that sets it otherwise differs (and starts fresh)
