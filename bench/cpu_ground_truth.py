@@ -236,7 +236,8 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     storages = [(p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in parameters.values()]
     before = sum(s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in made)
     counted = {"allocator_bytes": allocated + before, "rank": int(os.environ.get("RANK", "0")), "torch": torch.__version__}
-    if world > 1 or not categories:  # (the memory profile's analysis fails on DDP's and gloo's operations)
+    # (the memory profile's analysis fails on DDP's and gloo's operations, and needs the stacks)
+    if world > 1 or not categories:
         measured_bytes, measured = allocated + before, {}
     else:
         measured_bytes, measured = _profiled(prof, parameters)

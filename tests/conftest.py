@@ -301,8 +301,8 @@ FORKED = {"SFT_PLAY_TESTS_FORK": "1"}
 def with_forks(processes: list) -> list:
     """`processes` (``psutil.Process``) and, for each stand-in among them, its fork from the zygote
     (tests/shim/sitecustomize.py) with the fork's own descendants, and theirs in turn (a forked
-    launcher's ranks are stand-ins too): the process tree a launch would have, each fork after its
-    stand-in's place in the list."""
+    launcher's ranks are stand-ins too): the process tree a launch would have, `processes` first,
+    then what was found, level by level."""
     import psutil
 
     found, seen, waiting = list(processes), {p.pid for p in processes}, list(processes)

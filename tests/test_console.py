@@ -40,7 +40,7 @@ def test_help_lists_every_command_and_a_wrong_one_is_one_line():
 
 def test_a_command_says_what_its_script_says_and_its_errors_are_one_line():
     by_entry = _run("gpu-info", "--json")
-    by_script = run_script("gpu_info.py", "--json")
+    by_script = run_script("gpu_info.py", "--json", timeout=120)
     assert by_entry.returncode == by_script.returncode == 0
     entry, script = json.loads(by_entry.stdout), json.loads(by_script.stdout)
     assert entry.pop("ram_available_bytes") > 0 and script.pop("ram_available_bytes") > 0  # (moves meanwhile)

@@ -1003,6 +1003,7 @@ def test_a_killed_preparation_leaves_nothing_a_later_run_reads(tmp_path, tiny_to
     import socket
     import time
 
+    # (not at the module's top: the scripts below import this module, and conftest sets the cache's path)
     from tests.conftest import start_script
 
     cache = tmp_path / "cache"

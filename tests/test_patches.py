@@ -62,13 +62,15 @@ for name, patch in patches.PATCHES.items():
     target, key = _resolved(patch.target)
     found[name] = (callable(target) or isinstance(target, bool)) if key is None else (
         isinstance(target, dict) if name == "fsdp_on_cpu" else key in target)
-print(json.dumps(found))
+print(json.dumps({{"patched": patches._checked.cache_info().currsize, "found": found}}))
 """
     script = tmp_path / "probe.py"
     script.write_text(probe)
     done = run_script(str(script), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    found = said["found"]
+    assert said["patched"] == 0, "the probe's process had applied a patch"
     # (accelerate fills the shared state's dict when a state is made: the dict itself is the target)
     assert found == {name: True for name in found} and set(found) >= set(patches.PATCHES) - {"skip_deepspeed_shm_build"}
 

@@ -1,9 +1,9 @@
 """A process that has imported the libraries every script imports, and forks the scripts the
 tests run (tests/conftest.py: ``run_script``, ``run_scripts_together``).
 
-A script started by a test spends most of its CPU importing torch, transformers and accelerate
-(about 4 of a 4-step tiny training's 7 CPU-seconds on a 2-core AMD EPYC), and the
-suite starts dozens. Forked from here, a script starts with them imported and runs as
+A script started by a test spends most of its CPU importing torch, transformers, accelerate,
+peft, TRL and sft_play (docs/reports/test_suite.md), and the suite starts dozens. Forked from
+here, a script starts with them imported and runs as
 ``python SCRIPT ARGS`` would: ``__main__``, its arguments, working directory, environment,
 output files and thread count are its own, its exit status is reported as a process's.
 
@@ -65,14 +65,15 @@ RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL
 SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # Only libraries that read nothing a script sets in its environment before importing them, or read
 # it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR,
-# TORCH_CUDA_ARCH_LIST), bitsandbytes, peft or trl (sft_play.lean_imports)
+# TORCH_CUDA_ARCH_LIST) nor bitsandbytes (sft_play.lean_imports)
 PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
              "transformers.masking_utils", "transformers.models.auto.modeling_auto",
              "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba", "datasets")
-# Then the stack every training script imports (about half a CPU-second of each fork's start): read
-# nothing from the environment on import, and import neither DeepSpeed nor, hidden while they import
-# here, bitsandbytes (peft imports it where it can; sft_play.lean_imports hides it from a script
-# that does not use it, and one that does imports it itself: nothing here kept what it found)
+# Then the stack every training script imports, which reads nothing from the environment on import
+# and imports neither DeepSpeed nor bitsandbytes, hidden while it imports here: peft imports
+# bitsandbytes where it can (peft.helpers keeps None for it, used by no helper sft_play calls), and a
+# script that uses it imports it itself (sft_play.lean_imports hides it from one that does not). The
+# availability checks that cache what they found are cleared after (:func:`_preload_without_bitsandbytes`).
 PRELOADED_WITHOUT_BITSANDBYTES = ("peft", "trl", "sft_play.cli", "sft_play.train", "torch.utils.tensorboard")
 # What every command sets before it imports the libraries (sft_play.cli.quiet_libraries, with
 # setdefault): set here only while they import, so that a request's environment without it is this
@@ -188,6 +189,25 @@ class _Rank:
         self.connection.close()
 
 
+def _preload_without_bitsandbytes() -> None:
+    import importlib
+
+    assert "bitsandbytes" not in sys.modules and "deepspeed" not in sys.modules
+    from sft_play import lean_imports  # (the repo is on PYTHONPATH: conftest)
+
+    lean_imports.without_bitsandbytes()
+    for name in PRELOADED_WITHOUT_BITSANDBYTES:
+        importlib.import_module(name)
+    lean_imports.needed("bitsandbytes")
+    import peft.import_utils
+    import transformers.utils.import_utils
+
+    for check in (peft.import_utils.is_bnb_available, peft.import_utils.is_bnb_4bit_available,
+                  transformers.utils.import_utils.is_bitsandbytes_available):
+        check.cache_clear()
+    assert "deepspeed" not in sys.modules
+
+
 def main() -> None:
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
@@ -196,11 +216,7 @@ def main() -> None:
     os.environ.update(added)
     for name in PRELOADED:
         importlib.import_module(name)
-    sys.modules["bitsandbytes"] = None
-    for name in PRELOADED_WITHOUT_BITSANDBYTES:
-        importlib.import_module(name)
-    del sys.modules["bitsandbytes"]
-    assert "deepspeed" not in sys.modules
+    _preload_without_bitsandbytes()
     for key in added:
         del os.environ[key]
     gc.freeze()

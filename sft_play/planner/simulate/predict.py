@@ -249,8 +249,8 @@ def _cores_per_process() -> int:
     return max(1, hardware.usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
-# This process's predictions, backed by the disk (:func:`_known`); a test that puts a dict of its
-# own here plans without the disk
+# This process's predictions, backed by the disk (:func:`_known`), and its unlimited replays
+# (:func:`_unlimited_replay`, never kept on disk); a test that puts a dict of its own here plans without the disk
 _PROCESS_CACHE: dict = {}
 _CACHE: dict = _PROCESS_CACHE
 # Traces that failed in this process, and why (not tried again): (model, method) -> the reason its
