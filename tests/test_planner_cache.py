@@ -16,7 +16,7 @@ import pytest
 
 from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache
-from tests.conftest import FIXTURES, REPO
+from tests.conftest import FIXTURES, REPO, start_script
 
 PLAN = """
 import json, sys
@@ -261,10 +261,16 @@ def test_replay_workers_end_with_their_parent_and_on_sigterm(tmp_path):
         "                           initializer=predict._replay_worker_started, initargs=(os.getpid(),))\n"
         "print(' '.join(map(str, sorted(set(pool.map(pid, range(6)))))), flush=True)\n"
         "time.sleep(600)\n")
-    def started() -> tuple[subprocess.Popen, list[int]]:
-        parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-        workers = [int(p) for p in parent.stdout.readline().split()]
+    def started() -> tuple:
+        # (forked from the suite's zygote where it can be: conftest.start_script; its workers are its own children)
+        out = tmp_path / f"out-{time.monotonic_ns()}"
+        with open(out, "w") as stdout, open(os.devnull, "w") as stderr:
+            parent = start_script([sys.executable, str(script)], {**os.environ, "OMP_NUM_THREADS": "1"}, stdout, stderr)
+        deadline = time.monotonic() + 120
+        while not out.read_text().endswith("\n"):
+            assert parent.poll() is None and time.monotonic() < deadline, "the planning process said nothing"
+            time.sleep(0.05)
+        workers = [int(p) for p in out.read_text().split()]
         assert workers and all(_alive(p) for p in workers)
         return parent, workers
 
