@@ -88,8 +88,10 @@ def pytest_collection(session):
 
 # Modules of few, long tests (real training steps, processes behind one module-wide fixture), which
 # pytest-xdist's order (the modules of most tests first) hands out last, where one worker ran them alone
-# while the other had finished: first instead (pyproject's --no-loadscope-reorder keeps this order)
-LONG_MODULES_FIRST = ("test_cpu_ground_truth.py", "test_preference_distributed.py")
+# while the other had finished: first instead (pyproject's --no-loadscope-reorder keeps this order).
+# test_distributed's stopped runs sleep half a minute in a step, a core idle unless the other worker
+# computes meanwhile: it starts beside the CPU ground truth's profiled steps
+LONG_MODULES_FIRST = ("test_distributed.py", "test_cpu_ground_truth.py", "test_preference_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):
