@@ -172,9 +172,9 @@ class _Forked:
 
 
 class _Zygote:
-    """tests/zygote.py, started on first use in each pytest process: scripts forked from it
-    start with torch, transformers and accelerate imported (see there what it does and does not
-    share with a fresh interpreter)."""
+    """tests/zygote.py, started on first use in each pytest process: scripts forked from it start
+    with torch, transformers, accelerate, peft, TRL and sft_play imported (see there what it does and
+    does not share with a fresh interpreter)."""
 
     def __init__(self):
         import json

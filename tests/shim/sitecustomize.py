@@ -1,7 +1,7 @@
 """Under the test suite (tests/conftest.py puts this folder on every process's ``PYTHONPATH``), a
 training rank that a launcher starts is forked from the suite's zygote (tests/zygote.py), which
-has imported torch, transformers and accelerate already, instead of importing them again: about
-4 CPU-seconds of each rank's start on 2 cores, and the suite starts dozens of ranks.
+has imported torch, transformers, accelerate, peft, TRL and sft_play already, instead of importing
+them again (most of a rank's start: docs/reports/test_suite.md), and the suite starts dozens of ranks.
 
 This process, the one the launcher started, hands the rank's arguments, environment, working
 directory and standard streams to the zygote, and stands in for the fork while it runs: the
