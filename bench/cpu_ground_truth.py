@@ -12,7 +12,8 @@ what was created during them and was still alive. The planner predicts the same 
 memory: each tensor's bytes as asked, without the CUDA allocator's rounding, blocks and cache).
 
 The cells: full fine-tuning and LoRA x gradient checkpointing off and on x micro-batches 1 and 2,
-rows of 256 tokens (the default's); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
+rows of 256 tokens (the default's), and one row of 1,024 (each of the four) and of 2,048 (full with
+checkpointing); and DPO steps (configs/run_tiny_dpo.yaml, TRL's DPOTrainer) with
 a frozen reference copy, precomputed reference log-probs and LoRA's adapters switched off, two
 pairs a step (four rows of one shape), and one whose reference pass before training takes all
 16 pairs a forward; ORPO (full) and SimPO (LoRA) steps on them, without a reference; and KTO steps
@@ -24,9 +25,14 @@ full with checkpointing and LoRA without; and SFT steps on two gloo processes un
 and FSDP2 (full with checkpointing and LoRA without; three steps, each rank its own rows), each rank
 measured by the allocator's own count (:func:`allocator_count`: the memory profile's analysis cannot
 follow DDP's and gloo's operations), which the single-process cells check against the profile. The
-report puts each term of the plan beside the profile's category at the peak. What this does not yet
-cover (issue 61's matrix): sequence parallelism, offloaded activations, the points within the step
-(after forward, each layer's backward, after the optimizer step).
+report puts each term of the plan beside the profile's category at the peak.
+
+The first step is left out of the measured peak (the plan is of a step with the optimizer's states),
+and the SFT cells are also compared at the last step's named points: as the model's forward returns,
+as the optimizer step starts and as it ends (``sft_play.planner.simulate.step.POINTS``; marks put in
+the profile by a trainer callback). What this does not cover (issue 61's matrix): sequence
+parallelism; offloaded activations (on a CPU the host is where they already are); the points inside
+each layer's backward.
 
 Usage:
   python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]
@@ -51,6 +57,10 @@ from tiny_default import hardware_line
 
 CELLS = [{"method": method, "checkpointing": checkpointing, "micro": micro, "seq": 256}
          for method in ("full", "lora") for checkpointing in (False, True) for micro in (1, 2)]
+# Longer rows (the tiny data packed to the length): four and eight times the activations, the same weights
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 1, "seq": 1024}
+          for method in ("full", "lora") for checkpointing in (False, True)]
+CELLS += [{"method": "full", "checkpointing": True, "micro": 1, "seq": 2048}]
 # Preference tuning (DPO, configs/run_tiny_dpo.yaml): pairs of one shape, "micro" in pairs (twice the rows)
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 64, "reference": reference}
           for method, reference in (("full", "copy"), ("full", "precomputed"), ("lora", "adapters_off"))
@@ -105,6 +115,67 @@ def _processes(cell: dict) -> int:
     return 2 if cell.get("strategy") else 1
 
 
+FIRST_STEP = ("first_step_begins", "first_step_ends")
+MARK = "ground_truth::"  # the profile's name of a mark: this, then the point's or the first step's
+
+
+def _marks_callback():
+    """A trainer callback that marks in the profile (:func:`_mark`) the first optimizer step's
+    start and end, and the step's named points (``sft_play.planner.simulate.step.POINTS``): as the
+    model's forward returns, as the optimizer step starts (backward and clipping done) and as it
+    ends (before ``zero_grad``). The first step is left out of the measured peak, as the plan is of
+    the steps that hold the optimizer's states (a rank's first batch may be its longest); a
+    preference run's reference pass comes before it, and counts."""
+    from transformers import TrainerCallback
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.register_forward_hook(lambda *_: _mark("after_forward"))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                _mark(FIRST_STEP[0])
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            _mark("after_backward")
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            _mark("after_step")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                _mark(FIRST_STEP[1])
+
+    return Marks()
+
+
+def _mark(name: str) -> None:
+    import torch
+
+    with torch.profiler.record_function(MARK + name):
+        pass
+
+
+def _marks(prof) -> dict[str, list[int]]:
+    """Each mark's times in the profile's clock (nanoseconds), in order."""
+    from torch._C._profiler import _EventType
+
+    times: dict[str, list[int]] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.TorchOp and event.name.startswith(MARK):
+            times.setdefault(event.name[len(MARK):], []).append(event.start_time_ns)
+    return {name: sorted(found) for name, found in times.items()}
+
+
+def _first_step_window(marks: dict[str, list[int]]) -> tuple[int, int]:
+    """The first step's start and end (nanoseconds; (0, 0): not marked)."""
+    begins, ends = marks.get(FIRST_STEP[0]), marks.get(FIRST_STEP[1])
+    return (begins[0], ends[0]) if begins and ends else (0, 0)
+
+
 def tiny_trainer(folder: Path, cell: dict):
     """The trainer factory the entry script builds for the embedded default, as the cell sets it,
     and the list its collator records each batch's shape in."""
@@ -148,7 +219,7 @@ def tiny_trainer(folder: Path, cell: dict):
         batches.append((labels.shape[0], labels.shape[1], int((labels[:, 1:] != -100).sum())))
         return batch
 
-    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [])
+    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [_marks_callback()])
     return config, run, make, batches
 
 
@@ -195,7 +266,7 @@ def dpo_trainer(folder: Path, cell: dict):
         batches.append((mask.shape[0], mask.shape[1], int(mask[:, 1:].sum())))
         return batch
 
-    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [],
+    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [_marks_callback()],
                                     reference=model.load_reference(config, run, device="cpu"))
     return config, run, make, batches
 
@@ -210,7 +281,8 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
 
     from sft_play import training
     from sft_play.planner import model_shape
-    from sft_play.planner.simulate.predict import predict
+    from sft_play.planner.simulate.predict import predict, replay_step
+    from sft_play.planner.simulate.step import POINTS
     from sft_play.run import BatchSplit
 
     config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
@@ -231,7 +303,11 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     kept = [*trainer.model.parameters(), *trainer.model.buffers(),
             *([*reference.parameters(), *reference.buffers()] if reference is not None else [])]
     parameters = {p.untyped_storage()._cdata: p for p in kept}
-    allocated, made = allocator_count(prof)
+    marks = _marks(prof)
+    first_step = _first_step_window(marks)
+    # (the points of the last step, which the plan of its batch is compared at)
+    points = {point: marks[point][-1] for point in POINTS if marks.get(point)} if _has_points(cell) else {}
+    allocated, made, at_points = allocator_count(prof, first_step, points)
     # (a sharded weight's storage is its rank's shard: FSDP2's DTensor holds it as its local tensor)
     storages = [(p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in parameters.values()]
     before = sum(s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in made)
@@ -240,7 +316,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     if world > 1 or not categories:
         measured_bytes, measured = allocated + before, {}
     else:
-        measured_bytes, measured = _profiled(prof, parameters)
+        measured_bytes, measured = _profiled(prof, parameters, first_step)
     # The plan of each step's batch as it came (rows of its length, its labelled positions): the
     # rules compared, not the data's statistics (a plan assumes full rows and the data's share); of
     # the steps after the first, which hold the optimizer's states from the start as a plan's step does
@@ -255,16 +331,34 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
         predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence),
                                    rows // run.rows_per_example))
     prediction = max(predictions, key=lambda p: p.peak_bytes)
+    named = {}
+    if at_points:  # the last step's batch replayed: the live bytes as it passed each point
+        rows, tokens, labelled = steps[-1]
+        sequence = dataclasses.replace(run.sequence, tokens=tokens,
+                                       loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
+        planned = replay_step(shape, run.with_changes(batch=split, sequence=sequence), rows // run.rows_per_example,
+                              False, None).points
+        named = {point: (at_points[point] + before, planned[point]) for point in at_points}
     return {**cell, "ok": True, "measured_bytes": measured_bytes, "measured": measured,
             "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,
-            "batches": steps, **counted}
+            "batches": steps, "points": named, **counted}
 
 
-def allocator_count(prof) -> tuple[int, set[int]]:
-    """The most bytes alive at once among those allocated during the profile, from the profiler's
-    own record of every CPU allocation and free (address and size, in order, from every thread),
-    and the addresses allocated: PyTorch's count without the memory profile's analysis, which
-    the single-process cells check it against (tests/test_cpu_ground_truth.py)."""
+def _has_points(cell: dict) -> bool:
+    """Whether the cell's named points are compared: SFT steps, where the model's forward is the
+    policy's one forward and the optimizer steps after backward (DeepSpeed steps inside its
+    ``backward``, before the trainer's callbacks)."""
+    return not cell.get("reference") and "deepspeed" not in cell.get("strategy", "")
+
+
+def allocator_count(prof, skipped: tuple[int, int] = (0, 0),
+                    points: dict[str, int] | None = None) -> tuple[int, set[int], dict[str, int]]:
+    """The most bytes alive at once among those allocated during the profile, outside the
+    `skipped` span of its clock (:func:`_first_step_window`), from the profiler's own record of
+    every CPU allocation and free (address and size, in order, from every thread); the addresses
+    allocated; and the bytes alive at each of the `points` (name: time): PyTorch's count without
+    the memory profile's analysis, which the single-process cells check it against
+    (tests/test_cpu_ground_truth.py)."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -275,25 +369,32 @@ def allocator_count(prof) -> tuple[int, set[int]]:
             events.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
     live: dict[int, int] = {}
     now = peak = 0
-    for _, address, size in sorted(events):
+    waiting = sorted(((time, point) for point, time in (points or {}).items()), reverse=True)
+    at_points = {}
+    for time_ns, address, size in sorted(events):
+        while waiting and waiting[-1][0] < time_ns:
+            at_points[waiting.pop()[1]] = now
         if size > 0:
             now += size - live.get(address, 0)
             live[address] = size
         elif address in live:
             now -= live.pop(address)
-        peak = max(peak, now)
-    return peak, {address for _, address, size in events if size > 0}
+        if not skipped[0] <= time_ns <= skipped[1]:
+            peak = max(peak, now)
+    at_points.update((point, now) for _, point in waiting)
+    return peak, {address for _, address, size in events if size > 0}, at_points
 
 
-def _profiled(prof, parameters: dict) -> tuple[int, dict[str, int]]:
-    """The live bytes at the steps' peak by PyTorch's memory profile, and by category."""
+def _profiled(prof, parameters: dict, skipped: tuple[int, int] = (0, 0)) -> tuple[int, dict[str, int]]:
+    """The live bytes at the steps' peak (outside the `skipped` span) by PyTorch's memory profile,
+    and by category."""
     from torch.profiler._memory_profiler import Action, MemoryProfile
 
     memory = MemoryProfile(prof.profiler.kineto_results)
     live: dict = {}
     now = peak = 0
     at_peak: dict = {}
-    for _, action, (key, version), size in memory.timeline:
+    for time_ns, action, (key, version), size in memory.timeline:
         if key.device.type != "cpu" or action == Action.PREEXISTING:
             continue
         if action == Action.CREATE:  # (a storage the profile saw made again counts once)
@@ -303,7 +404,7 @@ def _profiled(prof, parameters: dict) -> tuple[int, dict[str, int]]:
             now -= live.pop(key)[0]
         elif action == Action.INCREMENT_VERSION and key in live:
             live[key] = (live[key][0], version)
-        if now > peak:
+        if now > peak and not skipped[0] <= time_ns <= skipped[1]:
             peak, at_peak = now, dict(live)
     measured = collections.Counter()
     for key, (size, version) in at_peak.items():
@@ -314,17 +415,21 @@ def _profiled(prof, parameters: dict) -> tuple[int, dict[str, int]]:
     return peak + made_before, dict(measured)
 
 
+def _step_name(r: dict) -> str:
+    return (f"KTO, reference {r['reference']}" if r.get("objective") == "kto" else
+            f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
+            f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
+            if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
+            f"SFT, {r['model']}" if r.get("model") else
+            f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes, rank {r.get('rank', 0)}" if r.get("strategy")
+            else "SFT" + (f", {r['seq']} tokens" if r["seq"] != 256 else ""))
+
+
 def table(results: list[dict]) -> list[str]:
     lines = ["| step | method | checkpointing | micro | measured | planned | error | by term: planned - measured (bytes) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        step = (f"KTO, reference {r['reference']}" if r.get("objective") == "kto" else
-                f"{r['objective'].upper().replace('SIMPO', 'SimPO')}, no reference" if r.get("objective") else
-                f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
-                if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
-                f"SFT, {r['model']}" if r.get("model") else
-                f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes, rank {r.get('rank', 0)}" if r.get("strategy")
-                else "SFT")
+        step = _step_name(r)
         if not r.get("ok"):
             lines.append(f"| {step} | {r['method']} | {r['checkpointing']} | {r['micro']} | failed: {r.get('error')} "
                          "| | | |")
@@ -350,6 +455,35 @@ def table(results: list[dict]) -> list[str]:
             differences.append(f"other {other - unnamed:+,}")
         lines.append(f"| {step} | {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
                      f"{r['measured_bytes']:,} | {r['predicted_bytes']:,} | {error:+.2f} % | {'; '.join(differences)} |")
+    return lines
+
+
+def points_table(results: list[dict]) -> list[str]:
+    """The live bytes at the last step's named points, measured and planned (the cells that have them)."""
+    from sft_play.planner.simulate.step import POINTS
+
+    rows = [r for r in results if r.get("ok") and r.get("points")]
+    if not rows:
+        return []
+    lines = ["The last step's named points (SFT cells; DeepSpeed steps inside its backward, before the trainer's "
+             "callbacks): the live bytes as the model's forward returns, as the optimizer step starts (backward and "
+             "clipping done) and as it ends (before zero_grad), measured by the allocator's count and planned by the "
+             "replay of that step's batch.", "",
+             "| step | method | checkpointing | micro | " + " | ".join(f"{p.replace('_', ' ')}: measured, planned, error"
+                                                               for p in POINTS) + " |",
+             "|---|---|---|---|" + "---|" * len(POINTS)]
+    for r in rows:
+        cells = []
+        for point in POINTS:
+            measured, planned = r["points"].get(point, (0, 0))
+            cells.append(f"{measured:,}, {planned:,}, {100 * (planned / measured - 1):+.2f} %" if measured else "")
+        lines.append(f"| {_step_name(r)} | {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
+                     + " | ".join(cells) + " |")
+    worst = max(((abs(planned / measured - 1), f"{_step_name(r)}, {r['method']}, checkpointing "
+                  f"{'on' if r['checkpointing'] else 'off'}, micro {r['micro']}", point) for r in rows
+                 for point, (measured, planned) in r["points"].items() if measured), default=None)
+    if worst:
+        lines += ["", f"Worst named point: {100 * worst[0]:.2f} % ({worst[1]}, {worst[2].replace('_', ' ')})."]
     return lines
 
 
@@ -426,6 +560,8 @@ def main() -> int:
         f"- wall time: {time.time() - started:.0f} s",
         "",
         *table(results),
+        "",
+        *points_table(results),
         "",
         *allocator_check(results),
         "",

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.slow  # real training steps under the profiler
 
 def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_path):
     """Two padded rows a step (their lengths, less one, odd multiples of 512 bytes): host memory
-    counts each tensor's bytes as asked, not as the CUDA allocator's blocks would hold them."""
+    counts each tensor's bytes as asked, not as the CUDA allocator's blocks would hold them. The
+    step's named points (the forward returned, the optimizer step starting and ending) too."""
+    from sft_play.planner.simulate.step import POINTS
+
     result = ground_truth.measure({"method": "full", "checkpointing": True, "micro": 2, "seq": 256}, tmp_path)
     measured, planned = result["measured"], result["predicted"]
     assert sum(measured.values()) == result["measured_bytes"]  # every byte alive at the peak has its category
@@ -30,6 +33,10 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
     # the allocator's count, which measures the cells across processes, is the profile's to 0.1 %
     assert abs(result["allocator_bytes"] / result["measured_bytes"] - 1) < 0.001, result
+    # and the live bytes as the last step passed each named point, within issue 61's 2 %
+    assert set(result["points"]) == set(POINTS), result
+    for point, (measured, planned) in result["points"].items():
+        assert abs(planned / measured - 1) < 0.02, (point, measured, planned)
 
 
 def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):

@@ -241,6 +241,74 @@ def test_a_gradient_shard_is_made_after_the_loss_and_kept_to_the_step_its_bucket
     assert len(shard) == 1 and loss_ends < made[shard[0]][0] and freed[shard[0]] > step
 
 
+def _tiny_step_log(strategy: str, *overrides: str, method: str = "full") -> tuple:
+    """The replay's events of two steps of the embedded default on two CPU processes, with the
+    shape and run they came from."""
+    from sft_play.planner.simulate.predict import replay_step
+    from sft_play.run import resolve
+
+    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+        f"finetune.method={method}", "train.gradient_checkpointing=true", "train.mixed_precision=no",
+        f"distributed.strategy={strategy}", *overrides], check_paths=False)
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=2).with_changes(batch=BatchSplit(2, 1, 2, 4))
+    log: list = []
+    replay_step(shape, run, 2, False, None, log)
+    return shape, run, log
+
+
+def test_fsdp2_gathers_its_layers_around_their_passes_and_none_through_the_optimizer_step():
+    """FSDP2 resharding after the forward (measured on two gloo processes, bench/cpu_ground_truth.py):
+    the root unit (head and final norm) is gathered from the forward's start to the backward's end;
+    decoder layers two at a time through the forward, none as it ends, one (the top one, prefetched
+    by the root's pre-backward) through the loss head's backward, two through the layers' backward
+    (each with the one below prefetched), and none through the optimizer step."""
+    shape, run, log = _tiny_step_log("fsdp2")
+    layer = memory.gathered_layer_bytes(shape, run)
+    root = [numel * memory.gathered_bytes(run) for numel in memory.fsdp_step_gathered_tensors(shape)]
+    step = next(i for i, event in enumerate(log) if event[0] == "a" and event[3] == "optimizer_step")
+    first_step = log[:step]
+    static = 1 + max(i for i, event in enumerate(first_step) if event[0] == "a" and event[3] == "optimizer_states")
+    live, counts, sizes = set(), [], {}
+    for event in first_step[static:]:
+        if event[0] == "a" and event[3] == "weights":
+            live.add(event[1])
+            sizes[event[1]] = event[2]
+        elif event[0] == "f":
+            live.discard(event[1])
+        count = sum(1 for handle in live if sizes[handle] == layer)
+        if not counts or counts[-1] != count:
+            counts.append(count)
+    assert counts == [0, 1, 2, 1, 0, 1, 2, 1, 0], counts  # (each gathered one after the other)
+    assert not live  # the root unit resharded as backward ends: nothing gathered at the step
+    # besides the layers: the root unit, and the untied embedding (a unit of its own) gathered for
+    # its forward and again for its backward
+    assert not shape.tie_word_embeddings
+    embedding = shape.params_by_kind["embeddings"] * memory.gathered_bytes(run)
+    assert sorted(size for size in sizes.values() if size != layer) == sorted(root + [embedding] * 2)
+
+
+@pytest.mark.parametrize("strategy, overrides", [("deepspeed_zero2", ()), ("ddp", ("train.gradient_accumulation_steps=2",))])
+def test_a_trained_heads_gradient_lives_until_its_backward_function_returns(strategy, overrides):
+    """TRL's chunked loss makes the head's weight gradient before its tiles and returns it at the
+    end: ZeRO's hook copies it into the reduction bucket, an accumulating micro-batch adds it into
+    the held gradient, only then (measured: ZeRO-2 on two gloo processes, the gradient alive at the
+    peak inside the loss's backward)."""
+    shape, run, log = _tiny_step_log(strategy, *overrides)
+    if overrides:  # an accumulating micro-batch
+        from sft_play.planner.simulate.predict import replay_step
+
+        log = []
+        replay_step(shape, run, 2, True, None, log)
+    freed = {event[1]: i for i, event in enumerate(log) if event[0] == "f"}
+    head = shape.vocab_size * shape.hidden_size * 4  # (fp32: made as it is returned, no copy)
+    # the head's gradient, made just before the function's first tile
+    pairs = [(event[1], after[1]) for event, after in zip(log, log[1:]) if event[0] == after[0] == "a"
+             and event[3] == "gradients" and event[2] == head and after[3] == "logits_loss"]
+    assert len(pairs) == 2  # one a step
+    assert all(freed[gradient] > freed[tile] for gradient, tile in pairs)
+
+
 def test_zero3_keeps_gathered_the_layers_its_reuse_distance_covers_from_forward_to_backward():
     """As measured on two gloo processes (bench/cpu_ground_truth.py): after the first step ZeRO-3
     releases a gathered parameter only when the step's trace does not use it again within

@@ -282,6 +282,10 @@ class HostMemory:
         self.log = log
         self._live: dict = {}  # handle -> (size, category)
         self._by_category: dict[str, int] = {}
+        self.points: dict[str, int] = {}  # the live bytes at each named point of the step, as last passed
+
+    def mark(self, point: str) -> None:
+        self.points[point] = self.allocated
 
     @property
     def peak_reserved(self) -> int:

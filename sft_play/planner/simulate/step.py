@@ -53,6 +53,8 @@ class StepMemory:
     out_of_memory: bool = False
     cache_releases: int = 0
     at_peak_allocated: dict[str, int] = field(default_factory=dict)  # live bytes by category at the allocated peak
+    # host memory only: the live bytes at the step's named points (POINTS), as the last step passed them
+    points: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ class StepSpec:
     steps: int = 2
 
 
+# Where in a step the live bytes are compared with a real step's (bench/cpu_ground_truth.py): as
+# the model's forward returns (the loss computed), as the optimizer step starts (backward and the
+# gradients' clipping done), and as it ends (before zero_grad)
+POINTS = ("after_forward", "after_backward", "after_step")
+
 _OWN_HANDLES = 1 << 62  # the replay's own tensors; traced ones are _handle_base(layer) + event id
 
 
@@ -105,6 +112,12 @@ class _Replay:
         for handle in handles:
             if handle is not None:
                 self.allocator.free(handle)
+
+    def mark(self, point: str) -> None:
+        """A named point of the step (:data:`POINTS`), where host memory records its live bytes."""
+        mark = getattr(self.allocator, "mark", None)
+        if mark is not None:
+            mark(point)
 
 
 class _Events:
@@ -202,7 +215,7 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     except OutOfMemory:
         oom = True
     return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
-                      allocator.releases, dict(allocator.at_peak_allocated))
+                      allocator.releases, dict(allocator.at_peak_allocated), dict(getattr(allocator, "points", {})))
 
 
 def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:
@@ -215,6 +228,8 @@ def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, 
         _static(gpu, shape, spec.run)
         if spec.on_cuda:
             gpu.new(spec.cublas_workspace, "cuda_runtime")
+        _fsdp_gather(gpu, shape, spec.run, root=True)
+        _fsdp_gather(gpu, shape, spec.run, layers=memory.LAYERS_IN_FLIGHT)
         _reference_forward(gpu, shape, trace, spec, memory.residual_bytes(spec.run), "precompute_pass")
         oom = False
     except OutOfMemory:
@@ -247,7 +262,9 @@ def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) 
         # adds its own into them): replay that one
         held = _held_gradients(gpu, shape, run) if spec.accumulating else []
         grads = _forward_backward(gpu, shape, trace, spec, keep_grads=not held)
+        gpu.mark("after_backward")
         _optimizer_step(gpu, shape, run)
+        gpu.mark("after_step")
         gpu.free(*held, *grads)  # zero_grad(set_to_none=True)
 
 
@@ -273,7 +290,7 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
     for numel in memory.adapter_tensors(shape):
         gpu.new(numel * memory.trainable_bytes(run) / adapter_shards, "weights")
     gathered = memory.layers_gathered(shape, run)  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
-    if gathered:
+    if gathered and not _fsdp_gathers_by_pass(run):
         layer_bytes = memory.gathered_layer_bytes(shape, run)
         for _ in range(gathered):
             gpu.new(layer_bytes, "weights")
@@ -359,11 +376,14 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
+    root = _fsdp_gather(gpu, shape, run, root=True)
+    forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
     if spec.kl_forward:
         _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
     batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
     kept = _zero3_kept(gpu, shape, spec)
     outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings, kept)
+    gpu.free(*forward_layers)  # (FSDP2: the top layer is resharded as its forward ends)
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
         gpu.free(embeddings)
@@ -377,17 +397,26 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         if run.parallel.strategy.zero3 and memory.layers_gathered(shape, run) \
         and not (shape.tie_word_embeddings and "embedding" in kept) else None
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
+    if spec.reference_forward:
+        forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
     for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
         _reference_forward(gpu, shape, trace, spec, residual)
+    if spec.reference_forward:
+        gpu.free(*forward_layers)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
         _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")
     if encoded is not None:
         _play(gpu, spec.encoder.at(b), spec.encoder.at(b).cache_release, "vision", encoded, b, "activations")
+    gpu.mark("after_forward")
 
-    # Backward: the head, the final norm, then the layers from the top
+    # Backward: the head, the final norm, then the layers from the top. FSDP2's root unit (the
+    # head's) prefetches the top layer as the head's backward starts; each layer's backward then
+    # runs with the layer below prefetched (FSDPParamGroup.pre_backward, _backward_prefetch)
+    backward_layers = _fsdp_gather(gpu, shape, run, layers=1)
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
     gpu.free(gathered_head)
     buckets, shard = _sharded_gradients(gpu, shape, run, keep_grads)
+    backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
         if spec.offload_hidden and norm.input_kept:
@@ -411,6 +440,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
     gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
+    gpu.free(*backward_layers)
     if memory.trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
     gpu.free(*rotary, *masks, *batch)
@@ -418,10 +448,29 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(encoded[INPUT])
     if layers[0].input_kept:
         gpu.free(embeddings)
-    if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends
-        gpu.free(*grads)
+    if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends, and it is resharded
+        gpu.free(*grads, *root)
         grads = []
     return grads + shard
+
+
+def _fsdp_gathers_by_pass(run: Run) -> bool:
+    """FSDP2 resharding each unit after its forward: its layers (and the root unit, the head's)
+    are gathered around their passes (:func:`_fsdp_gather`), none through the optimizer step."""
+    return (run.parallel.fsdp and run.parallel.reshard_after_forward
+            and (run.parallel.weight_shards > 1 or run.parallel.offload_parameters))
+
+
+def _fsdp_gather(gpu: _Replay, shape: ModelShape, run: Run, layers: int = 0, root: bool = False) -> list:
+    """Under :func:`_fsdp_gathers_by_pass`, `layers` decoder layers gathered at once, or the root
+    unit (the final norm and the head, with a tied embedding; accelerate's ``fsdp2_prepare_model``),
+    which FSDP2 keeps gathered from the forward's start to the backward's end; their handles
+    (none otherwise)."""
+    if not _fsdp_gathers_by_pass(run):
+        return []
+    if root:
+        return [gpu.new(numel * memory.gathered_bytes(run), "weights") for numel in memory.fsdp_step_gathered_tensors(shape)]
+    return [gpu.new(memory.gathered_layer_bytes(shape, run), "weights") for _ in range(layers)]
 
 
 def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> tuple:
@@ -754,6 +803,7 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     n = head["n"]
     grad_states = gpu.new(4 * n * h, "logits_loss")
+    head_grad = None
     if memory.trains(run, "lm_head"):
         head_grad = gpu.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
         # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
@@ -765,8 +815,7 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
             head_grad = kept
         if keep_grads and not run.parallel.deepspeed:
             grads.append(head_grad)
-        else:  # accumulated into the existing gradient, or reduced by ZeRO
-            gpu.free(head_grad)
+            head_grad = None
     tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * run.precision.compute_bytes, "logits_loss")
     if not spec.on_cuda:
         _backward_fold(gpu, min(n, FUSED_HEAD_TOKENS), min(FUSED_HEAD_VOCAB, shape.vocab_size),
@@ -779,6 +828,9 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
         gpu.free(grad_states)
         grad_states = cast
     gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"])
+    # As the function returns, its weight gradient is added into the one earlier micro-batches
+    # left, or (ZeRO) copied into the reduction bucket by its hook: either way, gone only now
+    gpu.free(head_grad)
     scattered = gpu.new(b * (s - 1) * h * residual, "backward_working")
     gpu.free(grad_states, head["label_mask"])
     incoming = gpu.new(b * s * h * residual, "backward_working")
