@@ -88,6 +88,10 @@ STRATEGIES = ("ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")
 STRATEGY_NAMES = {"ddp": "DDP", "deepspeed_zero2": "ZeRO-2", "deepspeed_zero3": "ZeRO-3", "fsdp2": "FSDP2"}
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": strategy}
           for strategy in STRATEGIES for method, checkpointing in (("full", True), ("lora", False))]
+# Rows split across the two processes (DeepSpeed Ulysses under ZeRO-2): each holds half of every row's
+# tokens, and attention's all-to-alls exchange the heads
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": "deepspeed_zero2",
+           "sequence_parallel": 2} for method, checkpointing in (("full", True), ("lora", False))]
 FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-lfm2", "tiny-bamba", "tiny-qwen3-next")
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "model": family}
           for family in FAMILIES for method, checkpointing in (("full", True), ("lora", False))]
@@ -110,6 +114,16 @@ def _model_folder(cell: dict) -> Path:
     return REPO / "tests" / "fixtures" / "model_configs" / family if family else REPO / "configs" / "tiny_model"
 
 
+def _split(cell: dict) -> int:
+    """The processes each row is split across (DeepSpeed Ulysses; 1: none)."""
+    return cell.get("sequence_parallel", 1)
+
+
+def _local(run, tokens: int) -> int:
+    """A row's tokens each process holds (its share where rows are split)."""
+    return -(-tokens // run.parallel.row_shards)
+
+
 def _processes(cell: dict) -> int:
     """The processes a cell trains on: two gloo ranks under a strategy across processes, else one."""
     return 2 if cell.get("strategy") else 1
@@ -119,18 +133,28 @@ FIRST_STEP = ("first_step_begins", "first_step_ends")
 MARK = "ground_truth::"  # the profile's name of a mark: this, then the point's or the first step's
 
 
-def _marks_callback():
+def _marks_callback(shares: list | None = None, split: int = 1):
     """A trainer callback that marks in the profile (:func:`_mark`) the first optimizer step's
     start and end, and the step's named points (``sft_play.planner.simulate.step.POINTS``): as the
     model's forward returns, as the optimizer step starts (backward and clipping done) and as it
     ends (before ``zero_grad``). The first step is left out of the measured peak, as the plan is of
     the steps that hold the optimizer's states (a rank's first batch may be its longest); a
-    preference run's reference pass comes before it, and counts."""
+    preference run's reference pass comes before it, and counts. With `shares`, each training
+    forward's rows, their whole length (its share's, `split` times) and the labelled positions of the share it gets are
+    appended there (rows split across processes: DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands
+    each process its share of one process's batch a step, the shifted labels with it)."""
     from transformers import TrainerCallback
+
+    def record(module, args, kwargs):
+        labels = kwargs.get("shift_labels")
+        if module.training and labels is not None:
+            shares.append((labels.shape[0], labels.shape[1] * split, int((labels != -100).sum())))
 
     class Marks(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             model.register_forward_hook(lambda *_: _mark("after_forward"))
+            if shares is not None:
+                model.register_forward_pre_hook(record, with_kwargs=True)
 
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == 0:
@@ -189,9 +213,10 @@ def tiny_trainer(folder: Path, cell: dict):
         f"data.max_seq_length={cell['seq']}", f"train.max_steps={1 + _processes(cell)}", "train.logging_steps=1",
         "train.tensorboard=false",
         "train.mixed_precision=no", "data.num_proc=1",
-        f"train.global_batch_size={cell['micro'] * _processes(cell)}",
+        f"train.global_batch_size={cell['micro'] * _processes(cell) // _split(cell)}",
         f"train.output_dir={folder}", f"model.name_or_path={_model_folder(cell)}",
         *([f"distributed.strategy={cell['strategy']}"] if cell.get("strategy") else []),
+        *([f"distributed.sequence_parallel={_split(cell)}"] if _split(cell) > 1 else []),
         f"model.tokenizer_name_or_path={REPO / 'configs' / 'tiny_model'}",
         f"data.path={REPO / 'data' / 'tiny' / 'train.jsonl'}",
         f"data.validation_path={REPO / 'data' / 'tiny' / 'validation.jsonl'}",
@@ -210,16 +235,21 @@ def tiny_trainer(folder: Path, cell: dict):
     bundle = data.build(config.data, tokenizer, seed=config.train.seed)
     run = resolve(config, on_cuda=False, bf16_supported=False, world_size=_processes(cell), data_stats=bundle.stats)
     base = model.load_model(config, run, device="cpu")
-    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator)
+    # (split rows: padded for the split and, as gloo gathers only equal shapes, to the longest, as the run does)
+    split = _split(cell)
+    collator = collate.make_collator(tokenizer.pad_token_id, run.kernels.collator, split=run.parallel.row_multiple,
+                                     length=config.data.max_seq_length if split > 1 else None)
     batches: list[tuple[int, int, int]] = []
 
     def recorded(features):  # each batch's rows, tokens per row and labelled positions, as the step sees them
         batch = collator(features)
         labels = batch["labels"]
-        batches.append((labels.shape[0], labels.shape[1], int((labels[:, 1:] != -100).sum())))
+        if split == 1:  # (split rows: each step's share, as the model gets it)
+            batches.append((labels.shape[0], labels.shape[1], int((labels[:, 1:] != -100).sum())))
         return batch
 
-    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [_marks_callback()])
+    make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded,
+                                    [_marks_callback(batches if split > 1 else None, split)])
     return config, run, make, batches
 
 
@@ -288,7 +318,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
     shape = model_shape(config)
     world = _processes(cell)
-    split = BatchSplit(cell["micro"], 1, world, cell["micro"] * world)
+    split = BatchSplit(cell["micro"], 1, world // _split(cell), cell["micro"] * world // _split(cell))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=categories,
                  with_stack=categories) as prof:
         trainer, _ = training.train_with_backoff(make, split)
@@ -326,7 +356,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     steps = [b for b in batches if b[0] == cell["micro"] * run.rows_per_example][:trainer.state.global_step]
     for rows, tokens, labelled in steps[1:]:
         sequence = dataclasses.replace(run.sequence, tokens=tokens,
-                                       loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
+                                       loss_token_share=(labelled + 0.5) / (rows * (_local(run, tokens) - 1)))
         # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
         predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence),
                                    rows // run.rows_per_example))
@@ -335,7 +365,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     if at_points:  # the last step's batch replayed: the live bytes as it passed each point
         rows, tokens, labelled = steps[-1]
         sequence = dataclasses.replace(run.sequence, tokens=tokens,
-                                       loss_token_share=(labelled + 0.5) / (rows * (tokens - 1)))
+                                       loss_token_share=(labelled + 0.5) / (rows * (_local(run, tokens) - 1)))
         planned = replay_step(shape, run.with_changes(batch=split, sequence=sequence), rows // run.rows_per_example,
                               False, None).points
         named = {point: (at_points[point] + before, planned[point]) for point in at_points}
@@ -421,7 +451,8 @@ def _step_name(r: dict) -> str:
             f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
             if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
             f"SFT, {r['model']}" if r.get("model") else
-            f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes, rank {r.get('rank', 0)}" if r.get("strategy")
+            f"SFT, {STRATEGY_NAMES[r['strategy']]}" + (f" with rows split across {_split(r)}" if _split(r) > 1 else "")
+            + f" on 2 processes, rank {r.get('rank', 0)}" if r.get("strategy")
             else "SFT" + (f", {r['seq']} tokens" if r["seq"] != 256 else ""))
 
 

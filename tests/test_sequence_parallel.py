@@ -221,6 +221,27 @@ def test_the_traced_all_to_alls_allocate_what_ulysses_copies_and_exchanges():
     assert allocated == expected
 
 
+def test_a_split_rows_trace_wraps_transformers_attention_not_what_replaced_it_in_the_registry(monkeypatch):
+    """DeepSpeed's Ulysses puts its wrapper in transformers' shared registry in the place of the
+    core attention (``register_with_transformers``). A plan made after a split run has trained in
+    the same process (a re-plan, bench/cpu_ground_truth.py's cells) traces transformers' own
+    function, not DeepSpeed's, which would exchange real tensors between processes."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from sft_play.planner.simulate import trace
+
+    wrapped = []
+
+    def split_across(core, shards):
+        wrapped.append(core)
+        return core
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *args, **kwargs: pytest.fail("DeepSpeed's wrapper"))
+    trace._register_split("sdpa", split_across, 3)
+    assert wrapped == [sdpa_attention_forward]
+
+
 def test_a_split_row_is_planned_by_its_share_with_the_exchanges_on_top():
     """Split across 4 processes, a row of 4s tokens keeps what a row of s keeps between layers (the
     checkpointed inputs, 1/4 of the tokens each), and its peak adds the exchanges' buffers (and the

@@ -974,13 +974,16 @@ def _ring(core: Any, shards: int) -> Any:
 
 def _register_split(core_name: str, split: Any, shards: int) -> str:
     """Registers `core_name`'s attention as a split row runs it (`split`: :func:`_ulysses` or
-    :func:`_ring`, across `shards` processes) for traces (in transformers' public registry); its name."""
+    :func:`_ring`, across `shards` processes) for traces (in transformers' public registry); its
+    name. The core is transformers' own function: a process that has trained with rows split has
+    DeepSpeed's Ulysses in the shared registry's place of it (``register_with_transformers``)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     _register_flash_trace()
     name = f"sft_play{split.__name__}_{shards}_{core_name}"
     if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, split(ALL_ATTENTION_FUNCTIONS[core_name], shards))
+        # (a new interface has no entries of its own: what it finds is what transformers registered)
+        AttentionInterface.register(name, split(AttentionInterface()[core_name], shards))
     return name
 
 
