@@ -451,8 +451,9 @@ def _step_name(r: dict) -> str:
             f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
             if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
             f"SFT, {r['model']}" if r.get("model") else
-            f"SFT, {STRATEGY_NAMES[r['strategy']]}" + (f" with rows split across {_split(r)}" if _split(r) > 1 else "")
-            + f" on 2 processes, rank {r.get('rank', 0)}" if r.get("strategy")
+            f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes"
+            + (f", each row split across {_split(r)}" if _split(r) > 1 else "") + f", rank {r.get('rank', 0)}"
+            if r.get("strategy")
             else "SFT" + (f", {r['seq']} tokens" if r["seq"] != 256 else ""))
 
 
@@ -575,7 +576,8 @@ def main() -> int:
         "",
         "Written by `python bench/cpu_ground_truth.py` (its docstring says how each cell is measured). Each cell is",
         "two real training steps of the embedded default's model through the trainer, fp32, one process, rows of",
-        "256 tokens; *measured* is the live bytes at the steps' peak by PyTorch's memory profile, *planned* the",
+        "256 tokens unless it says otherwise; *measured* is the live bytes at the peak of the steps after the first",
+        "(which the plan is of: the optimizer's states exist) by PyTorch's memory profile, *planned* the",
         "planner's prediction of the same run on the CPU. By term: the plan's term less the profile's category at",
         "the peak (weights: PARAMETER; optimizer_states: OPTIMIZER_STATE; inputs: INPUT; activations: ACTIVATION;",
         "gradients: GRADIENT; logits_loss: TEMPORARY; other: the rest of either). DPO cells: TRL's DPOTrainer on",
@@ -583,8 +585,11 @@ def main() -> int:
         "ORPO and SimPO cells: the same trainer's step without a reference, their loss from its log-probs. KTO cells:",
         "TRL's KTOTrainer on the same pairs split into labelled answers, micro in answers (one row each, and the",
         "mismatched rows' forwards without gradients). Cells that name a model: a tiny model of that family's",
-        "configuration (tests/fixtures/model_configs), the embedded tokenizer. Every cell, its family and method,",
-        "is in the plans' evidence (sft_play/planner/present/evidence.json, copied by hand from this table).",
+        "configuration (tests/fixtures/model_configs), the embedded tokenizer. Cells on 2 processes: gloo, three",
+        "steps, each rank its own rows (with each row split across both, DeepSpeed's Ulysses: each step trains one",
+        "rank's rows, each process its half of every row). The families, methods and strategies whose every cell",
+        "is within the error the plans' evidence states are in it (sft_play/planner/present/evidence.json, copied",
+        "by hand from this table).",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",
