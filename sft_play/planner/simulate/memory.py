@@ -83,9 +83,10 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
     (:func:`quantization_constants_bytes`), everything else in the run's weights dtype (16-bit
     with mixed precision, fp32 without: the loader's ``dtype``).
     ZeRO-3 and FSDP2 keep 1/world of them, plus two layers gathered at a time (FSDP2 in its
-    ``param_dtype``; without resharding after the forward, every layer); FSDP2 also keeps the head
-    and final norm gathered for the whole step (:func:`fsdp_step_gathered_tensors`); with the
-    parameters offloaded to the CPU, only the gathered parts.
+    ``param_dtype``, through the forward and the layers' backward; without resharding after the
+    forward, every layer); FSDP2 also keeps the head and final norm gathered from the forward's
+    start to the backward's end (:func:`fsdp_step_gathered_tensors`); with the parameters offloaded
+    to the CPU, only the gathered parts. The most at once, what a step's layers' backward holds.
     """
     adapters = shape.lora_params * trainable_bytes(run)
     stored = model_bytes(shape, run)
