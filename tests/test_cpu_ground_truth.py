@@ -33,7 +33,7 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
     # the allocator's count, which measures the cells across processes, is the profile's to 0.1 %
     assert abs(result["allocator_bytes"] / result["measured_bytes"] - 1) < 0.001, result
-    # and the live bytes as the last step passed each named point, within issue 61's 2 %
+    # and the live bytes as the last step passed each named point, within 2 %
     assert set(result["points"]) == set(POINTS), result
     for point, (measured, planned) in result["points"].items():
         assert abs(planned / measured - 1) < 0.02, (point, measured, planned)

@@ -93,3 +93,25 @@ def test_the_cpu_facts_are_the_ground_truth_reports():
         folder = FIXTURES / "model_configs" / family if family else REPO / "configs" / "tiny_model"
         measured.add((json.loads((folder / "config.json").read_text())["model_type"], method))
     assert {tuple(kind) for kind in facts["kinds"]} == measured
+    # preference steps claimed where they were measured only
+    preference = {strategy(step) for step, _, _ in rows if step.split(",")[0] in ("DPO", "ORPO", "SimPO", "KTO")}
+    assert preference == set(facts["preference_strategies"])
+
+
+def test_a_preference_plan_across_processes_is_not_said_checked_where_only_sft_steps_ran_there():
+    """FSDP2's SFT steps were measured on CPU processes, DPO's in one process only: a DPO plan under
+    FSDP2 (TRL wraps its reference copy as one unit) is not said checked on CPU steps."""
+    target = Target(2, 80 * GIB, "2 x H100", gpu_model="H100")
+
+    def said(config_file: str) -> tuple[dict, list[str]]:
+        config = config_module.load(REPO / "configs" / config_file, [
+            "finetune.method=full", "distributed.strategy=fsdp2", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
+            "model.build_with=null"], check_paths=False)
+        shape = model_shape(config)
+        run = resolve_for(config, target, None, shape)
+        cpu_gap = module._differences({**module._kind(run, shape), "tokens": 0}, module.measured()["cpu"], attention=False)
+        return module.evidence(run, shape), cpu_gap
+
+    (sft, sft_gap), (dpo, dpo_gap) = said("run_tiny.yaml"), said("run_tiny_dpo.yaml")
+    assert sft["cpu"] and sft_gap == []
+    assert not dpo["cpu"] and dpo_gap == ["DPO steps across processes (measured in one process)"]

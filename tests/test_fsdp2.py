@@ -145,17 +145,37 @@ def test_fsdp2_holds_one_world_th_of_the_model_state_and_gathered_layers():
     assert memory.master_weights_bytes(shape, run) == 0  # the fp32 shards are the masters
     assert memory.ddp_bucket_bytes(shape, run) == 0 and memory.zero_buffer_bytes(shape, run) == 0
     layer = memory.largest_layer_params(shape)
-    # gathered for the step: the head and the final norm (the untied embedding is a unit of its own,
-    # gathered around its passes only)
-    root = shape.params_by_kind["lm_head"] + shape.hidden_size
-    assert sum(memory.fsdp_step_gathered_tensors(shape)) == root
-    assert memory.weights_bytes(shape, run) == n * 4 // 8 + (2 * layer + root) * 2  # shards + bf16 gathers
+    # accelerate's tail unit: the head and the final norm (the untied embedding is a unit of its own,
+    # gathered around its passes only); untied, it is resharded before the layers' backward gathers
+    # two of them, the most at once
+    tail = shape.params_by_kind["lm_head"] + shape.hidden_size
+    assert sum(memory.fsdp_step_gathered_tensors(shape)) == tail and not shape.tie_word_embeddings
+    assert memory.weights_bytes(shape, run) == n * 4 // 8 + 2 * layer * 2  # shards + bf16 gathers
     kept = with_parallel(run, reshard_after_forward=False)
-    assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + root) * 2
+    assert memory.weights_bytes(shape, kept) == n * 4 // 8 + (shape.num_layers * layer + tail) * 2
     offloaded = with_parallel(run, offload_parameters=True)
-    assert memory.weights_bytes(shape, offloaded) == (2 * layer + root) * 2
+    assert memory.weights_bytes(shape, offloaded) == 2 * layer * 2
     assert memory.gradient_bytes(shape, offloaded) == memory.optimizer_state_bytes(shape, offloaded) == 0
     assert 0 < memory.fsdp_buffer_bytes(shape, run) < layer * 8
+
+
+@pytest.mark.parametrize("model, tied", [("qwen2.5-14b", False), ("qwen2.5-0.5b", True)])
+def test_fsdp2s_lower_bound_stays_under_the_replayed_peak(model, tied):
+    """The planner prunes what its lower bound puts over the budget before any replay: with the tail
+    unit gathered by pass (untied: resharded before the layers' backward), the weights it counts
+    must all be alive at once in the replay, short rows or long, offloaded or not (LoRA on rows of 16
+    tokens: the untied head is most of what the step adds to its weights)."""
+    from sft_play.planner.simulate.predict import predict, static_lower_bound
+
+    for method, seq, offload in (("lora", 16, False), ("full", 256, False), ("full", 4096, False), ("full", 256, True)):
+        config = config_module.load(None, [f"model.name_or_path={CONFIGS / model}", f"finetune.method={method}",
+                                           "distributed.strategy=fsdp2", f"data.max_seq_length={seq}",
+                                           "train.global_batch_size=8"], check_paths=False)
+        shape = model_shape(config)
+        assert shape.tie_word_embeddings is tied
+        run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
+        run = with_parallel(run, offload_parameters=offload).with_changes(batch=BatchSplit(1, 1, 8, 8))
+        assert static_lower_bound(shape, run) <= predict(shape, run, 1).peak_bytes, (method, seq, offload)
 
 
 def test_fsdp2_communicates_every_micro_batch():

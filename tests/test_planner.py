@@ -259,33 +259,39 @@ def _tiny_step_log(strategy: str, *overrides: str, method: str = "full") -> tupl
 
 def test_fsdp2_gathers_its_layers_around_their_passes_and_none_through_the_optimizer_step():
     """FSDP2 resharding after the forward (measured on two gloo processes, bench/cpu_ground_truth.py):
-    the root unit (head and final norm) is gathered from the forward's start to the backward's end;
     decoder layers two at a time through the forward, none as it ends, one (the top one, prefetched
-    by the root's pre-backward) through the loss head's backward, two through the layers' backward
-    (each with the one below prefetched), and none through the optimizer step."""
+    as the head's backward starts) through the loss head's backward, two through the layers'
+    backward (each with the one below prefetched), none at the optimizer step. accelerate's tail unit
+    (final norm and head), untied here, is gathered as the final norm's forward starts and resharded
+    as its backward ends (``fsdp2_prepare_model``), before the second layer is prefetched."""
     shape, run, log = _tiny_step_log("fsdp2")
     layer = memory.gathered_layer_bytes(shape, run)
-    root = [numel * memory.gathered_bytes(run) for numel in memory.fsdp_step_gathered_tensors(shape)]
+    tail = sorted(numel * memory.gathered_bytes(run) for numel in memory.fsdp_step_gathered_tensors(shape))
     step = next(i for i, event in enumerate(log) if event[0] == "a" and event[3] == "optimizer_step")
     first_step = log[:step]
     static = 1 + max(i for i, event in enumerate(first_step) if event[0] == "a" and event[3] == "optimizer_states")
-    live, counts, sizes = set(), [], {}
+    live, states, sizes = set(), [(0, False)], {}
     for event in first_step[static:]:
         if event[0] == "a" and event[3] == "weights":
             live.add(event[1])
             sizes[event[1]] = event[2]
         elif event[0] == "f":
             live.discard(event[1])
-        count = sum(1 for handle in live if sizes[handle] == layer)
-        if not counts or counts[-1] != count:
-            counts.append(count)
-    assert counts == [0, 1, 2, 1, 0, 1, 2, 1, 0], counts  # (each gathered one after the other)
-    assert not live  # the root unit resharded as backward ends: nothing gathered at the step
-    # besides the layers: the root unit, and the untied embedding (a unit of its own) gathered for
-    # its forward and again for its backward
+        # (layers gathered, the tail's tensors gathered)
+        state = (sum(1 for h in live if sizes[h] == layer), sorted(sizes[h] for h in live if sizes[h] != layer) == tail)
+        if state != states[-1]:
+            states.append(state)
+    layers_only = [count for count, _ in states]
+    assert [count for i, count in enumerate(layers_only) if i == 0 or count != layers_only[i - 1]] \
+        == [0, 1, 2, 1, 0, 1, 2, 1, 0], states  # (each gathered one after the other)
+    with_tail = [state for state in states if state[1]]
+    assert with_tail == [(0, True), (1, True)], states  # after the forward's layers, before the second backward layer
+    assert not live  # nothing gathered at the step
+    # besides the layers and the tail: the untied embedding (a unit of its own) gathered for its
+    # forward and again for its backward
     assert not shape.tie_word_embeddings
     embedding = shape.params_by_kind["embeddings"] * memory.gathered_bytes(run)
-    assert sorted(size for size in sizes.values() if size != layer) == sorted(root + [embedding] * 2)
+    assert sorted(size for size in sizes.values() if size != layer) == sorted(tail + [embedding] * 2)
 
 
 @pytest.mark.parametrize("strategy, overrides", [("deepspeed_zero2", ()), ("ddp", ("train.gradient_accumulation_steps=2",))])

@@ -227,11 +227,13 @@ def test_a_split_rows_trace_wraps_transformers_attention_not_what_replaced_it_in
     the same process (a re-plan, bench/cpu_ground_truth.py's cells) traces transformers' own
     function, not DeepSpeed's, which would exchange real tensors between processes."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     from sft_play.planner.simulate import trace
 
     wrapped = []
+    # (the registration this makes is undone with the test, so that it wraps again when run again)
+    monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
 
     def split_across(core, shards):
         wrapped.append(core)

@@ -80,6 +80,8 @@ def _differences(kind: dict[str, Any], covered: dict[str, Any], attention: bool 
         differences.append(f"{kind['strategy']} across processes (measured: {measured})")
     if kind["objective"] not in covered["objectives"]:
         differences.append(f"{kind['objective'].upper()} steps (measured: {', '.join(covered['objectives']).upper()})")
+    elif kind["objective"] != "sft" and kind["strategy"] not in covered.get("preference_strategies", covered["strategies"]):
+        differences.append(f"{kind['objective'].upper()} steps across processes (measured in one process)")
     if attention and kind["attention"] not in covered["attention"]:
         differences.append(f"{kind['attention']}'s saved tensors (from its documented kernel; measured: "
                            f"{', '.join(covered['attention'])})")

@@ -84,9 +84,10 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
     with mixed precision, fp32 without: the loader's ``dtype``).
     ZeRO-3 and FSDP2 keep 1/world of them, plus two layers gathered at a time (FSDP2 in its
     ``param_dtype``, through the forward and the layers' backward; without resharding after the
-    forward, every layer); FSDP2 also keeps the head and final norm gathered from the forward's
-    start to the backward's end (:func:`fsdp_step_gathered_tensors`); with the parameters offloaded
-    to the CPU, only the gathered parts. The most at once, what a step's layers' backward holds.
+    forward, every layer); FSDP2 with a tied head also keeps the head, final norm and embedding
+    gathered from the forward's start to the backward's end (:func:`fsdp_step_gathered_tensors`);
+    with the parameters offloaded to the CPU, only the gathered parts. What a step's layers'
+    backward holds: a lower bound of its peak (:func:`sft_play.planner.simulate.predict.static_lower_bound`).
     """
     adapters = shape.lora_params * trainable_bytes(run)
     stored = model_bytes(shape, run)
@@ -96,7 +97,8 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
         constants = quantization_constants_bytes(shape, run)
         kept = constants if run.parallel.offload_parameters else (stored - constants) // run.parallel.weight_shards + constants
         stored = kept + gathered * gathered_layer_bytes(shape, run)
-        if run.parallel.fsdp:
+        # (an untied tail is resharded before the layers' backward gathers two: step._forward_backward)
+        if run.parallel.fsdp and (shape.tie_word_embeddings or not run.parallel.reshard_after_forward):
             stored += sum(fsdp_step_gathered_tensors(shape)) * gathered_bytes(run)
     return stored + adapters // (run.parallel.weight_shards if run.parallel.fsdp else 1)
 
@@ -174,10 +176,10 @@ def _reuse_distance(run: Run) -> int:
 
 
 def fsdp_step_gathered_tensors(shape: ModelShape) -> list[int]:
-    """What FSDP2 keeps gathered for the whole step besides the layers (accelerate's units,
-    ``fsdp2_prepare_model``): the final norm and the head, one unit not resharded after the
-    forward (with a tied embedding, the embedding in it). An untied input embedding is a unit
-    of its own, gathered around its own passes only."""
+    """accelerate's tail unit under FSDP2 (``fsdp2_prepare_model``): the final norm and the head,
+    one unit not resharded after its forward (with a tied embedding, the embedding in it), gathered
+    from its first module's forward to the end of its backward. An untied input embedding is a
+    unit of its own, gathered around its own passes only."""
     rest = list(shape.other_tensors)
     embeddings = shape.params_by_kind.get("embeddings", 0)
     if not shape.tie_word_embeddings and embeddings in rest:

@@ -228,7 +228,7 @@ def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, 
         _static(gpu, shape, spec.run)
         if spec.on_cuda:
             gpu.new(spec.cublas_workspace, "cuda_runtime")
-        _fsdp_gather(gpu, shape, spec.run, root=True)
+        _fsdp_gather(gpu, shape, spec.run, tail=True)
         _fsdp_gather(gpu, shape, spec.run, layers=memory.LAYERS_IN_FLIGHT)
         _reference_forward(gpu, shape, trace, spec, memory.residual_bytes(spec.run), "precompute_pass")
         oom = False
@@ -294,7 +294,7 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
         layer_bytes = memory.gathered_layer_bytes(shape, run)
         for _ in range(gathered):
             gpu.new(layer_bytes, "weights")
-        if run.parallel.fsdp:  # the head and final norm (the tied embedding too), gathered for the whole step
+        if run.parallel.fsdp:  # (FSDP2 not resharding after the forward: the tail too, counted for the whole step)
             for numel in memory.fsdp_step_gathered_tensors(shape):
                 gpu.new(numel * memory.gathered_bytes(run), "weights")
     if run.parallel.deepspeed:
@@ -376,7 +376,10 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     layers = trace.layers_at(b, shape.num_layers)  # each layer's kind (hybrid models mix them)
     grads: list = []
 
-    root = _fsdp_gather(gpu, shape, run, root=True)
+    # FSDP2: accelerate's tail unit (the final norm and the head) is gathered as its first module's
+    # forward starts: with a tied head the embedding's, at once; untied, the final norm's, after the layers
+    tied = shape.tie_word_embeddings
+    tail = _fsdp_gather(gpu, shape, run, tail=True) if tied else []
     forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
     if spec.kl_forward:
         _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
@@ -384,6 +387,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     kept = _zero3_kept(gpu, shape, spec)
     outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings, kept)
     gpu.free(*forward_layers)  # (FSDP2: the top layer is resharded as its forward ends)
+    if not tied:  # (as the final norm's forward starts; here after it, which makes nothing of size)
+        tail = _fsdp_gather(gpu, shape, run, tail=True)
     # The backbone returns: `inputs_embeds` and the masks go unless kept for backward
     if not layers[0].input_kept:
         gpu.free(embeddings)
@@ -397,8 +402,11 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         if run.parallel.strategy.zero3 and memory.layers_gathered(shape, run) \
         and not (shape.tie_word_embeddings and "embedding" in kept) else None
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
-    if spec.reference_forward:
-        forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
+    if spec.reference_forward:  # FSDP2: the policy's layers (adapters off), or TRL's copy, one unit
+        # whole (trl.models.utils.prepare_fsdp), gathered in the dtype it was loaded in
+        copy = run.preference.reference == "copy" and _fsdp_gathers_by_pass(run)
+        forward_layers = ([gpu.new(shape.total_params * run.precision.compute_bytes, "reference")] if copy
+                          else _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT))
     for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
         _reference_forward(gpu, shape, trace, spec, residual)
     if spec.reference_forward:
@@ -409,20 +417,23 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         _play(gpu, spec.encoder.at(b), spec.encoder.at(b).cache_release, "vision", encoded, b, "activations")
     gpu.mark("after_forward")
 
-    # Backward: the head, the final norm, then the layers from the top. FSDP2's root unit (the
-    # head's) prefetches the top layer as the head's backward starts; each layer's backward then
-    # runs with the layer below prefetched (FSDPParamGroup.pre_backward, _backward_prefetch)
+    # Backward: the head, the final norm, then the layers from the top. FSDP2's tail unit prefetches
+    # the top layer as the head's backward starts; each layer's backward then runs with the layer
+    # below prefetched (FSDPParamGroup.pre_backward, _backward_prefetch)
     backward_layers = _fsdp_gather(gpu, shape, run, layers=1)
     incoming = _head_backward(gpu, shape, spec, head, residual, grads, keep_grads)
     gpu.free(gathered_head)
     buckets, shard = _sharded_gradients(gpu, shape, run, keep_grads)
-    backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
     if norm is not None:
         norm_names[GRAD_IN] = incoming
         if spec.offload_hidden and norm.input_kept:
             gpu.malloc(norm_names[INPUT], hidden_bytes, "activations")
         _play(gpu, norm, norm.backward, "norm", norm_names, b, "backward_working")
         incoming = _name(norm_names, norm.input_grad, "norm")
+    if run.parallel.fsdp and not tied:  # the untied tail's backward is done: its gradients reduce-scattered, it resharded
+        gpu.free(*grads, *tail)
+        grads, tail = [], []
+    backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
     for i in reversed(range(shape.num_layers)):
         names, layer = outputs[i], layers[i]
         names[GRAD_IN] = incoming
@@ -448,27 +459,27 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(encoded[INPUT])
     if layers[0].input_kept:
         gpu.free(embeddings)
-    if run.parallel.fsdp:  # the head unit's gradients are reduce-scattered as backward ends, and it is resharded
-        gpu.free(*grads, *root)
+    if run.parallel.fsdp:  # a tied tail's gradients are reduce-scattered as backward ends, and it is resharded
+        gpu.free(*grads, *tail)
         grads = []
     return grads + shard
 
 
 def _fsdp_gathers_by_pass(run: Run) -> bool:
-    """FSDP2 resharding each unit after its forward: its layers (and the root unit, the head's)
+    """FSDP2 resharding each unit after its forward: its layers (and the tail unit, the head's)
     are gathered around their passes (:func:`_fsdp_gather`), none through the optimizer step."""
     return (run.parallel.fsdp and run.parallel.reshard_after_forward
             and (run.parallel.weight_shards > 1 or run.parallel.offload_parameters))
 
 
-def _fsdp_gather(gpu: _Replay, shape: ModelShape, run: Run, layers: int = 0, root: bool = False) -> list:
-    """Under :func:`_fsdp_gathers_by_pass`, `layers` decoder layers gathered at once, or the root
-    unit (the final norm and the head, with a tied embedding; accelerate's ``fsdp2_prepare_model``),
-    which FSDP2 keeps gathered from the forward's start to the backward's end; their handles
-    (none otherwise)."""
+def _fsdp_gather(gpu: _Replay, shape: ModelShape, run: Run, layers: int = 0, tail: bool = False) -> list:
+    """Under :func:`_fsdp_gathers_by_pass`, `layers` decoder layers gathered at once, or the tail
+    unit (the final norm and the head, with a tied embedding: accelerate's ``fsdp2_prepare_model``
+    makes them one unit not resharded after its forward), gathered from its first module's
+    forward to the end of its backward; their handles (none otherwise)."""
     if not _fsdp_gathers_by_pass(run):
         return []
-    if root:
+    if tail:
         return [gpu.new(numel * memory.gathered_bytes(run), "weights") for numel in memory.fsdp_step_gathered_tensors(shape)]
     return [gpu.new(memory.gathered_layer_bytes(shape, run), "weights") for _ in range(layers)]
 
@@ -796,41 +807,41 @@ def _backward_fold(gpu: _Replay, rows: int, columns: int, compute_bytes: int) ->
 def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, residual: int, grads: list,
                    keep_grads: bool):
     """``ChunkedLogProbFunction.backward``: an fp32 gradient for the selected states, for a trained
-    head an fp32 weight gradient (returned in the weights' dtype), the tile again, then the states' gradient cast to their dtype;
+    head an fp32 weight gradient, the tile again, then both gradients cast to their tensors' dtypes;
     the gradient is scattered back into [b, s - 1, h] and the slice into [b, s, h] (the final
     norm's incoming gradient). Returns that gradient's handle."""
     run = spec.run
     b, s, h = spec.micro_batch, spec.seq_len, shape.hidden_size
     n = head["n"]
     grad_states = gpu.new(4 * n * h, "logits_loss")
-    head_grad = None
-    if memory.trains(run, "lm_head"):
-        head_grad = gpu.new(shape.vocab_size * h * 4, "gradients")  # accumulated in fp32 ...
-        # ... and returned as `grad_weight.to(weight.dtype)`: a bf16 head keeps a bf16 copy (under
-        # FSDP2 the weight is the gathered copy, in its param_dtype)
-        grad_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)
-        if grad_bytes != 4:
-            kept = gpu.new(shape.vocab_size * h * grad_bytes, "gradients")
-            gpu.free(head_grad)
-            head_grad = kept
-        if keep_grads and not run.parallel.deepspeed:
-            grads.append(head_grad)
-            head_grad = None
+    trained = memory.trains(run, "lm_head")
+    head_grad = gpu.new(shape.vocab_size * h * 4, "gradients") if trained else None  # accumulated in fp32
     tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * run.precision.compute_bytes, "logits_loss")
     if not spec.on_cuda:
         _backward_fold(gpu, min(n, FUSED_HEAD_TOKENS), min(FUSED_HEAD_VOCAB, shape.vocab_size),
                        run.precision.compute_bytes)
     grad_log_probs = gpu.new(4 * n, "logits_loss")
     _tile_casts(gpu, shape, spec, residual, n)
+    # As it returns, the states' and the head's gradients are cast to their tensors' dtypes (a bf16
+    # head's a copy; under FSDP2 the weight is the gathered copy, in its param_dtype) beside the fp32
+    # ones, which go with the function's frame
     cast = gpu.new(n * h * residual, "logits_loss") if residual != 4 else None
+    grad_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)
+    head_cast = gpu.new(shape.vocab_size * h * grad_bytes, "gradients") if trained and grad_bytes != 4 else None
     gpu.free(tile, grad_log_probs)
+    if head_cast is not None:
+        gpu.free(head_grad)
+        head_grad = head_cast
     if cast is not None:
         gpu.free(grad_states)
         grad_states = cast
     gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"])
-    # As the function returns, its weight gradient is added into the one earlier micro-batches
-    # left, or (ZeRO) copied into the reduction bucket by its hook: either way, gone only now
-    gpu.free(head_grad)
+    # Then the weight's gradient is kept to the step, or (FSDP2) to its unit's reduce-scatter; added
+    # into the one earlier micro-batches left; or (ZeRO) copied into the reduction bucket by its hook
+    if trained and (keep_grads or run.parallel.fsdp) and not run.parallel.deepspeed:
+        grads.append(head_grad)
+    else:
+        gpu.free(head_grad)
     scattered = gpu.new(b * (s - 1) * h * residual, "backward_working")
     gpu.free(grad_states, head["label_mask"])
     incoming = gpu.new(b * s * h * residual, "backward_working")
