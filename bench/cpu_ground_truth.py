@@ -22,7 +22,9 @@ frozen copy (full) and the adapters switched off (LoRA); and SFT steps with tile
 without checkpointing, where the MLPs' intermediates are most of the activations); and SFT steps of tiny
 models of other families (mixtures of experts: Qwen3-MoE, Mixtral; hybrids: LFM2, Bamba, Qwen3-Next),
 full with checkpointing and LoRA without; and SFT steps on two gloo processes under DDP, ZeRO-2, ZeRO-3
-and FSDP2 (full with checkpointing and LoRA without; three steps, each rank its own rows), each rank
+and FSDP2 (full with checkpointing and LoRA without; three steps, each rank its own rows), and under
+ZeRO-2 with each row split across both (DeepSpeed's Ulysses: a step trains one rank's rows, each
+process its half of every row, as DeepSpeed's loader adapter hands them out), each rank
 measured by the allocator's own count (:func:`allocator_count`: the memory profile's analysis cannot
 follow DDP's and gloo's operations), which the single-process cells check against the profile. The
 report puts each term of the plan beside the profile's category at the peak.
@@ -30,9 +32,8 @@ report puts each term of the plan beside the profile's category at the peak.
 The first step is left out of the measured peak (the plan is of a step with the optimizer's states),
 and the SFT cells are also compared at the last step's named points: as the model's forward returns,
 as the optimizer step starts and as it ends (``sft_play.planner.simulate.step.POINTS``; marks put in
-the profile by a trainer callback). What this does not cover (issue 61's matrix): sequence
-parallelism; offloaded activations (on a CPU the host is where they already are); the points inside
-each layer's backward.
+the profile by a trainer callback). What this does not cover (issue 61's matrix): offloaded
+activations (on a CPU the host is where they already are); the points inside each layer's backward.
 
 Usage:
   python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]

@@ -127,7 +127,7 @@ class CachingAllocator:
 
     __slots__ = ("capacity", "reserved", "allocated", "peak_reserved", "peak_allocated", "releases", "at_peak",
                  "_at_peak_allocated", "_peak_pending", "_pools", "_live", "_by_category", "_segments",
-                 "_segment_sizes", "segment_address", "log")
+                 "_segment_sizes", "segment_address", "log", "points")
 
     def __init__(self, capacity: int | None = None, log: list | None = None):
         self.capacity = capacity
@@ -147,6 +147,10 @@ class CachingAllocator:
         # orders equal-sized blocks); None: segments are ordered as they were created
         self.segment_address: int | None = None
         self.log = log
+        self.points: dict[str, int] = {}  # (named points are host memory's: HostMemory.mark)
+
+    def mark(self, point: str) -> None:
+        pass
 
     @property
     def at_peak_allocated(self) -> dict[str, int]:

@@ -115,9 +115,7 @@ class _Replay:
 
     def mark(self, point: str) -> None:
         """A named point of the step (:data:`POINTS`), where host memory records its live bytes."""
-        mark = getattr(self.allocator, "mark", None)
-        if mark is not None:
-            mark(point)
+        self.allocator.mark(point)
 
 
 class _Events:
@@ -145,6 +143,9 @@ class _Events:
         self.handles.append(handle)
         self.sizes.append(size)
         self.category_ids.append(self._category(category))
+
+    def mark(self, point: str) -> None:  # (a compiled replay is a GPU's: no named points)
+        pass
 
     def free(self, handle: int) -> None:
         self.kinds.append(0)
@@ -215,7 +216,7 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
     except OutOfMemory:
         oom = True
     return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
-                      allocator.releases, dict(allocator.at_peak_allocated), dict(getattr(allocator, "points", {})))
+                      allocator.releases, dict(allocator.at_peak_allocated), dict(allocator.points))
 
 
 def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:

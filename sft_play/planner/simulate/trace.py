@@ -982,7 +982,9 @@ def _register_split(core_name: str, split: Any, shards: int) -> str:
     _register_flash_trace()
     name = f"sft_play{split.__name__}_{shards}_{core_name}"
     if name not in ALL_ATTENTION_FUNCTIONS:
-        # (a new interface has no entries of its own: what it finds is what transformers registered)
+        # (a new interface has no entries of its own: what it finds is what was registered with the
+        # class, transformers' functions and the traces' own, not what a process put in its place,
+        # DeepSpeed's wrapper or the run's patch for split rows)
         AttentionInterface.register(name, split(AttentionInterface()[core_name], shards))
     return name
 
