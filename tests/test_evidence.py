@@ -99,13 +99,13 @@ def test_the_cpu_facts_are_the_ground_truth_reports():
 
 
 def test_a_preference_plan_across_processes_is_not_said_checked_where_only_sft_steps_ran_there():
-    """FSDP2's SFT steps were measured on CPU processes, DPO's in one process only: a DPO plan under
-    FSDP2 (TRL wraps its reference copy as one unit) is not said checked on CPU steps."""
+    """ZeRO-2's SFT steps were measured on CPU processes, DPO's in one process only: a DPO plan under
+    ZeRO-2 (TRL prepares its reference copy at ZeRO stage 0) is not said checked on CPU steps."""
     target = Target(2, 80 * GIB, "2 x H100", gpu_model="H100")
 
     def said(config_file: str) -> tuple[dict, list[str]]:
         config = config_module.load(REPO / "configs" / config_file, [
-            "finetune.method=full", "distributed.strategy=fsdp2", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
+            "finetune.method=full", "distributed.strategy=deepspeed_zero2", f"model.name_or_path={REPO / 'configs' / 'tiny_model'}",
             "model.build_with=null"], check_paths=False)
         shape = model_shape(config)
         run = resolve_for(config, target, None, shape)
