@@ -403,15 +403,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         if run.parallel.strategy.zero3 and memory.layers_gathered(shape, run) \
         and not (shape.tie_word_embeddings and "embedding" in kept) else None
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
-    if spec.reference_forward:  # FSDP2: the policy's layers (adapters off), or TRL's copy, one unit
-        # whole (trl.models.utils.prepare_fsdp), gathered in the dtype it was loaded in
-        copy = run.preference.reference == "copy" and _fsdp_gathers_by_pass(run)
-        forward_layers = ([gpu.new(shape.total_params * run.precision.compute_bytes, "reference")] if copy
-                          else _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT))
-    for _ in range(spec.reference_forward * (1 + spec.kl_forward)):
-        _reference_forward(gpu, shape, trace, spec, residual)
     if spec.reference_forward:
-        gpu.free(*forward_layers)
+        _reference_forwards(gpu, shape, trace, spec, residual)
     for i, names in enumerate(outputs):  # autocast's weight cache is cleared as the forward ends
         _play(gpu, layers[i], layers[i].cache_release, i, names, b, "activations")
     if encoded is not None:
@@ -435,22 +428,9 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads, *tail)
         grads, tail = [], []
     backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
-    for i in reversed(range(shape.num_layers)):
-        names, layer = outputs[i], layers[i]
-        names[GRAD_IN] = incoming
-        if spec.offload_hidden and layer.input_kept:
-            gpu.malloc(names[INPUT], hidden_bytes, "activations")
-        _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
-        gpu.free(kept.pop(i, None))
-        incoming = _name(names, layer.input_grad, i)
-        _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
+    incoming = _layers_backward(gpu, spec, layers, outputs, kept, incoming, grads, keep_grads, hidden_bytes)
     if encoded is not None and spec.encoder.trains:
-        # the features' gradient (masked_scatter's backward: the image tokens' rows of the
-        # embeddings' gradient), then the encoder's and projector's backward
-        events = spec.encoder.at(b)
-        encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
-        _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
-        _keep_or_free(gpu, run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
+        _encoder_backward(gpu, spec, encoded, grads, keep_grads)
     gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
     gpu.free(*backward_layers)
     if memory.trains(run, "embed_tokens") and not run.parallel.deepspeed:
@@ -464,6 +444,48 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads, *tail)
         grads = []
     return grads + shard
+
+
+def _reference_forwards(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int) -> None:
+    """The reference's forwards after the policy's (its own, and KTO's over the mismatched rows);
+    under FSDP2 with the policy's layers (adapters off), or TRL's copy, one unit whole
+    (``trl.models.utils.prepare_fsdp``), gathered in the dtype it was loaded in."""
+    run = spec.run
+    copy = run.preference.reference == "copy" and _fsdp_gathers_by_pass(run)
+    gathered = ([gpu.new(shape.total_params * run.precision.compute_bytes, "reference")] if copy
+                else _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT))
+    for _ in range(1 + spec.kl_forward):
+        _reference_forward(gpu, shape, trace, spec, residual)
+    gpu.free(*gathered)
+
+
+def _layers_backward(gpu: _Replay, spec: StepSpec, layers: list, outputs: list, kept: dict, incoming: int,
+                     grads: list, keep_grads: bool, hidden_bytes: int) -> int:
+    """The decoder layers' backward from the top, each reading its forward's tensors (`outputs`)
+    and the gradient the one above produced (`incoming`), its offloaded input (`hidden_bytes`)
+    brought back first; a layer ZeRO-3 kept gathered is released after it. Returns the gradient
+    of the first layer's input."""
+    run, b = spec.run, spec.micro_batch
+    for i in reversed(range(len(layers))):
+        names, layer = outputs[i], layers[i]
+        names[GRAD_IN] = incoming
+        if spec.offload_hidden and layer.input_kept:
+            gpu.malloc(names[INPUT], hidden_bytes, "activations")
+        _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
+        gpu.free(kept.pop(i, None))
+        incoming = _name(names, layer.input_grad, i)
+        _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
+    return incoming
+
+
+def _encoder_backward(gpu: _Replay, spec: StepSpec, encoded: dict, grads: list, keep_grads: bool) -> None:
+    """The features' gradient (masked_scatter's backward: the image tokens' rows of the embeddings'
+    gradient), then the vision encoder's and projector's backward."""
+    b = spec.micro_batch
+    events = spec.encoder.at(b)
+    encoded[GRAD_IN] = gpu.new(spec.encoder.features_bytes(b), "backward_working")
+    _play(gpu, events, events.backward, "vision", encoded, b, "backward_working", gradients=events.persistent)
+    _keep_or_free(gpu, spec.run, keep_grads, grads, [_name(encoded, g, "vision") for g in events.persistent])
 
 
 def _fsdp_gathers_by_pass(run: Run) -> bool:
