@@ -381,10 +381,13 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     # forward starts: with a tied head the embedding's, at once; untied, the final norm's, after the layers
     tied = shape.tie_word_embeddings
     tail = _fsdp_gather(gpu, shape, run, tail=True) if tied else []
-    forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
-    if spec.kl_forward:
+    if spec.kl_forward:  # (the policy's forward over the mismatched rows, without gradients)
+        forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
         _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
+        gpu.free(*forward_layers)
     batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
+    # (FSDP2: the layers are gathered once an untied embedding, a unit of its own, has done its forward)
+    forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
     kept = _zero3_kept(gpu, shape, spec)
     outputs, norm_names, last_hidden = _backbone_forward(gpu, spec, layers, norm, embeddings, kept)
     gpu.free(*forward_layers)  # (FSDP2: the top layer is resharded as its forward ends)
