@@ -298,8 +298,8 @@ def test_fsdp2_gathers_its_layers_around_their_passes_and_none_through_the_optim
 def test_a_trained_heads_gradient_lives_until_its_backward_function_returns(strategy, overrides):
     """TRL's chunked loss makes the head's weight gradient before its tiles and returns it at the
     end: ZeRO's hook copies it into the reduction bucket, an accumulating micro-batch adds it into
-    the held gradient, only then (measured: ZeRO-2 on two gloo processes, the gradient alive at the
-    peak inside the loss's backward)."""
+    the held gradient, only then (measured under ZeRO-2 on two gloo processes: the gradient alive at
+    the peak inside the loss's backward; the accumulating case is the same function's code)."""
     shape, run, log = _tiny_step_log(strategy, *overrides)
     if overrides:  # an accumulating micro-batch
         from sft_play.planner.simulate.predict import replay_step
