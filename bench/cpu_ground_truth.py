@@ -120,9 +120,12 @@ def _split(cell: dict) -> int:
     return cell.get("sequence_parallel", 1)
 
 
-def _local(run, tokens: int) -> int:
-    """A row's tokens each process holds (its share where rows are split)."""
-    return -(-tokens // run.parallel.row_shards)
+def _batch_run(run, split, rows: int, tokens: int, labelled: int):
+    """`run` as the plan of one recorded batch: `rows` of `tokens`, `labelled` positions in the
+    share of each row this process holds (the plan's head projects those alone)."""
+    run = run.with_changes(batch=split, sequence=dataclasses.replace(run.sequence, tokens=tokens))
+    return run.with_changes(sequence=dataclasses.replace(
+        run.sequence, loss_token_share=(labelled + 0.5) / (rows * (run.local_tokens - 1))))
 
 
 def _processes(cell: dict) -> int:
@@ -141,8 +144,8 @@ def _marks_callback(shares: list | None = None, split: int = 1):
     ends (before ``zero_grad``). The first step is left out of the measured peak, as the plan is of
     the steps that hold the optimizer's states (a rank's first batch may be its longest); a
     preference run's reference pass comes before it, and counts. With `shares`, each training
-    forward's rows, their whole length (its share's, `split` times) and the labelled positions of the share it gets are
-    appended there (rows split across processes: DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands
+    forward's rows, their whole length (its share's, `split` times) and the labelled positions of
+    the share it gets are appended there (rows split across processes: DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands
     each process its share of one process's batch a step, the shifted labels with it)."""
     from transformers import TrainerCallback
 
@@ -356,18 +359,13 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     # (not a reference pass's batch, nor the one the loader had ready after the last step)
     steps = [b for b in batches if b[0] == cell["micro"] * run.rows_per_example][:trainer.state.global_step]
     for rows, tokens, labelled in steps[1:]:
-        sequence = dataclasses.replace(run.sequence, tokens=tokens,
-                                       loss_token_share=(labelled + 0.5) / (rows * (_local(run, tokens) - 1)))
         # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
-        predictions.append(predict(shape, run.with_changes(batch=split, sequence=sequence),
-                                   rows // run.rows_per_example))
+        predictions.append(predict(shape, _batch_run(run, split, rows, tokens, labelled), rows // run.rows_per_example))
     prediction = max(predictions, key=lambda p: p.peak_bytes)
     named = {}
     if at_points:  # the last step's batch replayed: the live bytes as it passed each point
         rows, tokens, labelled = steps[-1]
-        sequence = dataclasses.replace(run.sequence, tokens=tokens,
-                                       loss_token_share=(labelled + 0.5) / (rows * (_local(run, tokens) - 1)))
-        planned = replay_step(shape, run.with_changes(batch=split, sequence=sequence), rows // run.rows_per_example,
+        planned = replay_step(shape, _batch_run(run, split, rows, tokens, labelled), rows // run.rows_per_example,
                               False, None).points
         named = {point: (at_points[point] + before, planned[point]) for point in at_points}
     return {**cell, "ok": True, "measured_bytes": measured_bytes, "measured": measured,

@@ -381,10 +381,8 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
     # forward starts: with a tied head the embedding's, at once; untied, the final norm's, after the layers
     tied = shape.tie_word_embeddings
     tail = _fsdp_gather(gpu, shape, run, tail=True) if tied else []
-    if spec.kl_forward:  # (the policy's forward over the mismatched rows, without gradients)
-        forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
-        _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
-        gpu.free(*forward_layers)
+    if spec.kl_forward:
+        _kl_forward(gpu, shape, trace, spec, residual)
     batch, embeddings, encoded, rotary, masks = _inputs(gpu, shape, spec, residual)
     # (FSDP2: the layers are gathered once an untied embedding, a unit of its own, has done its forward)
     forward_layers = _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT)
@@ -400,11 +398,7 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*masks)
         masks = []
 
-    # ZeRO-3: TRL's fused head gathers its weight around the loss (trl.trainer.utils._maybe_gather_params),
-    # unless a tied embedding kept gathered holds it already
-    gathered_head = gpu.new(shape.vocab_size * shape.hidden_size * memory.gathered_bytes(run), "weights") \
-        if run.parallel.strategy.zero3 and memory.layers_gathered(shape, run) \
-        and not (shape.tie_word_embeddings and "embedding" in kept) else None
+    gathered_head = _zero3_gathered_head(gpu, shape, run, kept)
     head = _head_forward(gpu, shape, spec, last_hidden, residual)
     if spec.reference_forward:
         _reference_forwards(gpu, shape, trace, spec, residual)
@@ -447,6 +441,23 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads, *tail)
         grads = []
     return grads + shard
+
+
+def _kl_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int) -> None:
+    """KTO's policy forward over the mismatched rows, without gradients, before its training
+    forward (FSDP2: with its own layers gathered)."""
+    gathered = _fsdp_gather(gpu, shape, spec.run, layers=memory.LAYERS_IN_FLIGHT)
+    _reference_forward(gpu, shape, trace, spec, residual, "kl_forward")
+    gpu.free(*gathered)
+
+
+def _zero3_gathered_head(gpu: _Replay, shape: ModelShape, run: Run, kept: dict):
+    """ZeRO-3: TRL's fused head gathers its weight around the loss (``trl.trainer.utils._maybe_gather_params``),
+    unless a tied embedding kept gathered holds it already; its handle (None otherwise)."""
+    if not run.parallel.strategy.zero3 or not memory.layers_gathered(shape, run) \
+            or (shape.tie_word_embeddings and "embedding" in kept):
+        return None
+    return gpu.new(shape.vocab_size * shape.hidden_size * memory.gathered_bytes(run), "weights")
 
 
 def _reference_forwards(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec, residual: int) -> None:
