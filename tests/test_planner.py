@@ -1382,6 +1382,33 @@ def test_131k_tokens_of_llama_8b_lora_fit_one_80_gib_gpu_with_the_levers_the_rem
     assert "data.max_seq_length" not in " ".join(fitting[0]["change"])
 
 
+def test_sequence_parallel_auto_passes_over_a_size_that_cannot_fit_after_one_replay(monkeypatch):
+    """``sequence_parallel: auto`` tries 1, 2, 4, 8 processes a row; a size whose micro-batch 1
+    does not fit at its own length (a power of two, which the envelope covers) is passed over
+    without the shorter rows' traces and replays, and the plan is the one that settles every size."""
+    from sft_play.planner import plan as planning
+    from sft_play.planner.simulate import predict
+
+    config = plan_config("llama-3.2-3b", "finetune.method=lora", "data.max_seq_length=32768",
+                         "train.global_batch_size=8", "train.gradient_checkpointing=true",
+                         "distributed.strategy=deepspeed_zero3", "distributed.sequence_parallel=auto")
+    gpus = Target(8, 8 * GIB, "8 x H100", gpu_model="H100")
+    traced: dict[int, set[int]] = {}
+    real_trace, real_fit = predict.layer_trace, planning._fit
+    monkeypatch.setattr(predict, "layer_trace", lambda spec, tokens, batched=True: traced.setdefault(
+        spec.sequence_parallel, set()).add(tokens) or real_trace(spec, tokens, batched))
+    monkeypatch.setattr(predict, "_CACHE", {})
+    passed_over = make_plan(config, gpus, options=WITHOUT_REMEDIES)
+    assert any("distributed.sequence_parallel=auto: 4 (the fewest" in note for note in passed_over.notes)
+    assert traced[1] == {32768} and traced[2] == {16384}  # micro-batch 1 at the size's own share of the row
+    assert {256 // 4, 512 // 4} <= traced[4]  # the chosen size's envelope: every shorter octave
+    monkeypatch.setattr(planning, "_fit", lambda *args, settle=True: real_fit(*args))
+    settled = make_plan(config, gpus, options=WITHOUT_REMEDIES)
+    assert dataclasses.asdict(passed_over) | {"plan_seconds": 0, "plan_cpu_seconds": 0, "replays": 0} == \
+        dataclasses.asdict(settled) | {"plan_seconds": 0, "plan_cpu_seconds": 0, "replays": 0}
+    assert passed_over.replays < settled.replays
+
+
 def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_that_do_not(monkeypatch):
     """make plan LONGEST=1: each set of levers adds one to the ones before; its answer fits one row
     per GPU as the run plans it, the next length of the ladder does not, and more levers never

@@ -158,14 +158,15 @@ def test_a_tiled_mlps_later_tiles_are_recorded_as_copies_of_the_second_with_the_
                                      dict(attention="eager", method="full", lora=None)])
 def test_a_trace_derived_from_four_lengths_is_the_trace_at_that_length(changes):
     """Sizes linear (activations) and quadratic (an s x s mask, eager attention's scores) in the
-    length: a trace derived from four real ones is the real one, to the byte, between them and
-    beyond; batched and at one row."""
+    length: a trace derived from four real ones is the real one, to the byte, between them,
+    beyond and below, on the kernels' common grid (multiples of 128: FlashAttention-2 pads to
+    128, the memory-efficient kernel's log-sum-exp to 32, eager's mask to 8); batched and at one row."""
     from sft_play.planner.simulate import lengths
 
     trace_spec = spec(**changes)
     for batched in (True, False):
         known = {s: tracing._traced(trace_spec, s, batched) for s in (1024, 2048, 4096, 8192)}
-        for s in (3072, 16384, 40960):
+        for s in (128, 640, 1152, 3072, 16384, 40960 + 128):
             assert lengths.derived(known, s) == tracing._traced(trace_spec, s, batched), (changes, batched, s)
 
 
@@ -176,7 +177,7 @@ def test_a_trace_is_derived_only_where_every_trace_at_hand_agrees():
 
     known = {s: tracing._traced(spec(masked=True), s) for s in (1024, 2048, 4096, 8192)}
     assert lengths.derived(dict(list(known.items())[:3]), 16384) is None  # three: nothing checks the fit
-    assert lengths.derived(known, 16384 + 512) is None  # off the grid the kernels' rounding may bend
+    assert lengths.derived(known, 16384 + 64) is None  # off the grid the kernels' rounding may bend
     first = known[1024].single[0]
     bent = dataclasses.replace(first, forward=((first.forward[0][0], first.forward[0][1], first.forward[0][2] + 64,
                                                 first.forward[0][3]), *first.forward[1:]))
@@ -194,9 +195,9 @@ def test_a_plan_derives_the_lengths_it_can_and_traces_the_rest(monkeypatch):
     monkeypatch.setattr(tracing, "_AT_LENGTHS", {})
     monkeypatch.setattr(tracing.cache, "remembered", lambda kind, key, make, keep=None: make())
     trace_spec = spec(checkpointing=True)
-    for s in (1024, 2048, 4096, 8192, 16384, 32768, 12288, 1536):
+    for s in (1024, 2048, 4096, 8192, 16384, 32768, 12288, 1536, 1600):
         layer_trace(trace_spec, s)
-    assert traced == [1024, 2048, 4096, 8192, 1536]  # (1536: off the grid)
+    assert traced == [1024, 2048, 4096, 8192, 1600]  # (1600: off the grid)
     tiled = spec(checkpointing=True, tiled_mlp=True)
     for s in (1024, 2048, 4096, 8192, 16384):
         layer_trace(tiled, s)

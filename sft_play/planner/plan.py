@@ -212,11 +212,13 @@ def _fit_run(config: RunConfig, target: Target, shape: ModelShape, options: Plan
         return _fit(config, target, shape, options, run)
     sizes = split_sizes(shape, run)
     for position, size in enumerate(sizes):
+        last = position == len(sizes) - 1
         fit = _fit(config, target, shape, options,
-                   run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size)))
+                   run.with_changes(parallel=dataclasses.replace(run.parallel, sequence_parallel=size)),
+                   settle=last)
         # fitting here is the plan's: the node's host memory too
-        fits = fit.fits and not _beyond_host(shape, fit.run, target, fit.split.micro_batch_size)
-        if fits or position == len(sizes) - 1:
+        fits = fit is not None and fit.fits and not _beyond_host(shape, fit.run, target, fit.split.micro_batch_size)
+        if fits or last:
             fit.split_note = (f"distributed.sequence_parallel=auto: {size} "
                               + ("(the fewest processes per row that fit" if fits else "(none fits; the most")
                               + f"; possible here: {', '.join(map(str, sizes))})")
@@ -224,9 +226,11 @@ def _fit_run(config: RunConfig, target: Target, shape: ModelShape, options: Plan
     raise AssertionError("unreachable: the last size returns")
 
 
-def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOptions, run: Run) -> _Fit:
+def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOptions, run: Run,
+         settle: bool = True) -> _Fit | None:
     """The micro-batches that fit `run` on the budget, the split chosen from them, and the peak the
-    plan reports for it."""
+    plan reports for it. Without `settle`, None where one replay shows nothing fits (a size
+    ``sequence_parallel: auto`` passes over, whose report no one reads)."""
     train = config.train
     budget, fraction, margin_note = plan_budget(config, target, run)
     if budget <= 0 and target.source != "candidate":  # (the remedies' candidate sizes may be too small)
@@ -238,7 +242,8 @@ def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOpti
                        per_process=max(1, -(-train.global_batch_size // run.parallel.data_parallel)),
                        fixed_accum=None if train.gradient_accumulation_steps == "auto"
                        else train.gradient_accumulation_steps, shorter_rows=options.shorter_rows)
-    fitting = search.largest_fitting()
+    rejected = not settle and search.cannot_fit()
+    fitting = 0 if rejected else search.largest_fitting()
     split = decide_split(train.global_batch_size, run.parallel.data_parallel, train.micro_batch_size,
                          train.gradient_accumulation_steps, fitting, run.smallest_micro_batch)
     if split.micro_batch_size < run.smallest_micro_batch:
@@ -247,6 +252,8 @@ def _fit(config: RunConfig, target: Target, shape: ModelShape, options: PlanOpti
                         f"{train.global_batch_size} over {run.parallel.data_parallel} process(es) gives "
                         f"{split.micro_batch_size}; raise train.global_batch_size, or set "
                         "preference.loss_type=apo_zero_unpaired (no KL estimate)")
+    if rejected:
+        return None
     notes, warnings = split_notes(config, search, split, fitting)
     if margin_note:
         notes.append(margin_note)

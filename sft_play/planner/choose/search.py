@@ -158,6 +158,14 @@ class FitSearch:
         chosen, peak = predictions[0], max(p.peak_bytes for p in predictions)
         return peak, _with_term(chosen.breakdown, "smaller_batch", peak - chosen.peak_bytes)
 
+    def cannot_fit(self) -> bool:
+        """Whether micro-batch 1's own prediction already exceeds the budget where its envelope
+        covers it (at a power of two, or up to the ladder's first rung): then no envelope fits,
+        which one replay at the planned length says without the shorter rows' traces."""
+        tokens = self.run.sequence.tokens
+        covered = power_above(tokens) is None or tokens <= SHORTEST_RUNG
+        return covered and not self.predicted(1).fits
+
     def largest_fitting(self) -> int:
         """The largest micro-batch up to the per-process share whose envelope fits (with it, every
         smaller one's: the envelope grows with the micro-batch); 0 when micro-batch 1's does not.

@@ -7,9 +7,10 @@ of degree at most two in the row's length: activations grow with it, an s x s ma
 its square. Three traces fix each size exactly (Lagrange, in integers); every further trace at
 hand must then agree to the byte, or nothing is derived. Only lengths that are multiples of
 :data:`STEP` are fitted and derived: there no kernel's rounding (FlashAttention's 128-token blocks,
-the memory-efficient kernel's rows padded to 8, SDPA's 16) bends the polynomial. ``make plan
-LONGEST=1`` climbs the ladder an octave at a time for each lever, so most of its lengths are
-derived instead of traced.
+the memory-efficient kernel's log-sum-exp padded to 32, a mask's rows to 8, SDPA's 16) bends the
+polynomial. ``make plan LONGEST=1`` climbs the ladder an octave at a time for each lever, and a
+plan's envelope covers every shorter octave down to 256 tokens (a split row's share of it, down
+to 32), so most of their lengths are derived instead of traced.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-STEP = 1024  # lengths fitted and derived: multiples of this
+STEP = 128  # lengths fitted and derived: multiples of this, the coarsest rounding of the traced kernels
 AT_HAND = 4  # traces of a regime before one is derived: three fit each size, the rest check the fit
 
 _PHASES = ("forward", "after_forward", "cache_release", "backward")
