@@ -89,6 +89,9 @@ STRATEGIES = ("ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2")
 STRATEGY_NAMES = {"ddp": "DDP", "deepspeed_zero2": "ZeRO-2", "deepspeed_zero3": "ZeRO-3", "fsdp2": "FSDP2"}
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": strategy}
           for strategy in STRATEGIES for method, checkpointing in (("full", True), ("lora", False))]
+# An FSDP2 run's start, from before the model loads to the first step: the whole model and every shard
+# at once (full fine-tuning: a LoRA run's frozen base is not allocated through PyTorch's CPU allocator)
+CELLS += [{"method": "full", "checkpointing": True, "micro": 2, "seq": 256, "strategy": "fsdp2", "start": True}]
 # Rows split across the two processes (DeepSpeed Ulysses under ZeRO-2): each holds half of every row's
 # tokens, and attention's all-to-alls exchange the heads
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": "deepspeed_zero2",
@@ -373,6 +376,29 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
             "batches": steps, "points": named, **counted}
 
 
+def measure_start(cell: dict, folder: Path) -> dict:
+    """An FSDP2 cell's start, on each of its ranks: PyTorch's count of the bytes alive at once
+    from before the model loads until the first step begins (the model loaded whole, then sharded
+    by accelerate's ``fsdp2_prepare_model``), against the planner's replay of that start
+    (:func:`sft_play.planner.simulate.loading.replay_fsdp_start`). Full fine-tuning only: the
+    profiler counts 400 bytes through a LoRA run's load on this CPU (the frozen base is not
+    allocated through PyTorch's CPU allocator, which a GPU's copy of every weight is)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sft_play import training
+    from sft_play.planner import model_shape
+    from sft_play.planner.simulate.loading import replay_fsdp_start
+    from sft_play.run import BatchSplit
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        config, run, make, _ = tiny_trainer(folder, cell)
+        trainer, _ = training.train_with_backoff(make, BatchSplit(cell["micro"], 1, 2, cell["micro"] * 2))
+    counted, made, _ = allocator_count(prof, (_marks(prof)[FIRST_STEP[0]][0], 1 << 62))
+    planned = replay_fsdp_start(model_shape(config), run, on_cuda=False)
+    return {**cell, "ok": True, "rank": int(os.environ.get("RANK", "0")), "measured_bytes": counted,
+            "predicted_bytes": planned.peak_allocated, "predicted": planned.at_peak_allocated, "points": {}}
+
+
 def _has_points(cell: dict) -> bool:
     """Whether the cell's named points are compared: SFT steps, where the model's forward is the
     policy's one forward and the optimizer steps after backward (DeepSpeed steps inside its
@@ -450,7 +476,7 @@ def _step_name(r: dict) -> str:
             f"DPO, reference {r['reference']}" + (f" ({r['precompute']} pairs a pass)" if r.get("precompute") else "")
             if r.get("reference") else "SFT, tiled MLP" if r.get("tiled") else
             f"SFT, {r['model']}" if r.get("model") else
-            f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes"
+            f"SFT, {STRATEGY_NAMES[r['strategy']]} on 2 processes" + (", its start" if r.get("start") else "")
             + (f", each row split across {_split(r)}" if _split(r) > 1 else "") + f", rank {r.get('rank', 0)}"
             if r.get("strategy")
             else "SFT" + (f", {r['seq']} tokens" if r["seq"] != 256 else ""))
@@ -557,8 +583,9 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        cell = json.loads(args.worker)
         with tempfile.TemporaryDirectory(prefix="sft-play-ground-truth-") as folder:
-            print(json.dumps(measure(json.loads(args.worker), Path(folder))), flush=True)
+            print(json.dumps((measure_start if cell.get("start") else measure)(cell, Path(folder))), flush=True)
         return 0
     started = time.time()
     # one process a cell, as many at once as there are cores (live bytes do not depend on the

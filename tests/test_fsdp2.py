@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -176,6 +177,64 @@ def test_fsdp2s_lower_bound_stays_under_the_replayed_peak(model, tied):
         run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
         run = with_parallel(run, offload_parameters=offload).with_changes(batch=BatchSplit(1, 1, 8, 8))
         assert static_lower_bound(shape, run) <= predict(shape, run, 1).peak_bytes, (method, seq, offload)
+
+
+def test_an_fsdp2_run_is_planned_with_the_whole_model_every_gpu_loads_before_sharding():
+    """sft_play.model.load_model places the whole model on every GPU and accelerate's
+    fsdp2_prepare_model shards it as training starts, its state dict holding the whole tensors
+    until the last shard is made: Llama-3-70B LoRA's shards and step fit two 80 GiB GPUs, its
+    start does not. Full fine-tuning loaded in bf16 is upcast to fp32 first; ZeRO-3 loads under
+    zero.Init and has no such start."""
+    from sft_play.planner import WITHOUT_REMEDIES
+
+    def planned(model: str, gpus: int, *overrides: str):
+        config = config_module.load(None, [f"model.name_or_path={CONFIGS / model}", "train.global_batch_size=8",
+                                           "train.gradient_checkpointing=true", "data.max_seq_length=2048",
+                                           *overrides], check_paths=False)
+        return model_shape(config), make_plan(config, Target(gpus, 80 * GIB, f"{gpus} x H100", gpu_model="H100"),
+                                              options=WITHOUT_REMEDIES)
+
+    from sft_play.planner.simulate.loading import replay_fsdp_start
+    from sft_play.run import resolve
+
+    shape, plan = planned("llama-3-70b", 2, "finetune.method=lora", "distributed.strategy=fsdp2")
+    whole = shape.total_params * 2 + shape.lora_params * 4  # bf16 base, fp32 adapters (not upcast)
+    assert not plan.fits and plan.breakdown["loading"] == pytest.approx(whole, rel=1e-3)
+    config = config_module.load(None, [f"model.name_or_path={CONFIGS / 'llama-3-70b'}", "finetune.method=lora",
+                                       "distributed.strategy=fsdp2"], check_paths=False)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=2, model_facts=shape.facts)
+    # every shard made before the whole tensors are freed
+    assert replay_fsdp_start(shape, run, on_cuda=False).at_peak_allocated == {"loading": whole, "weights": whole // 2}
+    _, zero3 = planned("llama-3-70b", 2, "finetune.method=lora", "distributed.strategy=deepspeed_zero3")
+    assert "loading" not in zero3.breakdown
+    shape, plan = planned("qwen2.5-0.5b", 8, "finetune.method=full", "distributed.strategy=fsdp2",
+                          "model.torch_dtype=bfloat16")
+    assert plan.fits and plan.breakdown["loading"] == pytest.approx(shape.total_params * 4, rel=1e-2)  # its start is its peak
+    config = config_module.load(None, [f"model.name_or_path={CONFIGS / 'qwen2.5-0.5b'}", "finetune.method=full",
+                                       "distributed.strategy=fsdp2", "model.torch_dtype=bfloat16"], check_paths=False)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
+    assert run.precision.weight_bytes == 2 and run.precision.autocast
+    start = replay_fsdp_start(shape, run, on_cuda=False)
+    # upcast to fp32 one tensor at a time (the bf16 one freed), then an eighth of each as its shard
+    assert start.at_peak_allocated == {"loading": shape.total_params * 4, "weights": shape.total_params * 4 // 8}
+
+
+@pytest.mark.slow
+def test_an_fsdp2_start_on_two_processes_holds_what_its_replay_holds():
+    """PyTorch's count of the bytes alive from before the model loads until the first step, on
+    each of two gloo ranks of an FSDP2 full fine-tune (bench/cpu_ground_truth.py's start cell),
+    against the planner's replay of that start: the whole model and every shard at once."""
+    from sft_play.launch.tensorboard import free_port
+
+    cell = {"method": "full", "checkpointing": True, "micro": 2, "seq": 128, "strategy": "fsdp2", "start": True}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(free_port(host="127.0.0.1")), "bench/cpu_ground_truth.py", "--worker",
+                             json.dumps(cell)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, result.stderr[-3000:]
+    for rank in ranks:
+        assert rank["predicted_bytes"] == pytest.approx(rank["measured_bytes"], rel=0.01), rank
 
 
 def test_fsdp2_communicates_every_micro_batch():

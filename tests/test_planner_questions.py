@@ -48,11 +48,13 @@ def test_mixtral_qlora_on_eight_80_gib_gpus_shards_its_bf16_experts(plans):
     made = plans["mixtral-qlora-8x80"]
     assert not made.fits
     fitting = {r["name"]: r for r in _fitting(made)}
-    assert {"ZeRO-3", "FSDP2"} <= set(fitting)  # each alone
-    for name in ("ZeRO-3", "FSDP2"):
-        assert "quantization.quant_storage=bfloat16" in fitting[name]["change"]
-        assert fitting[name]["peak_bytes"] < made.peak_bytes_per_gpu / 2
-    assert _fitting(made)[0]["name"] in ("ZeRO-3", "FSDP2")
+    assert "ZeRO-3" in fitting and _fitting(made)[0]["name"] == "ZeRO-3"  # alone, loaded under zero.Init
+    assert "quantization.quant_storage=bfloat16" in fitting["ZeRO-3"]["change"]
+    assert fitting["ZeRO-3"]["peak_bytes"] < made.peak_bytes_per_gpu / 2
+    # FSDP2 shards the same weights, but each GPU first loads the whole model (the bf16 experts
+    # beside the packed linears, more than the run's own weights on one GPU), then shards it
+    fsdp2 = next(r for r in made.remedies if r["name"] == "FSDP2")
+    assert not fsdp2["fits"] and fsdp2["peak_bytes"] > made.peak_bytes_per_gpu
 
 
 def test_8b_qlora_at_98k_tokens_is_offered_a_mask_free_kernel_before_shorter_rows(plans):

@@ -26,6 +26,7 @@ from sft_play import hardware
 from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache, memory
 from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
+from sft_play.planner.simulate.loading import replay_fsdp_start
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.step import StepSpec, replay, replay_reference_pass
 from sft_play.planner.simulate.trace import TraceSpec, layer_trace
@@ -283,16 +284,18 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
         breakdown["allocator_cache"] = result.peak_reserved - result.peak_allocated
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
-    scored = _reference_pass(shape, run, micro_batch, None if budget is None else max(0, budget - outside))
-    if scored is not None and (scored.peak_reserved if run.on_cuda else scored.peak_allocated) + outside > peak:
-        # (the reference pass before training is the run's peak: its tensors are the plan's terms)
-        breakdown = dict(scored.at_peak_allocated)
-        peak = (scored.peak_reserved if run.on_cuda else scored.peak_allocated) + outside
+    capacity = None if budget is None else max(0, budget - outside)
+    for before in (_fsdp_start(shape, run, capacity), _reference_pass(shape, run, micro_batch, capacity)):
+        if before is None or (before.peak_reserved if run.on_cuda else before.peak_allocated) + outside <= peak:
+            continue
+        # (a phase before training is the run's peak: its tensors are the plan's terms)
+        breakdown = dict(before.at_peak_allocated)
+        peak = (before.peak_reserved if run.on_cuda else before.peak_allocated) + outside
         if run.on_cuda:
-            breakdown["allocator_cache"] = scored.peak_reserved - scored.peak_allocated
+            breakdown["allocator_cache"] = before.peak_reserved - before.peak_allocated
         if budget is not None:
-            fits = bool(fits) and not scored.out_of_memory and peak <= budget
-        result = dataclasses.replace(result, peak_allocated=max(result.peak_allocated, scored.peak_allocated))
+            fits = bool(fits) and not before.out_of_memory and peak <= budget
+        result = dataclasses.replace(result, peak_allocated=max(result.peak_allocated, before.peak_allocated))
     breakdown["cuda_runtime"] = breakdown.get("cuda_runtime", 0) + outside
     breakdown = {k: v for k, v in breakdown.items() if v}
     breakdown[max(breakdown, key=breakdown.get)] += peak - sum(breakdown.values())  # rounding
@@ -300,6 +303,23 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     return Prediction(micro_batch, peak, result.peak_allocated + outside, breakdown, fits,
                       stand_in=_UNTRACEABLE.get((spec.name_or_path, spec.method), ""),
                       encoder_untraced=encoder_untraced(run) or "")
+
+
+def _fsdp_start(shape: ModelShape, run: Run, capacity: int | None):
+    """:func:`replay_fsdp_start` without a limit, once per process for the run's model, strategy
+    and precision (it does not depend on the batch); where only the allocator's cache would
+    exceed `capacity`, replayed against it, as :func:`_predict` does the step."""
+    if not run.parallel.fsdp:
+        return None
+    key = ("fsdp start", shape.key(), run.method, run.precision, run.adapter_dtype, run.parallel, run.double_quant,
+           run.preference, run.on_cuda)
+    unlimited = _CACHE.get(key)
+    if unlimited is None:
+        unlimited = _CACHE[key] = replay_fsdp_start(shape, run, run.on_cuda)
+    if capacity is None or not run.on_cuda or unlimited.peak_reserved <= capacity or unlimited.peak_allocated > capacity:
+        return unlimited
+    limited = replay_fsdp_start(shape, run, run.on_cuda, capacity)
+    return unlimited if limited.out_of_memory else limited
 
 
 def _unlimited_replay(shape: ModelShape, run: Run, micro_batch: int, accumulating: bool):

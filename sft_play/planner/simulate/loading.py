@@ -1,0 +1,96 @@
+"""One GPU's memory as an FSDP2 run starts, before its first step: the model loaded whole on every
+GPU, then sharded.
+
+:func:`sft_play.model.load_model` places every weight on the process's own GPU (no ``zero.Init``
+as under ZeRO-3, no rank-0-only loading), so each GPU holds the whole model until accelerate's
+``fsdp2_prepare_model`` shards it as training starts. That function first upcasts the trainable
+parameters to fp32 where the run computes under mixed precision (not QLoRA's), then takes the
+model's ``state_dict`` and calls ``fully_shard`` unit by unit: each parameter's shard is made
+while the state dict still holds the whole tensor, which it releases only as it returns. A
+preference run's reference copy (``preference.reference: copy``) is loaded whole too, after the
+policy, and sharded by TRL's ``prepare_fsdp`` as its trainer is built, before the policy is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from sft_play.planner.simulate import memory
+from sft_play.planner.simulate.allocator import CachingAllocator, HostMemory, OutOfMemory
+from sft_play.planner.simulate.shapes import ModelShape
+from sft_play.planner.simulate.step import StepMemory
+from sft_play.run import Run
+
+
+def replay_fsdp_start(shape: ModelShape, run: Run, on_cuda: bool, capacity: int | None = None) -> StepMemory | None:
+    """The allocations of an FSDP2 run's start (the module's docstring says which) through the
+    allocator; None for other strategies, whose weights load as they train. The whole tensors
+    are counted as ``loading``, the shards as ``weights``."""
+    if not run.parallel.fsdp:
+        return None
+    allocator = CachingAllocator(capacity=capacity) if on_cuda else HostMemory(capacity, None)
+    handles = itertools.count(1)
+
+    def new(size: float, category: str) -> int:
+        handle = next(handles)
+        allocator.malloc(handle, max(0, int(size)), category)
+        return handle
+
+    shards = run.parallel.world_size
+    try:
+        policy = [(new(size, "loading"), size, kind) for size, kind in _loaded(shape, run)]
+        if run.preference is not None and run.preference.reference == "copy":  # (loaded in the compute dtype)
+            reference = [(new(numel * run.precision.compute_bytes, "loading"), numel) for numel in _every_tensor(shape)]
+            for handle, numel in reference:
+                new(numel * run.precision.compute_bytes / shards, "reference")
+                allocator.free(handle)
+        upcast = memory.trainable_bytes(run) == 4 and run.precision.autocast and run.method != "qlora"
+        whole = []
+        for handle, size, kind in policy:  # accelerate's upcast: param.data replaced, the old freed
+            if kind == "trainable" and upcast and _loaded_bytes(run) < 4:
+                size = size / _loaded_bytes(run) * 4
+                handle, _ = new(size, "loading"), allocator.free(handle)
+            whole.append((handle, size, kind))
+        for _, size, kind in whole:  # (with parameter offload the shards go to host memory)
+            if kind != "kept" and not run.parallel.offload_parameters:
+                new(size / shards, "weights")
+        for handle, _, kind in whole:  # the state dict released as fsdp2_prepare_model returns
+            if kind != "kept":
+                allocator.free(handle)
+        oom = False
+    except OutOfMemory:
+        oom = True
+    return StepMemory(allocator.peak_reserved, allocator.peak_allocated, dict(allocator.at_peak), oom,
+                      allocator.releases, dict(allocator.at_peak_allocated))
+
+
+def _loaded_bytes(run: Run) -> int:
+    """Bytes per trainable element as loaded: the weights' dtype, or a LoRA adapter's own."""
+    return run.precision.weight_bytes if run.method == "full" else run.adapter_bytes
+
+
+def _every_tensor(shape: ModelShape) -> Iterator[int]:
+    yield from shape.other_tensors
+    for index in range(shape.num_layers):
+        for numel, _ in shape.tensors_of_layer(index):
+            yield numel
+
+
+def _loaded(shape: ModelShape, run: Run) -> Iterator[tuple[float, str]]:
+    """(bytes, kind) of each tensor as it loads: the base (QLoRA's linears packed, four bits a
+    weight, their constants kept whole on every GPU), then the adapters peft adds; a kind of
+    ``trainable``, ``frozen`` or ``kept`` (not sharded)."""
+    base = "trainable" if run.method == "full" else "frozen"
+    for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
+        yield numel * run.precision.weight_bytes, base
+    for index in range(shape.num_layers):
+        for numel, quantizable in shape.tensors_of_layer(index):
+            if run.method == "qlora" and quantizable:
+                yield numel / 2, "frozen"
+                yield memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), run.double_quant), "kept"
+            else:
+                yield numel * run.precision.weight_bytes, base
+    if run.method != "full":
+        for numel in memory.adapter_tensors(shape):
+            yield numel * run.adapter_bytes, "trainable"
