@@ -219,6 +219,24 @@ def test_an_fsdp2_run_is_planned_with_the_whole_model_every_gpu_loads_before_sha
     assert start.at_peak_allocated == {"loading": shape.total_params * 4, "weights": shape.total_params * 4 // 8}
 
 
+def test_a_reference_pass_under_fsdp2_scores_with_the_whole_model_as_loaded():
+    """TRL scores the pairs (``preference.reference: precomputed``) as its trainer is built, before
+    accelerate shards the policy: under FSDP2 the pass holds the whole model as loaded (the bf16 base
+    and the adapters), not the shards and two gathered layers of a training step."""
+    from sft_play.planner.simulate import predict
+
+    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+        f"model.name_or_path={CONFIGS / 'llama-3.1-8b'}", "model.build_with=null", "finetune.method=lora",
+        "preference.reference=precomputed", "preference.precompute_batch_size=8", "distributed.strategy=fsdp2",
+        "data.max_seq_length=512"], check_paths=False)
+    shape = model_shape(config)
+    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
+    scored = predict._reference_pass(shape, run.with_changes(batch=BatchSplit(1, 1, 8, 8)), 1, None)
+    whole = sum(size for size, _ in memory.loaded_tensors(shape, run))
+    assert whole == shape.total_params * 2 + shape.lora_params * 4
+    assert scored.at_peak_allocated["weights"] == whole
+
+
 @pytest.mark.slow
 def test_an_fsdp2_start_on_two_processes_holds_what_its_replay_holds():
     """PyTorch's count of the bytes alive from before the model loads until the first step, on

@@ -39,7 +39,7 @@ def replay_fsdp_start(shape: ModelShape, run: Run, on_cuda: bool, capacity: int 
 
     shards = run.parallel.world_size
     try:
-        policy = [(new(size, "loading"), size, kind) for size, kind in _loaded(shape, run)]
+        policy = [(new(size, "loading"), size, kind) for size, kind in memory.loaded_tensors(shape, run)]
         if run.preference is not None and run.preference.reference == "copy":  # (loaded in the compute dtype)
             reference = [(new(numel * run.precision.compute_bytes, "loading"), numel) for numel in _every_tensor(shape)]
             for handle, numel in reference:
@@ -75,22 +75,3 @@ def _every_tensor(shape: ModelShape) -> Iterator[int]:
     for index in range(shape.num_layers):
         for numel, _ in shape.tensors_of_layer(index):
             yield numel
-
-
-def _loaded(shape: ModelShape, run: Run) -> Iterator[tuple[float, str]]:
-    """(bytes, kind) of each tensor as it loads: the base (QLoRA's linears packed, four bits a
-    weight, their constants kept whole on every GPU), then the adapters peft adds; a kind of
-    ``trainable``, ``frozen`` or ``kept`` (not sharded)."""
-    base = "trainable" if run.method == "full" else "frozen"
-    for numel in shape.other_tensors:  # QLoRA too: what is not quantised loads in the run's weights dtype
-        yield numel * run.precision.weight_bytes, base
-    for index in range(shape.num_layers):
-        for numel, quantizable in shape.tensors_of_layer(index):
-            if run.method == "qlora" and quantizable:
-                yield numel / 2, "frozen"
-                yield memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), run.double_quant), "kept"
-            else:
-                yield numel * run.precision.weight_bytes, base
-    if run.method != "full":
-        for numel in memory.adapter_tensors(shape):
-            yield numel * run.adapter_bytes, "trainable"

@@ -284,6 +284,25 @@ def _lora_rank(shape: ModelShape) -> int:
     return shape.lora_params // max(1, shape.num_layers * per_layer) if per_layer else 0
 
 
+def loaded_tensors(shape: ModelShape, run: Run) -> list[tuple[float, str]]:
+    """(bytes, kind) of each tensor as one process loads the whole model (before any sharding):
+    the base (QLoRA's linears packed, four bits a weight, their constants beside them), then the
+    adapters peft adds; a kind of ``trainable``, ``frozen`` or ``kept`` (QLoRA's constants, which
+    FSDP2 leaves whole)."""
+    base = "trainable" if run.method == "full" else "frozen"
+    loaded = [(numel * run.precision.weight_bytes, base) for numel in shape.other_tensors]
+    for index in range(shape.num_layers):
+        for numel, quantizable in shape.tensors_of_layer(index):
+            if run.method == "qlora" and quantizable:
+                loaded += [(numel / 2, "frozen"),
+                           (nf4_constants_bytes(-(-numel // NF4_BLOCK), run.double_quant), "kept")]
+            else:
+                loaded.append((numel * run.precision.weight_bytes, base))
+    if run.method != "full":
+        loaded += [(numel * run.adapter_bytes, "trainable") for numel in adapter_tensors(shape)]
+    return loaded
+
+
 def trainable_tensors(shape: ModelShape, run: Run, in_order: bool = False) -> list[int]:
     """The numel of every trainable tensor: each weight for full fine-tuning, else the adapters.
     `in_order`: as ``model.parameters()`` lists them, the embedding (the first tensor outside the

@@ -222,15 +222,19 @@ def replay(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int |
 def replay_reference_pass(shape: ModelShape, trace: LayerTrace, spec: StepSpec, capacity: int | None = None) -> StepMemory:
     """TRL's reference pass before training (``precompute_ref_log_probs``): the weights as loaded
     and one forward of `spec.micro_batch` rows without gradients (:func:`_reference_forward`),
-    before the optimizer's states exist; its tensors counted as ``precompute_pass``."""
+    before the optimizer's states exist; its tensors counted as ``precompute_pass``. TRL scores
+    as its trainer is built, before accelerate shards the model for FSDP2: there the whole
+    model as loaded (:func:`memory.loaded_tensors`), none of it gathered."""
     allocator = CachingAllocator(capacity=capacity) if spec.on_cuda else HostMemory(capacity, None)
     gpu = _Replay(allocator)
     try:
-        _static(gpu, shape, spec.run)
+        if spec.run.parallel.fsdp:
+            for size, _ in memory.loaded_tensors(shape, spec.run):
+                gpu.new(size, "weights")
+        else:
+            _static(gpu, shape, spec.run)
         if spec.on_cuda:
             gpu.new(spec.cublas_workspace, "cuda_runtime")
-        _fsdp_gather(gpu, shape, spec.run, tail=True)
-        _fsdp_gather(gpu, shape, spec.run, layers=memory.LAYERS_IN_FLIGHT)
         _reference_forward(gpu, shape, trace, spec, memory.residual_bytes(spec.run), "precompute_pass")
         oom = False
     except OutOfMemory:
