@@ -380,21 +380,21 @@ def measure_start(cell: dict, folder: Path) -> dict:
     """An FSDP2 cell's start, on each of its ranks: PyTorch's count of the bytes alive at once
     from before the model loads until the first step begins (the model loaded whole, then sharded
     by accelerate's ``fsdp2_prepare_model``), against the planner's replay of that start
-    (:func:`sft_play.planner.simulate.loading.replay_fsdp_start`). Full fine-tuning only: the
+    (:func:`sft_play.planner.simulate.loading.replay_start`). Full fine-tuning only: the
     profiler counts 400 bytes through a LoRA run's load on this CPU (the frozen base is not
     allocated through PyTorch's CPU allocator, which a GPU's copy of every weight is)."""
     from torch.profiler import ProfilerActivity, profile
 
     from sft_play import training
     from sft_play.planner import model_shape
-    from sft_play.planner.simulate.loading import replay_fsdp_start
+    from sft_play.planner.simulate.loading import replay_start
     from sft_play.run import BatchSplit
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         config, run, make, _ = tiny_trainer(folder, cell)
         trainer, _ = training.train_with_backoff(make, BatchSplit(cell["micro"], 1, 2, cell["micro"] * 2))
     counted, made, _ = allocator_count(prof, (_marks(prof)[FIRST_STEP[0]][0], 1 << 62))
-    planned = replay_fsdp_start(model_shape(config), run, on_cuda=False)
+    planned = replay_start(model_shape(config), run, on_cuda=False)
     return {**cell, "ok": True, "rank": int(os.environ.get("RANK", "0")), "measured_bytes": counted,
             "predicted_bytes": planned.peak_allocated, "predicted": planned.at_peak_allocated, "points": {}}
 

@@ -179,12 +179,12 @@ def test_fsdp2s_lower_bound_stays_under_the_replayed_peak(model, tied):
         assert static_lower_bound(shape, run) <= predict(shape, run, 1).peak_bytes, (method, seq, offload)
 
 
-def test_an_fsdp2_run_is_planned_with_the_whole_model_every_gpu_loads_before_sharding():
+def test_a_sharded_run_is_planned_with_the_whole_model_every_gpu_loads_before_sharding():
     """sft_play.model.load_model places the whole model on every GPU and accelerate's
     fsdp2_prepare_model shards it as training starts, its state dict holding the whole tensors
     until the last shard is made: Llama-3-70B LoRA's shards and step fit two 80 GiB GPUs, its
     start does not. Full fine-tuning loaded in bf16 is upcast to fp32 first; ZeRO-3 loads under
-    zero.Init and has no such start."""
+    zero.Init and has no such start, except for QLoRA."""
     from sft_play.planner import WITHOUT_REMEDIES
 
     def planned(model: str, gpus: int, *overrides: str):
@@ -194,19 +194,33 @@ def test_an_fsdp2_run_is_planned_with_the_whole_model_every_gpu_loads_before_sha
         return model_shape(config), make_plan(config, Target(gpus, 80 * GIB, f"{gpus} x H100", gpu_model="H100"),
                                               options=WITHOUT_REMEDIES)
 
-    from sft_play.planner.simulate.loading import replay_fsdp_start
+    from sft_play.planner.simulate.loading import replay_start
     from sft_play.run import resolve
+
+    def resolved(shape, gpus: int, *overrides: str):
+        config = config_module.load(None, [f"model.name_or_path={CONFIGS / 'llama-3-70b'}", *overrides],
+                                    check_paths=False)
+        return resolve(config, on_cuda=True, bf16_supported=True, world_size=gpus, model_facts=shape.facts)
 
     shape, plan = planned("llama-3-70b", 2, "finetune.method=lora", "distributed.strategy=fsdp2")
     whole = shape.total_params * 2 + shape.lora_params * 4  # bf16 base, fp32 adapters (not upcast)
     assert not plan.fits and plan.breakdown["loading"] == pytest.approx(whole, rel=1e-3)
-    config = config_module.load(None, [f"model.name_or_path={CONFIGS / 'llama-3-70b'}", "finetune.method=lora",
-                                       "distributed.strategy=fsdp2"], check_paths=False)
-    run = resolve(config, on_cuda=True, bf16_supported=True, world_size=2, model_facts=shape.facts)
+    run = resolved(shape, 2, "finetune.method=lora", "distributed.strategy=fsdp2")
     # every shard made before the whole tensors are freed
-    assert replay_fsdp_start(shape, run, on_cuda=False).at_peak_allocated == {"loading": whole, "weights": whole // 2}
+    assert replay_start(shape, run, on_cuda=False).at_peak_allocated == {"loading": whole, "weights": whole // 2}
     _, zero3 = planned("llama-3-70b", 2, "finetune.method=lora", "distributed.strategy=deepspeed_zero3")
-    assert "loading" not in zero3.breakdown
+    assert "loading" not in zero3.breakdown  # loaded under zero.Init
+    assert replay_start(shape, resolved(shape, 2, "finetune.method=lora", "distributed.strategy=deepspeed_zero3"),
+                        on_cuda=True) is None
+    # QLoRA under ZeRO-3 loads outside zero.Init, the packed model whole on each GPU, partitioned
+    # by DeepSpeed one parameter at a time
+    qlora = resolved(shape, 2, "finetune.method=qlora", "distributed.strategy=deepspeed_zero3",
+                     "quantization.quant_storage=bfloat16")
+    start = replay_start(shape, qlora, on_cuda=False)
+    loaded = [size for size, _ in memory.loaded_tensors(shape, qlora)]
+    # the most at once: every tensor whole and the first one's partition
+    assert start.peak_allocated == sum(int(size) for size in loaded) + int(loaded[0] / 2)
+    assert sum(loaded) > 36 * GIB  # the packed 70B: no 24 GiB GPU starts it
     shape, plan = planned("qwen2.5-0.5b", 8, "finetune.method=full", "distributed.strategy=fsdp2",
                           "model.torch_dtype=bfloat16")
     assert plan.fits and plan.breakdown["loading"] == pytest.approx(shape.total_params * 4, rel=1e-2)  # its start is its peak
@@ -214,7 +228,7 @@ def test_an_fsdp2_run_is_planned_with_the_whole_model_every_gpu_loads_before_sha
                                        "distributed.strategy=fsdp2", "model.torch_dtype=bfloat16"], check_paths=False)
     run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
     assert run.precision.weight_bytes == 2 and run.precision.autocast
-    start = replay_fsdp_start(shape, run, on_cuda=False)
+    start = replay_start(shape, run, on_cuda=False)
     # upcast to fp32 one tensor at a time (the bf16 one freed), then an eighth of each as its shard
     assert start.at_peak_allocated == {"loading": shape.total_params * 4, "weights": shape.total_params * 4 // 8}
 

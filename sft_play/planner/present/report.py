@@ -31,7 +31,7 @@ TERM_LABELS = {
     "reference_forward": "reference forward (preference)",
     "kl_forward": "policy forward of KTO's mismatched rows",
     "precompute_pass": "reference pass before training (preference)",
-    "loading": "whole model as loaded, before FSDP2 shards it",
+    "loading": "whole model as loaded, before it is sharded",
     "optimizer_step": "optimizer step temporaries",
     "allocator_cache": "allocator cache (freed, kept)",
     "smaller_batch": "a smaller micro-batch or shorter rows peak higher",

@@ -26,7 +26,7 @@ from sft_play import hardware
 from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache, memory
 from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
-from sft_play.planner.simulate.loading import replay_fsdp_start
+from sft_play.planner.simulate.loading import replay_start
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.planner.simulate.step import StepSpec, replay, replay_reference_pass
 from sft_play.planner.simulate.trace import TraceSpec, layer_trace
@@ -285,7 +285,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
     capacity = None if budget is None else max(0, budget - outside)
-    for before in (_fsdp_start(shape, run, capacity), _reference_pass(shape, run, micro_batch, capacity)):
+    for before in (_start(shape, run, capacity), _reference_pass(shape, run, micro_batch, capacity)):
         if before is None or (before.peak_reserved if run.on_cuda else before.peak_allocated) + outside <= peak:
             continue
         # (a phase before training is the run's peak: its tensors are the plan's terms)
@@ -305,20 +305,19 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
                       encoder_untraced=encoder_untraced(run) or "")
 
 
-def _fsdp_start(shape: ModelShape, run: Run, capacity: int | None):
-    """:func:`replay_fsdp_start` without a limit, once per process for the run's model, strategy
-    and precision (it does not depend on the batch); where only the allocator's cache would
-    exceed `capacity`, replayed against it, as :func:`_predict` does the step."""
-    if not run.parallel.fsdp:
-        return None
-    key = ("fsdp start", shape.key(), run.method, run.precision, run.adapter_dtype, run.parallel, run.double_quant,
+def _start(shape: ModelShape, run: Run, capacity: int | None):
+    """:func:`replay_start` without a limit, once per process for the run's model, strategy and
+    precision (it does not depend on the batch); where only the allocator's cache would exceed
+    `capacity`, replayed against it, as :func:`_predict` does the step."""
+    key = ("start", shape.key(), run.method, run.precision, run.adapter_dtype, run.parallel, run.double_quant,
            run.preference, run.on_cuda)
-    unlimited = _CACHE.get(key)
-    if unlimited is None:
-        unlimited = _CACHE[key] = replay_fsdp_start(shape, run, run.on_cuda)
-    if capacity is None or not run.on_cuda or unlimited.peak_reserved <= capacity or unlimited.peak_allocated > capacity:
+    if key not in _CACHE:
+        _CACHE[key] = replay_start(shape, run, run.on_cuda)
+    unlimited = _CACHE[key]
+    if (unlimited is None or capacity is None or not run.on_cuda or unlimited.peak_reserved <= capacity
+            or unlimited.peak_allocated > capacity):
         return unlimited
-    limited = replay_fsdp_start(shape, run, run.on_cuda, capacity)
+    limited = replay_start(shape, run, run.on_cuda, capacity)
     return unlimited if limited.out_of_memory else limited
 
 
