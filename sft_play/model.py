@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -120,33 +119,16 @@ def materialise_init_weights(config_dir: str, seed: int, dtype: str = "float32")
     return str(target)
 
 
-# How long a rank waits for another's initialised weights (see save_init_weights)
-INIT_WEIGHTS_WAIT_S = 600.0
-
-
-def save_init_weights(model: Any, target: Path, wait_s: float = INIT_WEIGHTS_WAIT_S) -> None:
+def save_init_weights(model: Any, target: Path) -> None:
     """Write `model` into `target` atomically (staged beside it, then renamed), so that
-    concurrent ranks never see half of it; a process that got there first wins. Once a process
-    group is up, transformers writes a model's files from rank 0 only (the other ranks' staged
-    folders lack config.json, which, renamed, made every rank's load fail): such a rank waits for
-    the folder rank 0 writes.
-
-    Raises:
-        UserError: no complete folder appeared within `wait_s` seconds.
-    """
+    concurrent ranks never see half of it; a process that got there first wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-")
+    # Once a process group is up, transformers writes a model's files from rank 0 only
+    # (``should_save_on_this_rank``): another rank's empty staged folder, renamed first, was read
+    # as the model ("Unrecognized model"). Each rank writes its own copy; the rename picks one.
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
     model.save_pretrained(staging, safe_serialization=True)
-    if not (Path(staging) / "config.json").is_file():
-        shutil.rmtree(staging, ignore_errors=True)
-        deadline = time.monotonic() + wait_s
-        while not (has_weights(str(target)) and (target / "config.json").is_file()):
-            if time.monotonic() > deadline:
-                raise UserError(f"initialised weights for this rank were not written to {target} within {wait_s:.0f} s "
-                                "by rank 0 (transformers writes model files from rank 0 only once the process group "
-                                "is up); start the run again")
-            time.sleep(0.1)
-        return
     try:
         os.rename(staging, target)
     except OSError:  # another process got there first

@@ -231,6 +231,15 @@ def test_a_sharded_run_is_planned_with_the_whole_model_every_gpu_loads_before_sh
     start = replay_start(shape, run, on_cuda=False)
     # upcast to fp32 one tensor at a time (the bf16 one freed), then an eighth of each as its shard
     assert start.at_peak_allocated == {"loading": shape.total_params * 4, "weights": shape.total_params * 4 // 8}
+    # DPO's reference copy, loaded whole after the policy in the compute dtype, sharded by TRL's one
+    # fully_shard call, which frees the whole tensors only as it returns
+    dpo = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+        f"model.name_or_path={CONFIGS / 'qwen2.5-0.5b'}", "model.build_with=null", "finetune.method=full",
+        "preference.reference=copy", "distributed.strategy=fsdp2"], check_paths=False)
+    run = resolve(dpo, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
+    policy, reference = shape.total_params * 4, shape.total_params * 2  # fp32 masters; bf16 copy
+    assert replay_start(shape, run, on_cuda=False).at_peak_allocated == {"loading": policy + reference,
+                                                                         "reference": reference // 8}
 
 
 def test_a_reference_pass_under_fsdp2_scores_with_the_whole_model_as_loaded():

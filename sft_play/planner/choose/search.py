@@ -164,7 +164,7 @@ class FitSearch:
         which one replay at the planned length says without the shorter rows' traces."""
         tokens = self.run.sequence.tokens
         covered = power_above(tokens) is None or tokens <= SHORTEST_RUNG
-        return covered and not self.predicted(1).fits
+        return covered and self.predicted(1).peak_bytes > self.budget  # (the envelope's own rule)
 
     def largest_fitting(self) -> int:
         """The largest micro-batch up to the per-process share whose envelope fits (with it, every

@@ -57,8 +57,9 @@ def _fsdp_start(shape: ModelShape, run: Run, new, free) -> None:
     policy = [(new(size, "loading"), size, kind) for size, kind in memory.loaded_tensors(shape, run)]
     if run.preference is not None and run.preference.reference == "copy":  # (loaded in the compute dtype)
         reference = [(new(numel * run.precision.compute_bytes, "loading"), numel) for numel in _every_tensor(shape)]
-        for handle, numel in reference:
+        for _, numel in reference:  # (one fully_shard call: the whole tensors freed as it returns)
             new(numel * run.precision.compute_bytes / shards, "reference")
+        for handle, _ in reference:
             free(handle)
     upcast = memory.trainable_bytes(run) == 4 and run.precision.autocast and run.method != "qlora"
     whole = []
