@@ -182,8 +182,8 @@ def test_fsdp2s_lower_bound_stays_under_the_replayed_peak(model, tied):
 def test_a_sharded_run_is_planned_with_the_whole_model_every_gpu_loads_before_sharding():
     """sft_play.model.load_model places the whole model on every GPU and accelerate's
     fsdp2_prepare_model shards it as training starts, its state dict holding the whole tensors
-    until the last shard is made: Llama-3-70B LoRA's shards and step fit two 80 GiB GPUs, its
-    start does not. Full fine-tuning loaded in bf16 is upcast to fp32 first; ZeRO-3 loads under
+    until the last shard is made: Llama-3-70B LoRA's start (the whole model and its shards at once)
+    does not fit two 80 GiB GPUs. Full fine-tuning loaded in bf16 is upcast to fp32 first; ZeRO-3 loads under
     zero.Init and has no such start, except for QLoRA."""
     from sft_play.planner import WITHOUT_REMEDIES
 
