@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sft_play import adapters, architecture, cache_usage, hub
+from sft_play import adapters, architecture, cache_usage, hub, patches
 from sft_play.config import RunConfig
 from sft_play.data.tokenize import resolve_chat_template
 from sft_play.errors import UserError, hub_error
@@ -124,10 +124,7 @@ def save_init_weights(model: Any, target: Path) -> None:
     concurrent ranks never see half of it; a process that got there first wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-")
-    # Once a process group is up, transformers writes a model's files from rank 0 only
-    # (``should_save_on_this_rank``): another rank's empty staged folder, renamed first, was read
-    # as the model ("Unrecognized model"). Each rank writes its own copy; the rename picks one.
-    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    patches.save_from_every_rank(model)  # (each rank writes its own copy; the rename picks one)
     model.save_pretrained(staging, safe_serialization=True)
     try:
         os.rename(staging, target)

@@ -56,6 +56,10 @@ PATCHES = {
         "deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']", "deepspeed", "==0.19.*",
         "DeepSpeed on a CPU builds a shared-memory all-reduce op at start (~40 s of C++ on 2 cores) that only "
         "inference uses: marked incompatible, it is not built"),
+    "save_from_every_rank": Patch(
+        "transformers.modeling_utils.PreTrainedModel.should_save_on_this_rank", "transformers", "==5.23.*",
+        "initialised weights staged by each rank once a process group is up: transformers writes a model's files "
+        "from rank 0 only, and another rank's empty folder, renamed into place first, was read as the model"),
     "autocast_on_meta": Patch(
         "torch.autocast.__init__", "torch", ">=2.13,<3",
         "the planner's trace on the meta device: peft opens torch.autocast('meta'), which torch refuses "
@@ -190,6 +194,13 @@ def no_reference_loading() -> Iterator[None]:
         yield
     finally:
         dpo_trainer.create_model_from_path = load
+
+
+def save_from_every_rank(model: Any) -> None:
+    """``model.save_pretrained`` writes its files from this process whatever its rank in a process
+    group (on this model only)."""
+    _checked("save_from_every_rank")
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
 
 
 def hub_offline() -> None:

@@ -20,7 +20,6 @@ load partitioned, under ``zero.Init``; other strategies keep the weights as they
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 from sft_play.planner.simulate import memory
 from sft_play.planner.simulate.allocator import CachingAllocator, HostMemory, OutOfMemory
@@ -56,7 +55,8 @@ def _fsdp_start(shape: ModelShape, run: Run, new, free) -> None:
     shards = run.parallel.world_size
     policy = [(new(size, "loading"), size, kind) for size, kind in memory.loaded_tensors(shape, run)]
     if run.preference is not None and run.preference.reference == "copy":  # (loaded in the compute dtype)
-        reference = [(new(numel * run.precision.compute_bytes, "loading"), numel) for numel in _every_tensor(shape)]
+        reference = [(new(numel * run.precision.compute_bytes, "loading"), numel)  # (a copy: full fine-tuning)
+                     for numel in memory.trainable_tensors(shape, run)]
         for _, numel in reference:  # (one fully_shard call: the whole tensors freed as it returns)
             new(numel * run.precision.compute_bytes / shards, "reference")
         for handle, _ in reference:
@@ -87,10 +87,3 @@ def _zero3_start(shape: ModelShape, run: Run, new, free) -> None:
 def _loaded_bytes(run: Run) -> int:
     """Bytes per trainable element as loaded: the weights' dtype, or a LoRA adapter's own."""
     return run.precision.weight_bytes if run.method == "full" else run.adapter_bytes
-
-
-def _every_tensor(shape: ModelShape) -> Iterator[int]:
-    yield from shape.other_tensors
-    for index in range(shape.num_layers):
-        for numel, _ in shape.tensors_of_layer(index):
-            yield numel
