@@ -226,3 +226,31 @@ def test_longests_fit_decisions_are_monotone_over_the_lengths_it_bisects():
         assert fits == sorted(fits, reverse=True), (share, fits)
         answers.add(sum(fits))
     assert len(answers) >= 2  # the sweep crosses the lengths' peaks
+
+
+@pytest.mark.parametrize("model, method, gpus, strategy, split, seq", [
+    ("llama-3.1-8b", "lora", 8, "deepspeed_zero3", 8, 8192),
+    ("llama-3.1-8b", "qlora", 8, "deepspeed_zero2", 2, 4096),
+    ("qwen2.5-0.5b", "full", 8, "ddp", 1, 2048),
+    ("qwen2.5-0.5b", "full", 8, "fsdp2", 1, 1024),
+    ("gemma-2-9b", "lora", 1, "ddp", 1, 4096),
+    ("tiny-bamba", "full", 1, "ddp", 1, 256),
+    ("tiny-qwen3-moe", "lora", 8, "deepspeed_zero3", 2, 512),
+])
+def test_the_layers_kept_inputs_bound_stays_under_the_replayed_peak(model, method, gpus, strategy, split, seq):
+    """``sequence_parallel: auto`` passes over a size whose bound (weights, states and every layer's
+    checkpointed input) exceeds the budget without a trace: the bound must never exceed what the
+    replay of micro-batch 1 peaks at, or a size that fits would be passed over."""
+    from sft_play.planner.simulate.predict import checkpointed_lower_bound
+
+    config = config_module.load(None, [
+        f"model.name_or_path={FIXTURES / 'model_configs' / model}", f"finetune.method={method}",
+        f"distributed.strategy={strategy}", f"distributed.sequence_parallel={split}", f"data.max_seq_length={seq}",
+        "train.gradient_checkpointing=true", "train.global_batch_size=8",
+    ], check_paths=False)
+    shape = model_shape(config)
+    run = resolve_for(config, Target(gpus, 80 * GIB, f"{gpus} x H100", gpu_model="H100"), None, shape)
+    bound = checkpointed_lower_bound(shape, run, 1)
+    assert static_lower_bound(shape, run) < bound <= predict(shape, run, 1).peak_bytes
+    assert checkpointed_lower_bound(shape, run.with_changes(offload_activations=True), 1) == static_lower_bound(
+        shape, run)

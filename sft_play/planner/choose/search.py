@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from sft_play.planner import progress
 from sft_play.planner.choose.split import largest_fitting_micro
-from sft_play.planner.simulate.predict import Prediction, predict_many, static_lower_bound
+from sft_play.planner.simulate.predict import Prediction, checkpointed_lower_bound, predict_many, static_lower_bound
 from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import BatchSplit, Run
 
@@ -164,6 +164,8 @@ class FitSearch:
         which one replay at the planned length says without the shorter rows' traces."""
         tokens = self.run.sequence.tokens
         covered = power_above(tokens) is None or tokens <= SHORTEST_RUNG
+        if covered and checkpointed_lower_bound(self.shape, self.run, 1) > self.budget:
+            return True  # (without a trace: the layers' kept inputs alone exceed it)
         return covered and self.predicted(1).peak_bytes > self.budget  # (the envelope's own rule)
 
     def largest_fitting(self) -> int:

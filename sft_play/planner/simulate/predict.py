@@ -61,6 +61,18 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
             + memory.outside_allocator_bytes(run, run.on_cuda, run.outside_allocator_measured))
 
 
+def checkpointed_lower_bound(shape: ModelShape, run: Run, micro_batch: int) -> int:
+    """:func:`static_lower_bound` and, under gradient checkpointing with the hidden states on the
+    GPU, every decoder layer's input, which checkpointing keeps from the layer's forward to its
+    backward: all of them alive as the forward ends (:func:`memory.offloaded_hidden_bytes`, on the
+    GPU). A micro-batch cannot fit where this alone does not (checked before a trace)."""
+    bound = static_lower_bound(shape, run)
+    if run.gradient_checkpointing and not run.offload_activations:
+        rows = micro_batch * run.rows_per_example
+        bound += shape.num_layers * rows * run.local_tokens * shape.hidden_size * memory.residual_bytes(run)
+    return bound
+
+
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
     precision = run.precision
     residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
