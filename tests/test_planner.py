@@ -579,7 +579,16 @@ def test_a_remedy_that_fits_is_what_its_run_plans():
     assert applied.breakdown.get("smaller_batch", 0) > 0
 
 
-def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_is_planned_as_it_runs():
+@pytest.fixture
+def one_core(monkeypatch):
+    """The remedy search plans here, one remedy after another (a stand-in planner that records
+    its calls in this process, and costs less than a fork)."""
+    from sft_play.planner.simulate import predict
+
+    monkeypatch.setattr(predict.hardware, "usable_cores", lambda: 1)
+
+
+def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_is_planned_as_it_runs(one_core):
     """A stand-in planner in place of replays: the peak each remedy saves is fixed, the budget
     needs several of them, and a plan as the run plans it (covering shorter rows) fits only with
     enough room left. The search plans quickly, then the combination found as it runs; when that
@@ -649,7 +658,7 @@ def test_the_remedy_combination_is_searched_on_quick_plans_and_what_is_offered_i
     assert [e["result_text"] for e in entries if e["fits"]] == ["the same training", "changes what is trained"]
 
 
-def test_where_only_the_long_row_levers_together_fit_the_remedies_stack_them_as_longest_does():
+def test_where_only_the_long_row_levers_together_fit_the_remedies_stack_them_as_longest_does(one_core):
     """Issue 61: make plan LONGEST=1 carried 6,291,456 tokens of Llama-3.1-8B LoRA on 8 x 80 GiB
     with its levers stacked, while a plain plan at 3,000,000 said nothing fits: its combinations
     let ZeRO-3 take ZeRO-2's place with sequence parallelism, so no combination split rows under
@@ -699,7 +708,7 @@ def test_remedies_that_fit_are_ranked_by_hardware_then_result_then_room_then_spe
         "ZeRO-2", "parameter offload", "ZeRO-3", "8-bit AdamW", "bf16 weights", "more GPUs", "gradient checkpointing", "FSDP2"]
 
 
-def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combination():
+def test_a_remedy_that_contradicts_an_earlier_one_takes_its_place_in_the_combination(one_core):
     """Optimizer offload (ZeRO-2's) comes before FSDP2 in the search, and FSDP2 cannot offload the
     optimizer alone: the search kept optimizer offload and so never tried FSDP2, and the fitting
     combination of checkpointing and FSDP2 was not found."""

@@ -185,31 +185,46 @@ def test_the_ranks_of_a_node_share_its_cores_for_replays(monkeypatch):
 
 
 def test_side_by_side_answers_in_order_from_forked_processes_or_here(monkeypatch):
-    """make plan LONGEST=1's targets: planned in a process beside this one where a core is spare,
-    here one after another where not, or where the pool cannot start; the answers the same, in
-    order, and what a forked call raises raised here."""
+    """The remedy search's plans and make plan LONGEST=1's targets: taken one at a time by this
+    process and by processes forked beside it where a core is spare, here one after another where
+    not, or where the pool cannot start; the answers the same, in order, the forked processes'
+    replays counted here, and what a forked call raises raised here."""
+    import time
+
     from sft_play.planner.simulate import predict as prediction
 
-    calls = [lambda: ("first", os.getpid()), lambda: ("second", os.getpid()), lambda: ("third", os.getpid())]
-    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 3)
+    def call(name: str):
+        def planned():
+            time.sleep(0.3)  # (long enough for a forked process to take its share)
+            prediction.REPLAYS[0] += 5
+            return name, os.getpid(), prediction._cores_per_process()
+        return planned
+
+    names = ["first", "second", "third", "fourth"]
+    calls = [call(name) for name in names]
+    monkeypatch.setattr(prediction, "_cores_per_process", prediction._cores_per_process)
+    monkeypatch.setattr(prediction.hardware, "usable_cores", lambda: 2)
+    replays = prediction.REPLAYS[0]
     answers = prediction.side_by_side(calls)
-    assert [a[0] for a in answers] == ["first", "second", "third"]
-    assert answers[0][1] == os.getpid() and os.getpid() not in {answers[1][1], answers[2][1]}
-    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 1)
-    assert prediction.side_by_side(calls) == [(name, os.getpid()) for name in ("first", "second", "third")]
+    assert [a[0] for a in answers] == names
+    assert os.getpid() in {a[1] for a in answers} and len({a[1] for a in answers}) == 2  # here and one beside
+    assert {a[2] for a in answers} == {1}, "replays within are not forked again"
+    assert prediction.REPLAYS[0] - replays == 20 and prediction._cores_per_process() == 2
+    monkeypatch.setattr(prediction.hardware, "usable_cores", lambda: 1)
+    assert prediction.side_by_side(calls) == [(name, os.getpid(), 1) for name in names]
 
     def failing():
         raise ValueError("a config the forked process refused")
 
-    monkeypatch.setattr(prediction, "_cores_per_process", lambda: 2)
+    monkeypatch.setattr(prediction.hardware, "usable_cores", lambda: 2)
     with pytest.raises(ValueError, match="refused"):
-        prediction.side_by_side([calls[0], failing])
+        prediction.side_by_side([calls[0], failing, calls[1]])
 
     def no_pool(*args, **kwargs):
         raise OSError("fork: resource temporarily unavailable")
 
     monkeypatch.setattr(prediction, "ProcessPoolExecutor", no_pool)
-    assert prediction.side_by_side(calls) == [(name, os.getpid()) for name in ("first", "second", "third")]
+    assert [a[:2] for a in prediction.side_by_side(calls)] == [(name, os.getpid()) for name in names]
 
 
 def test_a_second_make_plan_imports_no_transformers_and_says_the_same(tmp_path):

@@ -23,6 +23,7 @@ from sft_play.hardware import gpu_model_for_memory
 from sft_play.parallelism import Strategy
 from sft_play.planner import progress
 from sft_play.planner.simulate import cache
+from sft_play.planner.simulate.predict import side_by_side
 from sft_play.planner.simulate.timing import GPUS_PER_NODE
 from sft_play.precision import resolve_precision
 from sft_play.units import GIB
@@ -371,11 +372,8 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int 
     with `as_run` True."""
     # (a remedy whose settings the run would refuse on the target it makes is none)
     applicable = search_order([r for r in REMEDIES if r.applies(config, target) and _consistent(config, target, [r])])
-    entries = []
-    for number, remedy in enumerate(applicable, 1):
-        with progress.doing(f"remedy {number} of {len(applicable)}: {remedy.name}"):
-            plan = plan_for(remedy.config_for(config), remedy.target_for(target), True)
-        entries.append(_entry([remedy], config, target, plan))
+    entries = side_by_side([functools.partial(_planned_alone, remedy, number, len(applicable), config, target, plan_for)
+                          for number, remedy in enumerate(applicable, 1)])
     first_fit = next((i for i, e in enumerate(entries) if e["fits"]), len(entries))
     before = [r for r in applicable[:first_fit] if r.gpu_factor == 1]
     if len(before) >= 2:  # two or more remedies ahead of the first that fits, none of which fits alone
@@ -391,6 +389,12 @@ def plan_remedies(config: RunConfig, target: Any, plan_for: PlanFor, split: int 
                 entries.append(_entry(levers, config, target, plan))
     entries.sort(key=rank)
     return entries
+
+
+def _planned_alone(remedy: Remedy, number: int, count: int, config: RunConfig, target: Any,
+                   plan_for: PlanFor) -> dict[str, Any]:
+    with progress.doing(f"remedy {number} of {count}: {remedy.name}"):
+        return _entry([remedy], config, target, plan_for(remedy.config_for(config), remedy.target_for(target), True))
 
 
 # The remedies that carry rows further, cheapest first (on several GPUs ZeRO-3 before them):

@@ -156,29 +156,56 @@ def predict_many(shape: ModelShape, requests: list[tuple[Run, int, int | None, b
 
 
 def side_by_side(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Each call's result, in order: the first made here while the others are made in forked
-    processes beside it (as :func:`predict_many`'s replays), where this process has a core for
-    each and can fork; else one after another. Calls that plan (``make plan LONGEST=1``'s
-    targets) give the same answers either way; what a forked one predicts reaches this process
-    through the disk's cache only."""
+    """Each call's result, in order, the calls taken one at a time, as each is free, by this
+    process and by forked processes beside it, one per other core (the remedy search's plans,
+    ``make plan LONGEST=1``'s targets), as :func:`predict_many`'s replays; one after another where
+    this process cannot fork or has one core. The same results either way; what a forked process
+    predicts reaches this one through the disk's cache only, and its replays are counted here.
+    Replays within are not forked again (each process has a core)."""
     workers = min(len(calls) - 1, _cores_per_process() - 1)
     if workers < 1 or "fork" not in multiprocessing.get_all_start_methods() or sys.platform == "darwin":
         return [call() for call in calls]
-    _SIDE_CALLS[:] = calls
+    results: dict[int, Any] = {}
+    _SHARED[:] = [calls]
+    _ONE_CORE[0] = True
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=_side_worker_started, initargs=(os.getpid(),)) as pool:
-            others = [pool.submit(_side_call, index) for index in range(1, len(calls))]
-            first = calls[0]()
-            return [first, *(other.result() for other in others)]
-    except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: here then
+        context = multiprocessing.get_context("fork")
+        _SHARED.append(context.Value("i", 0))
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_side_worker_started,
+                                 initargs=(os.getpid(),)) as pool:
+            others = [pool.submit(_taking_turns) for _ in range(workers)]
+            results.update(_taking_turns()[0])
+            for other in others:
+                done, replays = other.result()
+                results.update(done)
+                REPLAYS[0] += replays
+    except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: the rest here
         logger.debug("planned one after another: %s", error)
-        return [call() for call in calls]
     finally:
-        _SIDE_CALLS.clear()
+        _SHARED.clear()
+        _ONE_CORE[0] = False
+    return [results[index] if index in results else call() for index, call in enumerate(calls)]
 
 
-_SIDE_CALLS: list[Callable[[], Any]] = []  # what side_by_side's forked processes call, inherited by the fork
+_SHARED: list[Any] = []  # side_by_side's calls and the index of the next one to take, inherited by the fork
+_ONE_CORE = [False]  # within side_by_side: this process and its forks each plan on one core
+
+
+def _taking_turns() -> tuple[dict[int, Any], int]:
+    """The calls this process took from :data:`_SHARED`, by index, and the replays they made."""
+    calls, following = _SHARED
+    done, before = {}, REPLAYS[0]
+    while True:
+        with following.get_lock():
+            index = following.value
+            following.value += 1
+        if index >= len(calls):
+            return done, REPLAYS[0] - before
+        try:
+            done[index] = calls[index]()
+        except BaseException:  # (an error, Ctrl-C here): the others take no more
+            following.value = len(calls)
+            raise
 
 
 def _side_worker_started(parent: int) -> None:
@@ -186,10 +213,6 @@ def _side_worker_started(parent: int) -> None:
 
     _replay_worker_started(parent)
     progress.silenced()  # the planning process says what it is on
-
-
-def _side_call(index: int) -> Any:
-    return _SIDE_CALLS[index]()
 
 
 def _replay_worker_started(parent: int) -> None:
@@ -259,6 +282,8 @@ def _disk_key(key: tuple) -> tuple:
 
 def _cores_per_process() -> int:
     """This process's share of the cores: the ranks a launcher starts on one node share them."""
+    if _ONE_CORE[0]:
+        return 1
     return max(1, hardware.usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
