@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -326,8 +328,8 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     shape = model_shape(config)
     world = _processes(cell)
     split = BatchSplit(cell["micro"], 1, world // _split(cell), cell["micro"] * world // _split(cell))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=categories,
-                 with_stack=categories) as prof:
+    with every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                         record_shapes=categories, with_stack=categories) as prof:
         trainer, _ = training.train_with_backoff(make, split)
     # (the trainer's ZeRO-3 config would have transformers build the planner's meta-device layers
     # under zero.Init, which cannot initialise them)
@@ -390,7 +392,7 @@ def measure_start(cell: dict, folder: Path) -> dict:
     from sft_play.planner.simulate.loading import replay_start
     from sft_play.run import BatchSplit
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         config, run, make, _ = tiny_trainer(folder, cell)
         trainer, _ = training.train_with_backoff(make, BatchSplit(cell["micro"], 1, 2, cell["micro"] * 2))
     counted, made, _ = allocator_count(prof, (_marks(prof)[FIRST_STEP[0]][0], 1 << 62))
@@ -406,14 +408,40 @@ def _has_points(cell: dict) -> bool:
     return not cell.get("reference") and "deepspeed" not in cell.get("strategy", "")
 
 
+@contextlib.contextmanager
+def every_thread_counted():
+    """Within this block PyTorch's CPU allocator keeps its running total of live bytes on every
+    thread (c10's ``caffe2_report_cpu_memory_usage``; the profiler alone counts only the threads
+    it profiles). gloo drops its references to a collective's tensors on its own threads, so the
+    last owner of an all-to-all's buffers or a reduced gradient often frees them there: the
+    profiler records their allocation but not their free (the address is allocated again without
+    one), and a count by address holds them until then. c10 has no Python setter for its flags:
+    the flag is set in libc10 itself, where the symbol is exported."""
+    import torch
+
+    try:
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+        flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):  # another build: the profiled threads' count only
+        yield
+        return
+    before, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
 def allocator_count(prof, skipped: tuple[int, int] = (0, 0),
                     points: dict[str, int] | None = None) -> tuple[int, set[int], dict[str, int]]:
     """The most bytes alive at once among those allocated during the profile, outside the
-    `skipped` span of its clock (:func:`_first_step_window`), from the profiler's own record of
-    every CPU allocation and free (address and size, in order, from every thread); the addresses
-    allocated; and the bytes alive at each of the `points` (name: time): PyTorch's count without
-    the memory profile's analysis, which the single-process cells check it against
-    (tests/test_cpu_ground_truth.py)."""
+    `skipped` span of its clock (:func:`_first_step_window`); the addresses allocated; and the
+    bytes alive at each of the `points` (name: time): PyTorch's count without the memory profile's
+    analysis, which the single-process cells check it against (tests/test_cpu_ground_truth.py).
+    The bytes alive are the CPU allocator's running total that each record of an allocation or a
+    free carries, which counts frees on every thread (:func:`every_thread_counted`), less what it
+    held before the profile's first record; and by address, what was mapped into memory from a
+    file (safetensors' tensors: a record of the mapping's own, its total reserved, none allocated)."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -421,23 +449,30 @@ def allocator_count(prof, skipped: tuple[int, int] = (0, 0),
         event = stack.pop()
         stack.extend(event.children)
         if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
-            events.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
-    live: dict[int, int] = {}
+            typed = event.typed[1]
+            events.append((event.start_time_ns, typed.ptr, typed.alloc_size, typed.total_allocated,
+                           typed.total_reserved))
+    events.sort()
+    mapped: dict[int, int] = {}  # by address
+    counted = [e for e in events if not e[4]]
+    total = start = counted[0][3] - counted[0][2] if counted else 0
     now = peak = 0
     waiting = sorted(((time, point) for point, time in (points or {}).items()), reverse=True)
     at_points = {}
-    for time_ns, address, size in sorted(events):
+    for time_ns, address, size, after, reserved in events:
         while waiting and waiting[-1][0] < time_ns:
             at_points[waiting.pop()[1]] = now
-        if size > 0:
-            now += size - live.get(address, 0)
-            live[address] = size
-        elif address in live:
-            now -= live.pop(address)
+        if reserved and size > 0:
+            mapped[address] = size
+        elif reserved or address in mapped:
+            mapped.pop(address, None)
+        else:
+            total = after
+        now = total - start + sum(mapped.values())
         if not skipped[0] <= time_ns <= skipped[1]:
             peak = max(peak, now)
     at_points.update((point, now) for _, point in waiting)
-    return peak, {address for _, address, size in events if size > 0}, at_points
+    return peak, {address for _, address, size, _, _ in events if size > 0}, at_points
 
 
 def _profiled(prof, parameters: dict, skipped: tuple[int, int] = (0, 0)) -> tuple[int, dict[str, int]]:

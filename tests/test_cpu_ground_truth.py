@@ -70,3 +70,23 @@ def test_a_tiled_mlp_step_peaks_where_the_plan_says(tmp_path):
     untiled = run.with_changes(kernels=dataclasses.replace(run.kernels, tiled_mlp=False))
     assert run.kernels.tiled_mlp and predict(model_shape(config), untiled, 2).peak_bytes > 1.25 * result["predicted_bytes"]
 
+
+
+def test_a_tensor_freed_on_another_thread_is_counted_freed():
+    """gloo frees a collective's tensors on its own threads, where the profiler records no free: the
+    count reads the allocator's running total, which every_thread_counted keeps on every thread."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    held = [torch.empty(0)]
+    with ground_truth.every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        held[0] = torch.empty(1 << 18)  # 1 MiB
+        freeing = threading.Thread(target=held.clear)
+        freeing.start()
+        freeing.join()
+        again = torch.empty(1 << 18)
+        del again
+    peak, made, _ = ground_truth.allocator_count(prof)
+    assert peak == 1 << 20 and len(made) >= 1
