@@ -587,9 +587,10 @@ def allocator_check(results: list[dict]) -> list[str]:
     if not pairs:
         return []
     worst = max(pairs, key=lambda pair: abs(pair[0]) / pair[1])
-    return [f"The cells across processes are measured by the allocator's own count (every CPU allocation and free the "
-            f"profiler recorded, by address), which the memory profile's analysis cannot follow through DDP's and gloo's "
-            f"operations. On the {len(pairs)} single-process cells the two counts differ by at most "
+    return [f"The cells across processes are measured by the allocator's own count (its running total of live bytes, "
+            f"kept on every thread: gloo frees a collective's tensors on its own, where the profiler records no free; "
+            f"files mapped into memory by address), which the memory profile's analysis cannot follow through DDP's and "
+            f"gloo's operations. On the {len(pairs)} single-process cells the two counts differ by at most "
             f"{abs(worst[0]):,} bytes ({abs(worst[0]) / worst[1] * 100:.3f} % of that cell's peak)."]
 
 

@@ -82,9 +82,15 @@ def test_the_cpu_facts_are_the_ground_truth_reports():
         name = names[found.group(1)] if found else "none"
         return f"{name}, each row split" if "each row split" in step else name
 
-    claimed = [(step, method, abs(float(e))) for step, method, e in rows if strategy(step) in facts["strategies"]]
+    def is_claimed(step: str) -> bool:
+        name = strategy(step)
+        split = name.endswith(", each row split")
+        return (name.removesuffix(", each row split") in facts["strategies"]
+                and (not split or "rows split across processes" in facts["levers"]))
+
+    claimed = [(step, method, abs(float(e))) for step, method, e in rows if is_claimed(step)]
     assert len(claimed) == facts["cells"] and max(e for _, _, e in claimed) <= facts["max_error_pct"]
-    left_out = {strategy(step) for step, _, _ in rows} - set(facts["strategies"])
+    left_out = {strategy(step) for step, _, _ in rows if not is_claimed(step)}
     for name in left_out:  # measured, and not claimed because a cell of it misses
         assert max(abs(float(e)) for step, _, e in rows if strategy(step) == name) > facts["max_error_pct"], name
     measured = set()
@@ -115,3 +121,15 @@ def test_a_preference_plan_across_processes_is_not_said_checked_where_only_sft_s
     (sft, sft_gap), (dpo, dpo_gap) = said("run_tiny.yaml"), said("run_tiny_dpo.yaml")
     assert sft["cpu"] and sft_gap == []
     assert not dpo["cpu"] and dpo_gap == ["DPO steps across processes (measured in one process)"]
+
+
+def test_rows_split_by_ulysses_are_checked_on_cpu_and_by_context_parallelism_are_not():
+    """The CPU cells split rows with DeepSpeed's Ulysses under ZeRO-2 (within the stated error once
+    the count takes gloo's frees on its own threads); FSDP2's context parallelism never ran there."""
+    common = ("finetune.method=lora", "train.gradient_checkpointing=true", "train.global_batch_size=8")
+    split = found("llama-3.1-8b", *common, "distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2",
+                  gpus=8)
+    context = found("llama-3.1-8b", *common, "distributed.strategy=fsdp2", "distributed.context_parallel=2",
+                    "data.packing=false", gpus=8)
+    assert "rows split across processes" not in split["extrapolated"]
+    assert "rows split across processes by context parallelism" in context["extrapolated"]

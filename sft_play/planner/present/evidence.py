@@ -98,7 +98,8 @@ def _levers(run: Run) -> list[str]:
         ("offloaded activations", run.offload_activations),
         ("Liger's kernels", kernels.liger),
         ("compiled layers", kernels.compile_layers),
-        ("rows split across processes", parallel.sequence_parallel > 1 or parallel.context_parallel > 1),
+        ("rows split across processes", parallel.sequence_parallel > 1),  # (DeepSpeed's Ulysses)
+        ("rows split across processes by context parallelism", parallel.context_parallel > 1),
         ("offloaded parameters or optimizer states", parallel.offload_parameters or parallel.offload_optimizer),
         ("the vision encoder", bool(run.encoder_inputs)),
     ) if on]
