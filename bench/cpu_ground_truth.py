@@ -621,7 +621,9 @@ def main() -> int:
     if args.worker:
         cell = json.loads(args.worker)
         with tempfile.TemporaryDirectory(prefix="sft-play-ground-truth-") as folder:
-            print(json.dumps((measure_start if cell.get("start") else measure)(cell, Path(folder))), flush=True)
+            result = json.dumps((measure_start if cell.get("start") else measure)(cell, Path(folder)))
+            sys.stdout.write(result + "\n")  # one write, whole (print writes its newline apart: ranks share a pipe)
+            sys.stdout.flush()
         return 0
     started = time.time()
     # one process a cell, as many at once as there are cores (live bytes do not depend on the

@@ -413,8 +413,9 @@ def test_offloaded_qlora_keeps_its_4_bit_weights_in_host_memory_at_half_a_byte()
         "optimizer (fp32 masters, Adam states, gradients)": 16 * 10_000, "16-bit gradients": 2 * 10_000,
         "parameters": 800_000 // 2 + 2 * 200_000 + 2 * 10_000}
     # the constants stay on the GPU with the gathered layers: 12,500 one-byte constants and 49 fp32 scales
+    # (the adapters' partition is in host memory with the rest, counted there above)
     assert memory.weights_bytes(QLORA_SHAPE, zero3) - 2 * memory.gathered_layer_bytes(QLORA_SHAPE, zero3) \
-        == 12_500 + 4 * 49 + 2 * 10_000
+        == 12_500 + 4 * 49
 
 
 def test_a_plan_says_the_host_memory_a_node_needs():

@@ -82,14 +82,13 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
     qlora: the quantised linears at 4 bits (0.5 byte) plus their constants
     (:func:`quantization_constants_bytes`), everything else in the run's weights dtype (16-bit
     with mixed precision, fp32 without: the loader's ``dtype``).
-    ZeRO-3 and FSDP2 keep 1/world of them, plus two layers gathered at a time (FSDP2 in its
+    ZeRO-3 and FSDP2 keep 1/world of them (:func:`resting_adapter_bytes`), plus two layers gathered at a time (FSDP2 in its
     ``param_dtype``, through the forward and the layers' backward; without resharding after the
     forward, every layer); FSDP2 with a tied head also keeps the head, final norm and embedding
     gathered from the forward's start to the backward's end (:func:`fsdp_step_gathered_tensors`);
     with the parameters offloaded to the CPU, only the gathered parts. What a step's layers'
     backward holds: a lower bound of its peak (:func:`sft_play.planner.simulate.predict.static_lower_bound`).
     """
-    adapters = shape.lora_params * trainable_bytes(run)
     stored = model_bytes(shape, run)
     gathered = layers_gathered(shape, run)
     if gathered:
@@ -100,7 +99,16 @@ def weights_bytes(shape: ModelShape, run: Run) -> int:
         # (an untied tail is resharded before the layers' backward gathers two: step._forward_backward)
         if run.parallel.fsdp and (shape.tie_word_embeddings or not run.parallel.reshard_after_forward):
             stored += sum(fsdp_step_gathered_tensors(shape)) * gathered_bytes(run)
-    return stored + adapters // (run.parallel.weight_shards if run.parallel.fsdp else 1)
+    return stored + resting_adapter_bytes(shape, run)
+
+
+def resting_adapter_bytes(shape: ModelShape, run: Run) -> int:
+    """The trained adapters a GPU holds between their passes: sharded as the rest (DeepSpeed's 16-bit
+    partition of them under ZeRO-3, FSDP2's shard; each gathered layer holds its own whole), in host
+    memory with the parameters offloaded (:func:`offloaded_bytes` counts them there)."""
+    if run.parallel.offload_parameters and run.parallel.strategy.shards_parameters:
+        return 0
+    return shape.lora_params * trainable_bytes(run) // run.parallel.weight_shards
 
 
 def reference_bytes(shape: ModelShape, run: Run) -> int:

@@ -291,9 +291,9 @@ def _static(gpu: _Replay, shape: ModelShape, run: Run) -> None:
                     gpu.new(memory.nf4_constants_bytes(-(-numel // memory.NF4_BLOCK), run.double_quant), "weights")
                 else:
                     gpu.new(numel * base_bytes / shards, "weights")
-    adapter_shards = shards if run.parallel.fsdp else 1
-    for numel in memory.adapter_tensors(shape):
-        gpu.new(numel * memory.trainable_bytes(run) / adapter_shards, "weights")
+    if memory.resting_adapter_bytes(shape, run):  # (tensor by tensor)
+        for numel in memory.adapter_tensors(shape):
+            gpu.new(numel * memory.trainable_bytes(run) / shards, "weights")
     gathered = memory.layers_gathered(shape, run)  # ZeRO-3 and FSDP2 gather a layer's parameters for its passes
     if gathered and not _fsdp_gathers_by_pass(run):
         layer_bytes = memory.gathered_layer_bytes(shape, run)
