@@ -409,12 +409,17 @@ def residual_bytes(run: Run) -> int:
 
 def offloaded_hidden_bytes(shape: ModelShape, run: Run, micro_batch: int) -> int:
     """Host memory of one process for ``train.offload_activations``: every checkpointed layer's
-    input, ``[micro, seq, hidden]`` (its share of a split row) in the residual dtype, and what the final norm saves of its
-    input, the fp32 upcast RMSNorm and LayerNorm compute in (sft_play.long_rows)."""
+    input (:func:`checkpointed_inputs_bytes`), and what the final norm saves of its input, the fp32
+    upcast RMSNorm and LayerNorm compute in (sft_play.long_rows)."""
     if not (run.offload_activations and run.gradient_checkpointing):
         return 0
-    row = micro_batch * run.local_tokens * shape.hidden_size
-    return shape.num_layers * row * residual_bytes(run) + row * 4
+    return checkpointed_inputs_bytes(shape, run, micro_batch) + micro_batch * run.local_tokens * shape.hidden_size * 4
+
+
+def checkpointed_inputs_bytes(shape: ModelShape, run: Run, rows: int) -> int:
+    """Every decoder layer's input that gradient checkpointing keeps from the layer's forward to its
+    backward: ``[rows, seq, hidden]`` (its share of a split row) in the residual dtype."""
+    return shape.num_layers * rows * run.local_tokens * shape.hidden_size * residual_bytes(run)
 
 
 def master_weights_bytes(shape: ModelShape, run: Run) -> int:

@@ -63,13 +63,12 @@ def static_lower_bound(shape: ModelShape, run: Run) -> int:
 
 def checkpointed_lower_bound(shape: ModelShape, run: Run, micro_batch: int) -> int:
     """:func:`static_lower_bound` and, under gradient checkpointing with the hidden states on the
-    GPU, every decoder layer's input, which checkpointing keeps from the layer's forward to its
-    backward: all of them alive as the forward ends (:func:`memory.offloaded_hidden_bytes`, on the
-    GPU). A micro-batch cannot fit where this alone does not (checked before a trace)."""
+    GPU, every decoder layer's kept input (:func:`memory.checkpointed_inputs_bytes`), all of them
+    alive as the forward ends. A micro-batch cannot fit where this alone does not (checked before a
+    trace)."""
     bound = static_lower_bound(shape, run)
     if run.gradient_checkpointing and not run.offload_activations:
-        rows = micro_batch * run.rows_per_example
-        bound += shape.num_layers * rows * run.local_tokens * shape.hidden_size * memory.residual_bytes(run)
+        bound += memory.checkpointed_inputs_bytes(shape, run, micro_batch * run.rows_per_example)
     return bound
 
 
@@ -204,7 +203,8 @@ def _taking_turns() -> tuple[dict[int, Any], int]:
         try:
             done[index] = calls[index]()
         except BaseException:  # (an error, Ctrl-C here): the others take no more
-            following.value = len(calls)
+            with following.get_lock():
+                following.value = len(calls)
             raise
 
 
