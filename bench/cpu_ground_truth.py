@@ -454,7 +454,8 @@ def allocator_count(prof, skipped: tuple[int, int] = (0, 0),
                            typed.total_reserved))
     events.sort()
     mapped: dict[int, int] = {}  # by address
-    counted = [e for e in events if not e[4]]
+    # (a mapping's free reports no totals: neither it nor one of a mapping made before the profile moves the total)
+    counted = [e for e in events if not e[4] and not (e[2] < 0 and e[3] == 0)]
     total = start = counted[0][3] - counted[0][2] if counted else 0
     now = peak = 0
     waiting = sorted(((time, point) for point, time in (points or {}).items()), reverse=True)
@@ -466,7 +467,7 @@ def allocator_count(prof, skipped: tuple[int, int] = (0, 0),
             mapped[address] = size
         elif reserved or address in mapped:
             mapped.pop(address, None)
-        else:
+        elif not (size < 0 and after == 0):
             total = after
         now = total - start + sum(mapped.values())
         if not skipped[0] <= time_ns <= skipped[1]:

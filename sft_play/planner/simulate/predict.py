@@ -160,34 +160,47 @@ def side_by_side(calls: list[Callable[[], Any]]) -> list[Any]:
     ``make plan LONGEST=1``'s targets), as :func:`predict_many`'s replays; one after another where
     this process cannot fork or has one core. The same results either way; what a forked process
     predicts reaches this one through the disk's cache only, and its replays are counted here.
-    Replays within are not forked again (each process has a core)."""
+    Replays within share the cores out (:func:`_cores_per_process`)."""
     workers = min(len(calls) - 1, _cores_per_process() - 1)
     if workers < 1 or "fork" not in multiprocessing.get_all_start_methods() or sys.platform == "darwin":
         return [call() for call in calls]
     results: dict[int, Any] = {}
-    _SHARED[:] = [calls]
-    _ONE_CORE[0] = True
+    context = multiprocessing.get_context("fork")
+    sharing = _SHARING[0]
     try:
-        context = multiprocessing.get_context("fork")
-        _SHARED.append(context.Value("i", 0))
+        _SHARED[:] = [calls, context.Value("i", 0)]
+        _SHARING[0] = sharing * (workers + 1)
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_side_worker_started,
                                  initargs=(os.getpid(),)) as pool:
             others = [pool.submit(_taking_turns) for _ in range(workers)]
-            results.update(_taking_turns()[0])
-            for other in others:
-                done, replays = other.result()
-                results.update(done)
-                REPLAYS[0] += replays
-    except (OSError, BrokenProcessPool) as error:  # no fork, no semaphores, a worker killed: the rest here
+            try:
+                results.update(_taking_turns()[0])
+                for other in others:
+                    done, replays = other.result()
+                    results.update(done)
+                    REPLAYS[0] += replays
+            except BrokenProcessPool as error:  # a worker killed: what it took, here
+                logger.debug("planned here instead: %s", error)
+            except BaseException:  # an error, Ctrl-C: the others take no more, and it is raised here
+                _exhausted()
+                raise
+    except OSError as error:  # no fork, no semaphores (the calls' own errors are raised above)
         logger.debug("planned one after another: %s", error)
     finally:
         _SHARED.clear()
-        _ONE_CORE[0] = False
+        _SHARING[0] = sharing
     return [results[index] if index in results else call() for index, call in enumerate(calls)]
 
 
 _SHARED: list[Any] = []  # side_by_side's calls and the index of the next one to take, inherited by the fork
-_ONE_CORE = [False]  # within side_by_side: this process and its forks each plan on one core
+_SHARING = [1]  # the processes planning side by side on this process's cores (and its forks')
+
+
+def _exhausted() -> None:
+    """No process takes another of :data:`_SHARED`'s calls."""
+    calls, following = _SHARED
+    with following.get_lock():
+        following.value = len(calls)
 
 
 def _taking_turns() -> tuple[dict[int, Any], int]:
@@ -203,8 +216,7 @@ def _taking_turns() -> tuple[dict[int, Any], int]:
         try:
             done[index] = calls[index]()
         except BaseException:  # (an error, Ctrl-C here): the others take no more
-            with following.get_lock():
-                following.value = len(calls)
+            _exhausted()
             raise
 
 
@@ -281,10 +293,10 @@ def _disk_key(key: tuple) -> tuple:
 
 
 def _cores_per_process() -> int:
-    """This process's share of the cores: the ranks a launcher starts on one node share them."""
-    if _ONE_CORE[0]:
-        return 1
-    return max(1, hardware.usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    """This process's share of the cores: the ranks a launcher starts on one node share them, and
+    the processes planning side by side (:func:`side_by_side`)."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, hardware.usable_cores() // ranks // _SHARING[0])
 
 
 # This process's predictions, backed by the disk (:func:`_known`), and its unlimited replays
