@@ -422,7 +422,9 @@ def every_thread_counted():
     try:
         library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
         flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
-    except (OSError, ValueError):  # another build: the profiled threads' count only
+    except (OSError, ValueError):  # another build (not Linux's libc10.so): say so, as frees on other threads go uncounted
+        print("warning: c10's caffe2_report_cpu_memory_usage could not be set: frees on threads the profiler "
+              "does not profile (gloo's) are not counted, so cells across processes read high", file=sys.stderr)
         yield
         return
     before, flag.value = flag.value, True
