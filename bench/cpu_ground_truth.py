@@ -31,9 +31,10 @@ report puts each term of the plan beside the profile's category at the peak.
 
 The first step is left out of the measured peak (the plan is of a step with the optimizer's states),
 and the SFT cells are also compared at the last step's named points: as the model's forward returns,
-as the optimizer step starts and as it ends (``sft_play.planner.simulate.step.POINTS``; marks put in
-the profile by a trainer callback). What this does not cover (issue 61's matrix): offloaded
-activations (on a CPU the host is where they already are); the points inside each layer's backward.
+as each decoder layer's backward is done, as the optimizer step starts and as it ends
+(``sft_play.planner.simulate.step.POINTS``, ``layer_backward_point``; marks put in the profile by a
+trainer callback and a hook on each layer's input). What this does not cover (issue 61's matrix):
+offloaded activations (on a CPU the host is where they already are).
 
 Usage:
   python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]
@@ -145,23 +146,37 @@ MARK = "ground_truth::"  # the profile's name of a mark: this, then the point's 
 def _marks_callback(shares: list | None = None, split: int = 1):
     """A trainer callback that marks in the profile (:func:`_mark`) the first optimizer step's
     start and end, and the step's named points (``sft_play.planner.simulate.step.POINTS``): as the
-    model's forward returns, as the optimizer step starts (backward and clipping done) and as it
-    ends (before ``zero_grad``). The first step is left out of the measured peak, as the plan is of
+    model's forward returns, as each decoder layer's backward is done (a hook on the layer's input
+    fires as its gradient is whole), as the optimizer step starts (backward and clipping done) and
+    as it ends (before ``zero_grad``). The first step is left out of the measured peak, as the plan is of
     the steps that hold the optimizer's states (a rank's first batch may be its longest); a
     preference run's reference pass comes before it, and counts. With `shares`, each training
     forward's rows, their whole length (its share's, `split` times) and the labelled positions of
     the share it gets are appended there (rows split across processes: DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands
     each process its share of one process's batch a step, the shifted labels with it)."""
+    import torch
     from transformers import TrainerCallback
+
+    from sft_play.architecture import decoder_layers, num_layers
+    from sft_play.planner.simulate.step import layer_backward_point
 
     def record(module, args, kwargs):
         labels = kwargs.get("shift_labels")
         if module.training and labels is not None:
             shares.append((labels.shape[0], labels.shape[1] * split, int((labels != -100).sum())))
 
+    def watch_backward(module, args, kwargs):  # as the layer's input gets its whole gradient: its backward is done
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if module.training and torch.is_grad_enabled() and hidden is not None and hidden.requires_grad:
+            hidden.register_hook(lambda _, i=module.ground_truth_index: _mark(layer_backward_point(i)))
+
     class Marks(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             model.register_forward_hook(lambda *_: _mark("after_forward"))
+            # (checkpointed, a layer's forward runs again in backward, on inputs whose gradient nothing asks)
+            for i, layer in enumerate(decoder_layers(model, num_layers(model.config))):
+                layer.ground_truth_index = i
+                layer.register_forward_pre_hook(watch_backward, with_kwargs=True)
             if shares is not None:
                 model.register_forward_pre_hook(record, with_kwargs=True)
 
@@ -321,7 +336,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     from sft_play import training
     from sft_play.planner import model_shape
     from sft_play.planner.simulate.predict import predict, replay_step
-    from sft_play.planner.simulate.step import POINTS
+    from sft_play.planner.simulate.step import POINTS, layer_backward_point
     from sft_play.run import BatchSplit
 
     config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
@@ -345,7 +360,8 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     marks = _marks(prof)
     first_step = _first_step_window(marks)
     # (the points of the last step, which the plan of its batch is compared at)
-    points = {point: marks[point][-1] for point in POINTS if marks.get(point)} if _has_points(cell) else {}
+    named_points = [*POINTS, *(layer_backward_point(i) for i in range(shape.num_layers))]
+    points = {point: marks[point][-1] for point in named_points if marks.get(point)} if _has_points(cell) else {}
     allocated, made, at_points = allocator_count(prof, first_step, points)
     # (a sharded weight's storage is its rank's shard: FSDP2's DTensor holds it as its local tensor)
     storages = [(p.to_local() if hasattr(p, "to_local") else p).untyped_storage() for p in parameters.values()]
@@ -554,24 +570,30 @@ def table(results: list[dict]) -> list[str]:
 
 
 def points_table(results: list[dict]) -> list[str]:
-    """The live bytes at the last step's named points, measured and planned (the cells that have them)."""
+    """The live bytes at the last step's named points, measured and planned (the cells that have them):
+    the step's own, and as each decoder layer's backward is done (the worst of them in a column)."""
     from sft_play.planner.simulate.step import POINTS
 
     rows = [r for r in results if r.get("ok") and r.get("points")]
     if not rows:
         return []
+    header = [f"{POINTS[0].replace('_', ' ')}: measured, planned, error", "each layer's backward: the worst error",
+              *(f"{p.replace('_', ' ')}: measured, planned, error" for p in POINTS[1:])]
     lines = ["The last step's named points (SFT cells; DeepSpeed steps inside its backward, before the trainer's "
-             "callbacks): the live bytes as the model's forward returns, as the optimizer step starts (backward and "
-             "clipping done) and as it ends (before zero_grad), measured by the allocator's count and planned by the "
-             "replay of that step's batch.", "",
-             "| step | method | checkpointing | micro | " + " | ".join(f"{p.replace('_', ' ')}: measured, planned, error"
-                                                               for p in POINTS) + " |",
-             "|---|---|---|---|" + "---|" * len(POINTS)]
+             "callbacks): the live bytes as the model's forward returns, as each decoder layer's backward is done (its "
+             "input's gradient whole), as the optimizer step starts (backward and clipping done) and as it ends (before "
+             "zero_grad), measured by the allocator's count and planned by the replay of that step's batch.", "",
+             "| step | method | checkpointing | micro | " + " | ".join(header) + " |",
+             "|---|---|---|---|" + "---|" * len(header)]
     for r in rows:
         cells = []
         for point in POINTS:
             measured, planned = r["points"].get(point, (0, 0))
             cells.append(f"{measured:,}, {planned:,}, {100 * (planned / measured - 1):+.2f} %" if measured else "")
+        layers = [(abs(planned / measured - 1), planned / measured - 1, point) for point, (measured, planned)
+                  in r["points"].items() if point not in POINTS and measured]
+        worst = max(layers, default=None)
+        cells.insert(1, f"{100 * worst[1]:+.2f} % ({worst[2]}; {len(layers)} layers)" if worst else "")
         lines.append(f"| {_step_name(r)} | {r['method']} | {'on' if r['checkpointing'] else 'off'} | {r['micro']} | "
                      + " | ".join(cells) + " |")
     worst = max(((abs(planned / measured - 1), f"{_step_name(r)}, {r['method']}, checkpointing "

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow  # real training steps under the profiler
 def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_path):
     """Two padded rows a step (their lengths, less one, odd multiples of 512 bytes): host memory
     counts each tensor's bytes as asked, not as the CUDA allocator's blocks would hold them. The
-    step's named points (the forward returned, the optimizer step starting and ending) too."""
-    from sft_play.planner.simulate.step import POINTS
+    step's named points (the forward returned, each decoder layer's backward done, the optimizer
+    step starting and ending) too."""
+    from sft_play.planner.simulate.step import POINTS, layer_backward_point
 
     result = ground_truth.measure({"method": "full", "checkpointing": True, "micro": 2, "seq": 256}, tmp_path)
     measured, planned = result["measured"], result["predicted"]
@@ -34,7 +35,7 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
     # the allocator's count, which measures the cells across processes, is the profile's to 0.1 %
     assert abs(result["allocator_bytes"] / result["measured_bytes"] - 1) < 0.001, result
     # and the live bytes as the last step passed each named point, within 2 %
-    assert set(result["points"]) == set(POINTS), result
+    assert set(result["points"]) == {*POINTS, *(layer_backward_point(i) for i in range(4))}, result
     for point, (measured, planned) in result["points"].items():
         assert abs(planned / measured - 1) < 0.02, (point, measured, planned)
 

@@ -86,8 +86,15 @@ class StepSpec:
 
 # Where in a step the live bytes are compared with a real step's (bench/cpu_ground_truth.py): as
 # the model's forward returns (the loss computed), as the optimizer step starts (backward and the
-# gradients' clipping done), and as it ends (before zero_grad)
+# gradients' clipping done), and as it ends (before zero_grad); and as each decoder layer's backward
+# is done (layer_backward_point)
 POINTS = ("after_forward", "after_backward", "after_step")
+
+
+def layer_backward_point(layer: int) -> str:
+    """The named point as decoder layer `layer`'s backward is done: its input's gradient whole,
+    its saved (or recomputed) tensors gone, its weights' gradients kept or reduced."""
+    return f"layer {layer} backward"
 
 _OWN_HANDLES = 1 << 62  # the replay's own tensors; traced ones are _handle_base(layer) + event id
 
@@ -429,14 +436,15 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads, *tail)
         grads, tail = [], []
     backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
-    incoming = _layers_backward(gpu, spec, layers, outputs, kept, incoming, grads, keep_grads, hidden_bytes)
+    incoming = _layers_backward(gpu, spec, layers, outputs, kept, incoming, grads, keep_grads, hidden_bytes,
+                                [*rotary, *masks])
     if encoded is not None and spec.encoder.trains:
         _encoder_backward(gpu, spec, encoded, grads, keep_grads)
     gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
     gpu.free(*backward_layers)
     if memory.trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
-    gpu.free(*rotary, *masks, *batch)
+    gpu.free(*batch)
     if encoded is not None:
         gpu.free(encoded[INPUT])
     if layers[0].input_kept:
@@ -478,11 +486,12 @@ def _reference_forwards(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec
 
 
 def _layers_backward(gpu: _Replay, spec: StepSpec, layers: list, outputs: list, kept: dict, incoming: int,
-                     grads: list, keep_grads: bool, hidden_bytes: int) -> int:
+                     grads: list, keep_grads: bool, hidden_bytes: int, shared: list) -> int:
     """The decoder layers' backward from the top, each reading its forward's tensors (`outputs`)
     and the gradient the one above produced (`incoming`), its offloaded input (`hidden_bytes`)
-    brought back first; a layer ZeRO-3 kept gathered is released after it. Returns the gradient
-    of the first layer's input."""
+    brought back first; a layer ZeRO-3 kept gathered is released after it. What every layer read
+    (`shared`: the rotary tables, the masks a checkpointed layer recomputes with) goes with the
+    first layer's saved tensors, as its backward ends. Returns the gradient of the first layer's input."""
     run, b = spec.run, spec.micro_batch
     for i in reversed(range(len(layers))):
         names, layer = outputs[i], layers[i]
@@ -490,9 +499,12 @@ def _layers_backward(gpu: _Replay, spec: StepSpec, layers: list, outputs: list, 
         if spec.offload_hidden and layer.input_kept:
             gpu.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
+        if i == 0:
+            gpu.free(*shared)
         gpu.free(kept.pop(i, None))
         incoming = _name(names, layer.input_grad, i)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
+        gpu.mark(layer_backward_point(i))
     return incoming
 
 
