@@ -314,6 +314,14 @@ def layer_kinds(model_config: Any, windows: bool = False) -> list[str]:
     return kinds if len(set(kinds)) > 1 else []
 
 
+def attends(kind: str) -> bool:
+    """Whether layers of `kind` (one of :func:`layer_kinds`) attend, reading the rotary tables and
+    the masks: those named by an attention layer type, or by their MLP alone (a mixture-of-experts
+    model whose layers all attend); not convolutions, Mamba or linear attention."""
+    mixer = kind.partition("+")[0]
+    return mixer in _ATTENTION_TYPES or mixer in ("dense", "moe")
+
+
 def sliding_window(model_config: Any) -> int | None:
     """The window of the model's sliding-window attention layers, None where it has none: the
     layers ``layer_types`` names ``sliding_attention``, or, for a model without ``layer_types``

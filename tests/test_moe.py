@@ -54,6 +54,19 @@ def test_the_final_norm_is_traced_whatever_the_family_calls_it(model):
     assert norm is not None and type(norm).__name__.endswith("RMSNorm")
 
 
+@pytest.mark.parametrize("model", MOE + HYBRID)
+def test_the_rotary_tables_and_masks_go_with_the_lowest_layer_that_attends(model):
+    """In backward the layers that attend are the last to read the rotary tables and the masks
+    (a hybrid's convolution, Mamba and linear-attention layers read neither): the CPU ground
+    truth found a hybrid's plan high by them until its first attending layer had finished."""
+    from sft_play.planner.simulate.predict import traced_layers, trace_spec
+
+    config = load(model, "finetune.method=lora")
+    run = resolve_for(config, Target(1, 80 * GIB, "1 x H100"))
+    first = {"tiny-lfm2": 1, "tiny-bamba": 1, "tiny-qwen3-next": 1}.get(model, 0)
+    assert traced_layers(trace_spec(run, 1), 256).first_attending() == first
+
+
 def test_moe_plans_report_active_parameters_and_the_experts_kernel():
     gpu = make_plan(load("tiny-qwen3-moe", "finetune.method=lora"), Target(1, 80 * GIB, "1 x H100"))
     # 8 experts, 2 per token: a token skips 6/8 of the 1,179,648 expert parameters
