@@ -23,7 +23,7 @@ without checkpointing, where the MLPs' intermediates are most of the activations
 models of other families (mixtures of experts: Qwen3-MoE, Mixtral; hybrids: LFM2, Bamba, Qwen3-Next),
 full with checkpointing and LoRA without; and SFT steps on two gloo processes under DDP, ZeRO-2, ZeRO-3
 and FSDP2 (full with checkpointing and LoRA without; three steps, each rank its own rows), and under
-ZeRO-2 with each row split across both (DeepSpeed's Ulysses: a step trains one rank's rows, each
+ZeRO-2 and ZeRO-3 with each row split across both (DeepSpeed's Ulysses: a step trains one rank's rows, each
 process its half of every row, as DeepSpeed's loader adapter hands them out), each rank
 measured by the allocator's own count (:func:`allocator_count`: the memory profile's analysis cannot
 follow DDP's and gloo's operations), which the single-process cells check against the profile. The
@@ -95,10 +95,11 @@ CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 
 # An FSDP2 run's start, from before the model loads to the first step: the whole model and every shard
 # at once (full fine-tuning: a LoRA run's frozen base is not allocated through PyTorch's CPU allocator)
 CELLS += [{"method": "full", "checkpointing": True, "micro": 2, "seq": 256, "strategy": "fsdp2", "start": True}]
-# Rows split across the two processes (DeepSpeed Ulysses under ZeRO-2): each holds half of every row's
-# tokens, and attention's all-to-alls exchange the heads
-CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": "deepspeed_zero2",
-           "sequence_parallel": 2} for method, checkpointing in (("full", True), ("lora", False))]
+# Rows split across the two processes (DeepSpeed Ulysses under ZeRO-2 and ZeRO-3): each holds half of
+# every row's tokens, and attention's all-to-alls exchange the heads
+CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "strategy": strategy,
+           "sequence_parallel": 2} for strategy in ("deepspeed_zero2", "deepspeed_zero3")
+          for method, checkpointing in (("full", True), ("lora", False))]
 FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-lfm2", "tiny-bamba", "tiny-qwen3-next")
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "model": family}
           for family in FAMILIES for method, checkpointing in (("full", True), ("lora", False))]
@@ -173,10 +174,11 @@ def _marks_callback(shares: list | None = None, split: int = 1):
     class Marks(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             model.register_forward_hook(lambda *_: _mark("after_forward"))
-            # (checkpointed, a layer's forward runs again in backward, on inputs whose gradient nothing asks)
+            # (first of the layer's hooks: on the input FSDP2's own hook then wraps, so that under FSDP2
+            # the mark comes after the layer's post-backward, wrapped for checkpointing or not)
             for i, layer in enumerate(decoder_layers(model, num_layers(model.config))):
                 layer.ground_truth_index = i
-                layer.register_forward_pre_hook(watch_backward, with_kwargs=True)
+                layer.register_forward_pre_hook(watch_backward, with_kwargs=True, prepend=True)
             if shares is not None:
                 model.register_forward_pre_hook(record, with_kwargs=True)
 

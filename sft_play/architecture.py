@@ -314,12 +314,15 @@ def layer_kinds(model_config: Any, windows: bool = False) -> list[str]:
     return kinds if len(set(kinds)) > 1 else []
 
 
+# Layer types that neither attend nor read the rotary tables and the 4-D masks
+_NOT_ATTENDING = frozenset({"conv", "mamba", "linear_attention", "recurrent", "mlp"})
+
+
 def attends(kind: str) -> bool:
-    """Whether layers of `kind` (one of :func:`layer_kinds`) attend, reading the rotary tables and
-    the masks: those named by an attention layer type, or by their MLP alone (a mixture-of-experts
-    model whose layers all attend); not convolutions, Mamba or linear attention."""
-    mixer = kind.partition("+")[0]
-    return mixer in _ATTENTION_TYPES or mixer in ("dense", "moe")
+    """Whether layers of `kind` (one of :func:`layer_kinds`) may attend, reading the rotary tables
+    and the masks: all but the mixers known not to (convolutions, Mamba, linear attention), so that
+    a layer type not known here keeps them alive (an early free would plan too little)."""
+    return kind.partition("+")[0] not in _NOT_ATTENDING
 
 
 def sliding_window(model_config: Any) -> int | None:

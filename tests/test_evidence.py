@@ -124,12 +124,14 @@ def test_a_preference_plan_across_processes_is_not_said_checked_where_only_sft_s
 
 
 def test_rows_split_by_ulysses_are_checked_on_cpu_and_by_context_parallelism_are_not():
-    """The CPU cells split rows with DeepSpeed's Ulysses under ZeRO-2 (within the stated error once
-    the count takes gloo's frees on its own threads); FSDP2's context parallelism never ran there."""
+    """The CPU cells split rows with DeepSpeed's Ulysses under ZeRO-2 and ZeRO-3 (within the stated
+    error once the count takes gloo's frees on its own threads); FSDP2's context parallelism never
+    ran there."""
     common = ("finetune.method=lora", "train.gradient_checkpointing=true", "train.global_batch_size=8")
-    split = found("llama-3.1-8b", *common, "distributed.strategy=deepspeed_zero2", "distributed.sequence_parallel=2",
-                  gpus=8)
+    for zero in ("deepspeed_zero2", "deepspeed_zero3"):
+        split = found("llama-3.1-8b", *common, f"distributed.strategy={zero}", "distributed.sequence_parallel=2",
+                      gpus=8)
+        assert "rows split across processes" not in split["extrapolated"], zero
     context = found("llama-3.1-8b", *common, "distributed.strategy=fsdp2", "distributed.context_parallel=2",
                     "data.packing=false", gpus=8)
-    assert "rows split across processes" not in split["extrapolated"]
     assert "rows split across processes by context parallelism" in context["extrapolated"]
