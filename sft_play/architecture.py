@@ -314,17 +314,6 @@ def layer_kinds(model_config: Any, windows: bool = False) -> list[str]:
     return kinds if len(set(kinds)) > 1 else []
 
 
-# Layer types that neither attend nor read the rotary tables and the 4-D masks
-_NOT_ATTENDING = frozenset({"conv", "mamba", "linear_attention", "recurrent", "mlp"})
-
-
-def attends(kind: str) -> bool:
-    """Whether layers of `kind` (one of :func:`layer_kinds`) may attend, reading the rotary tables
-    and the masks: all but the mixers known not to (convolutions, Mamba, linear attention), so that
-    a layer type not known here keeps them alive (an early free would plan too little)."""
-    return kind.partition("+")[0] not in _NOT_ATTENDING
-
-
 def sliding_window(model_config: Any) -> int | None:
     """The window of the model's sliding-window attention layers, None where it has none: the
     layers ``layer_types`` names ``sliding_attention``, or, for a model without ``layer_types``

@@ -34,10 +34,16 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
     # the allocator's count, which measures the cells across processes, is the profile's to 0.1 %
     assert abs(result["allocator_bytes"] / result["measured_bytes"] - 1) < 0.001, result
-    # and the live bytes as the last step passed each named point, within 2 %
+    # and the live bytes as the last step passed each named point, within 2 %; as each layer's
+    # backward is done, the same but for the first layer's, where the plan is high by the rotary
+    # tables and the masks, which it keeps to the end of backward (docs/PLANNER.md, "Inside the
+    # layers' backward": freed there, a measured H100 run that ran out of memory planned to fit)
     assert set(result["points"]) == {*POINTS, *(layer_backward_point(i) for i in range(4))}, result
     for point, (measured, planned) in result["points"].items():
-        assert abs(planned / measured - 1) < 0.02, (point, measured, planned)
+        if point == layer_backward_point(0):
+            assert 0.02 < planned / measured - 1 < 0.04, (point, measured, planned)
+        else:
+            assert abs(planned / measured - 1) < 0.02, (point, measured, planned)
 
 
 def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):

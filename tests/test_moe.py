@@ -54,29 +54,6 @@ def test_the_final_norm_is_traced_whatever_the_family_calls_it(model):
     assert norm is not None and type(norm).__name__.endswith("RMSNorm")
 
 
-@pytest.mark.parametrize("model", HYBRID)
-def test_the_rotary_tables_and_masks_go_with_the_last_layers_that_read_them(model):
-    """In backward the lowest layer that attends is the last to read the masks (a hybrid's
-    convolution, Mamba and linear-attention layers take none) and, without checkpointing, the
-    rotary tables; checkpointed, every layer keeps the rotary tables it was passed to recompute:
-    the CPU ground truth found a hybrid's plan high by them until its first attending layer had
-    finished. A layer type not known not to attend keeps them (an early free plans too little)."""
-    import dataclasses
-
-    from sft_play.architecture import attends
-    from sft_play.planner.simulate.predict import traced_layers, trace_spec
-    from sft_play.planner.simulate.step import _last_readers
-
-    config = load(model, "finetune.method=lora")
-    run = resolve_for(config, Target(1, 80 * GIB, "1 x H100"))
-    trace = traced_layers(trace_spec(run, 1), 256)
-    assert trace.first_attending() == 1  # (each of the three: a layer that does not attend, then one that does)
-    spec = dataclasses.make_dataclass("Spec", ["checkpointing"])
-    assert _last_readers(spec(False), trace, ["cos", "sin"], ["mask"]) == {1: ["cos", "sin", "mask"]}
-    assert _last_readers(spec(True), trace, ["cos", "sin"], ["mask"]) == {0: ["cos", "sin"], 1: ["mask"]}
-    assert attends("indexed_attention") and attends("moe") and not attends("mamba+moe")
-
-
 def test_moe_plans_report_active_parameters_and_the_experts_kernel():
     gpu = make_plan(load("tiny-qwen3-moe", "finetune.method=lora"), Target(1, 80 * GIB, "1 x H100"))
     # 8 experts, 2 per token: a token skips 6/8 of the 1,179,648 expert parameters

@@ -436,15 +436,14 @@ def _forward_backward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: 
         gpu.free(*grads, *tail)
         grads, tail = [], []
     backward_layers += _fsdp_gather(gpu, shape, run, layers=memory.LAYERS_IN_FLIGHT - 1)
-    incoming = _layers_backward(gpu, spec, layers, outputs, kept, incoming, grads, keep_grads, hidden_bytes,
-                                _last_readers(spec, trace, rotary, masks))
+    incoming = _layers_backward(gpu, spec, layers, outputs, kept, incoming, grads, keep_grads, hidden_bytes)
     if encoded is not None and spec.encoder.trains:
         _encoder_backward(gpu, spec, encoded, grads, keep_grads)
     gpu.free(incoming, *buckets, *kept.values())  # (the embedding ZeRO-3 kept: its backward is the last)
     gpu.free(*backward_layers)
     if memory.trains(run, "embed_tokens") and not run.parallel.deepspeed:
         _embedding_gradient(gpu, shape, run, grads)
-    gpu.free(*batch)
+    gpu.free(*rotary, *masks, *batch)
     if encoded is not None:
         gpu.free(encoded[INPUT])
     if layers[0].input_kept:
@@ -486,12 +485,11 @@ def _reference_forwards(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec
 
 
 def _layers_backward(gpu: _Replay, spec: StepSpec, layers: list, outputs: list, kept: dict, incoming: int,
-                     grads: list, keep_grads: bool, hidden_bytes: int, shared: dict[int, list]) -> int:
+                     grads: list, keep_grads: bool, hidden_bytes: int) -> int:
     """The decoder layers' backward from the top, each reading its forward's tensors (`outputs`)
     and the gradient the one above produced (`incoming`), its offloaded input (`hidden_bytes`)
-    brought back first; a layer ZeRO-3 kept gathered is released after it, and what the layers
-    shared after the last that reads it (`shared`, by layer: :func:`_last_readers`). Returns the
-    gradient of the first layer's input."""
+    brought back first; a layer ZeRO-3 kept gathered is released after it. Returns the gradient
+    of the first layer's input."""
     run, b = spec.run, spec.micro_batch
     for i in reversed(range(len(layers))):
         names, layer = outputs[i], layers[i]
@@ -499,24 +497,11 @@ def _layers_backward(gpu: _Replay, spec: StepSpec, layers: list, outputs: list, 
         if spec.offload_hidden and layer.input_kept:
             gpu.malloc(names[INPUT], hidden_bytes, "activations")
         _play(gpu, layer, layer.backward, i, names, b, "backward_working", gradients=layer.persistent)
-        gpu.free(*shared.get(i, ()))
         gpu.free(kept.pop(i, None))
         incoming = _name(names, layer.input_grad, i)
         _keep_or_free(gpu, run, keep_grads, grads, [_name(names, g, i) for g in layer.persistent])
         gpu.mark(layer_backward_point(i))
     return incoming
-
-
-def _last_readers(spec: StepSpec, trace: LayerTrace, rotary: list, masks: list) -> dict[int, list]:
-    """The rotary tables and the masks, by the layer whose backward frees them (the last to read
-    them, the lowest): those that attend save them for backward (a hybrid's convolution, Mamba or
-    linear-attention layers do not), and checkpointed, every layer keeps the rotary tables it was
-    passed to recompute with, and the attending layers the masks."""
-    attending = trace.first_attending()
-    found: dict[int, list] = {}
-    for layer, handles in ((0 if spec.checkpointing else attending, rotary), (attending, masks)):
-        found.setdefault(layer, []).extend(handles)
-    return found
 
 
 def _encoder_backward(gpu: _Replay, spec: StepSpec, encoded: dict, grads: list, keep_grads: bool) -> None:

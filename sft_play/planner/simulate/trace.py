@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from sft_play import architecture, long_rows, patches
+from sft_play import long_rows, patches
 from sft_play.adapters import LoraSpec, peft_config
 from sft_play.architecture import (build_meta_model, config_identity, config_int, decoder_layers, experts,
                                    in_parts, is_sliding, layer_kinds, load_model_config, quantized_linears,
@@ -121,12 +121,6 @@ class LayerTrace:
     def at(self, micro: int) -> tuple[ModuleEvents, ModuleEvents | None]:
         """(first layer's kind, final norm) events to replay at `micro`."""
         return self.single if micro == 1 else self.batched
-
-    def first_attending(self) -> int:
-        """The lowest layer that attends (:func:`sft_play.architecture.attends`): in backward, the
-        last to read the rotary tables and the masks. 0 where every layer is alike."""
-        return next((i for i, kind in enumerate(self.pattern)
-                     if kind < len(self.names) and architecture.attends(self.names[kind])), 0)
 
     def layers_at(self, micro: int, count: int) -> list[ModuleEvents]:
         """The events of each of the `count` layers at `micro`."""
