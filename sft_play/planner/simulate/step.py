@@ -96,6 +96,7 @@ def layer_backward_point(layer: int) -> str:
     its saved (or recomputed) tensors gone, its weights' gradients kept or reduced."""
     return f"layer {layer} backward"
 
+
 _OWN_HANDLES = 1 << 62  # the replay's own tensors; traced ones are _handle_base(layer) + event id
 
 
