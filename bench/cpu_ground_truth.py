@@ -37,7 +37,7 @@ trainer callback and a hook on each layer's input). What this does not cover (is
 offloaded activations (on a CPU the host is where they already are).
 
 Usage:
-  python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]
+  python bench/cpu_ground_truth.py [--output docs/reports/cpu_ground_truth.md]  (and its .json: every cell's record)
   python bench/cpu_ground_truth.py --worker '{"method": "lora", "checkpointing": true, "micro": 2, "seq": 256}'
 """
 
@@ -103,6 +103,8 @@ CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 
 FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-lfm2", "tiny-bamba", "tiny-qwen3-next")
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "model": family}
           for family in FAMILIES for method, checkpointing in (("full", True), ("lora", False))]
+# What names a cell (the rest of a measurement's record is what it measured)
+CELL_KEYS = sorted({key for cell in CELLS for key in cell})
 
 # The plan's terms, and the profile's categories they count (the rest of the profile: unnamed)
 TERMS = {
@@ -226,15 +228,25 @@ def _first_step_window(marks: dict[str, list[int]]) -> tuple[int, int]:
     return (begins[0], ends[0]) if begins and ends else (0, 0)
 
 
-def tiny_trainer(folder: Path, cell: dict):
-    """The trainer factory the entry script builds for the embedded default, as the cell sets it,
-    and the list its collator records each batch's shape in."""
+def cell_config(folder: Path, cell: dict):
+    """The run config a cell trains (its folder: where it writes, and a preference cell's pairs)."""
     from sft_play import config as config_module
-    from sft_play import data, model, training
-    from sft_play.data import collate
-    from sft_play.run import resolve
 
-    config = config_module.load(REPO / "configs" / "run_tiny.yaml", [
+    if cell.get("reference"):
+        objective = cell.get("objective", "dpo")
+        preference = ([f"preference.reference={cell['reference']}"] if objective == "dpo" else
+                      [f"finetune.objective={objective}", "preference.sft_weight=0"]
+                      + ([f"preference.reference={cell['reference']}"] if objective == "kto" else []))
+        if cell.get("precompute"):
+            preference.append(f"preference.precompute_batch_size={cell['precompute']}")
+        return config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
+            f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
+            *preference, "train.max_steps=2", "train.logging_steps=1",
+            "train.eval_steps=0", "train.tensorboard=false", "train.mixed_precision=no", "data.num_proc=1",
+            f"train.global_batch_size={cell['micro']}", f"train.output_dir={folder}",
+            f"model.name_or_path={REPO / 'configs' / 'tiny_model'}", "model.build_with=null",
+            f"data.path={folder / 'pairs.jsonl'}", "data.validation_path=null", "data.cache=false"], check_paths=False)
+    return config_module.load(REPO / "configs" / "run_tiny.yaml", [
         f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
         f"data.max_seq_length={cell['seq']}", f"train.max_steps={1 + _processes(cell)}", "train.logging_steps=1",
         "train.tensorboard=false",
@@ -249,6 +261,26 @@ def tiny_trainer(folder: Path, cell: dict):
         *(["train.tiled_mlp=true", "lora.dropout=0"] if cell.get("tiled") else []),
         # (FSDP2 refuses a trainable copy of the head: each rank's shard would keep its own gradient)
         *(["lora.modules_to_save=[]"] if cell.get("strategy") == "fsdp2" and cell["method"] == "lora" else [])])
+
+
+def _resolved(config, cell: dict, stats):
+    """The run the planner plans for the cell, from its data's statistics (a DataStats, or the dict
+    a measurement recorded)."""
+    from sft_play.data.stats import DataStats
+    from sft_play.run import resolve
+
+    if isinstance(stats, dict):
+        stats = DataStats(**{k: v for k, v in stats.items() if k in DataStats.__dataclass_fields__})
+    return resolve(config, on_cuda=False, bf16_supported=False, world_size=_processes(cell), data_stats=stats)
+
+
+def tiny_trainer(folder: Path, cell: dict):
+    """The trainer factory the entry script builds for the embedded default, as the cell sets it,
+    the list its collator records each batch's shape in, and the data's statistics."""
+    from sft_play import data, model, training
+    from sft_play.data import collate
+
+    config = cell_config(folder, cell)
     if _processes(cell) > 1:  # the process group and the strategy's accelerator state, as the entry script starts them
         from sft_play.parallelism import Strategy
         from sft_play.train import placement, start_processes
@@ -259,7 +291,7 @@ def tiny_trainer(folder: Path, cell: dict):
         start_processes(config, placement(config))
     tokenizer = model.load_tokenizer(config)
     bundle = data.build(config.data, tokenizer, seed=config.train.seed)
-    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=_processes(cell), data_stats=bundle.stats)
+    run = _resolved(config, cell, bundle.stats)
     base = model.load_model(config, run, device="cpu")
     # (split rows: padded for the split and, as gloo gathers only equal shapes, to the longest, as the run does)
     split = _split(cell)
@@ -276,38 +308,24 @@ def tiny_trainer(folder: Path, cell: dict):
 
     make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded,
                                     [_marks_callback(batches if split > 1 else None, split)])
-    return config, run, make, batches
+    return config, run, make, batches, bundle.stats
 
 
 def dpo_trainer(folder: Path, cell: dict):
     """:func:`tiny_trainer` for preference tuning: the DPO default (configs/run_tiny_dpo.yaml) from
     the tiny model's initial weights, its pairs through TRL's collator (each batch recorded)."""
-    from sft_play import config as config_module
     from sft_play import data, model, training
-    from sft_play.run import resolve
 
     # pairs of one shape (Reverse puzzles of five letters): the step the profile peaks in (the second,
     # with the optimizer's states) is then the longest one, which the plan is of
-    pairs = folder / "pairs.jsonl"
-    with open(REPO / "data" / "tiny_pref" / "train.jsonl") as source, open(pairs, "w") as out:
+    with open(REPO / "data" / "tiny_pref" / "train.jsonl") as source, open(folder / "pairs.jsonl", "w") as out:
         out.writelines(itertools.islice((line for line in source if '"Reverse the letters: ' in line
                                          and len(json.loads(line)["chosen"][0]["content"]) == 9), 16))
     objective = cell.get("objective", "dpo")
-    preference = ([f"preference.reference={cell['reference']}"] if objective == "dpo" else
-                  [f"finetune.objective={objective}", "preference.sft_weight=0"]
-                  + ([f"preference.reference={cell['reference']}"] if objective == "kto" else []))
-    if cell.get("precompute"):
-        preference.append(f"preference.precompute_batch_size={cell['precompute']}")
-    config = config_module.load(REPO / "configs" / "run_tiny_dpo.yaml", [
-        f"finetune.method={cell['method']}", f"train.gradient_checkpointing={str(cell['checkpointing']).lower()}",
-        *preference, "train.max_steps=2", "train.logging_steps=1",
-        "train.eval_steps=0", "train.tensorboard=false", "train.mixed_precision=no", "data.num_proc=1",
-        f"train.global_batch_size={cell['micro']}", f"train.output_dir={folder}",
-        f"model.name_or_path={REPO / 'configs' / 'tiny_model'}", "model.build_with=null",
-        f"data.path={pairs}", "data.validation_path=null", "data.cache=false"])
+    config = cell_config(folder, cell)
     tokenizer = model.load_tokenizer(config)
     bundle = data.build_for_run(config, tokenizer)
-    run = resolve(config, on_cuda=False, bf16_supported=False, world_size=1, data_stats=bundle.stats)
+    run = _resolved(config, cell, bundle.stats)
     base = model.load_model(config, run, device="cpu")
     from trl.trainer.dpo_trainer import DataCollatorForPreference
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
@@ -324,7 +342,7 @@ def dpo_trainer(folder: Path, cell: dict):
 
     make = training.trainer_factory(config, run, folder, base, tokenizer, bundle.train, None, recorded, [_marks_callback()],
                                     reference=model.load_reference(config, run, device="cpu"))
-    return config, run, make, batches
+    return config, run, make, batches, bundle.stats
 
 
 def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
@@ -337,17 +355,13 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
 
     from sft_play import training
     from sft_play.planner import model_shape
-    from sft_play.planner.simulate.predict import predict, replay_step
     from sft_play.planner.simulate.step import POINTS, layer_backward_point
-    from sft_play.run import BatchSplit
 
-    config, run, make, batches = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
+    config, run, make, batches, stats = (dpo_trainer if cell.get("reference") else tiny_trainer)(folder, cell)
     shape = model_shape(config)
-    world = _processes(cell)
-    split = BatchSplit(cell["micro"], 1, world // _split(cell), cell["micro"] * world // _split(cell))
     with every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                          record_shapes=categories, with_stack=categories) as prof:
-        trainer, _ = training.train_with_backoff(make, split)
+        trainer, _ = training.train_with_backoff(make, _split_of(cell))
     # (the trainer's ZeRO-3 config would have transformers build the planner's meta-device layers
     # under zero.Init, which cannot initialise them)
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -361,7 +375,7 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     parameters = {p.untyped_storage()._cdata: p for p in kept}
     marks = _marks(prof)
     first_step = _first_step_window(marks)
-    # (the points of the last step, which the plan of its batch is compared at)
+    # (the points of the last step, which the plan is compared at)
     named_points = [*POINTS, *(layer_backward_point(i) for i in range(shape.num_layers))]
     points = {point: marks[point][-1] for point in named_points if marks.get(point)} if _has_points(cell) else {}
     allocated, made, at_points = allocator_count(prof, first_step, points)
@@ -370,30 +384,66 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
     before = sum(s.nbytes() for s in storages if s.nbytes() and s.data_ptr() not in made)
     counted = {"allocator_bytes": allocated + before, "rank": int(os.environ.get("RANK", "0")), "torch": torch.__version__}
     # (the memory profile's analysis fails on DDP's and gloo's operations, and needs the stacks)
-    if world > 1 or not categories:
+    if _processes(cell) > 1 or not categories:
         measured_bytes, measured = allocated + before, {}
     else:
         measured_bytes, measured = _profiled(prof, parameters, first_step)
-    # The plan of each step's batch as it came (rows of its length, its labelled positions): the
-    # rules compared, not the data's statistics (a plan assumes full rows and the data's share); of
-    # the steps after the first, which hold the optimizer's states from the start as a plan's step does
-    # (a rank's first batch may be its longest: two steps after it across processes)
-    predictions = []
     # (not a reference pass's batch, nor the one the loader had ready after the last step)
     steps = [b for b in batches if b[0] == cell["micro"] * run.rows_per_example][:trainer.state.global_step]
-    for rows, tokens, labelled in steps[1:]:
-        # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
-        predictions.append(predict(shape, _batch_run(run, split, rows, tokens, labelled), rows // run.rows_per_example))
-    prediction = max(predictions, key=lambda p: p.peak_bytes)
-    named = {}
-    if at_points:  # the last step's batch replayed: the live bytes as it passed each point
-        rows, tokens, labelled = steps[-1]
-        planned = replay_step(shape, _batch_run(run, split, rows, tokens, labelled), rows // run.rows_per_example,
-                              False, None).points
-        named = {point: (at_points[point] + before, planned[point]) for point in at_points}
+    prediction, planned_points = _planned(shape, run, cell, steps, bool(at_points))
+    named = {point: (at_points[point] + before, planned_points[point]) for point in at_points}
     return {**cell, "ok": True, "measured_bytes": measured_bytes, "measured": measured,
             "predicted_bytes": prediction.peak_bytes, "predicted": prediction.breakdown,
-            "batches": steps, "points": named, **counted}
+            "batches": steps, "points": named, "stats": stats.to_dict(), **counted}
+
+
+def _split_of(cell: dict):
+    """The cell's batch split: its micro-batch on each of its processes (of one row's share each,
+    with rows split across them)."""
+    from sft_play.run import BatchSplit
+
+    world = _processes(cell)
+    return BatchSplit(cell["micro"], 1, world // _split(cell), cell["micro"] * world // _split(cell))
+
+
+def _planned(shape, run, cell: dict, steps: list, with_points: bool):
+    """The planner's prediction of the cell's measured steps, and the live bytes its replay of the
+    last step has at each named point (with `with_points`; else {}).
+
+    The plan of each step's batch as it came (rows of its length, its labelled positions): the
+    rules compared, not the data's statistics (a plan assumes full rows and the data's share); of
+    the steps after the first, which hold the optimizer's states from the start as a plan's step does
+    (a rank's first batch may be its longest: two steps after it across processes)."""
+    from sft_play.planner.simulate.predict import predict, replay_step
+
+    split = _split_of(cell)
+    # (a preference batch's rows are its pairs' chosen and rejected rows: the plan counts pairs)
+    prediction = max((predict(shape, _batch_run(run, split, rows, tokens, labelled), rows // run.rows_per_example)
+                      for rows, tokens, labelled in steps[1:]), key=lambda p: p.peak_bytes)
+    if not with_points:
+        return prediction, {}
+    rows, tokens, labelled = steps[-1]
+    return prediction, replay_step(shape, _batch_run(run, split, rows, tokens, labelled),
+                                   rows // run.rows_per_example, False, None).points
+
+
+def replan(result: dict) -> dict:
+    """A measured cell planned again by the planner as it is now, without training: its recorded
+    batches and data statistics (a cell's ``measure`` result, as cpu_ground_truth.json keeps it).
+    Returns ``predicted_bytes`` and the planned ``points`` beside the measured ones."""
+    from sft_play.planner import model_shape
+    from sft_play.planner.simulate.loading import replay_start
+
+    cell = {key: result[key] for key in CELL_KEYS if key in result}
+    with tempfile.TemporaryDirectory(prefix="sft-play-ground-truth-") as folder:
+        config = cell_config(Path(folder), cell)
+    run = _resolved(config, cell, result["stats"])
+    shape = model_shape(config)
+    if cell.get("start"):
+        return {"predicted_bytes": replay_start(shape, run, on_cuda=False).peak_allocated, "points": {}}
+    prediction, planned = _planned(shape, run, cell, [tuple(b) for b in result["batches"]], bool(result["points"]))
+    return {"predicted_bytes": prediction.peak_bytes,
+            "points": {point: (measured, planned[point]) for point, (measured, _) in result["points"].items()}}
 
 
 def measure_start(cell: dict, folder: Path) -> dict:
@@ -408,15 +458,15 @@ def measure_start(cell: dict, folder: Path) -> dict:
     from sft_play import training
     from sft_play.planner import model_shape
     from sft_play.planner.simulate.loading import replay_start
-    from sft_play.run import BatchSplit
 
     with every_thread_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        config, run, make, _ = tiny_trainer(folder, cell)
-        trainer, _ = training.train_with_backoff(make, BatchSplit(cell["micro"], 1, 2, cell["micro"] * 2))
+        config, run, make, _, stats = tiny_trainer(folder, cell)
+        trainer, _ = training.train_with_backoff(make, _split_of(cell))
     counted, made, _ = allocator_count(prof, (_marks(prof)[FIRST_STEP[0]][0], 1 << 62))
     planned = replay_start(model_shape(config), run, on_cuda=False)
     return {**cell, "ok": True, "rank": int(os.environ.get("RANK", "0")), "measured_bytes": counted,
-            "predicted_bytes": planned.peak_allocated, "predicted": planned.at_peak_allocated, "points": {}}
+            "predicted_bytes": planned.peak_allocated, "predicted": planned.at_peak_allocated, "points": {},
+            "stats": stats.to_dict()}
 
 
 def _has_points(cell: dict) -> bool:
@@ -680,7 +730,8 @@ def main() -> int:
         "steps, each rank its own rows (with each row split across both, DeepSpeed's Ulysses: each step trains one",
         "rank's rows, each process its half of every row). The families, methods and strategies whose every cell",
         "is within the error the plans' evidence states are in it (sft_play/planner/present/evidence.json, copied",
-        "by hand from this table).",
+        "by hand from this table). Each rank's record (its batches, its data's statistics, what was measured) is in",
+        "cpu_ground_truth.json, from which the suite plans every cell again (tests/test_cpu_ground_truth.py).",
         "",
         f"- machine: {hardware_line()}",
         f"- software: {versions()}",
@@ -695,6 +746,12 @@ def main() -> int:
     ]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines))
+    # every cell's record, which the suite plans again (tests/test_cpu_ground_truth.py): its batches and
+    # data statistics (less the files' names, which are this machine's paths), what was measured
+    records = [{**r, "stats": {k: v for k, v in r["stats"].items() if k != "formats"}} if "stats" in r else r
+               for r in results]
+    args.output.with_suffix(".json").write_text(json.dumps(
+        {"machine": hardware_line(), "software": versions(), "cells": records}, indent=1) + "\n")
     print("\n".join(lines))
     return 0 if all(r.get("ok") for r in results) else 1
 

@@ -1,6 +1,7 @@
 """The planner's memory simulation against PyTorch's own count, on a real training step on the CPU
 (issue 61's ground truth): bench/cpu_ground_truth.py measures every cell and writes
-docs/reports/cpu_ground_truth.md; this pins cells of each kind that meet the target."""
+docs/reports/cpu_ground_truth.md and .json; this plans every recorded cell again and holds it to
+what was measured, and trains cells of each kind for real, which must meet the same target."""
 
 from __future__ import annotations
 
@@ -12,9 +13,53 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import cpu_ground_truth as ground_truth  # noqa: E402
 
-pytestmark = pytest.mark.slow  # real training steps under the profiler
+REPORT = Path(__file__).resolve().parents[1] / "docs" / "reports" / "cpu_ground_truth.json"
 
 
+def test_every_cell_of_the_matrix_is_planned_within_the_stated_error_of_what_it_measured():
+    """Issue 61's matrix in the suite: every cell bench/cpu_ground_truth.py trained under PyTorch's
+    count (each rank's record in cpu_ground_truth.json: its batches, its data's statistics, the live
+    bytes at its peak and named points), planned again by the planner as it is now, without training:
+    a change to the trace, the replay or a run decision that moves any cell out of its error fails
+    here, not at the next run of the bench (14 minutes of real steps, which the tests below sample).
+    Each peak within the error the plans' evidence states (evidence.json); each named point within
+    2 %, but for the two gaps docs/PLANNER.md ("Inside the layers' backward") explains, where the
+    plan is high and never low by more than 2 %: the first layer's backward (the rotary tables and
+    masks the replay keeps to the end of backward) and FSDP2's layers (its backward an envelope);
+    and FSDP2's point after the forward, which is low by one hidden state more on some runs than on
+    others (alive or not as the forward returns, on both ranks alike)."""
+    import json
+
+    from sft_play.planner.present import evidence
+    from sft_play.planner.simulate.step import POINTS, layer_backward_point
+
+    records = json.loads(REPORT.read_text())["cells"]
+    hidden = json.loads((REPORT.parents[2] / "configs" / "tiny_model" / "config.json").read_text())["hidden_size"]
+
+    def named(cell: dict) -> str:
+        return json.dumps({key: cell[key] for key in ground_truth.CELL_KEYS if key in cell}, sort_keys=True)
+
+    # every cell of the matrix, a record for each of its ranks
+    assert sorted(map(named, records)) == sorted(
+        named(cell) for cell in ground_truth.CELLS for _ in range(ground_truth._processes(cell)))
+    assert all(record["ok"] for record in records)
+    stated = evidence.measured()["cpu"]["max_error_pct"]
+    for record in records:
+        planned = ground_truth.replan(record)
+        error = 100 * (planned["predicted_bytes"] / record["measured_bytes"] - 1)
+        assert abs(error) <= stated, (named(record), record.get("rank"), error)
+        for point, (measured, plan) in planned["points"].items():
+            fsdp2 = record.get("strategy") == "fsdp2"
+            if point == layer_backward_point(0) or (fsdp2 and point not in POINTS):
+                assert plan / measured - 1 > -0.02, (named(record), record.get("rank"), point, measured, plan)
+                continue
+            rows, tokens, _ = record["batches"][-1]
+            state = rows * tokens * hidden * 4 if fsdp2 and point == "after_forward" else 0
+            assert (plan + state) / measured - 1 > -0.02 and plan / measured - 1 < 0.02, \
+                (named(record), record.get("rank"), point, measured, plan)
+
+
+@pytest.mark.slow  # real training steps under the profiler
 def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_path):
     """Two padded rows a step (their lengths, less one, odd multiples of 512 bytes): host memory
     counts each tensor's bytes as asked, not as the CUDA allocator's blocks would hold them. The
@@ -46,6 +91,7 @@ def test_a_real_cpu_step_peaks_where_the_plan_says_by_pytorchs_own_count(tmp_pat
             assert abs(planned / measured - 1) < 0.02, (point, measured, planned)
 
 
+@pytest.mark.slow  # real training steps under the profiler
 def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):
     """Preference tuning (issue 58): a pair is two rows through the policy, and the frozen
     reference copy is a second set of weights; at the peak PyTorch counts both copies' parameters
@@ -60,6 +106,7 @@ def test_a_dpo_step_with_its_reference_copy_peaks_where_the_plan_says(tmp_path):
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
 
 
+@pytest.mark.slow  # real training steps under the profiler
 def test_a_tiled_mlp_step_peaks_where_the_plan_says(tmp_path):
     """Tiled MLPs (DeepSpeed's TiledMLP): without checkpointing the MLPs' intermediates are most of
     the activations; tiled, backward recomputes them a tile at a time. The plan of the untiled step
@@ -73,7 +120,7 @@ def test_a_tiled_mlp_step_peaks_where_the_plan_says(tmp_path):
     cell = {"method": "lora", "checkpointing": False, "micro": 2, "seq": 256, "tiled": True}
     result = ground_truth.measure(cell, tmp_path / "tiled", categories=False)
     assert abs(result["predicted_bytes"] / result["measured_bytes"] - 1) < 0.01, result
-    config, run, _, _ = ground_truth.tiny_trainer(tmp_path / "plain", cell)
+    config, run, _, _, _ = ground_truth.tiny_trainer(tmp_path / "plain", cell)
     untiled = run.with_changes(kernels=dataclasses.replace(run.kernels, tiled_mlp=False))
     assert run.kernels.tiled_mlp and predict(model_shape(config), untiled, 2).peak_bytes > 1.25 * result["predicted_bytes"]
 
