@@ -65,12 +65,14 @@ help: ## List the targets
 
 # pip byte-compiles what it installs one file at a time (half the install); compileall does it on
 # every core, but for the packages' own test suites (a fifth of the files), which nothing imports.
-# As with pip, a file that does not compile (torch ships Python 3.12 syntax) stays source.
+# As with pip, a file that does not compile (torch ships Python 3.12 syntax) stays source. The
+# planner's compiled replay is compiled here too, not by the first plan.
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --no-compile $(PIP_ARGS) -r requirements.txt
 	$(VENV)/bin/pip install --quiet --no-compile --no-deps $(PIP_ARGS) -e .
 	$(VENV)/bin/python -m compileall -qq -j 0 -x '/tests?/' $(VENV)/lib || true
+	$(VENV)/bin/python -c "from sft_play.planner.simulate.compiled import compile_ahead; compile_ahead()"
 	touch $@
 
 install: $(STAMP) ## Create .venv, install the pinned requirements and this package (editable); re-runs when they change

@@ -176,6 +176,26 @@ def test_a_public_models_step_replays_compiled_as_through_the_reference(model, o
     assert replays["reference"][2].out_of_memory
 
 
+def test_the_replay_make_install_compiles_is_the_one_a_step_runs(monkeypatch):
+    """`make install` compiles the replay ahead (compiled.compile_ahead), as it byte-compiles the
+    Python: for the arrays a step's replay passes, so that a plan after it compiles nothing."""
+    from sft_play import config as config_module
+    from sft_play.planner import Target, model_shape, resolve_for
+    from sft_play.planner.simulate import compiled, step
+    from sft_play.planner.simulate.predict import replay_step
+    from tests.conftest import FIXTURES
+
+    if not compiled.compile_ahead():
+        pytest.skip("numba is not installed: replays run through the reference")
+    signatures = list(compiled._kernel().signatures)
+    config = config_module.load(None, [f"model.name_or_path={FIXTURES / 'model_configs' / 'tiny-qwen3-next'}",
+                                       "finetune.method=lora", "data.max_seq_length=512"], check_paths=False)
+    shape = model_shape(config)
+    monkeypatch.setattr(step, "COMPILED_FROM", 0)
+    replay_step(shape, resolve_for(config, Target(1, 80 * 1024**3, "1 x GPU"), None, shape), 1, True, None)
+    assert len(signatures) == 1 and compiled._kernel().signatures == signatures
+
+
 def test_host_memory_counts_the_bytes_asked_and_its_peak_by_category():
     """A CPU step's tensors (bench/cpu_ground_truth.py checks it against PyTorch's own count): the
     sizes the CUDA allocator would round or keep whole are counted as they are."""

@@ -291,6 +291,16 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def compile_ahead() -> bool:
+    """Compile the replay now and keep it on disk, as ``make install`` byte-compiles the Python:
+    else the first plan after an install compiles it (seconds). False where numba is not there."""
+    if not available():
+        return False
+    events = np.array([1, 0], np.int64)  # one allocation and its free, of the arrays' types a step's replay has
+    replay(events, np.zeros(2, np.int64), np.array([512, 0], np.int64), ["weights"], np.zeros(2, np.int64), None)
+    return True
+
+
 def loaded() -> bool:
     """Whether this process has loaded the compiled replay already (then a replay of any size costs
     less compiled than through the reference allocator)."""
