@@ -72,7 +72,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-compile $(PIP_ARGS) -r requirements.txt
 	$(VENV)/bin/pip install --quiet --no-compile --no-deps $(PIP_ARGS) -e .
 	$(VENV)/bin/python -m compileall -qq -j 0 -x '/tests?/' $(VENV)/lib || true
-	$(VENV)/bin/python -c "from sft_play.planner.simulate.compiled import compile_ahead; compile_ahead()"
+	$(VENV)/bin/python scripts/compile_planner.py
 	touch $@
 
 install: $(STAMP) ## Create .venv, install the pinned requirements and this package (editable); re-runs when they change
