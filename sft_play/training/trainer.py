@@ -92,10 +92,26 @@ def trainer_factory(
         for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
             if trainer.pop_callback(default) is not None:
                 trainer.add_callback(ours)
+        if run.method == "lora" and not (run.parallel.deepspeed or run.parallel.fsdp):
+            in_adapter_dtype(trainer.model, run.adapter_dtype)
         held.update(model=trainer.model, peft_config=None)
         return trainer
 
     return make
+
+
+def in_adapter_dtype(model: Any, dtype: str) -> None:
+    """Every tensor LoRA trains in the run's adapter dtype (fp32), as the plan counts them. peft
+    upcasts its adapters of a 16-bit base (``autocast_adapter_dtype``) but copies the
+    ``lora.modules_to_save`` modules as they are: AdamW would then step a trained embedding or head
+    in bf16, with bf16 states. (LLaMA-Factory casts every trainable parameter to fp32 too; DeepSpeed
+    keeps fp32 masters of its own, and accelerate's FSDP2 upcasts the whole model.)"""
+    import torch
+
+    wanted = getattr(torch, dtype)
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != wanted:
+            parameter.data = parameter.data.to(wanted)
 
 
 def _trainer_class(offload_hidden_size: int | None = None, sequence_parallel: int = 1) -> type:

@@ -399,12 +399,24 @@ def offloaded_bytes(shape: ModelShape, run: Run) -> dict[str, int]:
 def residual_bytes(run: Run) -> int:
     """Bytes per element of the residual stream (the hidden states between layers): bf16 under
     QLoRA, the compute dtype where DeepSpeed casts the module, FSDP2's gathered dtype, else the
-    weights'."""
+    embedding's: LoRA's trained copy of it (:func:`trains_embedding_copy`) in the adapters' dtype,
+    else the weights'."""
     if run.method == "qlora":
         return 2
     if run.parallel.deepspeed:
         return run.precision.compute_bytes
-    return gathered_bytes(run) if run.parallel.fsdp else run.precision.weight_bytes
+    if run.parallel.fsdp:
+        return gathered_bytes(run)
+    return run.adapter_bytes if trains_embedding_copy(run) else run.precision.weight_bytes
+
+
+def trains_embedding_copy(run: Run) -> bool:
+    """Whether LoRA trains a copy of the input embedding (``lora.modules_to_save``) that the run
+    holds in the adapters' dtype: every process holds its own, whole (not under DeepSpeed, which
+    casts the module to its compute dtype, nor FSDP2, which gathers in it), and the trainer keeps
+    it there (:func:`sft_play.training.trainer.in_adapter_dtype`)."""
+    return (run.method == "lora" and trains(run, "embed_tokens")
+            and not (run.parallel.deepspeed or run.parallel.fsdp))
 
 
 def offloaded_hidden_bytes(shape: ModelShape, run: Run, micro_batch: int) -> int:

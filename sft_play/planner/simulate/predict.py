@@ -77,6 +77,8 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
     residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
     if run.parallel.computes_in_gathered_copies:  # DeepSpeed casts the module to the compute dtype, FSDP2 gathers in it
         residual = precision.compute_dtype
+    # (the hidden states come from the embedding: a trained copy of it in the adapters' dtype)
+    embedding = run.adapter_dtype if memory.trains_embedding_copy(run) else residual
     return TraceSpec(
         name_or_path=run.model,
         revision=run.revision,
@@ -94,6 +96,7 @@ def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
         sequence_parallel=run.parallel.sequence_parallel,
         context_parallel=run.parallel.context_parallel,
         liger=run.kernels.liger,
+        residual_dtype=embedding if embedding != residual else None,
     )
 
 

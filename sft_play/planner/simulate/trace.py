@@ -149,6 +149,7 @@ class TraceSpec:
     sequence_parallel: int = 1  # rows split across this many processes: attention through Ulysses (_ulysses)
     liger: bool = False  # Liger's kernels: its fused RMSNorm where Liger patches the model (_LigerRMSNorm)
     context_parallel: int = 1  # rows split across this many processes: torch's ring attention (_ring)
+    residual_dtype: str | None = None  # the hidden states between the layers (None: the weights' dtype)
 
 
 class _Recorder(TorchDispatchMode):
@@ -554,7 +555,7 @@ def _prepared_layer(spec: TraceSpec, kind: str | None = None) -> tuple[Any, Any,
         for module in [*layers[0].modules(), *([norm] if norm is not None else [])]:
             if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
                 module.forward = functools.partial(_liger_rms_norm, module)
-    return layers[0], norm, text, weights
+    return layers[0], norm, text, DTYPES[spec.residual_dtype] if spec.residual_dtype else weights
 
 
 def with_method(model: Any, spec: TraceSpec, unquantised: tuple[str, ...] = ()) -> Any:
