@@ -71,8 +71,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --no-compile $(PIP_ARGS) -r requirements.txt
 	$(VENV)/bin/pip install --quiet --no-compile --no-deps $(PIP_ARGS) -e .
-	$(VENV)/bin/python -m compileall -qq -j 0 -x '/tests?/' $(VENV)/lib || true
-	$(VENV)/bin/python scripts/compile_planner.py
+	$(VENV)/bin/python -m compileall -qq -j 0 -x '/site-packages/.+/tests?/' $(VENV)/lib || true
+	$(VENV)/bin/python -m sft_play.planner.simulate
 	touch $@
 
 install: $(STAMP) ## Create .venv, install the pinned requirements and this package (editable); re-runs when they change

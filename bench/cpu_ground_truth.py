@@ -107,8 +107,8 @@ CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 
 # bf16 mixed precision, as GPUs train (the rest of the matrix is fp32): the weights fp32 for full fine-tuning,
 # bf16 under LoRA with its adapters and trained copies in fp32, QLoRA's 4-bit linears computing in bf16
 # through bitsandbytes' CPU kernels; a CPU without native bf16 computes the same tensors, slowly. (Full
-# fine-tuning with checkpointing is left out: there the memory profile's analysis loses a third of the step's
-# bytes against the allocator's count, by which the plan is 2.4 % low; docs/PLANNER.md, section 6)
+# fine-tuning with checkpointing is left out: the memory profile's analysis does not follow its step, and
+# the plan is not yet within the target by the allocator's count; docs/PLANNER.md, "bf16 mixed precision")
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "precision": "bf16"}
           for method in ("full", "lora", "qlora") for checkpointing in (False, True)
           if method != "full" or not checkpointing]

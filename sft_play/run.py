@@ -274,6 +274,16 @@ class Run:
         return DTYPE_BYTES[self.adapter_dtype]
 
     @property
+    def upcasts_whole_copies(self) -> bool:
+        """Whether LoRA's whole copies (``lora.modules_to_save``), which peft makes in the base's
+        16-bit dtype, train in the adapters' fp32 (the trainer casts them:
+        :func:`sft_play.training.trainer.in_adapter_dtype`): under autocast, where fp32 inputs meet
+        the 16-bit base through its casts; not under DeepSpeed, which casts the module to its compute
+        dtype, nor FSDP2, which makes fp32 copies of its own."""
+        return (self.method == "lora" and self.precision.autocast and self.precision.weights_dtype != self.adapter_dtype
+                and not (self.parallel.deepspeed or self.parallel.fsdp))
+
+    @property
     def placement(self) -> Placement:
         return Placement(self.on_cuda, self.parallel.strategy, self.parallel.offload_parameters)
 

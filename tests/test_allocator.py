@@ -192,7 +192,9 @@ def test_the_replay_make_install_compiles_is_the_one_a_step_runs(monkeypatch):
                                        "finetune.method=lora", "data.max_seq_length=512"], check_paths=False)
     shape = model_shape(config)
     monkeypatch.setattr(step, "COMPILED_FROM", 0)
-    replay_step(shape, resolve_for(config, Target(1, 80 * 1024**3, "1 x GPU"), None, shape), 1, True, None)
+    run = resolve_for(config, Target(1, 80 * 1024**3, "1 x GPU"), None, shape)
+    assert run.on_cuda  # (a GPU's step replays compiled; host memory does not)
+    replay_step(shape, run, 1, True, None)
     assert len(signatures) == 1 and compiled._kernel().signatures == signatures
 
 

@@ -21,7 +21,7 @@ ORDER = [
     "callbacks.ranks", "callbacks.stops", "callbacks.faults", "callbacks.markers", "callbacks.logs", "callbacks",
     "planner.progress", "planner.simulate.cache", "planner.simulate.allocator", "planner.simulate.compiled", "planner.simulate.shapes", "planner.simulate.memory",
     "planner.simulate.lengths", "planner.simulate.trace", "planner.simulate.encoder", "planner.simulate.step", "planner.simulate.loading", "planner.simulate.predict", "planner.simulate.timing",
-    "planner.simulate.disk", "planner.simulate",
+    "planner.simulate.disk", "planner.simulate", "planner.simulate.__main__",
     "planner.target", "planner.choose.split", "planner.choose.search", "planner.choose.calibrate",
     "planner.choose.remedies", "planner.choose.longest", "planner.choose", "planner.present.notes",
     "planner.present.evidence", "planner.plan", "planner",

@@ -217,26 +217,31 @@ def test_loraplus_trains_the_b_matrices_at_their_own_learning_rate(tmp_path):
                            check_paths=False)
 
 
-def test_lora_trains_its_whole_copies_in_the_adapters_dtype_on_a_16_bit_base(tmp_path):
-    """peft upcasts its adapters of a bf16 base to fp32 but copies the lora.modules_to_save modules
-    (here the embedding and the head) as they are: AdamW then stepped them in bf16, with bf16
-    states, while the plan counted them, their gradients and states in fp32 (the CPU ground truth's
-    bf16 cells measured both). The trainer keeps every trained tensor in the adapters' dtype, and
-    the step's optimizer states are made in it."""
+def test_lora_trains_its_whole_copies_in_the_adapters_dtype_on_a_16_bit_base_under_autocast(tmp_path):
+    """peft upcasts its adapters of a bf16 base but copies lora.modules_to_save (here the embedding
+    and the head) in bf16: under autocast the trainer keeps every trained tensor, and so its
+    gradient and AdamW states, in the adapters' fp32, as the plan counts them. Without autocast the
+    copies stay in the base's dtype (an fp32 embedding would feed fp32 into the bf16 linears)."""
     import torch
 
     from sft_play import training
     from sft_play.run import BatchSplit
     from tests.conftest import tiny_trainer_factory
 
-    make = tiny_trainer_factory(tmp_path, [], "train.mixed_precision=bf16", "train.max_steps=1")
-    assert make.run.precision.weights_dtype == "bfloat16" and make.run.adapter_dtype == "float32"
+    make = tiny_trainer_factory(tmp_path / "autocast", [], "train.mixed_precision=bf16", "train.max_steps=1")
+    assert make.run.precision.weights_dtype == "bfloat16" and make.run.upcasts_whole_copies
     trainer, _ = training.train_with_backoff(make, BatchSplit(2, 1, 1, 2))
     trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert any("modules_to_save" in n for n in trained) and {p.dtype for p in trained.values()} == {torch.float32}
     assert {p.dtype for p in trainer.model.parameters() if not p.requires_grad} == {torch.bfloat16}
     states = [s for state in trainer.optimizer.state.values() for s in state.values() if torch.is_tensor(s) and s.dim()]
     assert states and {s.dtype for s in states} == {torch.float32}
+
+    make = tiny_trainer_factory(tmp_path / "plain", [], "model.torch_dtype=bfloat16", "train.max_steps=1")
+    assert make.run.precision.weights_dtype == "bfloat16" and not make.run.upcasts_whole_copies
+    trainer, _ = training.train_with_backoff(make, BatchSplit(2, 1, 1, 2))
+    copies = [p for n, p in trainer.model.named_parameters() if "modules_to_save" in n]
+    assert copies and {p.dtype for p in copies} == {torch.bfloat16} and trainer.state.global_step == 1
 
 
 def test_a_cosine_schedule_with_a_floor_ends_at_its_share_of_the_learning_rate(tmp_path):

@@ -78,7 +78,7 @@ class FinetuneConfig(_Section):
         "on its linears); false keeps it frozen, as LLaMA-Factory and Unsloth do by default.")
     train_projector: bool = Field(
         False, description="Vision-language models: train the projector that maps image features into the language "
-        "model (its weights, under LoRA and QLoRA too: beside the adapters, kept 16-bit); false keeps it frozen.")
+        "model (its weights, under LoRA and QLoRA too: beside the adapters, in their dtype); false keeps it frozen.")
     objective: Literal["sft", "dpo", "kto", "orpo", "simpo"] = Field(
         "sft", description="sft: supervised fine-tuning on answers; dpo: preference tuning on chosen/rejected pairs "
         "against a reference (TRL's DPOTrainer); kto: answers each labelled desirable or not, no pairing needed "

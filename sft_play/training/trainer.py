@@ -92,7 +92,7 @@ def trainer_factory(
         for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
             if trainer.pop_callback(default) is not None:
                 trainer.add_callback(ours)
-        if run.method == "lora" and not (run.parallel.deepspeed or run.parallel.fsdp):
+        if run.upcasts_whole_copies:
             in_adapter_dtype(trainer.model, run.adapter_dtype)
         held.update(model=trainer.model, peft_config=None)
         return trainer
@@ -101,11 +101,15 @@ def trainer_factory(
 
 
 def in_adapter_dtype(model: Any, dtype: str) -> None:
-    """Every tensor LoRA trains in the run's adapter dtype (fp32), as the plan counts them. peft
-    upcasts its adapters of a 16-bit base (``autocast_adapter_dtype``) but copies the
-    ``lora.modules_to_save`` modules as they are: AdamW would then step a trained embedding or head
-    in bf16, with bf16 states. (LLaMA-Factory casts every trainable parameter to fp32 too; DeepSpeed
-    keeps fp32 masters of its own, and accelerate's FSDP2 upcasts the whole model.)"""
+    """Cast every parameter `model` trains to `dtype`, in place (:attr:`Run.upcasts_whole_copies`):
+    peft upcasts its adapters of a 16-bit base but copies ``lora.modules_to_save`` as they are,
+    which AdamW would then step in bf16 with bf16 states. LLaMA-Factory casts its trainable
+    parameters to fp32 likewise.
+
+    Args:
+        model: the model the trainer trains (peft's, wrapped).
+        dtype: a torch dtype's name (the run's ``adapter_dtype``).
+    """
     import torch
 
     wanted = getattr(torch, dtype)

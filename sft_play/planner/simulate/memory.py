@@ -411,12 +411,9 @@ def residual_bytes(run: Run) -> int:
 
 
 def trains_embedding_copy(run: Run) -> bool:
-    """Whether LoRA trains a copy of the input embedding (``lora.modules_to_save``) that the run
-    holds in the adapters' dtype: every process holds its own, whole (not under DeepSpeed, which
-    casts the module to its compute dtype, nor FSDP2, which gathers in it), and the trainer keeps
-    it there (:func:`sft_play.training.trainer.in_adapter_dtype`)."""
-    return (run.method == "lora" and trains(run, "embed_tokens")
-            and not (run.parallel.deepspeed or run.parallel.fsdp))
+    """Whether the run trains an fp32 copy of a 16-bit input embedding (``lora.modules_to_save``,
+    :attr:`Run.upcasts_whole_copies`): its output, and so the residual stream, is then fp32."""
+    return run.upcasts_whole_copies and trains(run, "embed_tokens")
 
 
 def offloaded_hidden_bytes(shape: ModelShape, run: Run, micro_batch: int) -> int:

@@ -812,9 +812,12 @@ def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, 
     h, c = shape.hidden_size, spec.run.precision.compute_bytes
     run = spec.run
     # the head's weight as stored: LoRA's and QLoRA's frozen head in the dtype the base was loaded
-    # in, as full fine-tuning's (fp32 on a CPU without bf16: then no cast at all)
+    # in, as full fine-tuning's (fp32 on a CPU without bf16: then no cast at all); LoRA's trained
+    # copy of it in the adapters' fp32 (Run.upcasts_whole_copies)
     weight_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else (
         run.precision.weight_bytes if not run.parallel.deepspeed else 2)
+    if run.upcasts_whole_copies and memory.trains(run, "lm_head"):
+        weight_bytes = run.adapter_bytes
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
         chunk = gpu.new(rows * h * c, "logits_loss") if residual != c else None
