@@ -32,6 +32,15 @@ def test_a_run_of_a_measured_kind_names_its_gpu_rows_and_a_checked_one_the_cpu_s
     tiny = module.evidence(resolve_for(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), None, shape), shape)
     assert tiny["cpu"] and tiny["gpu"] == [] and tiny["extrapolated"] == ["lora of the llama family (measured: qlora)"]
     assert module.lines(tiny)[1].startswith("checked on CPU steps: the trace and replay rules this plan uses")
+    # a kind whose CPU step missed the stated error is not claimed, and says so: full fine-tuning in
+    # bf16 with checkpointing (and, with fp32 compute, QLoRA)
+    for overrides, missed in ((["finetune.method=full", "train.gradient_checkpointing=true"], "full fine-tuning in bf16"),
+                              (["finetune.method=full", "train.gradient_checkpointing=false"], None)):
+        config = config_module.load(REPO / "configs" / "run_tiny.yaml", overrides, check_paths=False)
+        said = module.evidence(resolve_for(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), None, shape), shape)
+        assert said["cpu"] is (missed is None)
+        assert [e for e in said["extrapolated"] if e.startswith("full fine-tuning")] == (
+            [] if missed is None else [next(g["said"] for g in module.measured()["cpu"]["gaps"] if g["said"].startswith(missed))])
 
 
 def test_the_gpu_kinds_are_the_measured_rows():
@@ -50,7 +59,8 @@ def test_what_no_measurement_covered_is_named():
                  "train.gradient_checkpointing=true", "train.tiled_mlp=true", "model.attn_implementation=sdpa", gpus=8)
     assert said["gpu"] == [] and not said["cpu"]
     assert said["extrapolated"] == ["deepspeed_zero3 across processes (measured: one process)",
-                                    "rows of 16,384 tokens (measured up to 4,096)"]
+                                    "rows of 16,384 tokens (measured up to 4,096)",
+                                    module.measured()["cpu"]["gaps"][0]["said"]]  # (full, bf16, checkpointing)
     assert module.lines(said)[0] == "measured on a GPU: no run of this kind"
     # tiled MLPs ran in the CPU steps (the same PyTorch code on a GPU); offloaded activations did not
     tiled = found("llama-3.1-8b", "finetune.method=lora", "lora.dropout=0", "train.tiled_mlp=true",
