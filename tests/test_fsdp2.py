@@ -254,7 +254,7 @@ def test_a_reference_pass_under_fsdp2_scores_with_the_whole_model_as_loaded():
         "data.max_seq_length=512"], check_paths=False)
     shape = model_shape(config)
     run = resolve(config, on_cuda=True, bf16_supported=True, world_size=8, model_facts=shape.facts)
-    scored = predict._reference_pass(shape, run.with_changes(batch=BatchSplit(1, 1, 8, 8)), 1, None)
+    scored = predict.reference_pass(shape, run.with_changes(batch=BatchSplit(1, 1, 8, 8)), 1, None)
     whole = sum(size for size, _ in memory.loaded_tensors(shape, run))
     assert whole == shape.total_params * 2 + shape.lora_params * 4
     assert scored.at_peak_allocated["weights"] == whole

@@ -397,17 +397,26 @@ def offloaded_bytes(shape: ModelShape, run: Run) -> dict[str, int]:
 
 
 def residual_bytes(run: Run) -> int:
-    """Bytes per element of the residual stream (the hidden states between layers): bf16 under
-    QLoRA, the compute dtype where DeepSpeed casts the module, FSDP2's gathered dtype, else the
-    embedding's: LoRA's trained copy of it (:func:`trains_embedding_copy`) in the adapters' dtype,
-    else the weights'."""
-    if run.method == "qlora":
-        return 2
+    """Bytes per element of the residual stream (the hidden states between layers): the compute
+    dtype where DeepSpeed casts the module, FSDP2's gathered dtype, else the embedding's: LoRA's
+    trained copy of it (:func:`trains_embedding_copy`) in the adapters' dtype, else the weights'
+    (QLoRA's too: its 4-bit linears return their input's dtype, and norms of the weights' dtype
+    widen a narrower input to it)."""
     if run.parallel.deepspeed:
         return run.precision.compute_bytes
     if run.parallel.fsdp:
         return gathered_bytes(run)
     return run.adapter_bytes if trains_embedding_copy(run) else run.precision.weight_bytes
+
+
+def embedding_bytes(run: Run) -> int:
+    """Bytes per element of the embedding's output, the first layer's input (and the rotary tables
+    and an eager mask, made in its dtype): QLoRA's trained copy of the embedding in bf16 (TRL casts
+    what a quantized model trains to bf16), which the first layer's norm widens where the base is
+    fp32; else the residual stream's."""
+    if run.method == "qlora" and trains(run, "embed_tokens") and not run.parallel.computes_in_gathered_copies:
+        return run.adapter_bytes
+    return residual_bytes(run)
 
 
 def trains_embedding_copy(run: Run) -> bool:

@@ -74,7 +74,7 @@ def checkpointed_lower_bound(shape: ModelShape, run: Run, micro_batch: int) -> i
 
 def trace_spec(run: Run, micro_batch: int) -> TraceSpec:
     precision = run.precision
-    residual = "bfloat16" if run.method == "qlora" else precision.weights_dtype
+    residual = precision.weights_dtype
     if run.parallel.computes_in_gathered_copies:  # DeepSpeed casts the module to the compute dtype, FSDP2 gathers in it
         residual = precision.compute_dtype
     # (the hidden states come from the embedding: a trained copy of it in the adapters' dtype)
@@ -337,7 +337,7 @@ def _predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None, 
     else:  # host memory: malloc returns what is freed; no caching allocator, no CUDA context
         peak = result.peak_allocated
     capacity = None if budget is None else max(0, budget - outside)
-    for before in (_start(shape, run, capacity), _reference_pass(shape, run, micro_batch, capacity)):
+    for before in (_start(shape, run, capacity), reference_pass(shape, run, micro_batch, capacity)):
         if before is None or (before.peak_reserved if run.on_cuda else before.peak_allocated) + outside <= peak:
             continue
         # (a phase before training is the run's peak: its tensors are the plan's terms)
@@ -411,7 +411,7 @@ def replay_step(shape: ModelShape, run: Run, micro_batch: int, accumulating: boo
     return replay(shape, trace, spec, capacity, log)
 
 
-def _reference_pass(shape: ModelShape, run: Run, micro_batch: int, capacity: int | None):
+def reference_pass(shape: ModelShape, run: Run, micro_batch: int, capacity: int | None):
     """TRL's reference pass before training (``preference.reference: precomputed``) replayed where
     it takes more pairs a forward than the step (``preference.precompute_batch_size``): the weights
     and that forward without gradients, before any optimizer state exists. None where there is

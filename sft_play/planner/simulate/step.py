@@ -25,6 +25,7 @@ the gradients of the earlier micro-batches alive, its own added into them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -543,23 +544,24 @@ def _inputs(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int) -> t
     # The collated batch (input_ids, labels, position_ids: int64), moved to the GPU
     batch = [gpu.new(8 * b * s, "inputs") for _ in range(3)]
     gathered_embedding = _gather_embedding(gpu, shape, run)
-    embeddings = gpu.new(b * s * h * residual, "activations")
+    embedded = memory.embedding_bytes(run)  # (the first layer widens it to the residual stream's, where that is wider)
+    embeddings = gpu.new(b * s * h * embedded, "activations")
     gpu.free(gathered_embedding)  # an untied embedding is its own FSDP2 unit, resharded after its forward
     encoded = _encode_images(gpu, spec.encoder, b) if spec.encoder is not None else None
     if encoded is not None:  # inputs_embeds.masked_scatter(image_mask, features): a new tensor
-        placed = gpu.new(b * s * h * residual, "activations")
+        placed = gpu.new(b * s * h * embedded, "activations")
         gpu.free(embeddings)
         _play(gpu, spec.encoder.at(b), spec.encoder.at(b).after_forward, "vision", encoded, b, "activations")
         embeddings = placed
     if spec.neftune:  # transformers' hook: output + zeros_like(output).uniform_(); neither is kept for backward
-        noise = gpu.new(b * s * h * residual, "activations")
-        noised = gpu.new(b * s * h * residual, "activations")
+        noise = gpu.new(b * s * h * embedded, "activations")
+        noised = gpu.new(b * s * h * embedded, "activations")
         gpu.free(noise, embeddings)
         embeddings = noised
-    # Rotary tables (cos, sin) in the residual dtype; the boolean (or, for eager, float) masks, one
+    # Rotary tables (cos, sin) in the embeddings' dtype; the boolean (or, for eager, float) masks, one
     # per attention kind of the layers (masking_utils: create_causal_mask, create_sliding_window_causal_mask)
-    rotary = [gpu.new(b * s * shape.head_dim * residual, "inputs") for _ in range(2)]
-    masks = [gpu.new(b * s * s * (residual if spec.eager_mask else 1), "inputs")
+    rotary = [gpu.new(b * s * shape.head_dim * embedded, "inputs") for _ in range(2)]
+    masks = [gpu.new(b * s * s * (embedded if spec.eager_mask else 1), "inputs")
              for _ in range(shape.attention_masks)] if spec.masked else []
     if spec.sliding_mask:  # the sliding-window layers' boolean mask (run.sliding_mask)
         masks.append(gpu.new(b * s * s, "inputs"))
@@ -689,9 +691,11 @@ def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec:
         if module.output >= 0 or output != previous:
             gpu.free(previous)
         previous = output
-    head = _head_forward(gpu, shape, spec, previous, residual)
-    gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"], head["label_mask"], batch, *rotary,
-             *masks)
+    gpu.free(*rotary, *masks)  # (the backbone's, nothing saving them)
+    # TRL's copy of the reference has the fused head's default outputs; the policy's (its adapters
+    # off, or before training) the trainer's, ``is_top1`` among them
+    head = _head_forward(gpu, shape, spec, previous, residual, top1=spec.run.preference.reference != "copy")
+    gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"], head["label_mask"], batch)
 
 
 def _encode_images(gpu: _Replay, encoder: EncoderTrace, micro: int) -> dict:
@@ -777,56 +781,91 @@ def _template(module: ModuleEvents, events, micro: int, gradients: frozenset) ->
 # positions only, on CUDA by TRL's choice and on a CPU by sft_play.patches.labelled_positions_on_cpu
 
 
-def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int) -> dict:
+def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int,
+                  top1: bool = True) -> dict:
     """``_fused_forward`` selects the labelled positions (``hidden_states[mask]``, a copy) and
-    their targets, then tiles the projection: seven fp32 statistics per position, one
-    [min(N, 4096), 32768] tile in the compute dtype, the hidden chunk cast to it (when the hidden
-    states are fp32) and each 32768-row slice of the head weight cast to it (when the weight is
-    fp32). It keeps the selected states, the targets, log Z and the entropy for backward."""
+    their targets, then tiles the projection (:func:`_head_tiles`): seven fp32 statistics per
+    position, one [min(N, 4096), 32768] tile in the compute dtype. It keeps the selected states,
+    the targets, log Z and the entropy for backward; the backbone's output goes as it returns
+    (``backbone_outputs``). `top1`: whether the head computes ``is_top1`` (the policy's, which
+    SFTTrainer and DPOTrainer ask for; not a reference's)."""
     run = spec.run
     b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, run.precision.compute_bytes
     n = max(1, int(b * (s - 1) * spec.loss_token_share))
-    tile_rows = min(n, FUSED_HEAD_TOKENS)
     label_mask = gpu.new(b * (s - 1), "logits_loss")
     # The labelled positions are gathered (a copy)
     selected = gpu.new(n * h * residual, "logits_loss")
     targets = gpu.new(8 * n, "logits_loss")
-    gpu.free(last_hidden)
     statistics = [gpu.new(4 * n, "logits_loss") for _ in range(7)]
-    tile = gpu.new(tile_rows * FUSED_HEAD_VOCAB * c, "logits_loss")
-    if not spec.on_cuda:  # the torch fold: the tile's used columns in fp32 and their exponentials (_forward_tile)
-        gpu.free(*[gpu.new(tile_rows * min(FUSED_HEAD_VOCAB, shape.vocab_size) * 4, "logits_loss") for _ in range(2)])
-    _tile_casts(gpu, shape, spec, residual, n)
-    gpu.free(tile)
+    tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * c, "logits_loss")
+    fold = None if spec.on_cuda else functools.partial(_forward_fold, gpu, top1=top1)
+    chunks = _head_tiles(gpu, shape, spec, residual, n, fold, backward=False)
     log_z = gpu.new(4 * n, "logits_loss")
-    log_probs, entropy, top1 = (gpu.new(size, "logits_loss") for size in (4 * n, 4 * n, n))
-    gpu.free(*statistics)
+    log_probs, entropy, top1_mask = (gpu.new(size, "logits_loss") for size in (4 * n, 4 * n, n))
+    gpu.free(tile, *chunks, *statistics)  # (the function's locals, as it returns)
     # masked_scatter into [b, s - 1] outputs; the loss reads the log-probabilities
     outputs = [gpu.new(b * (s - 1) * size, "logits_loss") for size in (4, 4, 1)]
-    gpu.free(log_probs, top1, *outputs)
+    gpu.free(log_probs, top1_mask, *outputs, last_hidden)
     return {"selected": selected, "targets": targets, "log_z": log_z, "entropy": entropy, "label_mask": label_mask,
             "n": n}
 
 
-def _tile_casts(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int) -> None:
+def _head_tiles(gpu: _Replay, shape: ModelShape, spec: StepSpec, residual: int, n: int, fold, backward: bool) -> list:
+    """``ChunkedLogProbFunction``'s loops: each chunk of 4096 positions cast to the compute dtype
+    (where the states are in another), and for each 32768-row slice of the head weight, its cast
+    to it (where stored in another) for the tile's GEMM, then `fold(rows, columns)` (the torch
+    fold off CUDA; Triton's kernel makes nothing). The forward casts each slice as a temporary of
+    the GEMM; the backward binds it (``w_chunk``) through the fold and the gradients' GEMMs, and a
+    variable's next value is made before its last one goes. Returns the casts still bound (the
+    function's locals, alive until it returns). The pattern repeats for every token chunk."""
     h, c = shape.hidden_size, spec.run.precision.compute_bytes
     run = spec.run
     # the head's weight as stored: LoRA's and QLoRA's frozen head in the dtype the base was loaded
     # in, as full fine-tuning's (fp32 on a CPU without bf16: then no cast at all); LoRA's trained
-    # copy of it in the adapters' fp32 (Run.upcasts_whole_copies)
+    # copy of it in the adapters' fp32 (Run.upcasts_whole_copies), QLoRA's in bf16 (TRL casts what
+    # a quantized model trains); DeepSpeed's engine casts the whole module to its compute dtype (fp32
+    # without mixed precision)
     weight_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else (
-        run.precision.weight_bytes if not run.parallel.deepspeed else 2)
-    if run.upcasts_whole_copies and memory.trains(run, "lm_head"):
+        run.precision.weight_bytes if not run.parallel.deepspeed else c)
+    if memory.trains(run, "lm_head") and (run.upcasts_whole_copies or (
+            run.method == "qlora" and not run.parallel.computes_in_gathered_copies)):
         weight_bytes = run.adapter_bytes
+    chunk = piece = None
     for start in range(0, n, FUSED_HEAD_TOKENS):
         rows = min(FUSED_HEAD_TOKENS, n - start)
-        chunk = gpu.new(rows * h * c, "logits_loss") if residual != c else None
-        if weight_bytes != c:
-            for vocab_start in range(0, shape.vocab_size, FUSED_HEAD_VOCAB):
-                gpu.free(gpu.new(min(FUSED_HEAD_VOCAB, shape.vocab_size - vocab_start) * h * c, "logits_loss"))
-        gpu.free(chunk)
+        if residual != c:
+            chunk = _rebound(gpu, chunk, rows * h * c)
+        for vocab_start in range(0, shape.vocab_size, FUSED_HEAD_VOCAB):
+            columns = min(FUSED_HEAD_VOCAB, shape.vocab_size - vocab_start)
+            if weight_bytes != c:
+                piece = _rebound(gpu, piece, columns * h * c)
+            if not backward:
+                gpu.free(piece)
+                piece = None
+            if fold is not None:
+                fold(rows, columns)
         if start >= FUSED_HEAD_TOKENS:  # the pattern repeats for every token chunk
             break
+    return [chunk, piece]
+
+
+def _rebound(gpu: _Replay, old, size: int) -> int:
+    """A variable bound to a new tensor: the new one made before the old one goes."""
+    new = gpu.new(size, "logits_loss")
+    gpu.free(old)
+    return new
+
+
+def _forward_fold(gpu: _Replay, rows: int, columns: int, top1: bool) -> None:
+    """``_forward_tile``, the fold torch runs where there is no Triton (a CPU), on a tile's used
+    columns: z, the tile in fp32 and scaled (a 16-bit tile's fp32 copy first); ``is_top1``'s mask
+    of the columns before each target (bool), kept to the fold's end; at most three fp32 tensors
+    of the tile's size at once (z, ``z - max`` and its exponential; then z, the exponential and
+    its product with z)."""
+    fp32, name = rows * columns * 4, "logits_loss"
+    z = gpu.new(fp32, name)
+    before_target = gpu.new(rows * columns, name) if top1 else None
+    gpu.free(gpu.new(fp32, name), gpu.new(fp32, name), z, before_target)
 
 
 def _backward_fold(gpu: _Replay, rows: int, columns: int, compute_bytes: int) -> None:
@@ -869,19 +908,25 @@ def _head_backward(gpu: _Replay, shape: ModelShape, spec: StepSpec, head: dict, 
     grad_states = gpu.new(4 * n * h, "logits_loss")
     trained = memory.trains(run, "lm_head")
     head_grad = gpu.new(shape.vocab_size * h * 4, "gradients") if trained else None  # accumulated in fp32
-    tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * run.precision.compute_bytes, "logits_loss")
-    if not spec.on_cuda:
-        _backward_fold(gpu, min(n, FUSED_HEAD_TOKENS), min(FUSED_HEAD_VOCAB, shape.vocab_size),
-                       run.precision.compute_bytes)
+    c = run.precision.compute_bytes
+    tile = gpu.new(min(n, FUSED_HEAD_TOKENS) * FUSED_HEAD_VOCAB * c, "logits_loss")
     grad_log_probs = gpu.new(4 * n, "logits_loss")
-    _tile_casts(gpu, shape, spec, residual, n)
+
+    def fold(rows: int, columns: int) -> None:
+        _backward_fold(gpu, rows, columns, c)
+        if c != 4:  # _addmm_fp32 off CUDA: both factors of each gradient's GEMM in fp32, copies of 16-bit ones
+            gpu.free(gpu.new(rows * columns * 4, "logits_loss"), gpu.new(columns * h * 4, "logits_loss"))
+            if trained:
+                gpu.free(gpu.new(rows * columns * 4, "logits_loss"), gpu.new(rows * h * 4, "logits_loss"))
+
+    chunks = _head_tiles(gpu, shape, spec, residual, n, None if spec.on_cuda else fold, backward=True)
     # As it returns, the states' and the head's gradients are cast to their tensors' dtypes (a bf16
     # head's a copy; under FSDP2 the weight is the gathered copy, in its param_dtype) beside the fp32
     # ones, which go with the function's frame
     cast = gpu.new(n * h * residual, "logits_loss") if residual != 4 else None
     grad_bytes = memory.gathered_bytes(run) if run.parallel.fsdp else memory.trainable_bytes(run)
     head_cast = gpu.new(shape.vocab_size * h * grad_bytes, "gradients") if trained and grad_bytes != 4 else None
-    gpu.free(tile, grad_log_probs)
+    gpu.free(tile, grad_log_probs, *chunks)
     if head_cast is not None:
         gpu.free(head_grad)
         head_grad = head_cast
