@@ -118,6 +118,10 @@ CELLS += [{"method": "qlora", "checkpointing": checkpointing, "micro": 2, "seq":
 CELLS += [{"method": method, "checkpointing": checkpointing, "micro": 2, "seq": 256, "precision": "bf16",
            "model": "tiny-llama-wide-vocab"} for method, checkpointing in (("full", True), ("lora", False))]
 
+# The share of the allocator's count the memory profile's analysis may miss before a cell is measured
+# by the allocator's count instead (issue 61's target for a peak: 1 %)
+PROFILE_LOSS = 0.01
+
 # What names a cell (the rest of a measurement's record is what it measured)
 CELL_KEYS = sorted({key for cell in CELLS for key in cell})
 
@@ -404,10 +408,9 @@ def measure(cell: dict, folder: Path, categories: bool = True) -> dict:
         measured_bytes, measured = allocated + before, {}
     else:
         measured_bytes, measured = _profiled(prof, parameters, first_step)
-        if measured_bytes < 0.99 * (allocated + before):
-            # the profile's analysis lost more than the stated error of tensors the allocator counted
-            # (full fine-tuning in bf16 with checkpointing: a third of the peak): the allocator's count
-            # then, without categories
+        if measured_bytes < (1 - PROFILE_LOSS) * (allocated + before):
+            # the profile's analysis lost tensors the allocator counted (full fine-tuning in bf16 with
+            # checkpointing: a third of the peak): the allocator's count then, without categories
             counted["profile_bytes"] = measured_bytes
             measured_bytes, measured = allocated + before, {}
     # (not a reference pass's batch, nor the one the loader had ready after the last step)

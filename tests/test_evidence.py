@@ -32,13 +32,17 @@ def test_a_run_of_a_measured_kind_names_its_gpu_rows_and_a_checked_one_the_cpu_s
     tiny = module.evidence(resolve_for(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), None, shape), shape)
     assert tiny["cpu"] and tiny["gpu"] == [] and tiny["extrapolated"] == ["lora of the llama family (measured: qlora)"]
     assert module.lines(tiny)[1].startswith("checked on CPU steps: the trace and replay rules this plan uses")
-    # the GPU rows, trained in bf16, do not speak for a run computing in fp32; the CPU steps ran both
-    for overrides, fp32 in ((["finetune.method=qlora", "train.mixed_precision=no"], True), (["finetune.method=qlora"], False)):
-        config = config_module.load(REPO / "configs" / "run_tiny.yaml", overrides, check_paths=False)
+    # the GPU rows, trained in bf16, do not speak for a run computing in fp32, nor the CPU steps
+    # (fp32 and bf16) for one in fp16
+    for mixed, gpu_gap, cpu in (("no", "computing in fp32 (measured: bf16 mixed precision)", True),
+                                ("bf16", None, True),
+                                ("fp16", "computing in fp16 mixed precision (measured: bf16 mixed precision)", False)):
+        config = config_module.load(REPO / "configs" / "run_tiny.yaml",
+                                    ["finetune.method=qlora", f"train.mixed_precision={mixed}"], check_paths=False)
         shape = model_shape(config)
         said = module.evidence(resolve_for(config, Target(1, 80 * GIB, "1 x H100", gpu_model="H100"), None, shape), shape)
-        assert said["cpu"] and (said["gpu"] == []) is fp32
-        assert ("computing in fp32 (measured: bf16 mixed precision)" in said["extrapolated"]) is fp32
+        assert said["cpu"] is cpu and (said["gpu"] == []) is (gpu_gap is not None)
+        assert [e for e in said["extrapolated"] if e.startswith("computing in")] == ([gpu_gap] if gpu_gap else [])
 
 
 def test_a_kind_whose_cpu_steps_missed_is_not_claimed(monkeypatch):

@@ -87,8 +87,10 @@ def _differences(kind: dict[str, Any], covered: dict[str, Any], attention: bool 
     elif kind["objective"] != "sft" and kind["strategy"] not in covered.get("preference_strategies", covered["strategies"]):
         differences.append(f"{kind['objective'].upper()} steps across processes (measured in one process)")
     if kind["mixed_precision"] not in covered.get("mixed_precision", [kind["mixed_precision"]]):
-        computed = {"no": "fp32", "fp16": "fp16 mixed precision"}.get(kind["mixed_precision"], kind["mixed_precision"])
-        differences.append(f"computing in {computed} (measured: {', '.join(covered['mixed_precision'])} mixed precision)")
+        def computing(mixed: str) -> str:
+            return "fp32" if mixed == "no" else f"{mixed} mixed precision"
+        differences.append(f"computing in {computing(kind['mixed_precision'])} (measured: "
+                           f"{', '.join(map(computing, covered['mixed_precision']))})")
     if attention and kind["attention"] not in covered["attention"]:
         differences.append(f"{kind['attention']}'s saved tensors (from its documented kernel; measured: "
                            f"{', '.join(covered['attention'])})")

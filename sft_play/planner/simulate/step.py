@@ -692,9 +692,10 @@ def _reference_forward(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec:
             gpu.free(previous)
         previous = output
     gpu.free(*rotary, *masks)  # (the backbone's, nothing saving them)
-    # TRL's copy of the reference has the fused head's default outputs; the policy's (its adapters
-    # off, or before training) the trainer's, ``is_top1`` among them
-    head = _head_forward(gpu, shape, spec, previous, residual, top1=spec.run.preference.reference != "copy")
+    # TRL's copy of the reference has the fused head's default outputs; the policy (its adapters off,
+    # or before training) the trainer's
+    head = _head_forward(gpu, shape, spec, previous, residual,
+                         top1=spec.run.preference.reference != "copy" and _computes_top1(spec.run))
     gpu.free(head["selected"], head["targets"], head["log_z"], head["entropy"], head["label_mask"], batch)
 
 
@@ -781,15 +782,23 @@ def _template(module: ModuleEvents, events, micro: int, gradients: frozenset) ->
 # positions only, on CUDA by TRL's choice and on a CPU by sft_play.patches.labelled_positions_on_cpu
 
 
+def _computes_top1(run: Run) -> bool:
+    """Whether the policy's fused head computes ``is_top1`` (for the token accuracy): SFTTrainer
+    and DPOTrainer (DPO, ORPO, SimPO) ask for it, KTOTrainer does not."""
+    return run.preference is None or run.preference.objective != "kto"
+
+
 def _head_forward(gpu: _Replay, shape: ModelShape, spec: StepSpec, last_hidden, residual: int,
-                  top1: bool = True) -> dict:
+                  top1: bool | None = None) -> dict:
     """``_fused_forward`` selects the labelled positions (``hidden_states[mask]``, a copy) and
     their targets, then tiles the projection (:func:`_head_tiles`): seven fp32 statistics per
     position, one [min(N, 4096), 32768] tile in the compute dtype. It keeps the selected states,
     the targets, log Z and the entropy for backward; the backbone's output goes as it returns
-    (``backbone_outputs``). `top1`: whether the head computes ``is_top1`` (the policy's, which
-    SFTTrainer and DPOTrainer ask for; not a reference's)."""
+    (``backbone_outputs``). `top1`: whether it computes ``is_top1`` (None: as the policy's does,
+    :func:`_computes_top1`)."""
     run = spec.run
+    if top1 is None:
+        top1 = _computes_top1(run)
     b, s, h, c = spec.micro_batch, spec.seq_len, shape.hidden_size, run.precision.compute_bytes
     n = max(1, int(b * (s - 1) * spec.loss_token_share))
     label_mask = gpu.new(b * (s - 1), "logits_loss")
@@ -861,7 +870,7 @@ def _forward_fold(gpu: _Replay, rows: int, columns: int, top1: bool) -> None:
     columns: z, the tile in fp32 and scaled (a 16-bit tile's fp32 copy first); ``is_top1``'s mask
     of the columns before each target (bool), kept to the fold's end; at most three fp32 tensors
     of the tile's size at once (z, ``z - max`` and its exponential; then z, the exponential and
-    its product with z)."""
+    its product with z). (A final-logit soft cap adds its tanh's tensors: not counted.)"""
     fp32, name = rows * columns * 4, "logits_loss"
     z = gpu.new(fp32, name)
     before_target = gpu.new(rows * columns, name) if top1 else None
