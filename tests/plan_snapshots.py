@@ -73,6 +73,9 @@ CASES = (
                                                       "quantization.quant_storage=bfloat16",
                                                       "train.gradient_checkpointing=true"), 2, 24),
     Case("qwen3moe-lora-1x80", "qwen3-30b-a3b", ("finetune.method=lora", "train.gradient_checkpointing=true"), 1, 80),
+    # (fp16 mixed precision, as on a GPU without bf16: QLoRA's base in fp16 beside bf16 adapters)
+    Case("llama8b-qlora-fp16-1x16", "llama-3.1-8b", ("finetune.method=qlora", "train.mixed_precision=fp16",
+                                                     "train.gradient_checkpointing=true"), 1, 16),
     Case("qwenvl-lora-1x80", "qwen2.5-vl-7b", ("finetune.method=lora", "data.packing=false",
                                                "data.image_max_pixels=401408", "train.gradient_checkpointing=true"), 1, 80,
          quick=False),
