@@ -41,8 +41,6 @@ def trainer_factory(
     copy of the weights, where the run keeps one (None: the adapters switched off, or log-probs
     precomputed)."""
     from transformers import set_seed
-    from transformers.integrations import TensorBoardCallback
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     patches.labelled_positions_on_cpu()  # TRL's loss head, on a CPU too
     if run.preference is not None:
@@ -86,18 +84,27 @@ def trainer_factory(
             held.update(train_dataset=trainer.train_dataset, eval_dataset=trainer.eval_dataset or held["eval_dataset"])
         else:
             trainer = trainer_class(**common, optimizer_cls_and_kwargs=loraplus)
-        board = trainer.pop_callback(TensorBoardCallback)
-        if board is not None:
-            trainer.add_callback(board)
-        for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
-            if trainer.pop_callback(default) is not None:
-                trainer.add_callback(ours)
+        _log_lines_ours(trainer)
         if run.upcasts_whole_copies:
             in_adapter_dtype(trainer.model, run.adapter_dtype)
         held.update(model=trainer.model, peft_config=None)
         return trainer
 
     return make
+
+
+def _log_lines_ours(trainer: Any) -> None:
+    """TensorBoard's callback moved behind ours (what they add to a log line reaches it), and the
+    progress bar's and printer's log lines replaced by ours."""
+    from transformers.integrations import TensorBoardCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    board = trainer.pop_callback(TensorBoardCallback)
+    if board is not None:
+        trainer.add_callback(board)
+    for default, ours in ((ProgressCallback, LogLines), (PrinterCallback, PrintedLogLines)):
+        if trainer.pop_callback(default) is not None:
+            trainer.add_callback(ours)
 
 
 def in_adapter_dtype(model: Any, dtype: str) -> None:
