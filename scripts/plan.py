@@ -92,6 +92,11 @@ def main() -> int:
         if args.host_gib <= 0:
             raise cli.UserError(f"HOST_GIB={args.host_gib:g}: the host memory must be positive")
         target.host_bytes = int(args.host_gib * (1 << 30))
+    if args.plot:
+        try:
+            args.plot = report.plot_path(args.plot)
+        except ValueError as exc:
+            raise cli.UserError(str(exc)) from None
     # what a long plan is on, said on stderr as it goes (not under --json: one document)
     saying = contextlib.nullcontext() if args.json else progress.reporting()
     if args.longest:
@@ -108,7 +113,10 @@ def main() -> int:
         plan.notes.append("no CUDA GPU here: this is the CPU run make train takes on this machine; "
                           "NUM_GPUS=8 VRAM_GIB=80 plans GPUs you do not have")
     if args.plot:
-        plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
+        try:
+            plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
+        except OSError as exc:  # (the plan is still said)
+            plan.notes.append(f"the picture could not be written to {args.plot}: {exc.strerror or exc}")
     print(report.to_json(plan, args.config, args.overrides, described(args)) if args.json
           else report.to_text(plan, args.config, args.overrides, described(args)))
     return 0 if plan.fits else 3

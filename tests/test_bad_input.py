@@ -40,7 +40,8 @@ def bad_files(tmp_path_factory) -> dict[str, Path]:
     (folder / "big_row.jsonl").write_text(good + "\n" + big + "\n")
     return {"csv": folder / "qa.csv", "rows": folder / "two_bad_rows.jsonl", "config_only": config_only,
             "random": folder / "random.yaml", "tab": folder / "tab.yaml", "bomb": folder / "bomb.yaml",
-            "huge": folder / "huge.yaml", "deep": folder / "deep.jsonl", "big_row": folder / "big_row.jsonl"}
+            "huge": folder / "huge.yaml", "deep": folder / "deep.jsonl", "big_row": folder / "big_row.jsonl",
+            "folder": folder}
 
 
 # (script, arguments, what the message must say)
@@ -56,6 +57,10 @@ CASES = [
     ("plan.py", ["--gpus", "1", "--vram-gib", "-5"], "the GPU memory must be positive (got -5 GiB)"),
     ("plan.py", ["--gpus", "1", "--vram-gib", "abc"], "VRAM_GIB=abc is not a number"),
     ("plan.py", ["--gpus", "1.5", "--vram-gib", "80"], "NUM_GPUS=1.5 is not a whole number"),
+    # PLOT= checked before planning: a traceback from matplotlib or mkdir after it lost the plan
+    ("plan.py", ["--no-data", "--plot", "{folder}/plan.txt"], "the picture's name must end in one of .avif, .eps"),
+    ("plan.py", ["--no-data", "--plot", "{csv}/plan.png"], "qa.csv is a file, not a folder"),
+    ("plan.py", ["--no-data", "--plot", "{folder}"], "is a folder: name the image file to write in it"),
     ("plan.py", ["model.name_or_path=nobody-here/no-such-model", "--gpus", "1", "--vram-gib", "24"],
      "cannot load the model 'nobody-here/no-such-model': the hub cannot be reached"),
     ("train_distributed.py", ["distributed.strategy=deepspeed_zero2"], "use make train-deepspeed"),
@@ -110,6 +115,14 @@ def test_a_bad_make_variable_is_one_line_naming_it(script, arguments, monkeypatc
     status = run_in_process(script, arguments, monkeypatch)
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "NUM_GPUS=abc is not a whole number" in err
+
+
+def test_a_picture_that_cannot_be_written_is_said_beside_the_plan(monkeypatch, capsys):
+    target = "/proc/sft-play-plan.png"  # a folder where no one, root neither, makes a file
+    status = run_in_process("plan.py", ["--config", str(REPO / "configs" / "run_tiny.yaml"), "--no-data",
+                                        "--plot", target], monkeypatch)
+    out = capsys.readouterr().out
+    assert status == 0 and "Plan " in out and f"the picture could not be written to {target}" in out
 
 
 def test_a_refused_config_leaves_no_run_folder(tmp_path, monkeypatch, capsys):

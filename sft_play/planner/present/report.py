@@ -171,6 +171,29 @@ def _readable(candidates: list[dict], chosen: int) -> list[dict]:
     return [candidates[i] for i in sorted(kept)]
 
 
+def plot_path(path: str | Path) -> Path:
+    """`path` as :func:`plot` will write it, checked before planning: an image format matplotlib
+    writes, not a folder, in a folder that is one or can be made.
+
+    Raises:
+        ValueError: what is wrong with it, in a sentence.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(path)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.is_dir():
+        raise ValueError(f"PLOT={path} is a folder: name the image file to write in it (PLOT={path / 'plan.png'})")
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise ValueError(f"PLOT={path}: the picture's name must end in one of {', '.join('.' + f for f in sorted(formats))}")
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"PLOT={path}: {folder} is a file, not a folder")
+            break
+    return path
+
+
 def plot(plan: Plan, path: str | Path) -> Path:
     """Stacked bars of the per-GPU breakdown for each candidate micro-batch, the budget as a line,
     the chosen micro-batch marked; written as an image to `path`."""
