@@ -372,6 +372,16 @@ def test_launch_settings_are_checked():
         launch.resolve_topology(1, None, 2, 1, None, None, True, 0)
     topology, _ = launch.resolve_topology(None, "0,2", 1, 0, None, None, False, 8)
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
+    # GPUS= on a machine without them trained CPU processes on cpu:0, and named GPUs it does not have
+    with pytest.raises(launch.LaunchError, match="GPUS=0,1, but there is no CUDA GPU here"):
+        launch.resolve_topology(None, "0,1", 1, 0, None, None, False, 0)
+    with pytest.raises(launch.LaunchError, match=r"GPUS=7: 7 is not a GPU here \(the 2 visible are 0-1\)"):
+        launch.resolve_topology(None, "7", 1, 0, None, None, False, 2)
+    with pytest.raises(launch.LaunchError, match="GPUS=1,1 names a GPU twice"):
+        launch.resolve_topology(None, "1,1", 1, 0, None, None, False, 2)
+    with pytest.raises(launch.LaunchError, match="GPUS=0 picks GPUs, and CPU=1 trains CPU processes"):
+        launch.resolve_topology(2, "0", 1, 0, None, None, True, 0)
+    assert launch.resolve_topology(None, "GPU-8f3e,1", 1, 0, None, None, False, 2)[0].processes_per_node == 2
     with pytest.raises(launch.LaunchError, match="MASTER_PORT=70000 is not a TCP port"):
         launch.resolve_topology(1, None, 1, 0, None, 70000, True, 0)
 

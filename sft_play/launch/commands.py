@@ -89,7 +89,12 @@ def resolve_topology(
             processes; a port that is no port, or taken on a multi-node run.
     """
     messages = []
-    selected = len([g for g in gpus.split(",") if g.strip()]) if gpus else visible_gpus
+    picked = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
+    if gpus is not None and cpu:
+        raise LaunchError(f"GPUS={gpus} picks GPUs, and CPU=1 trains CPU processes: leave one of them out")
+    if picked and not cpu:
+        _check_picked(gpus, picked, visible_gpus)
+    selected = len(picked) if gpus else visible_gpus
     if num_gpus is not None and num_gpus < 1:  # 0 read as "not given" took every GPU
         raise LaunchError(f"NUM_GPUS={num_gpus}: the processes per node must be at least 1 (leave NUM_GPUS out "
                           "for every selected GPU)")
@@ -121,6 +126,21 @@ def resolve_topology(
     if nnodes > 1 and not master_addr:
         raise LaunchError("a multi-node run needs MASTER_ADDR (the address of node 0), the same on every node")
     return Topology(processes, nnodes, node_rank, master_addr or LOOPBACK, port, cpu), messages
+
+
+def _check_picked(gpus: str, picked: list[str], visible_gpus: int) -> None:
+    """``GPUS=`` names GPUs this machine has, each once: indices below the number visible (a UUID,
+    ``GPU-...`` or ``MIG-...``, as CUDA_VISIBLE_DEVICES takes it, unchecked)."""
+    if visible_gpus == 0:
+        raise LaunchError(f"GPUS={gpus}, but there is no CUDA GPU here: use `make train` for one CPU process, or "
+                          "CPU=1 NUM_GPUS=2 to try distributed training with CPU processes")
+    indices = [g for g in picked if not g.startswith(("GPU-", "MIG-"))]
+    wrong = [g for g in indices if not g.isdigit() or int(g) >= visible_gpus]
+    if wrong:
+        raise LaunchError(f"GPUS={gpus}: {', '.join(wrong)} is not a GPU here (the {visible_gpus} visible are "
+                          f"0-{visible_gpus - 1})")
+    if len(set(picked)) < len(picked):
+        raise LaunchError(f"GPUS={gpus} names a GPU twice: each takes one process")
 
 
 def python_command(config: str, overrides: list[str]) -> list[str]:
