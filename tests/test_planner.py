@@ -1475,6 +1475,26 @@ def test_the_longest_rows_question_answers_with_lengths_that_fit_and_next_ones_t
     assert any(r["fits"] and r["result"] != catalogue.CHANGED for r in plain.remedies), [r["name"] for r in plain.remedies]
 
 
+def test_the_longest_rows_commands_run_past_the_models_positions_and_plan_this_cpu_as_make_plan_does():
+    """The answers past the model's trained positions printed commands a run refuses (without
+    data.beyond_model_positions=true), and on a machine without a GPU a `make plan NUM_GPUS=1` that
+    asks for a GPU's memory there."""
+    from types import SimpleNamespace
+
+    from sft_play.planner.choose import longest
+
+    answer = {"settings": "as configured", "change": [], "tokens": 40960, "next_tokens": 49152,
+              "peak_bytes": 17 << 30, "host_bytes_per_node": 0, "beyond_positions": True,
+              "command": "make train CONFIG=c.yaml"}
+    this_cpu = SimpleNamespace(device_name="CPU", world_size=1, on_cuda=False)
+    plan_line = next(line for line in longest.describe([answer], this_cpu, 512, "c.yaml") if "plan:" in line)
+    assert plan_line.endswith('make plan CONFIG=c.yaml ARGS="data.max_seq_length=40960 data.beyond_model_positions=true"')
+    gpu = SimpleNamespace(device_name="1 x H100", world_size=1, on_cuda=True)
+    plan_line = next(line for line in longest.describe([answer], gpu, 512, "c.yaml", (), "VRAM_GIB=80") if "plan:" in line)
+    assert "make plan CONFIG=c.yaml NUM_GPUS=1 VRAM_GIB=80 " in plan_line
+    assert longest.length_overrides({**answer, "beyond_positions": False}) == ["data.max_seq_length=40960"]
+
+
 def test_the_ladder_has_four_lengths_an_octave():
     from sft_play.planner.choose.longest import ladder
 

@@ -96,10 +96,17 @@ def longest_rows(config: RunConfig, target: Any, plan_for: PlanFor, max_position
                             config.distributed.strategy)
             make_target = Strategy(strategy).make_target if Strategy(strategy).shards_states else "train"
             levers = Remedy(name, "", applied, make_target, lambda c, t: True)
-            answer["command"] = command([levers], target, [*changes, f"data.max_seq_length={tokens}"], config_path,
+            answer["command"] = command([levers], target, [*changes, *length_overrides(answer)], config_path,
                                         user_overrides)
         answers.append(answer)
     return answers
+
+
+def length_overrides(answer: dict[str, Any]) -> list[str]:
+    """The answer's length as a run sets it: past the model's trained positions, saying that is meant
+    (a run refuses such rows otherwise)."""
+    return [f"data.max_seq_length={answer['tokens']}",
+            *(["data.beyond_model_positions=true"] if answer["beyond_positions"] else [])]
 
 
 def describe(answers: list[dict[str, Any]], target: Any, max_positions: int = 0, config_path: str | None = None,
@@ -119,7 +126,7 @@ def describe(answers: list[dict[str, Any]], target: Any, max_positions: int = 0,
         nxt = f", {answer['next_tokens']:,} does not" if answer["next_tokens"] else ""
         lines.append(f"  {answer['settings']:<28} {answer['tokens']:>11,} tokens{beyond} at "
                      f"{answer['peak_bytes'] / gib:.1f} GiB{nxt}{host}")
-        planned = plan_command([], target, [*answer["change"], f"data.max_seq_length={answer['tokens']}"],
-                               config_path, user_overrides, hardware)
+        planned = plan_command([], target, [*answer["change"], *length_overrides(answer)], config_path, user_overrides,
+                               hardware)
         lines += [f"      run:  {answer['command']}", f"      plan: {planned}"]
     return lines

@@ -328,7 +328,9 @@ def plan_command(remedies: list[Remedy], target: Any, changes: list[str], config
     its GPUs (as the remedies change them) and `hardware`, the other variables that described it
     (``VRAM_GIB=80 GPU_MODEL=H100``; none for this machine's own)."""
     _, world, arguments = _launch(remedies, target, changes, overrides)  # (NUM_GPUS=1 too: not every GPU here)
-    return _make_line("plan", config_path, " ".join(part for part in (gpus_text(world), hardware) if part), arguments)
+    # (this machine's CPU is what make plan plans without NUM_GPUS, which there asks for a GPU's memory)
+    gpus = gpus_text(world) if target.on_cuda or world > 1 else ""
+    return _make_line("plan", config_path, " ".join(part for part in (gpus, hardware) if part), arguments)
 
 
 def _launch(remedies: list[Remedy], target: Any, changes: list[str],

@@ -150,7 +150,7 @@ def run_command(plan: Plan, config_path: str | None, overrides=()) -> str:
 def _command(entry: dict, plan: Plan, config_path: str | None, overrides, hardware: str = "",
              planning: bool = False) -> str:
     chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
-    arguments = (chosen, SimpleNamespace(world_size=plan.world_size), entry["change"], config_path,
+    arguments = (chosen, SimpleNamespace(world_size=plan.world_size, on_cuda=plan.on_cuda), entry["change"], config_path,
                  [o for o in overrides if "=" in o])
     return plan_command(*arguments, hardware) if planning else command(*arguments)
 
