@@ -124,7 +124,7 @@ generate: $(STAMP) ## Answer PROMPT (about the picture IMAGE, for a vision-langu
 chat: $(STAMP) ## Chat with RUN in the terminal (default: the newest run)
 	$(PY) scripts/chat.py $(RUN_CONFIG) $(RUN_FLAG)
 
-eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json (DATA=test.jsonl: other data -> RUN/eval-test.json)
+eval: $(STAMP) ## Validation loss, perplexity and held-out generations of RUN (default: the newest run) -> RUN/eval.json (DATA=test.jsonl: other data -> RUN/eval-test.json; ARGS=data.on_invalid=skip leaves its bad rows out)
 	$(PY) scripts/evaluate.py $(RUN_CONFIG) $(RUN_FLAG) $(if $(value DATA),--data "$$SFT_PLAY_DATA")
 
 merge: $(STAMP) ## Merge RUN's LoRA/QLoRA adapter into its base -> RUN/merged (safetensors + tokenizer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 from sft_play import cli, lean_imports
+from sft_play import config as config_module
 
 
 def _examples(result: dict) -> str:
@@ -57,12 +58,15 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging()
 
-    run = cli.chosen_run(args)
+    # DATA= is read as the run read its own data, but for what to do with its bad rows
+    run = cli.chosen_run(args, also=("data.on_invalid",) if args.data else ())
+    on_invalid = config_module.load(args.config, args.overrides, check_paths=False).data.on_invalid if any(
+        o.split("=", 1)[0].strip() == "data.on_invalid" for o in args.overrides) else None
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
     with cli.importing():
         from sft_play import export
-    result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data)
+    result = export.evaluate(run, args.count, args.max_new_tokens, data_path=args.data, on_invalid=on_invalid)
     if "answers" in result:
         print_answers(run, result, args.data)
         return 0

@@ -79,15 +79,16 @@ def run_parser(description: str) -> argparse.ArgumentParser:
 RUN_CHOOSING = ("train.output_dir", "train.run_name")
 
 
-def chosen_run(args: argparse.Namespace):
+def chosen_run(args: argparse.Namespace, also: tuple[str, ...] = ()):
     """The run folder ``--run`` names, else ``train.run_name``'s under ``train.output_dir``, else
     the newest finished run there. The run's own saved settings (``config.yaml`` in it) say how it
-    loads and what its data is: other overrides would be ignored, so they are refused.
+    loads and what its data is: other overrides would be ignored, so they are refused (but for the
+    keys in `also`, which the command reads itself).
 
     Raises:
-        UserError: an override other than :data:`RUN_CHOOSING`.
+        UserError: an override other than :data:`RUN_CHOOSING` and `also`.
     """
-    ignored = [o for o in args.overrides if "=" in o and o.split("=", 1)[0].strip() not in RUN_CHOOSING]
+    ignored = [o for o in args.overrides if "=" in o and o.split("=", 1)[0].strip() not in (*RUN_CHOOSING, *also)]
     if ignored:
         raise UserError(f"{' '.join(ignored)}: a finished run is used with the settings it trained with (its "
                         "config.yaml); only train.output_dir and train.run_name choose the run here. To evaluate on "

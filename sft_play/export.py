@@ -356,15 +356,18 @@ def _readable(folder: Path) -> None:
 
 
 def evaluate(path: str | Path, count: int = 5, max_new_tokens: int = 64, batch_size: int = 8,
-             data_path: str | None = None) -> dict[str, Any]:
+             data_path: str | None = None, on_invalid: str | None = None) -> dict[str, Any]:
     """Loss and perplexity on the run's validation data (the tokens that carry loss, as in
     training), plus greedy answers to the first `count` held-out prompts; written to
     ``<run>/eval.json`` and returned. With `data_path` (a held-out test set, any source
     ``data.path`` takes; a source of splits gives its held-out split) the same on that data, read
-    and tokenised as the run read its own, written to ``<run>/eval-<name>.json``."""
+    and tokenised as the run read its own (its bad rows refused or skipped as `on_invalid` says,
+    else as the run's ``data.on_invalid``), written to ``<run>/eval-<name>.json``."""
     model, processing, config = load_trained(path)
     if config is None:
         raise UserError(f"{path} is not inside a run folder: its validation data is unknown")
+    if data_path is not None and on_invalid is not None:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"on_invalid": on_invalid})})
     if config.finetune.objective != "sft":
         return evaluate_pairs(path, model, processing, config, count, max_new_tokens, batch_size, data_path)
     # (the run's own tokenizer, as it prepared the data; a vision-language model's in its processor)

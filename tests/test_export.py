@@ -185,6 +185,22 @@ def test_eval_on_other_data_scores_it_as_the_run_read_its_own(runs, commands, tm
     assert result["loss"] == pytest.approx(own["loss"], rel=1e-6) and result["data"] == str(test)
     assert json.loads((runs["lora"] / "eval-test.json").read_text())["loss_tokens"] == own["loss_tokens"]
     assert json.loads((runs["lora"] / "eval.json").read_text()) == own  # the run's own evaluation is kept
+    # a test set with a bad row: refused as the run would have, or scored without it where asked
+    # (make eval DATA=... ARGS=data.on_invalid=skip: the one setting of the run's own a test set takes)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(test.read_text() + '{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(Exception, match="1 bad row"):
+        export.evaluate(runs["lora"], 2, 8, data_path=str(bad))
+    assert export.evaluate(runs["lora"], 2, 8, data_path=str(bad), on_invalid="skip")["loss"] == pytest.approx(
+        own["loss"], rel=1e-6)
+    from argparse import Namespace
+
+    from sft_play import cli
+
+    asked = Namespace(overrides=["data.on_invalid=skip"], config=None, run=str(runs["lora"]))
+    assert cli.chosen_run(asked, also=("data.on_invalid",)) == runs["lora"]
+    with pytest.raises(UserError, match="data.on_invalid=skip: a finished run is used with the settings"):
+        cli.chosen_run(asked)  # (without DATA: the run's own data, read as it was)
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
     with pytest.raises(Exception, match="no assistant turn|no usable example"):

@@ -76,7 +76,7 @@ class InvalidRows(InvalidRow):
         more = self.count - min(len(self.rows), SHOWN_BAD_ROWS)
         tail = f"\n  ... and {more} more" if more > 0 else ""
         return (f"{self.count} bad row(s) in the data:\n{shown}{tail}\n"
-                "Fix them, or set data.on_invalid=skip to train without them (they are then listed by reason).")
+                "Fix them, or set data.on_invalid=skip to leave them out (they are then listed by reason).")
 
 
 class UnknownFormat(ValueError):
