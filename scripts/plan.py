@@ -55,7 +55,8 @@ def main() -> int:
     parser.add_argument("--nodes", type=cli.number(int, "NNODES"), help="nodes of --gpus GPUs each (as make train-distributed reads "
                         "NNODES and NUM_GPUS); without it --gpus counts all GPUs, 8 to a node")
     parser.add_argument("--gpu-model", help="the GPU model to time the plan for (H100, A100, L40S...; default: "
-                        "the detected GPU, or the one --vram-gib most often means)")
+                        "the detected GPU, or the one --vram-gib most often means); on a machine without a GPU, "
+                        "without --vram-gib, the GPU planned for, with the memory it is sold with")
     parser.add_argument("--host-gib", type=cli.number(float, "HOST_GIB"),
                         help="host memory per node to plan offload against, in GiB (default: this machine's available "
                         "memory where its GPUs are planned; unchecked for hardware described)")
@@ -82,7 +83,7 @@ def main() -> int:
         print(f"note: {stand_in}", file=sys.stderr)
     facts = hardware.detect()
     # Nothing described and no GPU here: the CPU run make train takes on this machine
-    on_this_cpu = not facts.gpus and args.gpus is None and args.vram_gib is None
+    on_this_cpu = not facts.gpus and args.gpus is None and args.vram_gib is None and args.gpu_model is None
     try:
         target = planner.target_for(facts, args.gpus, args.vram_gib, gpu_model=args.gpu_model, allow_cpu=on_this_cpu,
                                     nodes=args.nodes)

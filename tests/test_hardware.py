@@ -104,6 +104,22 @@ def test_auto_precision_on_the_cpu_follows_its_native_bf16(monkeypatch, cpu_bf16
     assert planner.resolve_for(config, target).precision.mixed == expected
 
 
+def test_a_gpu_named_on_a_machine_without_one_is_planned_with_its_memory():
+    """make plan GPU_MODEL=H100 on a CPU machine planned the CPU, the GPU unsaid; with NUM_GPUS it
+    asked for VRAM_GIB, which the name says (but for a model sold in two sizes)."""
+    from types import SimpleNamespace
+
+    from sft_play import planner
+
+    no_gpu = SimpleNamespace(gpus=[])
+    target = planner.target_for(no_gpu, gpu_model="h200", allow_cpu=True)
+    assert target.on_cuda and target.world_size == 1 and target.free_bytes == 141 * 2**30 and target.gpu_model == "H200"
+    assert planner.target_for(no_gpu, 2, gpu_model="H100").free_bytes == 80 * 2**30
+    assert planner.target_for(no_gpu, 1, 40, gpu_model="H100").free_bytes == 40 * 2**30  # VRAM_GIB still decides
+    with pytest.raises(ValueError, match="GPU_MODEL=A100 comes with more than one memory size"):
+        planner.target_for(no_gpu, 1, gpu_model="A100")
+
+
 def test_bf16_asked_for_on_a_cpu_without_it_is_kept_and_warned_about():
     from sft_play.precision import resolve_precision
 

@@ -11,6 +11,12 @@ import re
 GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100", 141: "H200", 180: "B200"}
 
 
+# The memory each GPU model the planner names is sold with, where it comes in one size (the A100
+# comes as 40 and 80 GiB: described by its name alone, it needs VRAM_GIB too)
+MEMORY_GIB_BY_GPU = {"H100": 80, "H100 PCIe": 80, "H200": 141, "B200": 180, "L40S": 48, "A10G": 24, "L4": 24,
+                     "RTX 4090": 24, "A6000": 48}
+
+
 # Compute capability of the GPU models the planner names (described hardware: no device to ask)
 GPU_CAPABILITY = {"H100": (9, 0), "H100 PCIe": (9, 0), "H200": (9, 0), "B200": (10, 0), "A100": (8, 0),
                   "L40S": (8, 9), "A10G": (8, 6), "L4": (8, 9), "RTX 4090": (8, 9), "A6000": (8, 6)}
