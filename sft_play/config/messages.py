@@ -54,6 +54,8 @@ def unknown_key_message(dotted: str) -> str:
     if leaf in PEER_KEYS and PEER_KEYS[leaf] != dotted:
         return f"unknown key '{dotted}'; did you mean '{PEER_KEYS[leaf]}'?"
     if len(parts) == 1:
+        if dotted in SECTIONS:  # a section given a value of its own (train=5)
+            return f"'{dotted}' is a section, not a key: set one of its keys, e.g. {dotted}.{next(iter(_keys_of(dotted)))}=..."
         hint = _nearest(parts[0], list(SECTIONS))
         valid = ", ".join(SECTIONS)
         return f"unknown section '{dotted}'" + (f"; did you mean '{hint}'?" if hint else f"; sections are: {valid}")
@@ -67,6 +69,10 @@ def unknown_key_message(dotted: str) -> str:
         hint = _nearest(leaf, [k.split(".")[-1] for k in keys])
         hint = next((k for k in keys if k.split(".")[-1] == hint), None) if hint else None
     return f"unknown key '{dotted}'" + (f"; did you mean '{hint}'?" if hint else "")
+
+
+def _keys_of(section: str) -> list[str]:
+    return [k.split(".", 1)[1] for k in valid_keys() if k.startswith(section + ".")]
 
 
 def _expected_text(annotation: Any) -> str:
