@@ -233,7 +233,11 @@ def skip_summary(stats: DataStats) -> str | None:
         rows = stats.skipped_rows.get(reason, [])
         listed = ", ".join(rows) + (f", ... ({count - len(rows)} more)" if count > len(rows) else "")
         parts.append(f"{reason} x{count}" + (f" ({listed})" if rows else ""))
-    return f"skipped {sum(stats.skipped.values())} rows: " + "; ".join(parts)
+    skipped = sum(stats.skipped.values())
+    # (of the whole data: a stream's examples are counted in its sample only)
+    whole = skipped + stats.examples
+    share = f" of {whole}, {skipped / whole:.0%}" if stats.examples and not stats.sampled else ""
+    return f"skipped {skipped} rows{share}: " + "; ".join(parts)
 
 
 def _encode_batch(batch: dict[str, list], tokenizer: Any, template: str, train_on: str, limit: int,
