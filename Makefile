@@ -73,7 +73,7 @@ help: ## List the targets
 # chooses the pinned releases from a package index in a fraction of the time (docs/reports/test_suite.md).
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --no-compile $(PIP_ARGS) pip==26.3
+	$(VENV)/bin/python -m pip install --quiet --no-compile $(PIP_ARGS) pip==26.3 || true  # (where the index has it)
 	$(VENV)/bin/pip install --quiet --no-compile $(PIP_ARGS) -r requirements.txt
 	PYTHONWARNINGS=ignore $(VENV)/bin/pip install --quiet --no-compile --no-deps --no-build-isolation $(PIP_ARGS) -e .
 	$(VENV)/bin/python -m compileall -qq -j 0 -x '/site-packages/.+/tests?/' $(VENV)/lib || true

@@ -116,8 +116,9 @@ def main() -> int:
     if args.plot:
         try:
             plan.notes.append(f"picture written to {report.plot(plan, args.plot)}")
-        except OSError as exc:  # (the plan is still said)
-            plan.notes.append(f"the picture could not be written to {args.plot}: {exc.strerror or exc}")
+        except (OSError, RuntimeError) as exc:  # (the plan is still said)
+            said = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+            plan.notes.append(f"the picture could not be written to {args.plot}: {said}")
     print(report.to_json(plan, args.config, args.overrides, described(args)) if args.json
           else report.to_text(plan, args.config, args.overrides, described(args)))
     return 0 if plan.fits else 3

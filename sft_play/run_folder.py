@@ -495,11 +495,9 @@ def resolve_run(run: str | None, output_dir: str | Path) -> Path:
             raise RunInUse(f"{path} is still being written ({holder}): wait for its training to end")
         if not path.is_dir() or not ((path / "model").is_dir() or (path / "config.json").is_file()
                                      or (path / "adapter_config.json").is_file()):
-            saved = sorted(path.glob("checkpoints/checkpoint-*"), key=lambda c: int(c.name.split("-")[-1])
-                           if c.name.split("-")[-1].isdigit() else -1) if path.is_dir() else []
-            if saved:  # a run stopped before its end
-                raise FileNotFoundError(f"'{run}' did not finish (it has no model/): RUN={saved[-1]} uses its newest "
-                                        f"checkpoint, and `make train ... RESUME=auto` finishes it")
+            if path.is_dir() and any(path.glob("checkpoints/checkpoint-*")):  # a run stopped before its end
+                raise FileNotFoundError(f"'{run}' did not finish (it has no model/, only checkpoints/): the make "
+                                        "train command that started it, with RESUME=auto, finishes it")
             raise FileNotFoundError(f"'{run}' is neither a finished run folder (with model/) nor a model folder; "
                                     f"see `ls {output_dir}`")
         return path

@@ -205,7 +205,7 @@ def test_settings_the_run_does_not_use_are_said_once(caplog):
     ("train.push_to_hub=true", "a run does not upload; when it ends, `hf upload <repo id> RUN/model`"),
     ("train.report_to=[wandb]", None),  # ours now (the package check aside)
     ("lora.lora_target=[q_proj]", "did you mean 'lora.target_modules'"),
-    ("train=5", "'train' is a section, not a key: set one of its keys, e.g. train."),  # was "did you mean 'train'?"
+    ("train=5", "'train' is a section, not a key: set one of its keys, e.g. train."),
 ])
 def test_keys_other_tools_use_point_to_ours_not_to_a_near_spelling(typed, said):
     """train.warmup_steps was offered as train.max_steps, train.report_to as train.warmup_ratio."""
@@ -292,9 +292,9 @@ def test_early_stopping_stops_after_patience_evaluations_without_a_better_loss()
 
 
 def test_a_folder_given_as_the_config_is_said_with_the_files_in_it(tmp_path):
-    """make plan CONFIG=configs said the folder does not exist."""
+    """make plan CONFIG=configs: a folder, said as one, with what it holds."""
     (tmp_path / "run.yaml").write_text("train:\n  max_steps: 3\n")
-    with pytest.raises(ConfigError, match=r"is a folder: name a YAML file in it \(run.yaml\.\.\.\)"):
+    with pytest.raises(ConfigError, match=r"is a folder: name a YAML file in it \(run.yaml\)"):
         config_module.load(tmp_path)
     with pytest.raises(ConfigError, match=r"does not exist"):
         config_module.load(tmp_path / "missing.yaml")

@@ -360,7 +360,8 @@ def test_the_skip_summary_is_printed_on_every_run_also_from_the_cache(tmp_path, 
             bundle = build(cfg, tiny_tokenizer)
         assert any("from the cache" in r.getMessage() for r in caplog.records) == (attempt == "cached")
         summary = [r.getMessage() for r in caplog.records if "skipped 2 rows" in r.getMessage()]
-        assert summary == [f"data (train): skipped 2 rows of 4, 50%: messages: empty conversation x2 ({path}:2, {path}:4)"], attempt
+        said = f"data (train): skipped 2 rows of 4, 50%: messages: empty conversation x2 ({path}:2, {path}:4)"
+        assert summary == [said], attempt
         assert bundle.stats.skipped_rows == {"messages: empty conversation": [f"{path}:2", f"{path}:4"]}
 
 

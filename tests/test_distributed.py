@@ -358,7 +358,8 @@ def test_taken_port_on_a_multi_node_rank_zero_is_an_error():
             launch.resolve_topology(1, None, 2, 0, "10.0.0.1", taken, True, 0)
 
 
-def test_launch_settings_are_checked():
+def test_launch_settings_are_checked(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(launch.LaunchError, match="no CUDA GPU here"):
         launch.resolve_topology(None, None, 1, 0, None, None, False, 0)
     with pytest.raises(launch.LaunchError, match="NUM_GPUS=4 but only 2"):
@@ -372,16 +373,21 @@ def test_launch_settings_are_checked():
         launch.resolve_topology(1, None, 2, 1, None, None, True, 0)
     topology, _ = launch.resolve_topology(None, "0,2", 1, 0, None, None, False, 8)
     assert topology.processes_per_node == 2  # GPUS=0,2 selects two
-    # GPUS= on a machine without them trained CPU processes on cpu:0, and named GPUs it does not have
+    # GPUS= names GPUs this machine has, each once
     with pytest.raises(launch.LaunchError, match="GPUS=0,1, but there is no CUDA GPU here"):
         launch.resolve_topology(None, "0,1", 1, 0, None, None, False, 0)
     with pytest.raises(launch.LaunchError, match=r"GPUS=7: 7 is not a GPU here \(the 2 visible are 0-1\)"):
         launch.resolve_topology(None, "7", 1, 0, None, None, False, 2)
-    with pytest.raises(launch.LaunchError, match="GPUS=1,1 names a GPU twice"):
-        launch.resolve_topology(None, "1,1", 1, 0, None, None, False, 2)
+    with pytest.raises(launch.LaunchError, match="GPUS=1,01 names a GPU twice"):
+        launch.resolve_topology(None, "1,01", 1, 0, None, None, False, 2)
+    with pytest.raises(launch.LaunchError, match="GPUS=0,,1: name the GPUs separated by commas alone"):
+        launch.resolve_topology(None, "0,,1", 1, 0, None, None, False, 2)
     with pytest.raises(launch.LaunchError, match="GPUS=0 picks GPUs, and CPU=1 trains CPU processes"):
         launch.resolve_topology(2, "0", 1, 0, None, None, True, 0)
     assert launch.resolve_topology(None, "GPU-8f3e,1", 1, 0, None, None, False, 2)[0].processes_per_node == 2
+    # the shell's CUDA_VISIBLE_DEVICES=4,5,6,7 shows 4 GPUs; GPUS replaces it with the machine's own indices
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert launch.resolve_topology(None, "4,5", 1, 0, None, None, False, 4)[0].processes_per_node == 2
     with pytest.raises(launch.LaunchError, match="MASTER_PORT=70000 is not a TCP port"):
         launch.resolve_topology(1, None, 1, 0, None, 70000, True, 0)
 

@@ -66,8 +66,8 @@ def test_a_kill_during_the_final_save_leaves_no_finished_run_and_resuming_only_s
     assert run_folder.finished_runs(tmp_path) == []  # make generate cannot pick a torn model
     with pytest.raises(FileNotFoundError, match="no finished run"):
         run_folder.resolve_run(None, tmp_path)
-    # named, it points to its newest checkpoint and to finishing it (was: neither a run nor a model folder)
-    with pytest.raises(FileNotFoundError, match=rf"did not finish .*RUN={run}/checkpoints/checkpoint-\d+ uses its newest"):
+    # named, it is said to be unfinished, and how to finish it
+    with pytest.raises(FileNotFoundError, match=r"did not finish \(it has no model/, only checkpoints/\).*RESUME=auto"):
         run_folder.resolve_run(str(run), tmp_path)
     measured = (run / "memory_check.json").read_text()
     trained_s, segments = checkpoints.time_before(run / "checkpoints" / "checkpoint-2")

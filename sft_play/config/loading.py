@@ -77,9 +77,10 @@ def load(path: str | os.PathLike | None, overrides: list[str] | None = None, che
     if path is not None:
         file = Path(path)
         if file.is_dir():
-            yamls = sorted(p.name for p in file.glob("*.yaml"))[:3]
-            raise ConfigError([f"config file '{path}' is a folder: name a YAML file" + (
-                f" in it ({', '.join(yamls)}...)" if yamls else "")])
+            yamls = sorted(p.name for p in [*file.glob("*.yaml"), *file.glob("*.yml")])
+            listed = ", ".join(yamls[:3]) + (", ..." if len(yamls) > 3 else "")
+            raise ConfigError([f"config file '{path}' is a folder: name a YAML file"
+                               + (f" in it ({listed})" if yamls else "")])
         if not file.is_file():
             raise ConfigError([f"config file '{path}' does not exist"])
         if file.stat().st_size > MAX_CONFIG_BYTES:

@@ -55,7 +55,8 @@ def unknown_key_message(dotted: str) -> str:
         return f"unknown key '{dotted}'; did you mean '{PEER_KEYS[leaf]}'?"
     if len(parts) == 1:
         if dotted in SECTIONS:  # a section given a value of its own (train=5)
-            return f"'{dotted}' is a section, not a key: set one of its keys, e.g. {dotted}.{next(iter(_keys_of(dotted)))}=..."
+            example = f"{dotted}.{_keys_of(dotted)[0]}"
+            return f"'{dotted}' is a section, not a key: set one of its keys, e.g. {example}=..."
         hint = _nearest(parts[0], list(SECTIONS))
         valid = ", ".join(SECTIONS)
         return f"unknown section '{dotted}'" + (f"; did you mean '{hint}'?" if hint else f"; sections are: {valid}")

@@ -235,7 +235,7 @@ def skip_summary(stats: DataStats) -> str | None:
         parts.append(f"{reason} x{count}" + (f" ({listed})" if rows else ""))
     skipped = sum(stats.skipped.values())
     # (of the whole data: a stream's examples are counted in its sample only)
-    whole = skipped + stats.examples
+    whole = skipped + stats.dropped_overlong + stats.examples
     share = f" of {whole}, {skipped / whole:.0%}" if stats.examples and not stats.sampled else ""
     return f"skipped {skipped} rows{share}: " + "; ".join(parts)
 

@@ -17,7 +17,8 @@ from sft_play.hardware.runtime import (PROBE, RUNTIME_RECORD, measure_outside_al
                                        remember_outside_allocator, remembered_outside_allocator, runtime_key)
 
 __all__ = [
-    "GPU_BY_MEMORY_GIB", "GPU_CAPABILITY", "MEMORY_GIB_BY_GPU", "PROBE", "RUNTIME_RECORD", "GpuInfo", "GpuLink", "HardwareInfo",
+    "GPU_BY_MEMORY_GIB", "GPU_CAPABILITY", "MEMORY_GIB_BY_GPU", "PROBE", "RUNTIME_RECORD", "GpuInfo", "GpuLink",
+    "HardwareInfo",
     "cpu_family_and_model", "cublas_workspace_bytes", "cuda_device_bf16", "detect", "format_report",
     "gpu_computes_bf16", "gpu_model_for_memory", "measure_outside_allocator", "native_bf16", "process_gpu_bytes",
     "remember_outside_allocator", "remembered_outside_allocator", "runtime_key", "usable_cores",

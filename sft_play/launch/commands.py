@@ -134,12 +134,17 @@ def _check_picked(gpus: str, picked: list[str], visible_gpus: int) -> None:
     if visible_gpus == 0:
         raise LaunchError(f"GPUS={gpus}, but there is no CUDA GPU here: use `make train` for one CPU process, or "
                           "CPU=1 NUM_GPUS=2 to try distributed training with CPU processes")
+    if len(picked) != len(gpus.split(",")) or any(" " in g for g in picked):
+        raise LaunchError(f"GPUS={gpus}: name the GPUs separated by commas alone, e.g. GPUS=0,1")
     indices = [g for g in picked if not g.startswith(("GPU-", "MIG-"))]
-    wrong = [g for g in indices if not g.isdigit() or int(g) >= visible_gpus]
+    wrong = [g for g in indices if not g.isdigit()]
+    # (under a CUDA_VISIBLE_DEVICES of the shell's, GPUS replaces it: its indices are the machine's, not counted here)
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        wrong += [g for g in indices if g.isdigit() and int(g) >= visible_gpus]
     if wrong:
         raise LaunchError(f"GPUS={gpus}: {', '.join(wrong)} is not a GPU here (the {visible_gpus} visible are "
                           f"0-{visible_gpus - 1})")
-    if len(set(picked)) < len(picked):
+    if len({int(g) if g.isdigit() else g for g in picked}) < len(picked):
         raise LaunchError(f"GPUS={gpus} names a GPU twice: each takes one process")
 
 

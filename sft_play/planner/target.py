@@ -68,7 +68,7 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
         vram_gib = MEMORY_GIB_BY_GPU.get(known_gpu_model(gpu_model))
         if vram_gib is None:
             raise ValueError(f"GPU_MODEL={gpu_model} comes with more than one memory size: say which with "
-                             f"VRAM_GIB (e.g. make plan NUM_GPUS={gpus or 1} GPU_MODEL={gpu_model} VRAM_GIB=80)")
+                             f"VRAM_GIB (e.g. make plan NUM_GPUS={gpus or 1} GPU_MODEL=\"{gpu_model}\" VRAM_GIB=80)")
     if vram_gib is not None:
         # NUM_GPUS alone: all GPUs together, 8 to a node; with NNODES: GPUs per node, as training reads it
         per_node = (gpus or 1) if nodes else min(gpus or 1, GPUS_PER_NODE)

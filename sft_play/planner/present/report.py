@@ -150,8 +150,8 @@ def run_command(plan: Plan, config_path: str | None, overrides=()) -> str:
 def _command(entry: dict, plan: Plan, config_path: str | None, overrides, hardware: str = "",
              planning: bool = False) -> str:
     chosen = [r for r in REMEDIES if r.name in entry.get("remedies", [])]
-    arguments = (chosen, SimpleNamespace(world_size=plan.world_size, on_cuda=plan.on_cuda), entry["change"], config_path,
-                 [o for o in overrides if "=" in o])
+    planned_on = SimpleNamespace(world_size=plan.world_size, on_cuda=plan.on_cuda)
+    arguments = (chosen, planned_on, entry["change"], config_path, [o for o in overrides if "=" in o])
     return plan_command(*arguments, hardware) if planning else command(*arguments)
 
 
@@ -181,11 +181,12 @@ def plot_path(path: str | Path) -> Path:
     from matplotlib.backend_bases import FigureCanvasBase
 
     path = Path(path)
-    formats = FigureCanvasBase.get_supported_filetypes()
+    formats = {f for f in FigureCanvasBase.get_supported_filetypes() if f != "pgf"}  # (pgf needs a LaTeX install)
     if path.is_dir():
         raise ValueError(f"PLOT={path} is a folder: name the image file to write in it (PLOT={path / 'plan.png'})")
     if path.suffix.lstrip(".").lower() not in formats:
-        raise ValueError(f"PLOT={path}: the picture's name must end in one of {', '.join('.' + f for f in sorted(formats))}")
+        endings = ", ".join("." + f for f in sorted(formats))
+        raise ValueError(f"PLOT={path}: the picture's name must end in one of {endings}")
     for folder in path.parents:
         if folder.exists():
             if not folder.is_dir():
