@@ -16,6 +16,7 @@ difference at its own length (:func:`attention_flops_per_token`), at the same ef
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -122,13 +123,11 @@ def attention_flops_per_token(shape: ModelShape, run: Run, keys: float) -> float
 
 def gpu_model(device_name: str) -> str | None:
     """The known GPU model a device name is (the longest known name it contains, in any case and
-    with or without spaces and hyphens: "NVIDIA H100 80GB HBM3", "h100", "RTX4090", "H100-PCIe")."""
-    def bare(text: str) -> str:
-        return "".join(c for c in text.upper() if c.isalnum())
-
-    named = bare(device_name)
+    with or without spaces and hyphens: "NVIDIA H100 80GB HBM3", "h100", "RTX4090", "H100-PCIe"),
+    not followed by another digit (an L40 is no L4)."""
     for name in sorted(PEAK_BF16, key=len, reverse=True):
-        if bare(name) in named:
+        spelled = r"[\s_-]*".join(re.escape(c) for c in name.upper() if c.isalnum())
+        if re.search(rf"(?<![A-Z0-9]){spelled}(?![0-9])", device_name.upper()):
             return name
     return None
 
