@@ -66,11 +66,11 @@ help: ## List the targets
 # pip byte-compiles what it installs one file at a time (half the install); compileall does it on
 # every core, but for the packages' own test suites (a fifth of the files), which nothing imports.
 # As with pip, a file that does not compile (torch ships Python 3.12 syntax) stays source. The
-# planner's compiled replay is compiled here too, not by the first plan. This package is built with
-# the setuptools just installed (torch's dependency), not one pip fetches into an isolated env first,
-# without the note on editable installs its build prints through pip.
-# The pip a venv starts with is the one its Python bundled, which can be years old; a current one
-# chooses the pinned releases from a package index in a fraction of the time (docs/reports/test_suite.md).
+# planner's compiled replay is compiled here too, not by the first plan. The pip a venv starts with is
+# the one its Python bundled, which can be years old: a current one chooses the pinned releases from a
+# package index in a fraction of the time (docs/reports/test_suite.md). This package is built with the
+# setuptools just installed (torch's dependency), not one fetched into an isolated env, and without the
+# note on editable installs that pip passes on from its build.
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --no-compile $(PIP_ARGS) pip==26.3 || true  # (where the index has it)

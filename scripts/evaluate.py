@@ -9,7 +9,6 @@ from __future__ import annotations
 
 
 from sft_play import cli, lean_imports
-from sft_play import config as config_module
 
 
 def _examples(result: dict) -> str:
@@ -58,10 +57,11 @@ def main() -> int:
     args = parser.parse_args()
     cli.setup_logging()
 
-    # DATA= is read as the run read its own data, but for what to do with its bad rows
+    # DATA= is read as the run read its own data, but for what to do with its bad rows (the value
+    # checked as chosen_run loads the overrides)
     run = cli.chosen_run(args, also=("data.on_invalid",) if args.data else ())
-    on_invalid = config_module.load(args.config, args.overrides, check_paths=False).data.on_invalid if any(
-        o.split("=", 1)[0].strip() == "data.on_invalid" for o in args.overrides) else None
+    on_invalid = next((value.strip() for key, _, value in (o.partition("=") for o in args.overrides)
+                       if key.strip() == "data.on_invalid"), None)
     lean_imports.for_run_folder(run)  # before the model stack is imported
 
     with cli.importing():
