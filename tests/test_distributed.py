@@ -128,26 +128,24 @@ def _uninterrupted(tmp_path_factory, target: str, name: str, extra: tuple[str, .
 LISTENED: dict[str, set[tuple[str, str]]] = {}
 
 
-def listening_while(process: subprocess.Popen) -> set[tuple[str, str]]:
-    """(process name, address) of every TCP socket `process` and its descendants listen on, seen
-    every 0.2 s until it ends: the launcher's rendezvous store, gloo's, TensorBoard's."""
+def listening_while(process: subprocess.Popen) -> set[tuple[int, str]]:
+    """(pid, address) of every TCP socket `process` and its descendants listen on, seen every 0.2 s
+    until it ends: the launcher's rendezvous store, gloo's, TensorBoard's."""
     import psutil
 
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[int, str]] = set()
     root = psutil.Process(process.pid)
 
     def watch() -> None:
         while process.poll() is None:
             try:
-                tree = with_forks([root, *root.children(recursive=True)])
+                tree = {member.pid for member in with_forks([root, *root.children(recursive=True)])}
             except psutil.NoSuchProcess:
                 return
-            for member in tree:
-                try:
-                    listening = [c for c in member.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-                    seen.update((member.pid, c.laddr.ip) for c in listening)
-                except psutil.Error:
-                    continue
+            # the machine's sockets in one pass (psutil reads the socket tables once, not once per
+            # process: a tenth of the CPU with the eight processes of a two-rank launch)
+            seen.update((c.pid, c.laddr.ip) for c in psutil.net_connections("tcp")
+                        if c.pid in tree and c.status == psutil.CONN_LISTEN)
             time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)

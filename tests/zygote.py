@@ -65,9 +65,11 @@ RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL
 SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # Only libraries that read nothing a script sets in its environment before importing them, or read
 # it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR,
-# TORCH_CUDA_ARCH_LIST) nor bitsandbytes (sft_play.lean_imports)
-PRELOADED = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
-             "transformers.masking_utils", "transformers.models.auto.modeling_auto",
+# TORCH_CUDA_ARCH_LIST) nor bitsandbytes (sft_play.lean_imports). Inductor's compiler is what both of
+# those import through the ``torch.compile`` they decorate functions with on import (DeepSpeed's Muon,
+# bitsandbytes' CPU operators): 0.8 CPU-seconds in every rank of a ZeRO run and every QLoRA process
+PRELOADED = ("torch", "torch.distributed.tensor", "torch._inductor.compile_fx", "transformers",
+             "transformers.modeling_utils", "transformers.masking_utils", "transformers.models.auto.modeling_auto",
              "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba", "datasets")
 # Then the stack every training script imports, which reads nothing from the environment on import
 # and imports neither DeepSpeed nor bitsandbytes, hidden while it imports here: peft imports
