@@ -64,6 +64,10 @@ PATCHES = {
         "torch.autocast.__init__", "torch", ">=2.13,<3",
         "the planner's trace on the meta device: peft opens torch.autocast('meta'), which torch refuses "
         "(while tracing only)"),
+    "native_meta_kernels": Patch(
+        "torch._meta_registrations.activate_meta", "torch", ">=2.13,<3",
+        "the planner's trace on the meta device: the Python meta kernels it registers over the dispatcher's "
+        "C++ ones (~100 us a call against ~1) are withdrawn where a C++ one exists (while tracing only)"),
     "grouped_experts_on_meta": Patch(
         "transformers.integrations.moe._can_use_grouped_mm", "transformers", "==5.23.*",
         "the planner's trace on the meta device: the grouped experts take their fallback op, which has a "
@@ -249,11 +253,63 @@ def meta_compatible() -> Iterator[None]:
         _checked("grouped_experts_on_meta")
         moe._can_use_grouped_mm = lambda *args, **kwargs: False
     try:
-        yield
+        with _native_meta_kernels():
+            yield
     finally:
         torch.autocast.__init__ = original_init
         if grouped is not None:
             moe._can_use_grouped_mm = grouped
+
+
+_NATIVE_META: dict[str, Any] = {"depth": 0}  # (a trace may start another inside it)
+
+
+@contextlib.contextmanager
+def _native_meta_kernels() -> Iterator[None]:
+    """The dispatcher's C++ meta kernels for the ops that have one. At import, torch registers a
+    Python meta kernel (``torch._meta_registrations.activate_meta``) over the C++ one of every op it
+    can decompose, for symbolic shapes, which a trace never has; a Python kernel costs ~100 us a
+    call against ~1. The first time, torch's library of them is split in two: the kernels of ops
+    with no C++ one, kept for good, and the others, withdrawn for the trace and registered again
+    after it (torch.compile, which needs them, sees no change)."""
+    import torch
+    from torch import _meta_registrations as registrations
+
+    if _NATIVE_META["depth"]:
+        _NATIVE_META["depth"] += 1
+        try:
+            yield
+        finally:
+            _NATIVE_META["depth"] -= 1
+        return
+    _checked("native_meta_kernels")
+    if "overriding" not in _NATIVE_META:
+        library = registrations._meta_lib_dont_use_me_use_register_meta
+        kernels = {}
+        for key in sorted(library._op_impls):  # "aten/add.Tensor/Meta"
+            namespace, name, _ = key.split("/")
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+            kernels[op] = op.py_kernels[torch._C.DispatchKey.Meta]
+        library._destroy()
+        _NATIVE_META["python_only"] = torch.library.Library("aten", "IMPL", "Meta")
+        _NATIVE_META["overriding"] = {}
+        for op, kernel in kernels.items():
+            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                _NATIVE_META["overriding"][op] = kernel
+            else:
+                _NATIVE_META["python_only"].impl(op, kernel)
+    else:
+        registrations._meta_lib_dont_use_me_use_register_meta._destroy()
+    _NATIVE_META["depth"] = 1
+    try:
+        yield
+    finally:
+        _NATIVE_META["depth"] = 0
+        overriding = torch.library.Library("aten", "IMPL", "Meta")
+        for op, kernel in _NATIVE_META["overriding"].items():
+            overriding.impl(op, kernel)
+        registrations._meta_lib_dont_use_me_use_register_meta = overriding
 
 
 def listed() -> list[tuple[Patch, str | None, str | None]]:

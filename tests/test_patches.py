@@ -113,14 +113,30 @@ def test_make_check_lists_every_patch_with_its_library_and_range():
 
 def test_the_meta_patches_are_undone_when_the_trace_ends():
     import torch
+    from torch import _meta_registrations as registrations
     from transformers.integrations import moe
 
+    def python_meta_kernels() -> set[str]:
+        library = registrations._meta_lib_dont_use_me_use_register_meta
+        return set(library._op_impls) if library.m is not None else set()
+
     before = torch.autocast.__init__, moe._can_use_grouped_mm
-    with patches.meta_compatible():
-        assert torch.autocast.__init__ is not before[0]
-        with torch.autocast("meta", enabled=False):  # what peft opens around its fused-expert fold
-            pass
-    assert (torch.autocast.__init__, moe._can_use_grouped_mm) == before
+    overriding = python_meta_kernels()
+    assert "aten/add.Tensor/Meta" in overriding  # (torch's Python kernel over the C++ one)
+    for _ in range(2):  # the first trace of a process splits torch's library; a later one the same
+        with patches.meta_compatible():
+            assert torch.autocast.__init__ is not before[0]
+            with torch.autocast("meta", enabled=False):  # what peft opens around its fused-expert fold
+                pass
+            assert not python_meta_kernels()
+            with patches.meta_compatible():  # a trace inside a trace
+                pass
+            assert not python_meta_kernels()
+            meta = torch.empty(2, 3, device="meta")
+            assert (meta + meta).shape == (2, 3)  # the C++ kernel
+            assert torch.ops.aten.bucketize(meta, torch.empty(4, device="meta")).dtype == torch.int64  # Python's only
+        assert (torch.autocast.__init__, moe._can_use_grouped_mm) == before
+        assert python_meta_kernels() and python_meta_kernels() <= overriding
 
 
 def _library_names(tree: ast.AST) -> set[str]:

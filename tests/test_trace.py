@@ -202,3 +202,28 @@ def test_a_plan_derives_the_lengths_it_can_and_traces_the_rest(monkeypatch):
     for s in (1024, 2048, 4096, 8192, 16384):
         layer_trace(tiled, s)
     assert traced[5:] == [1024, 2048, 4096, 8192, 16384]  # the tiles' count moves with the length
+
+
+@pytest.mark.parametrize("model, changes", [
+    ("tiny-llama-256", dict(masked=True)),
+    ("tiny-llama-256", dict(method="qlora", checkpointing=True, tiled_mlp=True)),
+    ("tiny-llama-256", dict(attention="eager", method="full", lora=None, weights_dtype="float32")),
+    ("tiny-qwen3-moe", dict()),
+    ("tiny-lfm2", dict(masked=True)),
+    ("tiny-bamba", dict(method="full", lora=None)),
+])
+def test_the_dispatchers_own_meta_kernels_record_the_trace_torchs_python_ones_do(monkeypatch, model, changes):
+    """A trace runs on the C++ meta kernels where an op has one (sft_play.patches._native_meta_kernels):
+    the same events, in the same order, as on the Python kernels torch registers over them. (Not so
+    for Qwen3-Next's linear attention: ``softplus_backward``'s C++ kernel lays its output out as its
+    gradient's, as the CPU and CUDA kernels it is the meta half of do, where Python's makes it
+    contiguous; at two rows its backward copies once more, below the peak: the CPU ground truth's
+    cells of it plan the same bytes either way.)"""
+    import contextlib
+
+    from sft_play import patches
+
+    trace_spec = spec(name_or_path=str(REPO / "tests" / "fixtures" / "model_configs" / model), **changes)
+    native = tracing._traced(trace_spec, 3 * H)
+    monkeypatch.setattr(patches, "_native_meta_kernels", contextlib.nullcontext)
+    assert tracing._traced(trace_spec, 3 * H) == native
