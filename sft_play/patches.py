@@ -253,7 +253,7 @@ def meta_compatible() -> Iterator[None]:
         _checked("grouped_experts_on_meta")
         moe._can_use_grouped_mm = lambda *args, **kwargs: False
     try:
-        with _native_meta_kernels():
+        with native_meta_kernels():
             yield
     finally:
         torch.autocast.__init__ = original_init
@@ -261,17 +261,17 @@ def meta_compatible() -> Iterator[None]:
             moe._can_use_grouped_mm = grouped
 
 
-_NATIVE_META: dict[str, Any] = {"depth": 0}  # (a trace may start another inside it)
+_NATIVE_META: dict[str, Any] = {"depth": 0}  # (a plan traces inside it, and plans inside it again)
 
 
 @contextlib.contextmanager
-def _native_meta_kernels() -> Iterator[None]:
-    """The dispatcher's C++ meta kernels for the ops that have one. At import, torch registers a
-    Python meta kernel (``torch._meta_registrations.activate_meta``) over the C++ one of every op it
-    can decompose, for symbolic shapes, which a trace never has; a Python kernel costs ~100 us a
-    call against ~1. The first time, torch's library of them is split in two: the kernels of ops
-    with no C++ one, kept for good, and the others, withdrawn for the trace and registered again
-    after it (torch.compile, which needs them, sees no change)."""
+def native_meta_kernels() -> Iterator[None]:
+    """The dispatcher's C++ meta kernels for the ops that have one, for a plan and its traces. At
+    import, torch registers a Python meta kernel (``torch._meta_registrations.activate_meta``) over
+    the C++ one of every op it can decompose, for torch.compile's symbolic shapes, which a trace
+    never has; a Python kernel costs ~100 us a call against ~1. The first time, torch's library of
+    them is split in two: the kernels of ops with no C++ one, kept for good, and the others,
+    withdrawn inside and registered again after (~10 ms: once a plan, not once a trace)."""
     import torch
     from torch import _meta_registrations as registrations
 

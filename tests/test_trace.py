@@ -213,7 +213,7 @@ def test_a_plan_derives_the_lengths_it_can_and_traces_the_rest(monkeypatch):
     ("tiny-bamba", dict(method="full", lora=None)),
 ])
 def test_the_dispatchers_own_meta_kernels_record_the_trace_torchs_python_ones_do(monkeypatch, model, changes):
-    """A trace runs on the C++ meta kernels where an op has one (sft_play.patches._native_meta_kernels):
+    """A trace runs on the C++ meta kernels where an op has one (sft_play.patches.native_meta_kernels):
     the same events, in the same order, as on the Python kernels torch registers over them. (Not so
     for Qwen3-Next's linear attention: ``softplus_backward``'s C++ kernel lays its output out as its
     gradient's, as the CPU and CUDA kernels it is the meta half of do, where Python's makes it
@@ -225,5 +225,5 @@ def test_the_dispatchers_own_meta_kernels_record_the_trace_torchs_python_ones_do
 
     trace_spec = spec(name_or_path=str(REPO / "tests" / "fixtures" / "model_configs" / model), **changes)
     native = tracing._traced(trace_spec, 3 * H)
-    monkeypatch.setattr(patches, "_native_meta_kernels", contextlib.nullcontext)
+    monkeypatch.setattr(patches, "native_meta_kernels", contextlib.nullcontext)
     assert tracing._traced(trace_spec, 3 * H) == native

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from sft_play import patches
 from sft_play.config import RunConfig, consistency_problems, sequence_split_problem
 from sft_play.errors import UserError
 from sft_play.parallelism import Strategy
@@ -187,10 +188,11 @@ def make_plan(config: RunConfig, target: Target, data_stats: Any | None = None, 
         run: the resolved run, when the caller already has it (otherwise resolved here).
     """
     started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
-    shape = shape or model_shape(config)
-    fit = _fit_run(config, target, shape, options, run or resolve_for(config, target, data_stats, shape))
-    remedies = remedies_for(config, target, data_stats) if not fit.fits and options.remedies else _Remedies()
-    plan = _finished(config, target, data_stats, shape, fit, remedies)
+    with patches.native_meta_kernels():
+        shape = shape or model_shape(config)
+        fit = _fit_run(config, target, shape, options, run or resolve_for(config, target, data_stats, shape))
+        remedies = remedies_for(config, target, data_stats) if not fit.fits and options.remedies else _Remedies()
+        plan = _finished(config, target, data_stats, shape, fit, remedies)
     plan.plan_seconds = round(time.perf_counter() - started, 4)
     plan.plan_cpu_seconds = round(time.process_time() - started_cpu, 4)
     plan.replays = REPLAYS[0] - replays_before
