@@ -222,6 +222,12 @@ def main() -> None:
     # transformers' table of checkpoint renamings, which a process's first model load builds from
     # thousands of regular expressions (0.17 CPU-s) and every later load reuses: built once here
     sys.modules["transformers.conversion_mapping"].get_checkpoint_conversion_mapping("llama")
+    # torch's meta kernels split in two, as a process's first plan splits them (~40 ms,
+    # sft_play.patches.native_meta_kernels): done here once, not in each training process
+    patches = sys.modules["sft_play.patches"]
+    with patches.native_meta_kernels():
+        pass
+    patches._checked.cache_clear()  # (a fork checks the versions of what it patches itself)
     for key in added:
         del os.environ[key]
     gc.freeze()
