@@ -337,31 +337,50 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
     (``OMP_NUM_THREADS``): OpenMP threads of several processes spinning on the same two cores
     run several times slower than the same work one process after another (measured: two tiny
     trainings at once took 69 s with two threads each, 8 s with one, 15 s one after the other).
+    No more of them compute at once than :func:`_at_once` allows (a launch counts its ranks): eleven
+    processes of one module at once on two cores, the next started as one ends, cost a third more CPU
+    in all (ranks waiting on a descheduled peer) and starved the other worker's test.
     Output goes to files, not pipes: a process blocked on a full pipe while it holds the data
     cache's lock would stall the others."""
     import contextlib
     import time
 
-    threads = str(max(1, CORES // len(commands)))
+    at_once = _at_once()
+    threads = str(max(1, CORES // min(len(commands), at_once)))
     folder = Path(tempfile.mkdtemp(prefix="together-", dir=_SESSION_DIR))
+    deadline = time.monotonic() + timeout  # one deadline for them all
     with contextlib.ExitStack() as stack:
-        started = []
+        started: list = [None] * len(commands)
+        running: dict[int, int] = {}  # command's index: the processes it computes in
         for i, command in enumerate(commands):
             env = command[-1] if isinstance(command[-1], dict) else {}
             script, *args = command[:-1] if isinstance(command[-1], dict) else command
+            weight = int(args[args.index("--num-gpus") + 1]) if "--num-gpus" in args else 1
+            while running and sum(running.values()) + weight > at_once:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(script, timeout)
+                for j in [j for j in running if started[j][0].poll() is not None]:
+                    del running[j]
+                time.sleep(0.05)
             out, err = (stack.enter_context(open(folder / f"{i}.{kind}", "w+")) for kind in ("out", "err"))
             path = REPO / script if "/" in script else REPO / "scripts" / script  # bench/x.py, or one of scripts/
             environment = {**os.environ, "OMP_NUM_THREADS": threads, **env}
             process = start_script([sys.executable, str(path), *args], environment, out, err)
             stack.callback(lambda p=process: p.poll() is None and p.kill())  # none outlives a failure or a timeout
-            started.append((process, [sys.executable, script, *args], out, err))
-        deadline = time.monotonic() + timeout  # one deadline for them all
+            started[i] = (process, [sys.executable, script, *args], out, err)
+            running[i] = weight
         finished = []
         for process, args, out, err in started:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
             out.seek(0), err.seek(0)
             finished.append(subprocess.CompletedProcess(args, process.returncode, out.read(), err.read()))
     return finished
+
+
+def _at_once() -> int:
+    """How many processes :func:`run_scripts_together` lets compute at once: this worker's cores
+    and one more (a process starting or writing while the others compute), two at least."""
+    return max(2, CORES + 1)
 
 
 def printed_answers(stdout: str) -> list[str]:
