@@ -261,55 +261,78 @@ def meta_compatible() -> Iterator[None]:
             moe._can_use_grouped_mm = grouped
 
 
-_NATIVE_META: dict[str, Any] = {"depth": 0}  # (a plan traces inside it, and plans inside it again)
+# Whether torch's meta kernels are switched (native_meta_kernels), and who needs them so: traces
+# running, plans holding them switched between their traces (meta_kernels_kept)
+_NATIVE_META: dict[str, Any] = {"switched": False, "tracing": 0, "kept": 0}
 
 
 @contextlib.contextmanager
 def native_meta_kernels() -> Iterator[None]:
-    """The dispatcher's C++ meta kernels for the ops that have one, for a plan and its traces. At
-    import, torch registers a Python meta kernel (``torch._meta_registrations.activate_meta``) over
-    the C++ one of every op it can decompose, for torch.compile's symbolic shapes, which a trace
-    never has; a Python kernel costs ~100 us a call against ~1. The first time, torch's library of
-    them is split in two: the kernels of ops with no C++ one, kept for good, and the others,
-    withdrawn inside and registered again after (~10 ms: once a plan, not once a trace)."""
-    import torch
-    from torch import _meta_registrations as registrations
-
-    if _NATIVE_META["depth"]:
-        _NATIVE_META["depth"] += 1
-        try:
-            yield
-        finally:
-            _NATIVE_META["depth"] -= 1
-        return
-    _checked("native_meta_kernels")
-    if "overriding" not in _NATIVE_META:
-        library = registrations._meta_lib_dont_use_me_use_register_meta
-        kernels = {}
-        for key in sorted(library._op_impls):  # "aten/add.Tensor/Meta"
-            namespace, name, _ = key.split("/")
-            packet, _, overload = name.partition(".")
-            op = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-            kernels[op] = op.py_kernels[torch._C.DispatchKey.Meta]
-        library._destroy()
-        _NATIVE_META["python_only"] = torch.library.Library("aten", "IMPL", "Meta")
-        _NATIVE_META["overriding"] = {}
-        for op, kernel in kernels.items():
-            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
-                _NATIVE_META["overriding"][op] = kernel
-            else:
-                _NATIVE_META["python_only"].impl(op, kernel)
-    else:
-        registrations._meta_lib_dont_use_me_use_register_meta._destroy()
-    _NATIVE_META["depth"] = 1
+    """The dispatcher's C++ meta kernels for the ops that have one, for a trace. At import, torch
+    registers a Python meta kernel (``torch._meta_registrations.activate_meta``) over the C++ one of
+    every op it can decompose, for torch.compile's symbolic shapes, which a trace never has; a Python
+    kernel costs ~100 us a call against ~1. The first time, torch's library of them is split in
+    two: the kernels of ops with no C++ one, kept for good, and the others, withdrawn inside and
+    registered again after (~6 ms; inside :func:`meta_kernels_kept`, once it ends)."""
+    if not _NATIVE_META["switched"]:
+        _checked("native_meta_kernels")
+        _withdraw_python_meta_kernels()
+        _NATIVE_META["switched"] = True
+    _NATIVE_META["tracing"] += 1
     try:
         yield
     finally:
-        _NATIVE_META["depth"] = 0
-        overriding = torch.library.Library("aten", "IMPL", "Meta")
-        for op, kernel in _NATIVE_META["overriding"].items():
-            overriding.impl(op, kernel)
-        registrations._meta_lib_dont_use_me_use_register_meta = overriding
+        _NATIVE_META["tracing"] -= 1
+        _restore_python_meta_kernels_unless_needed()
+
+
+@contextlib.contextmanager
+def meta_kernels_kept() -> Iterator[None]:
+    """Inside, torch's meta kernels stay as a trace switched them (:func:`native_meta_kernels`)
+    until the end: a plan's traces switch them once, and a plan that traces nothing not at all."""
+    _NATIVE_META["kept"] += 1
+    try:
+        yield
+    finally:
+        _NATIVE_META["kept"] -= 1
+        _restore_python_meta_kernels_unless_needed()
+
+
+def _withdraw_python_meta_kernels() -> None:
+    import torch
+    from torch import _meta_registrations as registrations
+
+    if "overriding" in _NATIVE_META:
+        registrations._meta_lib_dont_use_me_use_register_meta._destroy()
+        return
+    library = registrations._meta_lib_dont_use_me_use_register_meta
+    kernels = {}
+    for key in sorted(library._op_impls):  # "aten/add.Tensor/Meta"
+        namespace, name, _ = key.split("/")
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+        kernels[op] = op.py_kernels[torch._C.DispatchKey.Meta]
+    library._destroy()
+    _NATIVE_META["python_only"] = torch.library.Library("aten", "IMPL", "Meta")
+    _NATIVE_META["overriding"] = {}
+    for op, kernel in kernels.items():
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+            _NATIVE_META["overriding"][op] = kernel
+        else:
+            _NATIVE_META["python_only"].impl(op, kernel)
+
+
+def _restore_python_meta_kernels_unless_needed() -> None:
+    if not _NATIVE_META["switched"] or _NATIVE_META["tracing"] or _NATIVE_META["kept"]:
+        return
+    import torch
+    from torch import _meta_registrations as registrations
+
+    overriding = torch.library.Library("aten", "IMPL", "Meta")
+    for op, kernel in _NATIVE_META["overriding"].items():
+        overriding.impl(op, kernel)
+    registrations._meta_lib_dont_use_me_use_register_meta = overriding
+    _NATIVE_META["switched"] = False
 
 
 def listed() -> list[tuple[Patch, str | None, str | None]]:

@@ -137,6 +137,13 @@ def test_the_meta_patches_are_undone_when_the_trace_ends():
             assert torch.ops.aten.bucketize(meta, torch.empty(4, device="meta")).dtype == torch.int64  # Python's only
         assert (torch.autocast.__init__, moe._can_use_grouped_mm) == before
         assert python_meta_kernels() and python_meta_kernels() <= overriding
+    with patches.meta_kernels_kept():  # a plan: nothing switched until it traces, then until it ends
+        assert python_meta_kernels()
+        for _ in range(2):
+            with patches.meta_compatible():
+                assert not python_meta_kernels()
+            assert not python_meta_kernels()
+    assert python_meta_kernels() and python_meta_kernels() <= overriding
 
 
 def _library_names(tree: ast.AST) -> set[str]:

@@ -188,7 +188,7 @@ def make_plan(config: RunConfig, target: Target, data_stats: Any | None = None, 
         run: the resolved run, when the caller already has it (otherwise resolved here).
     """
     started, started_cpu, replays_before = time.perf_counter(), time.process_time(), REPLAYS[0]
-    with patches.native_meta_kernels():
+    with patches.meta_kernels_kept():  # (one switch of torch's meta kernels for every trace of the plan)
         shape = shape or model_shape(config)
         fit = _fit_run(config, target, shape, options, run or resolve_for(config, target, data_stats, shape))
         remedies = remedies_for(config, target, data_stats) if not fit.fits and options.remedies else _Remedies()
