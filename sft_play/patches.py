@@ -67,7 +67,7 @@ PATCHES = {
     "native_meta_kernels": Patch(
         "torch._meta_registrations.activate_meta", "torch", ">=2.13,<3",
         "the planner's trace on the meta device: the Python meta kernels it registers over the dispatcher's "
-        "C++ ones (~100 us a call against ~1) are withdrawn where a C++ one exists (while tracing only)"),
+        "C++ ones (~100 us a call against ~1) are withdrawn where a C++ one exists (while a plan traces)"),
     "grouped_experts_on_meta": Patch(
         "transformers.integrations.moe._can_use_grouped_mm", "transformers", "==5.23.*",
         "the planner's trace on the meta device: the grouped experts take their fallback op, which has a "

@@ -337,15 +337,15 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
     (``OMP_NUM_THREADS``): OpenMP threads of several processes spinning on the same two cores
     run several times slower than the same work one process after another (measured: two tiny
     trainings at once took 69 s with two threads each, 8 s with one, 15 s one after the other).
-    No more of them compute at once than :func:`_at_once` allows (a launch counts its ranks): eleven
-    processes of one module at once on two cores, the next started as one ends, cost a third more CPU
-    in all (ranks waiting on a descheduled peer) and starved the other worker's test.
+    No more of them compute at once than this worker's cores and one more (a launch counts its
+    ranks), the next started as one ends: eleven processes of one module at once on two cores
+    starved the other worker's test and cost more CPU in all (docs/reports/test_suite.md).
     Output goes to files, not pipes: a process blocked on a full pipe while it holds the data
     cache's lock would stall the others."""
     import contextlib
     import time
 
-    at_once = _at_once()
+    at_once = max(2, CORES + 1)  # (one more: a process starting or writing while the others compute)
     threads = str(max(1, CORES // min(len(commands), at_once)))
     folder = Path(tempfile.mkdtemp(prefix="together-", dir=_SESSION_DIR))
     deadline = time.monotonic() + timeout  # one deadline for them all
@@ -375,12 +375,6 @@ def run_scripts_together(*commands: tuple, timeout: int = 600) -> list[subproces
             out.seek(0), err.seek(0)
             finished.append(subprocess.CompletedProcess(args, process.returncode, out.read(), err.read()))
     return finished
-
-
-def _at_once() -> int:
-    """How many processes :func:`run_scripts_together` lets compute at once: this worker's cores
-    and one more (a process starting or writing while the others compute), two at least."""
-    return max(2, CORES + 1)
 
 
 def printed_answers(stdout: str) -> list[str]:
