@@ -42,12 +42,15 @@ def _kernel():
     except Exception as error:  # noqa: BLE001 - the reference allocator replays instead
         logger.debug("numba unavailable (%s): replays run through the Python allocator", error)
         return None
-    jit = numba.njit(cache=True, nogil=True)
+    # Without numba's reference counts (``_nrt``, its runtime): every array is made in Python
+    # (:func:`_arrays`) and only indexed here, and counting each one in and out of every helper,
+    # atomically, was half of a replay. The helpers are inlined into the loop.
+    jit = numba.njit(cache=True, nogil=True, _nrt=False)
+    inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
     global _position, _remove, _insert, _release, _new_block, _retire, _take, _give_back
-    # the helpers compiled first: _replay calls them compiled
-    _position, _remove, _insert, _release = jit(_position), jit(_remove), jit(_insert), jit(_release)
-    _new_block, _retire = jit(_new_block), jit(_retire)
-    _take, _give_back = jit(_take), jit(_give_back)
+    _position, _remove, _insert, _release = inline(_position), inline(_remove), inline(_insert), inline(_release)
+    _new_block, _retire = inline(_new_block), inline(_retire)
+    _take, _give_back = inline(_take), inline(_give_back)
     return jit(_replay)
 
 
@@ -193,31 +196,33 @@ def _give_back(block, blocks, free, counts, state, dead):
     _insert(free, counts, pool, size_of[block], address[block], block)
 
 
-def _replay(kinds, handles, sizes, categories, handle_count, category_count, capacity, rules):
-    """Replay the events; `capacity` < 0 is unlimited; `rules` the allocator's sizes (:data:`RULES`,
-    passed at run time: numba's cache follows this file, not the module the sizes come from).
-    Returns (peak_reserved, peak_allocated, releases, out_of_memory, at_peak, at_peak_allocated):
-    the by-category arrays with the allocator's cache last in ``at_peak``."""
-    min_block = rules[0]
-    events = kinds.shape[0]
-    allocations = 0
-    for event in range(events):
-        allocations += kinds[event]
+def _arrays(kinds: np.ndarray, handle_count: int, category_count: int) -> tuple:
+    """The replay's working arrays, for `kinds`' allocations: per block, its segment, address,
+    size, small pool or not, allocated or not, category, previous and next (-1: none), each
+    written as a block is made (empty, not zeroed: only the blocks alive at once are touched); the
+    segments' sizes; the pools' free lists; the retired block numbers (reused first); the free
+    lists' lengths; the counters (:data:`RESERVED`...); each handle's live block; the bytes by
+    category now, at the reserved peak (the allocator's cache last) and at the allocated peak."""
+    allocations = int(np.count_nonzero(kinds))
     most = 2 * allocations + 2  # an allocation makes at most two blocks: a segment and a split's rest
-    # per block: segment, address, size, small pool, allocated, category, previous and next (-1: none);
-    # each written as a block is made (empty, not zeroed: only the blocks alive at once are touched)
     blocks = (np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.bool_),
               np.empty(most, np.bool_), np.empty(most, np.int64), np.empty(most, np.int64), np.empty(most, np.int64))
+    return (blocks, np.empty(allocations + 1, np.int64), np.empty((2, 3, most), np.int64), np.empty(most, np.int64),
+            np.zeros(2, np.int64), np.zeros(5, np.int64), np.full(handle_count, -1, np.int64),
+            np.zeros(category_count, np.int64), np.zeros(category_count + 1, np.int64),
+            np.zeros(category_count, np.int64))
+
+
+def _replay(kinds, handles, sizes, categories, capacity, rules, blocks, segment_sizes, free, dead, counts, state, live,
+            by_category, at_peak, at_peak_allocated):
+    """Replay the events into the arrays of :func:`_arrays`; `capacity` < 0 is unlimited; `rules`
+    the allocator's sizes (:data:`RULES`, passed at run time: numba's cache follows this file, not
+    the module the sizes come from). Returns (peak_reserved, peak_allocated, releases,
+    out_of_memory); the bytes by category at the peaks are left in `at_peak` and `at_peak_allocated`."""
+    min_block = rules[0]
+    events = kinds.shape[0]
+    category_count = by_category.shape[0]
     size_of, taken, category_of = blocks[2], blocks[4], blocks[5]
-    segment_sizes = np.empty(allocations + 1, np.int64)
-    free = np.empty((2, 3, most), np.int64)
-    dead = np.empty(most, np.int64)  # retired block numbers, reused first
-    counts = np.zeros(2, np.int64)
-    state = np.zeros(5, np.int64)
-    live = np.full(handle_count, -1, np.int64)
-    by_category = np.zeros(category_count, np.int64)
-    at_peak = np.zeros(category_count + 1, np.int64)
-    at_peak_allocated = np.zeros(category_count, np.int64)
     allocated = peak_reserved = peak_allocated = 0
     pending = False  # allocated reached a new peak and nothing was freed since
     out_of_memory = False
@@ -241,7 +246,8 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 pending = True
             if grew and state[RESERVED] > peak_reserved:
                 peak_reserved = state[RESERVED]
-                at_peak[:category_count] = by_category
+                for category in range(category_count):  # (a slice's copy would need numba's runtime)
+                    at_peak[category] = by_category[category]
                 at_peak[category_count] = state[RESERVED] - allocated
         else:
             block = live[handle]
@@ -249,14 +255,16 @@ def _replay(kinds, handles, sizes, categories, handle_count, category_count, cap
                 continue
             live[handle] = -1
             if pending:
-                at_peak_allocated[:] = by_category
+                for category in range(category_count):
+                    at_peak_allocated[category] = by_category[category]
                 pending = False
             allocated -= size_of[block]
             by_category[category_of[block]] -= size_of[block]
             _give_back(block, blocks, free, counts, state, dead)
     if pending:
-        at_peak_allocated[:] = by_category
-    return peak_reserved, peak_allocated, state[RELEASES], out_of_memory, at_peak, at_peak_allocated
+        for category in range(category_count):
+            at_peak_allocated[category] = by_category[category]
+    return peak_reserved, peak_allocated, state[RELEASES], out_of_memory
 
 
 # The replay's handles (sft_play.planner.simulate.step): a traced tensor's is its layer's number
@@ -315,9 +323,10 @@ def replay(kinds: np.ndarray, handles: np.ndarray, sizes: np.ndarray, categories
     the same calls: ``peak_reserved``, ``peak_allocated``, ``releases``, ``out_of_memory``,
     ``at_peak`` and ``at_peak_allocated`` (dicts by category, as the reference builds them)."""
     numbered, count = _numbered(handles)
-    peak_reserved, peak_allocated, releases, oom, at_peak, at_peak_allocated = _kernel()(
-        kinds, numbered, sizes, category_ids, count, len(categories),
-        -1 if capacity is None else max(0, int(capacity)), RULES)
+    arrays = _arrays(kinds, count, len(categories))
+    at_peak, at_peak_allocated = arrays[-2:]
+    peak_reserved, peak_allocated, releases, oom = _kernel()(
+        kinds, numbered, sizes, category_ids, -1 if capacity is None else max(0, int(capacity)), RULES, *arrays)
     peak = {categories[c]: int(v) for c, v in enumerate(at_peak[:-1]) if v}
     if peak_reserved:
         peak["allocator_cache"] = int(at_peak[-1])
