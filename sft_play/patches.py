@@ -225,11 +225,14 @@ def skip_deepspeed_shm_build() -> None:
     """Before DeepSpeed's communication starts in CPU processes: its shared-memory all-reduce op
     (``deepspeed.comm.torch.build_shm_op``, a C++ build on the first run in each
     TORCH_EXTENSIONS_DIR) is used only by ``inference_all_reduce``; training's collectives go
-    through torch.distributed (gloo). Marked incompatible, it is skipped."""
+    through torch.distributed (gloo). Marked incompatible, it is skipped. The table of every op's
+    compatibility is made on its first read by probing them all (compiler subprocesses and
+    setuptools' import: seconds of each rank's start); only this op's entry is ever read
+    (``.get(name, False)``), so where nothing probed yet the table is started with it alone."""
     import deepspeed.ops
 
     _checked("skip_deepspeed_shm_build")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
 @contextlib.contextmanager
