@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from sft_play import long_rows, patches
 from sft_play.adapters import LoraSpec, peft_config
@@ -183,7 +183,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, result)
+        if isinstance(result, torch.Tensor):
+            self._track(result)
+        else:  # (a tuple or list of tensors, or none: in order)
+            for leaf in tree_leaves(result):
+                if isinstance(leaf, torch.Tensor):
+                    self._track(leaf)
         return result
 
 
@@ -832,32 +837,54 @@ def _traced(spec: TraceSpec, seq_len: int, batched: bool = True) -> LayerTrace:
     with warnings.catch_warnings(), patches.meta_compatible():
         warnings.simplefilter("ignore")
         for position, kind in enumerate(names):
-            prepared = _prepared_layer(spec, kind)
+            prepared = _prepared_once(spec, kind)
             sliding = windowed and is_sliding(model_config, kind)
-            for which in ("layer", "norm") if position == 0 and prepared[1] is not None else ("layer",):
-                # (kept for a whole trace of the same layer: a plan asks for micro-batch 1 first)
-                one = _ONE_ROW.pop((spec, seq_len, kind, which), None) or _trace_module(spec, prepared, 1, seq_len,
-                                                                                        which, sliding)
-                if not batched:
-                    if len(_ONE_ROW) >= 16:
-                        _ONE_ROW.clear()
-                    _ONE_ROW[spec, seq_len, kind, which] = one
-                    events = (_module_events(one, one, 1), None)
-                else:
-                    two = _trace_module(spec, prepared, 2, seq_len, which, sliding)
-                    try:  # the same operations at 1 and 2 rows: one description for every micro-batch
-                        scaled = _module_events(one, two, 1)
-                        events = (scaled, scaled)
-                    except ValueError:
-                        three = _trace_module(spec, prepared, 3, seq_len, which, sliding)
-                        events = (_module_events(one, one, 1), _module_events(two, three, 2))
-                if which == "layer":
-                    traced.append(events)
-                else:
-                    norm = events
+            try:
+                for which in ("layer", "norm") if position == 0 and prepared[1] is not None else ("layer",):
+                    events = _module_traced(spec, prepared, seq_len, kind, which, sliding, batched)
+                    if which == "layer":
+                        traced.append(events)
+                    else:
+                        norm = events
+            except BaseException:  # (a trace that failed part-way: the layer is made again next time)
+                _PREPARED.pop((spec, kind), None)
+                raise
     pattern = tuple(names.index(kind) for kind in kinds) if len(names) > 1 else ()
     return LayerTrace((traced[0][0], norm[0]), (traced[0][1], norm[1]), tuple(traced), pattern,
                       tuple(name for name in names if name))
+
+
+def _module_traced(spec: TraceSpec, prepared: tuple, seq_len: int, kind: str | None, which: str, sliding: bool,
+                   batched: bool) -> tuple[ModuleEvents, ModuleEvents | None]:
+    """The layer's or the norm's events at one row and, `batched`, at more."""
+    # (kept for a whole trace of the same layer: a plan asks for micro-batch 1 first)
+    one = _ONE_ROW.pop((spec, seq_len, kind, which), None) or _trace_module(spec, prepared, 1, seq_len, which, sliding)
+    if not batched:
+        if len(_ONE_ROW) >= 16:
+            _ONE_ROW.clear()
+        _ONE_ROW[spec, seq_len, kind, which] = one
+        return _module_events(one, one, 1), None
+    two = _trace_module(spec, prepared, 2, seq_len, which, sliding)
+    try:  # the same operations at 1 and 2 rows: one description for every micro-batch
+        scaled = _module_events(one, two, 1)
+        return scaled, scaled
+    except ValueError:
+        three = _trace_module(spec, prepared, 3, seq_len, which, sliding)
+        return _module_events(one, one, 1), _module_events(two, three, 2)
+
+
+# This process's layers made ready to trace, by (spec, kind): a plan traces a layer at several
+# lengths, and making one (a copy of the one-layer model, peft's adapters) cost about as much as
+# tracing it; a trace leaves it as it found it (its gradients are cleared before the next)
+_PREPARED: dict[tuple[TraceSpec, str | None], tuple] = {}
+
+
+def _prepared_once(spec: TraceSpec, kind: str | None) -> tuple[Any, Any, Any, torch.dtype]:
+    if (spec, kind) not in _PREPARED:
+        if len(_PREPARED) >= 8:
+            _PREPARED.clear()
+        _PREPARED[spec, kind] = _prepared_layer(spec, kind)
+    return _PREPARED[spec, kind]
 
 
 def _is_attention_layer(layer: Any) -> bool:
