@@ -118,6 +118,9 @@ class _Replay:
         self.allocator.malloc(handle, size, category)
 
     def free(self, *handles) -> None:
+        if isinstance(self.allocator, _Events):
+            self.allocator.free_all(handles)
+            return
         for handle in handles:
             if handle is not None:
                 self.allocator.free(handle)
@@ -162,6 +165,14 @@ class _Events:
         self.sizes.append(0)
         self.category_ids.append(0)
 
+    def free_all(self, handles) -> None:
+        """:meth:`free` of each of `handles` but None, in order."""
+        handles = [handle for handle in handles if handle is not None]
+        self.kinds += [0] * len(handles)
+        self.handles += handles
+        self.sizes += [0] * len(handles)
+        self.category_ids += [0] * len(handles)
+
     def _flush(self) -> None:
         if self.kinds:
             self.blocks.append((np.array(self.kinds, np.int64), np.array(self.handles, np.int64),
@@ -180,9 +191,19 @@ class _Events:
         categories = np.where(template.gradient, numbers.get("gradients", 0), numbers.get(category, 0))
         self.blocks.append((template.kinds, handles, template.sizes, categories))
 
+    def extend(self, gpu: _Replay, recorded: tuple) -> None:
+        """The events another :class:`_Events` recorded from a fresh :class:`_Replay`, added as
+        `gpu`'s own first ones (its handles counted on past theirs)."""
+        assert not self.blocks and not self.kinds, "recorded events begin a replay"
+        kinds, offsets, sizes, names, ids, handles_used = recorded
+        numbers = np.array([self._category(name) for name in names] or [0], np.int64)
+        self.blocks.append((kinds, offsets + _OWN_HANDLES, sizes, np.where(kinds == 1, numbers[ids], 0)))
+        gpu.counter = itertools.count(_OWN_HANDLES + handles_used)
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
         self._flush()
-        kinds, handles, sizes, categories = (np.concatenate(column) for column in zip(*self.blocks))
+        columns = zip(*self.blocks) if self.blocks else [[np.zeros(0, np.int64)]] * 4
+        kinds, handles, sizes, categories = (np.concatenate(column) for column in columns)
         return kinds, handles, sizes, list(self.categories), categories
 
 
@@ -267,10 +288,10 @@ def _events_per_step(shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> in
 
 def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
     run = spec.run
-    _static(gpu, shape, run)
-    if spec.on_cuda:
-        gpu.new(spec.cublas_workspace, "cuda_runtime")
-    _optimizer_states(gpu, shape, run)
+    if isinstance(gpu.allocator, _Events):
+        gpu.allocator.extend(gpu, _before_steps_recorded(shape, spec))
+    else:
+        _before_steps(gpu, shape, spec)
     for _ in range(spec.steps):
         # With accumulation, every micro-batch after the first runs with the gradients alive (and
         # adds its own into them): replay that one
@@ -280,6 +301,35 @@ def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) 
         _optimizer_step(gpu, shape, run)
         gpu.mark("after_step")
         gpu.free(*held, *grads)  # zero_grad(set_to_none=True)
+
+
+def _before_steps(gpu: _Replay, shape: ModelShape, spec: StepSpec) -> None:
+    """What is allocated before the first step: the static state, cuBLAS's workspace, the
+    optimizer's states."""
+    _static(gpu, shape, spec.run)
+    if spec.on_cuda:
+        gpu.new(spec.cublas_workspace, "cuda_runtime")
+    _optimizer_states(gpu, shape, spec.run)
+
+
+# :func:`_before_steps`' events for a compiled replay, by the shape's id and what decides them: the
+# same for every micro-batch, budget and length a plan asks about (thousands of tensors, one
+# Python call each, were a third of a replay's own work)
+_BEFORE_STEPS: dict = {}
+
+
+def _before_steps_recorded(shape: ModelShape, spec: StepSpec) -> tuple:
+    key = (id(shape), spec.run, spec.on_cuda, spec.cublas_workspace)
+    found = _BEFORE_STEPS.get(key)
+    if found is None or found[0] is not shape:
+        if len(_BEFORE_STEPS) > 64:
+            _BEFORE_STEPS.clear()
+        recorder = _Replay(_Events())
+        _before_steps(recorder, shape, spec)
+        kinds, handles, sizes, categories, category_ids = recorder.allocator.arrays()
+        found = _BEFORE_STEPS[key] = (shape, (kinds, handles - _OWN_HANDLES, sizes, categories, category_ids,
+                                              next(recorder.counter) - _OWN_HANDLES))
+    return found[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +400,8 @@ def _held_gradients(gpu: _Replay, shape: ModelShape, run: Run) -> list:
         return [gpu.new(size, "gradients") for size in [memory.gradient_bytes(shape, run)] if size]
     if run.parallel.strategy.shards_states:
         return []
-    return [gpu.new(numel * memory.trainable_bytes(run), "gradients") for numel in memory.trainable_tensors(shape, run)]
+    size = memory.trainable_bytes(run)
+    return [gpu.new(numel * size, "gradients") for numel in memory.trainable_tensors(shape, run)]
 
 
 def _optimizer_step(gpu: _Replay, shape: ModelShape, run: Run) -> None:
