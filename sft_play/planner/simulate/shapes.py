@@ -133,13 +133,20 @@ class ModelShape:
         return asdict(self)
 
     def key(self) -> tuple:
-        """A hashable identity of the shape (for caching predictions)."""
+        """A hashable identity of the shape (for caching predictions): made once, as a plan asks
+        for it at every prediction; a field set anew makes it again."""
         def frozen(value: Any) -> Any:
             if isinstance(value, dict):
                 return tuple((k, frozen(v)) for k, v in value.items())
             return tuple(frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
-        return tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self))
+        if "_key" not in self.__dict__:
+            self.__dict__["_key"] = tuple(frozen(getattr(self, f.name)) for f in dataclasses.fields(self))
+        return self.__dict__["_key"]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_key", None)
+        super().__setattr__(name, value)
 
 
 def _kind(name: str, module: Any, output_embeddings: Any) -> str:
