@@ -22,7 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from sft_play import hardware
+from sft_play import hardware, patches
 from sft_play.architecture import config_identity
 from sft_play.planner.simulate import cache, memory
 from sft_play.planner.simulate.encoder import EncoderTrace, encoder_trace
@@ -114,7 +114,8 @@ def predict(shape: ModelShape, run: Run, micro_batch: int, budget: int | None = 
     key = _key(shape, run, micro_batch, budget, accumulating)
     known = _known(key)
     if known is None:
-        known = _predict(shape, run, micro_batch, budget, accumulating)
+        with patches.meta_kernels_kept():  # (one switch of torch's meta kernels for its layers', encoder's traces)
+            known = _predict(shape, run, micro_batch, budget, accumulating)
         _remember(key, known)
     return known
 
