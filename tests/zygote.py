@@ -67,10 +67,12 @@ SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR,
 # TORCH_CUDA_ARCH_LIST) nor bitsandbytes (sft_play.lean_imports). Inductor's compiler is what both of
 # those import through the ``torch.compile`` they decorate functions with on import (DeepSpeed's Muon,
-# bitsandbytes' CPU operators): 0.8 CPU-seconds in every rank of a ZeRO run and every QLoRA process
+# bitsandbytes' CPU operators): 0.8 CPU-seconds in every rank of a ZeRO run and every QLoRA process.
+# Llama's modeling code: the embedded default's (configs/tiny_model), which most scripts load
 PRELOADED = ("torch", "torch.distributed.tensor", "torch._inductor.compile_fx", "transformers",
              "transformers.modeling_utils", "transformers.masking_utils", "transformers.models.auto.modeling_auto",
-             "transformers.tokenization_utils_base", "accelerate", "safetensors", "numba", "datasets")
+             "transformers.models.llama.modeling_llama", "transformers.tokenization_utils_base", "accelerate",
+             "safetensors", "numba", "datasets")
 # Then the stack every training script imports, which reads nothing from the environment on import
 # and imports neither DeepSpeed nor bitsandbytes, hidden while it imports here: peft imports
 # bitsandbytes where it can (peft.helpers keeps None for it, used by no helper sft_play calls), and a
