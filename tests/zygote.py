@@ -11,8 +11,10 @@ What cannot be the script's own is what those libraries read from the environmen
 were imported (``HF_HUB_OFFLINE``, ``HF_HOME``, ``ATEN_CPU_CAPABILITY``...): a request whose
 environment differs from this process's in anything but :data:`READ_AT_RUN_TIME` is started
 as a fresh interpreter instead (conftest decides). Nothing is imported here that a script
-decides about or configures first (:data:`PRELOADED`): bitsandbytes and DeepSpeed are imported
-by the script that uses them, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`).
+decides about or configures first (:data:`PRELOADED`): bitsandbytes is imported by the script
+that uses it, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`), and DeepSpeed,
+imported here as a script would import it, is hidden until a script imports it
+(:class:`_HiddenDeepSpeed`).
 
 Protocol, one JSON document per line: on stdout ``{"ready": true}`` once imported; then, for
 each request on stdin ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
@@ -64,8 +66,8 @@ RANK_PREFIXES_READ_AT_RUN_TIME = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL
 # The socket a rank's stand-in (tests/shim/sitecustomize.py) asks this process to fork it on
 SOCKET_ENV = "SFT_PLAY_TESTS_ZYGOTE"
 # Only libraries that read nothing a script sets in its environment before importing them, or read
-# it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR,
-# TORCH_CUDA_ARCH_LIST) nor bitsandbytes (sft_play.lean_imports). Inductor's compiler is what both of
+# it as every script sets it (:data:`SET_BY_EVERY_SCRIPT`): not DeepSpeed (DS_ACCELERATOR; hidden
+# instead: _HiddenDeepSpeed) nor bitsandbytes (sft_play.lean_imports). Inductor's compiler is what both of
 # those import through the ``torch.compile`` they decorate functions with on import (DeepSpeed's Muon,
 # bitsandbytes' CPU operators): 0.8 CPU-seconds in every rank of a ZeRO run and every QLoRA process.
 # Llama's modeling code: the embedded default's (configs/tiny_model), which most scripts load
@@ -212,6 +214,86 @@ def _preload_without_bitsandbytes() -> None:
     assert "deepspeed" not in sys.modules
 
 
+# DeepSpeed's modules a ZeRO rank imports, imported here then hidden (:class:`_HiddenDeepSpeed`)
+PRELOADED_HIDDEN = ("deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp", "deepspeed.runtime.zero.muon.muon_optimizer")
+# What DeepSpeed reads from the environment as it imports (DS_ACCELERATOR: which accelerator)
+DEEPSPEED_READS = ("DS_ACCELERATOR", "DEEPSPEED_TIMEOUT", "DISABLE_LOGS_WHILE_COMPILING", "MSGPACK_PUREPYTHON",
+                   "PYDANTIC_DISABLE_PLUGINS", "HOME")
+
+
+class _HiddenDeepSpeed:
+    """DeepSpeed imported here as a script imports it, then out of ``sys.modules``: a fork that
+    never imports it has none of it, as a fresh process (``sft_play.lean_imports`` hides it from
+    most training processes), and one that imports it is handed these modules (about half a
+    CPU-second of a ZeRO rank's start, forty times in the suite), where its environment holds what
+    DeepSpeed read here (:data:`DEEPSPEED_READS`); elsewhere it imports its own. What the import
+    did besides (a variable it sets, its logger's stream) is done again as it is handed over. A
+    meta-path finder: ``importlib.util.find_spec`` finds it without importing it, as it would
+    find the files."""
+
+    def __init__(self) -> None:
+        import importlib
+        import logging
+
+        import torch
+
+        assert not any(name == "deepspeed" or name.startswith("deepspeed.") for name in sys.modules)
+        original = dict(os.environ)
+        if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():  # as sft_play.cli.quiet_libraries
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        self.read = {key: os.environ.get(key) for key in DEEPSPEED_READS}
+        before = dict(os.environ)
+        loggers = logging.root.manager.loggerDict
+        handlers = {name: list(getattr(logger, "handlers", [])) for name, logger in loggers.items()}
+        streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+        # (imported with stand-ins for the streams: this process's stdout is the suite's pipe)
+        stand_ins = {name: open(os.devnull, "w") for name in streams}
+        sys.stdout, sys.stderr = stand_ins["stdout"], stand_ins["stderr"]
+        try:
+            for name in PRELOADED_HIDDEN:
+                try:
+                    importlib.import_module(name)
+                except ImportError:  # (another DeepSpeed's layout, or none: imported by the fork itself)
+                    break
+        finally:
+            sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
+        self.set = {key: value for key, value in os.environ.items() if key not in before}
+        os.environ.clear()
+        os.environ.update(original)
+        self.streams = [(handler, stream) for name, logger in loggers.items()
+                        for handler in getattr(logger, "handlers", []) if handler not in handlers.get(name, [])
+                        for stream, stand_in in stand_ins.items() if getattr(handler, "stream", None) is stand_in]
+        self.modules = {name: module for name, module in sys.modules.items()
+                        if name == "deepspeed" or name.startswith("deepspeed.")}
+        for name in self.modules:
+            del sys.modules[name]
+        if "deepspeed" in self.modules:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed" or not self.modules or any(os.environ.get(k) != v for k, v in self.read.items()):
+            return None
+        import importlib.util
+
+        original = self.modules["deepspeed"].__spec__
+        spec = importlib.util.spec_from_loader(name, self, origin=original.origin, is_package=True)
+        spec.submodule_search_locations = original.submodule_search_locations
+        return spec
+
+    def create_module(self, spec):
+        return self.modules["deepspeed"]
+
+    def exec_module(self, module) -> None:
+        module.__spec__ = self.modules["deepspeed"].__spec__
+        for name, found in self.modules.items():
+            sys.modules.setdefault(name, found)
+        self.modules = {}
+        for key, value in self.set.items():
+            os.environ.setdefault(key, value)
+        for handler, stream in self.streams:
+            handler.setStream(getattr(sys, stream))
+
+
 def main() -> None:
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
@@ -230,6 +312,7 @@ def main() -> None:
     with patches.native_meta_kernels():
         pass
     patches._checked.cache_clear()  # (a fork checks the versions of what it patches itself)
+    _HiddenDeepSpeed()
     for key in added:
         del os.environ[key]
     gc.freeze()
