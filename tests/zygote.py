@@ -253,7 +253,7 @@ class _HiddenDeepSpeed:
             for name in PRELOADED_HIDDEN:
                 try:
                     importlib.import_module(name)
-                except ImportError:  # (another DeepSpeed's layout, or none: imported by the fork itself)
+                except Exception:  # noqa: BLE001 - none, another layout, or failing here: each fork imports its own
                     break
         finally:
             sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
