@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -191,14 +192,12 @@ class _Events:
         categories = np.where(template.gradient, numbers.get("gradients", 0), numbers.get(category, 0))
         self.blocks.append((template.kinds, handles, template.sizes, categories))
 
-    def extend(self, gpu: _Replay, recorded: tuple) -> None:
-        """The events another :class:`_Events` recorded from a fresh :class:`_Replay`, added as
-        `gpu`'s own first ones (its handles counted on past theirs)."""
+    def begin_with(self, recorded: _Recorded) -> None:
+        """`recorded`'s events as this replay's first ones."""
         assert not self.blocks and not self.kinds, "recorded events begin a replay"
-        kinds, offsets, sizes, names, ids, handles_used = recorded
-        numbers = np.array([self._category(name) for name in names] or [0], np.int64)
-        self.blocks.append((kinds, offsets + _OWN_HANDLES, sizes, np.where(kinds == 1, numbers[ids], 0)))
-        gpu.counter = itertools.count(_OWN_HANDLES + handles_used)
+        numbers = np.array([self._category(name) for name in recorded.categories] or [0], np.int64)
+        self.blocks.append((recorded.kinds, recorded.offsets + _OWN_HANDLES, recorded.sizes,
+                            np.where(recorded.kinds == 1, numbers[recorded.category_ids], 0)))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
         self._flush()
@@ -289,7 +288,9 @@ def _events_per_step(shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> in
 def _replay(gpu: _Replay, shape: ModelShape, trace: LayerTrace, spec: StepSpec) -> None:
     run = spec.run
     if isinstance(gpu.allocator, _Events):
-        gpu.allocator.extend(gpu, _before_steps_recorded(shape, spec))
+        recorded = _before_steps_recorded(shape, spec)
+        gpu.allocator.begin_with(recorded)
+        gpu.counter = itertools.count(_OWN_HANDLES + recorded.handles_used)  # (its own handles counted on past them)
     else:
         _before_steps(gpu, shape, spec)
     for _ in range(spec.steps):
@@ -312,13 +313,24 @@ def _before_steps(gpu: _Replay, shape: ModelShape, spec: StepSpec) -> None:
     _optimizer_states(gpu, shape, spec.run)
 
 
+class _Recorded(NamedTuple):
+    """Events recorded from a fresh :class:`_Replay`: its own handles as offsets from the first."""
+
+    kinds: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    categories: list[str]
+    category_ids: np.ndarray
+    handles_used: int
+
+
 # :func:`_before_steps`' events for a compiled replay, by the shape's id and what decides them: the
 # same for every micro-batch, budget and length a plan asks about (thousands of tensors, one
 # Python call each, were a third of a replay's own work)
 _BEFORE_STEPS: dict = {}
 
 
-def _before_steps_recorded(shape: ModelShape, spec: StepSpec) -> tuple:
+def _before_steps_recorded(shape: ModelShape, spec: StepSpec) -> _Recorded:
     key = (id(shape), spec.run, spec.on_cuda, spec.cublas_workspace)
     found = _BEFORE_STEPS.get(key)
     if found is None or found[0] is not shape:
@@ -327,8 +339,8 @@ def _before_steps_recorded(shape: ModelShape, spec: StepSpec) -> tuple:
         recorder = _Replay(_Events())
         _before_steps(recorder, shape, spec)
         kinds, handles, sizes, categories, category_ids = recorder.allocator.arrays()
-        found = _BEFORE_STEPS[key] = (shape, (kinds, handles - _OWN_HANDLES, sizes, categories, category_ids,
-                                              next(recorder.counter) - _OWN_HANDLES))
+        found = _BEFORE_STEPS[key] = (shape, _Recorded(kinds, handles - _OWN_HANDLES, sizes, categories, category_ids,
+                                                       next(recorder.counter) - _OWN_HANDLES))
     return found[1]
 
 
