@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from tests.conftest import ROW_TOKENS
+
 pytestmark = pytest.mark.slow
 
 LINE = re.compile(r"^step (\d+)/\d+  loss \S+  .*  tokens ([\d,]+)  ([\d,]+) tok/s  epoch \S+$", re.M)
@@ -19,14 +21,14 @@ def logged(output: str) -> list[tuple[int, int, int]]:
 
 
 def test_logs_count_every_trained_token_and_the_rate(tiny_lora_run):
-    run_dir, result = tiny_lora_run  # 24 steps of 8 packed rows of 256 tokens, logged every 4
+    run_dir, result = tiny_lora_run  # 24 steps of 8 packed rows of ROW_TOKENS, logged every 4
     output = result.stdout + result.stderr
     lines = logged(output)
     assert [step for step, _, _ in lines] == [1, 4, 8, 12, 16, 20, 24], output[-3000:]
     assert "{'loss'" not in output and "num_input_tokens_seen" not in output  # one readable line, no duplicates
     first, last = lines[1], lines[-1]  # lines[0] is the first step (logging_first_step)
     per_step = (last[1] - first[1]) / 20  # steps 4 to 24
-    assert 0.8 * 8 * 256 < per_step <= 8 * 256, "real tokens per step: 8 rows, nearly full"
+    assert 0.8 * 8 * ROW_TOKENS < per_step <= 8 * ROW_TOKENS, "real tokens per step: 8 rows, nearly full"
     assert all(rate > 0 for _, _, rate in lines)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
