@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,36 @@ if WORKERS > 1:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(CORES)
 _BASE_ENV = dict(os.environ)  # what every test starts with (tests/zygote.py is started with it)
+
+
+_SESSION_DIRS = [_SESSION_DIR]  # in the process that ran pytest: its own, and its workers' (added below)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(pytest-xdist, in the controller) The folder a worker shares with the others, named by the run's id."""
+    _SESSION_DIRS.append(Path(tempfile.gettempdir()) / f"sft-play-tests-{node.workerinput['testrunuid']}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's caches, zygote logs and scratch runs (a hundred MB) are removed when every test
+    passed; kept, and named in the summary, when one did not."""
+    if hasattr(session.config, "workerinput"):
+        return
+    passed = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    for folder in dict.fromkeys(_SESSION_DIRS):
+        if passed or not folder.is_dir() or not any(folder.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            _KEPT.append(str(folder))
+
+
+_KEPT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _KEPT:
+        terminalreporter.write_line(f"the session's caches and zygote logs are kept in {', '.join(_KEPT)}")
 
 
 @pytest.hookimpl(wrapper=True)
