@@ -1133,8 +1133,9 @@ def test_gpu_models_are_named_as_people_write_them_and_an_unknown_one_is_said():
     from sft_play.planner.simulate import timing
 
     assert [timing.gpu_model(n) for n in ("h100", "RTX4090", "rtx 4090", "H100-PCIe", "NVIDIA L40S", "NVIDIA L4",
-                                          "NVIDIA A100-SXM4-80GB", "RTX9999", "NVIDIA L40", "NVIDIA A100 80GB PCIe")] == [
-        "H100", "RTX 4090", "RTX 4090", "H100 PCIe", "L40S", "L4", "A100", None, None, "A100"]  # an L40 is no L4
+                                          "NVIDIA A100-SXM4-80GB", "RTX9999", "NVIDIA L40", "NVIDIA A100 80GB PCIe",
+                                          "NVIDIA H100 NVL")] == [
+        "H100", "RTX 4090", "RTX 4090", "H100 PCIe", "L40S", "L4", "A100", None, None, "A100", "H100 NVL"]  # an L40 is no L4
     described = target_for(SimpleNamespace(gpus=[]), 8, 24, gpu_model="rtx4090")
     assert described.gpu_model == "RTX 4090" and "timed as RTX 4090" in described.device_name
     with pytest.raises(ValueError, match="GPU model 'RTX9999' is not one the planner can time"):

@@ -12,14 +12,21 @@ GPU_BY_MEMORY_GIB = {24: "A10G", 40: "A100", 48: "L40S", 80: "H100", 94: "H100",
 
 
 # The memory each GPU model the planner names is sold with, where it comes in one size (the A100
-# comes as 40 and 80 GiB: described by its name alone, it needs VRAM_GIB too)
-MEMORY_GIB_BY_GPU = {"H100": 80, "H100 PCIe": 80, "H200": 141, "B200": 180, "L40S": 48, "A10G": 24, "L4": 24,
-                     "RTX 4090": 24, "A6000": 48}
+# comes as 40 and 80 GiB: described by its name alone, "A100 80GB" or VRAM_GIB says which)
+MEMORY_GIB_BY_GPU = {"H100": 80, "H100 PCIe": 80, "H100 NVL": 94, "H200": 141, "B200": 180, "L40S": 48, "A10G": 24,
+                     "L4": 24, "RTX 4090": 24, "A6000": 48}
 
 
 # Compute capability of the GPU models the planner names (described hardware: no device to ask)
-GPU_CAPABILITY = {"H100": (9, 0), "H100 PCIe": (9, 0), "H200": (9, 0), "B200": (10, 0), "A100": (8, 0),
-                  "L40S": (8, 9), "A10G": (8, 6), "L4": (8, 9), "RTX 4090": (8, 9), "A6000": (8, 6)}
+GPU_CAPABILITY = {"H100": (9, 0), "H100 PCIe": (9, 0), "H100 NVL": (9, 0), "H200": (9, 0), "B200": (10, 0),
+                  "A100": (8, 0), "L40S": (8, 9), "A10G": (8, 6), "L4": (8, 9), "RTX 4090": (8, 9), "A6000": (8, 6)}
+
+
+def memory_gib_in_name(name: str) -> float | None:
+    """The memory a GPU's name gives, where it gives one ("A100 80GB", "NVIDIA A100-SXM4-40GB":
+    the vendors' GB are GiB of HBM here, 81,920 MiB on an A100 80GB)."""
+    match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)\s*GI?B\b", name, re.IGNORECASE)
+    return float(match.group(1)) if match else None
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None, config: str | None = None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sft_play.hardware import GPU_CAPABILITY, MEMORY_GIB_BY_GPU, gpu_model_for_memory
+from sft_play.hardware import GPU_CAPABILITY, MEMORY_GIB_BY_GPU, gpu_model_for_memory, memory_gib_in_name
 from sft_play.planner.simulate.timing import GPUS_PER_NODE, PEAK_BF16, gpu_model as known_gpu_model
 from sft_play.units import GIB
 
@@ -64,8 +64,8 @@ def target_for(hardware: Any, gpus: int | None = None, vram_gib: float | None = 
     if nodes is not None and nodes < 1:
         raise ValueError(f"the number of nodes must be at least 1 (got {nodes}): NNODES=2 or --nodes 2")
     if gpu_model is not None and vram_gib is None and not hardware.gpus:
-        # a GPU named on a machine without one describes it: its memory is the model's
-        vram_gib = MEMORY_GIB_BY_GPU.get(known_gpu_model(gpu_model))
+        # a GPU named on a machine without one describes it: its memory is the one its name gives, else the model's
+        vram_gib = memory_gib_in_name(gpu_model) or MEMORY_GIB_BY_GPU.get(known_gpu_model(gpu_model))
         if vram_gib is None:
             raise ValueError(f"GPU_MODEL={gpu_model} comes with more than one memory size: say which with "
                              f"VRAM_GIB (e.g. make plan NUM_GPUS={gpus or 1} GPU_MODEL=\"{gpu_model}\" VRAM_GIB=80)")

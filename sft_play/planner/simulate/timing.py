@@ -25,8 +25,8 @@ from sft_play.planner.simulate.shapes import ModelShape
 from sft_play.run import Run
 
 # Dense 16-bit peak of the GPUs we know, FLOP/s (vendor data sheets, without sparsity)
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12, "A100": 312e12,
-             "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12, "A6000": 155e12}
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835.5e12, "H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12,
+             "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12, "A6000": 155e12}
 
 # Model FLOPs utilisation measured by bench/throughput.py (SFT-Play's side, packed rows, SDPA),
 # by GPU model and method. A GPU model not measured is predicted at the reference's (the H100's),
