@@ -58,11 +58,12 @@ sys.path.insert(0, str(REPO))
 
 from tests import zygote as zygote_module  # noqa: E402 (the repo is importable from here on)
 
-# make test runs the suite in two pytest-xdist workers (pyproject's addopts, --dist loadfile): a test
-# module runs in one worker, in order, while another module runs in the other, so the second core is
-# busy when a test is planning in-process or waiting for one training process. Each worker computes on
-# its share of the cores: OpenMP threads of several processes spinning on the same cores run several
-# times slower than one thread each (see run_scripts_together).
+# make test runs the suite in pytest-xdist workers (pyproject's addopts, -n auto --dist loadfile; how
+# many: pytest_xdist_auto_num_workers below): a test module runs in one worker, in order, while other
+# modules run in the others, so every core is busy when a test is planning in-process or waiting for
+# one training process. Each worker computes on its share of the cores, one at least: OpenMP threads of
+# several processes spinning on the same cores run several times slower than one thread each (see
+# run_scripts_together).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 CORES = max(1, len(os.sched_getaffinity(0)) // WORKERS)
 if WORKERS > 1:
@@ -70,6 +71,16 @@ if WORKERS > 1:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(CORES)
 _BASE_ENV = dict(os.environ)  # what every test starts with (tests/zygote.py is started with it)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """(pytest-xdist, for -n auto) One worker more than the cores, three at most: a fifth of the suite's
+    time its tests wait (processes starting, a stopped run's deliberately slow step, ranks meeting),
+    and the extra worker computes meanwhile (docs/reports/test_suite.md); beyond three, workers add
+    zygotes and memory, not speed. PYTEST_XDIST_AUTO_NUM_WORKERS decides where set (pytest-xdist's own)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return min(len(os.sched_getaffinity(0)) + 1, 3)
 
 
 _SESSION_DIRS = [_SESSION_DIR]  # in the process that ran pytest: its own, and its workers' (added below)
@@ -426,7 +437,7 @@ def printed_answers(stdout: str) -> list[str]:
 # A test that needs another precision or method says so in its own overrides (later overrides win).
 LORA = ("finetune.method=lora", "train.learning_rate=3e-3")
 ROW_TOKENS = 128
-# One tokenising process: the suite's two workers already share the two cores, and a pool per
+# One tokenising process: the suite's workers already share the cores, and a pool per
 # preparation only competes with them (tests/test_data_golden.py pins that any number gives the same rows)
 PINNED = ("train.global_batch_size=8", "train.mixed_precision=no", "data.num_proc=1", f"data.max_seq_length={ROW_TOKENS}",
           *LORA)
