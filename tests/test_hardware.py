@@ -119,10 +119,10 @@ def test_a_gpu_named_on_a_machine_without_one_is_planned_with_its_memory():
     with pytest.raises(ValueError, match="GPU_MODEL=A100 comes with more than one memory size"):
         planner.target_for(no_gpu, 1, gpu_model="A100")
     # ... where the name does not say which
-    for name, gib in (("A100 80GB", 80), ("NVIDIA A100-SXM4-40GB", 40), ("H100 NVL", 94)):
-        target = planner.target_for(no_gpu, 1, gpu_model=name)
-        assert target.free_bytes == gib * 2**30, name
-    assert target.gpu_model == "H100 NVL" and "PCIe" in target.device_name  # not an H100 SXM's 80 GiB and NVLink
+    for name, gib in (("A100 80GB", 80), ("NVIDIA A100-SXM4-40GB", 40)):
+        assert planner.target_for(no_gpu, 1, gpu_model=name).free_bytes == gib * 2**30, name
+    nvl = planner.target_for(no_gpu, 1, gpu_model="H100 NVL")  # not an H100 SXM: 94 GiB, over PCIe
+    assert nvl.free_bytes == 94 * 2**30 and nvl.gpu_model == "H100 NVL" and "PCIe" in nvl.device_name
 
 
 def test_bf16_asked_for_on_a_cpu_without_it_is_kept_and_warned_about():
