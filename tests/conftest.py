@@ -85,6 +85,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 _SESSION_DIRS = [_SESSION_DIR]  # in the process that ran pytest: its own, and its workers' (added below)
+_KEPT: list[str] = []  # those kept after a failure, named in the summary
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -104,9 +105,6 @@ def pytest_sessionfinish(session, exitstatus):
             shutil.rmtree(folder, ignore_errors=True)
         else:
             _KEPT.append(str(folder))
-
-
-_KEPT: list[str] = []
 
 
 def pytest_terminal_summary(terminalreporter):
