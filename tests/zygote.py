@@ -42,6 +42,7 @@ import select
 import signal
 import socket
 import sys
+import weakref
 from pathlib import Path
 
 # What the scripts read when they run, not when the libraries import: a request may differ in these
@@ -294,6 +295,19 @@ class _HiddenDeepSpeed:
             handler.setStream(getattr(sys, stream))
 
 
+def _no_library_teardown_at_exit() -> None:
+    """torch's operator libraries, loaded here, unregister their kernels as a process exits (a
+    ``weakref.finalize`` each, ~250): in a fork about to end that is work for nothing, and writes to
+    pages it shares with this process, which the kernel then copies. A fork skips them; a fresh
+    interpreter, which runs them, ends the same."""
+    import torch.library
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):  # (CPython's live finalizers)
+        found = finalizer.peek()
+        if found is not None and found[1] is torch.library._del_library:
+            finalizer.atexit = False
+
+
 def main() -> None:
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
@@ -313,6 +327,7 @@ def main() -> None:
         pass
     patches._checked.cache_clear()  # (a fork checks the versions of what it patches itself)
     _HiddenDeepSpeed()
+    _no_library_teardown_at_exit()
     for key in added:
         del os.environ[key]
     gc.freeze()
