@@ -44,7 +44,7 @@ os.environ.update(
         # the launchers' ranks are forked from the zygote (tests/shim/sitecustomize.py)
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "shim"),
                                                   os.environ.get("PYTHONPATH", "")) if p),
-        "SFT_PLAY_TESTS_ZYGOTE": str(_SESSION_DIR / f"zygote-{os.getpid()}.sock"),
+        "SFT_PLAY_TESTS_ZYGOTE": str(_SESSION_DIR / "zygote-ranks.sock"),
     }
 )
 # `make test ARGS="tests/test_makefile.py"` exports its command-line variables to every process
@@ -213,32 +213,66 @@ class _Forked:
 
 
 class _Zygote:
-    """tests/zygote.py, started on first use in each pytest process: scripts forked from it start
-    with torch, transformers, accelerate, peft, TRL and sft_play imported (see there what it does and
-    does not share with a fresh interpreter)."""
+    """tests/zygote.py, one for the session: the first pytest process to need it starts it, the
+    pytest-xdist workers share it (its imports, a few CPU-seconds, once), and it ends with the process
+    pytest runs in. Scripts forked from it start with torch, transformers, accelerate, peft, TRL and
+    sft_play imported (see there what it does and does not share with a fresh interpreter)."""
+
+    SCRIPTS = _SESSION_DIR / "zygote.sock"
 
     def __init__(self):
+        import fcntl
         import json
 
         self._json = json
         self.env = _BASE_ENV  # not what a test has set at the moment it is started
-        log = open(_SESSION_DIR / f"zygote-{os.getpid()}.log", "w")
-        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py")], cwd=REPO, env=self.env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self.ended: dict[int, int] = {}
         self._messages: list[dict] = []
         self._buffer = b""
+        with open(_SESSION_DIR / "zygote.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (held while one is started: the others wait, then connect)
+            self.connection = self._connected() or self._started()
+
+    def _connected(self):
+        import socket
+
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(str(self.SCRIPTS))
+        except OSError:  # none yet (or one that ended: started again)
+            connection.close()
+            return None
+        return connection
+
+    def _started(self):
+        import select
+
+        # it ends with the process pytest runs in: the pytest-xdist workers' parent, or this one
+        session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        with open(_SESSION_DIR / "zygote.log", "a") as log:
+            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), str(self.SCRIPTS),
+                                        str(session)], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=log)
+        with process.stdout:
+            if not select.select([process.stdout], [], [], 300)[0] or not process.stdout.readline():
+                process.kill()
+                raise RuntimeError(f"the test zygote did not start (see {_SESSION_DIR}/zygote.log)")
+        connection = self._connected()
+        if connection is None:
+            process.kill()
+            raise RuntimeError(f"the test zygote does not answer at {self.SCRIPTS}")
+        return connection
 
     def read(self, timeout: float | None) -> None:
         """Take what the zygote has said (waiting up to `timeout` seconds for something)."""
         import select
 
-        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
+        readable, _, _ = select.select([self.connection], [], [], timeout)
         if not readable:
             return
-        chunk = os.read(self.process.stdout.fileno(), 65536)
+        chunk = self.connection.recv(65536)
         if not chunk:
-            raise RuntimeError(f"the test zygote ended (see {_SESSION_DIR}/zygote-*.log)")
+            raise RuntimeError(f"the test zygote ended (see {_SESSION_DIR}/zygote.log)")
         self._buffer += chunk
         while b"\n" in self._buffer:
             line, self._buffer = self._buffer.split(b"\n", 1)
@@ -263,12 +297,7 @@ class _Zygote:
         return self._messages.pop(0)
 
     def close(self) -> None:
-        """Closing its input ends it (what it started has been waited for or killed by then)."""
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        self.connection.close()
 
     def differing(self, env: dict) -> list[str]:
         """What `env` sets otherwise than the zygote's environment, beyond what the libraries read
@@ -277,8 +306,7 @@ class _Zygote:
 
     def start(self, args: list[str], env: dict, stdout: str, stderr: str) -> _Forked:
         request = {"argv": args[1:], "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
-        self.process.stdin.write((self._json.dumps(request) + "\n").encode())
-        self.process.stdin.flush()
+        self.connection.sendall((self._json.dumps(request) + "\n").encode())
         return _Forked(self, self._next(60)["pid"], args)
 
 
@@ -291,17 +319,13 @@ def _zygote() -> _Zygote | None:
     if not _ZYGOTE:
         _ZYGOTE.append(None)
         if ZYGOTE_WANTED:
-            zygote = None
             try:
                 zygote = _Zygote()
-                zygote._next(300)  # {"ready": true}: imported
                 _ZYGOTE[0] = zygote
                 import atexit
 
                 atexit.register(zygote.close)
-            except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
-                if zygote is not None:
-                    zygote.process.kill()
+            except (OSError, RuntimeError, ValueError) as exc:
                 import warnings
 
                 warnings.warn(f"scripts start as fresh interpreters: the test zygote did not start ({exc})")
@@ -328,7 +352,7 @@ def start_script(args: list[str], env: dict, stdout, stderr):
 
             warnings.warn(f"scripts start as fresh interpreters from here: the test zygote failed ({exc})")
             _ZYGOTE[0] = None
-            zygote.process.kill()
+            zygote.close()
             zygote = None
     if zygote is not None:  # which scripts start fresh, and why: the session folder's fresh.log
         with open(_SESSION_DIR / "fresh.log", "a") as log:

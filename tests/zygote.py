@@ -16,10 +16,12 @@ that uses it, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`), an
 imported here as a script would import it, is hidden until a script imports it
 (:class:`_HiddenDeepSpeed`).
 
-Protocol, one JSON document per line: on stdout ``{"ready": true}`` once imported; then, for
-each request on stdin ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
-"stderr": path}``, ``{"pid": N}``, and when a child ends ``{"ended": N, "returncode": R}``
-(negative: the signal that ended it, as ``subprocess`` says). It exits when stdin closes.
+Started as ``zygote.py SOCKET PID``, it says ``{"ready": true}`` on stdout once imported, and
+serves every pytest process of the session that connects to the Unix socket SOCKET, one JSON
+document per line: for each request ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
+"stderr": path}``, ``{"pid": N}``, and when that child ends ``{"ended": N, "returncode": R}``
+(negative: the signal that ended it, as ``subprocess`` says). It exits when the process PID (the
+one pytest runs in) has ended.
 
 The ranks a launcher starts (torchrun's agent, inside ``make train-distributed``) are forked
 from here too: under the suite every Python process imports ``tests/shim/sitecustomize.py``, which
@@ -47,7 +49,7 @@ from pathlib import Path
 
 # What the scripts read when they run, not when the libraries import: a request may differ in these
 # (huggingface_hub reads a token from the environment each time it needs one)
-READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "ACCELERATE_MIXED_PRECISION",
+READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "ACCELERATE_MIXED_PRECISION",
                               "SFT_PLAY_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
 # import: the Makefile's variables and make's own (exported to the commands below it), the
@@ -196,6 +198,20 @@ class _Rank:
         self.connection.close()
 
 
+class _Client:
+    """A connection from a pytest process (tests/conftest.py): its scripts' requests, one a line, each
+    answered ``{"pid": N}`` and, when that fork ends, ``{"ended": N, "returncode": R}``."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection, self.key, self.received = connection, connection.fileno(), b""
+
+    def say(self, document: dict) -> None:
+        try:
+            self.connection.sendall((json.dumps(document) + "\n").encode())
+        except OSError:  # its pytest process is gone (its connection is closed when read)
+            pass
+
+
 def _preload_without_bitsandbytes() -> None:
     import importlib
 
@@ -338,30 +354,24 @@ def main() -> None:
     os.set_blocking(ended_w, False)
     signal.set_wakeup_fd(ended_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    out = sys.stdout
-    listener = None
-    if os.environ.get(SOCKET_ENV):
-        path = os.environ[SOCKET_ENV]
-        if os.path.exists(path):
-            os.unlink(path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
-            listener.listen(64)
-        except OSError as exc:  # (a path too long for a socket): the ranks start fresh, the scripts are still served
-            print(f"no socket for the ranks at {path}: {exc}", file=sys.stderr, flush=True)
-            listener.close()
-            listener = None
+    scripts_path, until = sys.argv[1], int(sys.argv[2])
+    scripts = _listening(scripts_path)
+    if scripts is None:
+        sys.exit(1)
+    listener = _listening(os.environ[SOCKET_ENV]) if os.environ.get(SOCKET_ENV) else None
+    try:  # the session's end: the process the suite runs in ends
+        session = os.pidfd_open(until)
+    except OSError:  # (an older kernel) looked at once a second instead
+        session = None
+    clients: dict[int, _Client] = {}  # by the connection's descriptor
+    owners: dict[int, _Client] = {}  # a script's fork's pid: the client that asked for it
     ranks: dict[int, _Rank] = {}  # by the connection's descriptor
     forked_ranks: dict[int, _Rank] = {}  # by the fork's pid
 
-    def say(document: dict) -> None:
-        out.write(json.dumps(document) + "\n")
-        out.flush()
-
     def fork(request: dict, stdio: list[int] | None = None) -> int:
         sys.stdout.flush(), sys.stderr.flush()
-        own = (ended_r, ended_w, *([listener.fileno()] if listener else []), *ranks,
+        own = (ended_r, ended_w, scripts.fileno(), *([listener.fileno()] if listener else []),
+               *([session] if session is not None else []), *clients, *ranks,
                *(fd for rank in ranks.values() for fd in rank.fds if fd not in (stdio or ())))
         pid = os.fork()
         if pid == 0:
@@ -399,11 +409,33 @@ def main() -> None:
         rank.fds = []
         rank.answer({"pid": rank.pid})
 
-    say({"ready": True})
-    pending = b""
+    def from_client(client: _Client) -> None:
+        try:
+            data = client.connection.recv(65536)
+        except OSError:
+            data = b""
+        if not data:  # its pytest process ended
+            del clients[client.key]
+            client.connection.close()
+            return
+        client.received += data
+        while b"\n" in client.received:
+            line, client.received = client.received.split(b"\n", 1)
+            pid = fork(json.loads(line))
+            owners[pid] = client
+            client.say({"pid": pid})
+
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # (what started this process may end before it)
     while True:
-        watched = [sys.stdin.fileno(), ended_r, *([listener] if listener else []), *ranks]
-        readable, _, _ = select.select(watched, [], [])
+        watched = [scripts, ended_r, *([listener] if listener else []), *([session] if session is not None else []),
+                   *clients, *ranks]
+        readable, _, _ = select.select(watched, [], [], None if session is not None else 1.0)
+        if session in readable or session is None and not _alive(until):
+            for path in (scripts_path, *([os.environ[SOCKET_ENV]] if listener else [])):
+                Path(path).unlink(missing_ok=True)  # (the session's folder may be gone already)
+            return
         if ended_r in readable:
             os.read(ended_r, 4096)
         while True:  # every child that has ended
@@ -413,31 +445,53 @@ def main() -> None:
                 break
             if pid == 0:
                 break
+            ended = {"ended": pid, "returncode": os.waitstatus_to_exitcode(status)}
             rank = forked_ranks.pop(pid, None)
             if rank is None:
-                say({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)})
+                client = owners.pop(pid, None)
+                if client is not None and clients.get(client.key) is client:
+                    client.say(ended)
             else:
-                rank.answer({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)})
+                rank.answer(ended)
                 if ranks.get(rank.key) is rank:  # (not a later connection given the same descriptor)
                     del ranks[rank.key]
                     rank.close()
+        if scripts in readable:
+            client = _Client(scripts.accept()[0])
+            clients[client.key] = client
         if listener is not None and listener in readable:
             connection, _ = listener.accept()
             rank = _Rank(connection)
             ranks[rank.key] = rank
+        for fd in [fd for fd in readable if fd in clients]:
+            from_client(clients[fd])
         for fd in [fd for fd in readable if fd in ranks]:
             from_rank(ranks[fd])
-        if sys.stdin.fileno() in readable:
-            chunk = os.read(sys.stdin.fileno(), 65536)
-            if not chunk:
-                if listener is not None:
-                    listener.close()
-                    os.unlink(os.environ[SOCKET_ENV])
-                return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                say({"pid": fork(json.loads(line))})
+
+
+def _listening(path: str) -> socket.socket | None:
+    """A Unix socket listening at `path` (None, said on stderr, where it cannot: a path too long)."""
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(64)
+    except OSError as exc:
+        print(f"no socket at {path}: {exc}", file=sys.stderr, flush=True)
+        listener.close()
+        return None
+    return listener
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 if __name__ == "__main__":
