@@ -77,8 +77,8 @@ _BASE_ENV = dict(os.environ)  # what every test starts with (tests/zygote.py is 
 def pytest_xdist_auto_num_workers(config):
     """(pytest-xdist, for -n auto) One worker more than the cores, three at most: part of the suite's
     time its tests wait (processes starting, a stopped run's deliberately slow step, ranks meeting),
-    and the extra worker computes meanwhile (docs/reports/test_suite.md); each worker holds its own
-    zygote and libraries in memory. PYTEST_XDIST_AUTO_NUM_WORKERS decides where set (pytest-xdist's own)."""
+    and the extra worker computes meanwhile (docs/reports/test_suite.md); each worker holds the
+    libraries in memory. PYTEST_XDIST_AUTO_NUM_WORKERS decides where set (pytest-xdist's own)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return min(len(os.sched_getaffinity(0)) + 1, 3)
