@@ -213,15 +213,34 @@ class _Forked:
 
 
 class _Zygote:
-    """tests/zygote.py, one for the session: the first pytest process to need it starts it, the
-    pytest-xdist workers share it (its imports, a few CPU-seconds, once), and it ends with the process
-    pytest runs in. Scripts forked from it start with torch, transformers, accelerate, peft, TRL and
-    sft_play imported (see there what it does and does not share with a fresh interpreter)."""
+    """tests/zygote.py, one for the session: the first pytest process of the session starts it as it
+    is configured (its imports, a few CPU-seconds, overlap the collection of the tests), the
+    pytest-xdist workers share it, and it ends with the process pytest runs in. Scripts forked from
+    it start with torch, transformers, accelerate, peft, TRL and sft_play imported (see there what it
+    does and does not share with a fresh interpreter)."""
 
     SCRIPTS = _SESSION_DIR / "zygote.sock"
+    STARTED = _SESSION_DIR / "zygote.pid"
+
+    @classmethod
+    def begin(cls) -> None:
+        """Start it, unless another process of the session has, without waiting for its imports."""
+        import fcntl
+
+        with open(_SESSION_DIR / "zygote.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if cls.STARTED.exists():
+                return
+            # it ends with the process pytest runs in: the pytest-xdist workers' parent, or this one
+            session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+            with open(_SESSION_DIR / "zygote.log", "a") as log:
+                process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), str(cls.SCRIPTS),
+                                            str(session)], cwd=REPO, env=_BASE_ENV, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.DEVNULL, stderr=log)
+            cls.STARTED.write_text(str(process.pid))
+            _ZYGOTE_PROCESS.append(process)
 
     def __init__(self):
-        import fcntl
         import json
 
         self._json = json
@@ -229,39 +248,34 @@ class _Zygote:
         self.ended: dict[int, int] = {}
         self._messages: list[dict] = []
         self._buffer = b""
-        with open(_SESSION_DIR / "zygote.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (held while one is started: the others wait, then connect)
-            self.connection = self._connected() or self._started()
+        self.begin()  # (where the session's configuration did not)
+        self.connection = self._connected()
 
     def _connected(self):
+        """A connection to it, once it listens (after its imports)."""
         import socket
+        import time
 
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            connection.connect(str(self.SCRIPTS))
-        except OSError:  # none yet (or one that ended: started again)
-            connection.close()
-            return None
-        return connection
+        import psutil
 
-    def _started(self):
-        import select
-
-        # it ends with the process pytest runs in: the pytest-xdist workers' parent, or this one
-        session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-        with open(_SESSION_DIR / "zygote.log", "a") as log:
-            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), str(self.SCRIPTS),
-                                        str(session)], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=log)
-        with process.stdout:
-            if not select.select([process.stdout], [], [], 300)[0] or not process.stdout.readline():
-                process.kill()
-                raise RuntimeError(f"the test zygote did not start (see {_SESSION_DIR}/zygote.log)")
-        connection = self._connected()
-        if connection is None:
-            process.kill()
-            raise RuntimeError(f"the test zygote does not answer at {self.SCRIPTS}")
-        return connection
+        pid = int(self.STARTED.read_text())
+        deadline = time.monotonic() + 300
+        while True:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                connection.connect(str(self.SCRIPTS))
+                return connection
+            except OSError:
+                connection.close()
+            try:
+                ended = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                ended = True
+            if ended:
+                raise RuntimeError(f"the test zygote ended before it was ready (see {_SESSION_DIR}/zygote.log)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test zygote was not ready in 5 minutes (see {_SESSION_DIR}/zygote.log)")
+            time.sleep(0.05)
 
     def read(self, timeout: float | None) -> None:
         """Take what the zygote has said (waiting up to `timeout` seconds for something)."""
@@ -310,7 +324,8 @@ class _Zygote:
         return _Forked(self, self._next(60)["pid"], args)
 
 
-_ZYGOTE: list = []  # [the zygote] once started, [None] where it could not start or is not wanted
+_ZYGOTE: list = []  # [the zygote] once connected, [None] where it could not start or is not wanted
+_ZYGOTE_PROCESS: list = []  # (in the process that started it)
 # fork after importing torch: Linux only (macOS's system libraries are not fork-safe)
 ZYGOTE_WANTED = os.environ.get("SFT_PLAY_TESTS_FRESH") != "1" and sys.platform.startswith("linux")
 
@@ -332,10 +347,17 @@ def _zygote() -> _Zygote | None:
     return _ZYGOTE[0]
 
 
+def pytest_configure(config):
+    """The zygote starts while the tests are collected (in the process that runs them: a
+    pytest-xdist worker, or pytest's own without workers)."""
+    if ZYGOTE_WANTED and (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
+        _Zygote.begin()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _zygote_started():
-    """Started with the session, not on first use: the ranks of a make target a test starts ask it
-    for their forks too (tests/shim/sitecustomize.py)."""
+    """Waited for with the session, not on first use: the ranks of a make target a test starts ask
+    it for their forks too (tests/shim/sitecustomize.py)."""
     _zygote()
 
 

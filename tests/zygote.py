@@ -16,8 +16,8 @@ that uses it, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`), an
 imported here as a script would import it, is hidden until a script imports it
 (:class:`_HiddenDeepSpeed`).
 
-Started as ``zygote.py SOCKET PID``, it says ``{"ready": true}`` on stdout once imported, and
-serves every pytest process of the session that connects to the Unix socket SOCKET, one JSON
+Started as ``zygote.py SOCKET PID``, it listens on the Unix socket SOCKET once imported, and
+serves every pytest process of the session that connects to it, one JSON
 document per line: for each request ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
 "stderr": path}``, ``{"pid": N}``, and when that child ends ``{"ended": N, "returncode": R}``
 (negative: the signal that ended it, as ``subprocess`` says). It exits when the process PID (the
@@ -425,9 +425,6 @@ def main() -> None:
             owners[pid] = client
             client.say({"pid": pid})
 
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # (what started this process may end before it)
     while True:
         watched = [scripts, ended_r, *([listener] if listener else []), *([session] if session is not None else []),
                    *clients, *ranks]
