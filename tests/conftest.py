@@ -90,8 +90,10 @@ _KEPT: list[str] = []  # those kept after a failure, named in the summary
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """(pytest-xdist, in the controller) The folder a worker shares with the others, named by the run's id."""
+    """(pytest-xdist, in the controller) The folder a worker shares with the others, named by the run's
+    id; and this process, which the session's zygote ends with."""
     _SESSION_DIRS.append(Path(tempfile.gettempdir()) / f"sft-play-tests-{node.workerinput['testrunuid']}")
+    node.workerinput["sft_play_session_pid"] = os.getpid()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -231,11 +233,9 @@ class _Zygote:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if cls.STARTED.exists():
                 return
-            # it ends with the process pytest runs in: the pytest-xdist workers' parent, or this one
-            session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
             with open(_SESSION_DIR / "zygote.log", "a") as log:
                 process = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), str(cls.SCRIPTS),
-                                            str(session)], cwd=REPO, env=_BASE_ENV, stdin=subprocess.DEVNULL,
+                                            str(_SESSION_PID[0])], cwd=REPO, env=_BASE_ENV, stdin=subprocess.DEVNULL,
                                            stdout=subprocess.DEVNULL, stderr=log)
             cls.STARTED.write_text(str(process.pid))
             _ZYGOTE_PROCESS.append(process)
@@ -244,7 +244,9 @@ class _Zygote:
         import json
 
         self._json = json
-        self.env = _BASE_ENV  # not what a test has set at the moment it is started
+        # not what a test has set at the moment it is started; the zygote's is another worker's where
+        # it started it, which differs only in the worker's name (tests.zygote.READ_AT_RUN_TIME)
+        self.env = _BASE_ENV
         self.ended: dict[int, int] = {}
         self._messages: list[dict] = []
         self._buffer = b""
@@ -311,6 +313,8 @@ class _Zygote:
         return self._messages.pop(0)
 
     def close(self) -> None:
+        """This process's connection (the zygote serves the others; a fork of this process's that is
+        still running goes on)."""
         self.connection.close()
 
     def differing(self, env: dict) -> list[str]:
@@ -325,7 +329,12 @@ class _Zygote:
 
 
 _ZYGOTE: list = []  # [the zygote] once connected, [None] where it could not start or is not wanted
-_ZYGOTE_PROCESS: list = []  # (in the process that started it)
+# (kept, never waited for, where it was started: an ended zygote stays a zombie, its pid not given to
+# another process while this one lives, and _Zygote._connected sees it ended)
+_ZYGOTE_PROCESS: list = []
+# the process pytest runs in, which the zygote ends with: pytest-xdist's controller (tells its workers,
+# pytest_configure_node) or, without workers, this one
+_SESSION_PID = [os.getpid()]
 # fork after importing torch: Linux only (macOS's system libraries are not fork-safe)
 ZYGOTE_WANTED = os.environ.get("SFT_PLAY_TESTS_FRESH") != "1" and sys.platform.startswith("linux")
 
@@ -348,10 +357,18 @@ def _zygote() -> _Zygote | None:
 
 
 def pytest_configure(config):
-    """The zygote starts while the tests are collected (in the process that runs them: a
-    pytest-xdist worker, or pytest's own without workers)."""
-    if ZYGOTE_WANTED and (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
-        _Zygote.begin()
+    """The zygote starts while the tests are collected, in a process that runs them: a pytest-xdist
+    worker, or pytest's own where it distributes none (as pytest-xdist decides: a distribution mode
+    and workers to run it)."""
+    if hasattr(config, "workerinput"):
+        _SESSION_PID[0] = config.workerinput.get("sft_play_session_pid", os.getppid())
+    elif config.getoption("dist", "no") != "no" and config.getoption("tx", None):
+        return
+    if ZYGOTE_WANTED and not config.option.collectonly:
+        try:
+            _Zygote.begin()
+        except OSError:  # (said, and the scripts started fresh, where a test first asks for it: _zygote)
+            pass
 
 
 @pytest.fixture(scope="session", autouse=True)

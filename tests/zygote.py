@@ -48,7 +48,9 @@ import weakref
 from pathlib import Path
 
 # What the scripts read when they run, not when the libraries import: a request may differ in these
-# (huggingface_hub reads a token from the environment each time it needs one)
+# (huggingface_hub reads a token from the environment each time it needs one); and the pytest-xdist
+# worker's name, which nothing reads on import: every worker asks this one process, started with the
+# environment of the first
 READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "ACCELERATE_MIXED_PRECISION",
                               "SFT_PLAY_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
@@ -119,6 +121,8 @@ def _child(request: dict, own_fds: tuple[int, ...], stdio: list[int] | None = No
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in own_fds:
             os.close(fd)
+        if "stand_in" in request:  # which process stands in for this one, said before the script can say anything
+            _record_stand_in(request["stand_in"])
         _KEPT.extend((sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__))
         os.chdir(request["cwd"])
         os.environ.clear()
@@ -177,6 +181,16 @@ def _child(request: dict, own_fds: tuple[int, ...], stdio: list[int] | None = No
             except Exception:
                 pass
         os._exit(code)
+
+
+def _record_stand_in(stand_in: int) -> None:
+    """(In a fork) The record tests/conftest.py's ``with_forks`` reads: the stand-in's pid names a file
+    holding this process's, written whole (a reader never sees it half written)."""
+    folder = Path(os.environ[SOCKET_ENV]).parent / "stand-ins"
+    folder.mkdir(exist_ok=True)
+    written = folder / f".{os.getpid()}"
+    written.write_text(str(os.getpid()))
+    os.replace(written, folder / str(stand_in))
 
 
 class _Rank:
@@ -263,7 +277,8 @@ class _HiddenDeepSpeed:
         loggers = logging.root.manager.loggerDict
         handlers = {name: list(getattr(logger, "handlers", [])) for name, logger in loggers.items()}
         streams = {"stdout": sys.stdout, "stderr": sys.stderr}
-        # (imported with stand-ins for the streams: this process's stdout is the suite's pipe)
+        # (imported with stand-ins for the streams, which the handlers DeepSpeed makes on import keep:
+        # a script that imports it has them pointed at its own, as a fresh import would have made them)
         stand_ins = {name: open(os.devnull, "w") for name in streams}
         sys.stdout, sys.stderr = stand_ins["stdout"], stand_ins["stderr"]
         try:
@@ -325,6 +340,11 @@ def _no_library_teardown_at_exit() -> None:
 
 
 def main() -> None:
+    scripts_path, until = sys.argv[1], int(sys.argv[2])
+    try:  # the session's end: the process the suite runs in ends (opened first: a pid taken later may be another's)
+        session = os.pidfd_open(until)
+    except OSError:  # (an older kernel) looked at once a second instead
+        session = None
     gc.disable()  # as sft_play.cli.importing: imported with the collector paused, then frozen
     import importlib
 
@@ -354,15 +374,10 @@ def main() -> None:
     os.set_blocking(ended_w, False)
     signal.set_wakeup_fd(ended_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    scripts_path, until = sys.argv[1], int(sys.argv[2])
     scripts = _listening(scripts_path)
     if scripts is None:
         sys.exit(1)
     listener = _listening(os.environ[SOCKET_ENV]) if os.environ.get(SOCKET_ENV) else None
-    try:  # the session's end: the process the suite runs in ends
-        session = os.pidfd_open(until)
-    except OSError:  # (an older kernel) looked at once a second instead
-        session = None
     clients: dict[int, _Client] = {}  # by the connection's descriptor
     owners: dict[int, _Client] = {}  # a script's fork's pid: the client that asked for it
     ranks: dict[int, _Rank] = {}  # by the connection's descriptor
@@ -430,8 +445,10 @@ def main() -> None:
                    *clients, *ranks]
         readable, _, _ = select.select(watched, [], [], None if session is not None else 1.0)
         if session in readable or session is None and not _alive(until):
-            for path in (scripts_path, *([os.environ[SOCKET_ENV]] if listener else [])):
-                Path(path).unlink(missing_ok=True)  # (the session's folder may be gone already)
+            # (the session's folder may be gone already; the pid file says a zygote was started in it)
+            for path in (scripts_path, Path(scripts_path).with_suffix(".pid"),
+                         *([os.environ[SOCKET_ENV]] if listener else [])):
+                Path(path).unlink(missing_ok=True)
             return
         if ended_r in readable:
             os.read(ended_r, 4096)
@@ -467,7 +484,8 @@ def main() -> None:
 
 
 def _listening(path: str) -> socket.socket | None:
-    """A Unix socket listening at `path` (None, said on stderr, where it cannot: a path too long)."""
+    """A Unix socket listening at `path` (None, said on stderr, where it cannot: a path too long; then
+    the tests' scripts, or the ranks, start as fresh interpreters)."""
     if os.path.exists(path):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

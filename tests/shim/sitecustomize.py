@@ -23,9 +23,13 @@ reaches it when the zygote sees the stand-in gone, a moment later.
 """
 
 import os
+import signal
 import sys
 
 FORK_ENV = "SFT_PLAY_TESTS_FORK"
+# What a stand-in passes on to its fork
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGALRM, signal.SIGCONT, signal.SIGWINCH)
 
 
 def _stand_in() -> None:
@@ -39,36 +43,32 @@ def _stand_in() -> None:
     import json
     import socket
 
+    # held from before the fork exists until it is passed on to it (a test may signal this process as
+    # soon as the fork has printed)
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(path)
         request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "rank": not script,
-                   "unbuffered": "-u" in sys.orig_argv[1:sys.orig_argv.index(sys.argv[0])]
+                   "stand_in": os.getpid(), "unbuffered": "-u" in sys.orig_argv[1:sys.orig_argv.index(sys.argv[0])]
                    if sys.argv[0] in sys.orig_argv else False}
         socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
         reader = connection.makefile("rb")
         answer = json.loads(reader.readline() or b"{}")
     except (OSError, ValueError):
-        connection.close()
-        return
+        answer = {}
     if "pid" not in answer:  # the zygote said fresh (or is gone): this interpreter goes on as the rank
         connection.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return
     try:  # from here this process is the rank's stand-in, and never runs the script itself
-        _stand_in_for(answer["pid"], path, reader, rank=not script)
+        _stand_in_for(answer["pid"], reader, rank=not script)
     finally:
         os._exit(1)
 
 
-def _stand_in_for(fork: int, path: str, reader, rank: bool) -> None:
+def _stand_in_for(fork: int, reader, rank: bool) -> None:
     import json
-    import signal
-
-    # which process stands in for which (tests/conftest.py: with_forks, for tests that walk a launch's tree)
-    record = os.path.join(os.path.dirname(path), "stand-ins", str(os.getpid()))
-    os.makedirs(os.path.dirname(record), exist_ok=True)
-    with open(record, "w") as file:
-        file.write(str(fork))
 
     def forward(signum, _frame):
         try:
@@ -76,8 +76,7 @@ def _stand_in_for(fork: int, path: str, reader, rank: bool) -> None:
         except ProcessLookupError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                   signal.SIGALRM, signal.SIGCONT, signal.SIGWINCH):
+    for signum in FORWARDED:
         signal.signal(signum, forward)
     if rank:
         import ctypes
@@ -86,6 +85,7 @@ def _stand_in_for(fork: int, path: str, reader, rank: bool) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR1), 0, 0, 0)  # PR_SET_PDEATHSIG: LAUNCHER_GONE
         if os.getppid() != parent:
             forward(signal.SIGUSR1, None)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # (what came meanwhile is passed on now)
     ended = json.loads(reader.readline() or b'{"returncode": -9}')["returncode"]  # (-9: the zygote is gone)
     if ended < 0:
         if -ended not in (signal.SIGKILL, signal.SIGSTOP):
