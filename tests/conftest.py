@@ -325,7 +325,10 @@ class _Zygote:
     def start(self, args: list[str], env: dict, stdout: str, stderr: str) -> _Forked:
         request = {"argv": args[1:], "env": env, "cwd": str(REPO), "stdout": stdout, "stderr": stderr}
         self.connection.sendall((self._json.dumps(request) + "\n").encode())
-        return _Forked(self, self._next(60)["pid"], args)
+        answer = self._next(60)
+        if "pid" not in answer:
+            raise RuntimeError(f"the test zygote could not fork: {answer.get('error')}")
+        return _Forked(self, answer["pid"], args)
 
 
 _ZYGOTE: list = []  # [the zygote] once connected, [None] where it could not start or is not wanted

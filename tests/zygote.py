@@ -19,7 +19,7 @@ imported here as a script would import it, is hidden until a script imports it
 Started as ``zygote.py SOCKET PID``, it listens on the Unix socket SOCKET once imported, and
 serves every pytest process of the session that connects to it, one JSON
 document per line: for each request ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
-"stderr": path}``, ``{"pid": N}``, and when that child ends ``{"ended": N, "returncode": R}``
+"stderr": path}``, ``{"pid": N}`` (``{"error": ...}`` where it could not fork), and when that child ends ``{"ended": N, "returncode": R}``
 (negative: the signal that ended it, as ``subprocess`` says). It exits when the process PID (the
 one pytest runs in) has ended.
 
@@ -417,7 +417,13 @@ def main() -> None:
             del ranks[rank.key]
             rank.close()
             return
-        rank.pid = fork(request, rank.fds)
+        try:
+            rank.pid = fork(request, rank.fds)
+        except OSError as exc:  # (the system refused a fork: the rank starts fresh)
+            rank.answer({"fresh": [str(exc)]})
+            del ranks[rank.key]
+            rank.close()
+            return
         forked_ranks[rank.pid] = rank
         for fd in rank.fds:
             os.close(fd)
@@ -436,7 +442,11 @@ def main() -> None:
         client.received += data
         while b"\n" in client.received:
             line, client.received = client.received.split(b"\n", 1)
-            pid = fork(json.loads(line))
+            try:
+                pid = fork(json.loads(line))
+            except OSError as exc:  # (the system refused a fork: that script starts fresh, the others go on)
+                client.say({"error": str(exc)})
+                continue
             owners[pid] = client
             client.say({"pid": pid})
 
