@@ -16,12 +16,12 @@ that uses it, as in a fresh process (:data:`PRELOADED_WITHOUT_BITSANDBYTES`), an
 imported here as a script would import it, is hidden until a script imports it
 (:class:`_HiddenDeepSpeed`).
 
-Started as ``zygote.py SOCKET PID``, it listens on the Unix socket SOCKET once imported, and
-serves every pytest process of the session that connects to it, one JSON
-document per line: for each request ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path,
-"stderr": path}``, ``{"pid": N}`` (``{"error": ...}`` where it could not fork), and when that child ends ``{"ended": N, "returncode": R}``
-(negative: the signal that ended it, as ``subprocess`` says). It exits when the process PID (the
-one pytest runs in) has ended.
+Started as ``zygote.py SOCKET PID``, it listens on the Unix socket SOCKET once imported and
+serves every pytest process of the session that connects to it, one JSON document per line: for
+each request ``{"argv": [...], "env": {...}, "cwd": ..., "stdout": path, "stderr": path}``,
+``{"pid": N}`` (``{"error": ...}`` where it could not fork), and when that child ends
+``{"ended": N, "returncode": R}`` (negative: the signal that ended it, as ``subprocess`` says).
+It exits when the process PID (the one pytest runs in) has ended.
 
 The ranks a launcher starts (torchrun's agent, inside ``make train-distributed``) are forked
 from here too: under the suite every Python process imports ``tests/shim/sitecustomize.py``, which
@@ -51,8 +51,8 @@ from pathlib import Path
 # (huggingface_hub reads a token from the environment each time it needs one); and the pytest-xdist
 # worker's name, which nothing reads on import: every worker asks this one process, started with the
 # environment of the first
-READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "ACCELERATE_MIXED_PRECISION",
-                              "SFT_PLAY_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+READ_AT_RUN_TIME = frozenset({"OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER",
+                              "ACCELERATE_MIXED_PRECISION", "SFT_PLAY_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 # What a make target and its launcher set for the ranks, which nothing the zygote imports reads on
 # import: the Makefile's variables and make's own (exported to the commands below it), the
 # rendezvous, accelerate's and the training's settings, what DeepSpeed reads (not imported here) and
@@ -193,6 +193,14 @@ def _record_stand_in(stand_in: int) -> None:
     os.replace(written, folder / str(stand_in))
 
 
+def _send(connection: socket.socket, document: dict) -> None:
+    """One JSON line to a stand-in or a pytest process; one that is gone is closed when next read."""
+    try:
+        connection.sendall((json.dumps(document) + "\n").encode())
+    except OSError:
+        pass
+
+
 class _Rank:
     """A connection from a rank's stand-in: its request as it arrives, then the fork that runs it."""
 
@@ -200,10 +208,7 @@ class _Rank:
         self.connection, self.key, self.received, self.fds, self.pid = connection, connection.fileno(), b"", [], None
 
     def answer(self, document: dict) -> None:
-        try:
-            self.connection.sendall((json.dumps(document) + "\n").encode())
-        except OSError:  # the stand-in is gone (its fork is ended below, when its connection closes)
-            pass
+        _send(self.connection, document)  # (a stand-in gone: its fork is ended when its connection closes)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -220,10 +225,7 @@ class _Client:
         self.connection, self.key, self.received = connection, connection.fileno(), b""
 
     def say(self, document: dict) -> None:
-        try:
-            self.connection.sendall((json.dumps(document) + "\n").encode())
-        except OSError:  # its pytest process is gone (its connection is closed when read)
-            pass
+        _send(self.connection, document)
 
 
 def _preload_without_bitsandbytes() -> None:
